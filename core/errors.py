@@ -1,0 +1,32 @@
+"""Every error a user can cause is a NimbleError: one line that says what is wrong and what to do.
+
+The CLI prints `str(error)` on one line and exits with `error.exit_code`; `--debug` adds the traceback.
+"""
+
+
+class NimbleError(Exception):
+    """Base of all user-facing errors."""
+
+    exit_code = 1
+
+
+class UsageError(NimbleError):
+    """The command line itself is wrong (a malformed --shape, say)."""
+
+    exit_code = 2
+
+
+class ModelError(NimbleError):
+    """The model file is missing, unreadable, or not a TorchScript archive."""
+
+
+class ShapeError(NimbleError):
+    """The input shapes or dtypes do not fit the model."""
+
+
+class UnsupportedError(NimbleError):
+    """The model uses an op or a construct that nimble cannot lower to a static op list."""
+
+
+class ArtifactError(NimbleError):
+    """A `.nimble` file is missing, corrupt, or from an incompatible version."""

@@ -1,0 +1,137 @@
+"""nimble's IR: a static op list over typed tensor values. Plain frozen dataclasses, no torch.
+
+A `Graph` holds `Value`s (graph inputs, weights and activations, each with a `TensorSpec`) and
+`Op`s in program order. An op's arguments are IR constants: `Ref` for a tensor value, `Special`
+for a torch enum (dtype, device, layout, memory format), plain Python scalars, `None`, strings and
+tuples of these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+INPUT, WEIGHT, ACTIVATION = "input", "weight", "activation"
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+    strides: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage the tensor spans (a strided view may span more than numel elements)."""
+        if self.numel == 0:
+            return 0
+        strides = self.strides or contiguous_strides(self.shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, strides) if n > 0)
+        return span * ITEMSIZE[self.dtype]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An op argument that is the tensor value `id`."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class Special:
+    """A torch enum argument: kind is 'dtype', 'device', 'layout' or 'memory_format'."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Value:
+    id: int
+    kind: str  # INPUT, WEIGHT or ACTIVATION
+    spec: TensorSpec
+    name: str
+    producer: int | None = None  # the op that writes it; None for inputs and weights
+    alias_of: int | None = None  # the value whose storage this one shares (its root base)
+
+
+@dataclass(frozen=True)
+class Op:
+    id: int
+    target: str  # e.g. "aten::_convolution.default"
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    outputs: tuple[int, ...]
+    mutates: tuple[int, ...] = ()  # values this op writes in place
+    after: tuple[int, ...] = ()  # ordering edges: ops that must finish first beyond data edges
+    source: str = ""  # "file.py:12" of the model code that made this op
+
+    def refs(self) -> Iterator[int]:
+        """Ids of the tensor values this op reads, in argument order."""
+        yield from _refs(self.args)
+        yield from _refs(tuple(v for _, v in self.kwargs))
+
+
+def _refs(args: tuple) -> Iterator[int]:
+    for a in args:
+        if isinstance(a, Ref):
+            yield a.id
+        elif isinstance(a, tuple):
+            yield from _refs(a)
+
+
+@dataclass(frozen=True)
+class Graph:
+    values: tuple[Value, ...]  # values[i].id == i
+    ops: tuple[Op, ...]  # ops[i].id == i, in a valid program order
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        return tuple(v.id for v in self.values if v.kind == WEIGHT)
+
+    def deps(self, op: Op) -> tuple[int, ...]:
+        """Ops that must finish before `op` starts: producers of its inputs plus ordering edges."""
+        producers = {self.values[r].producer for r in op.refs()}
+        producers.discard(None)
+        return tuple(sorted(producers | set(op.after)))
+
+    def lint(self) -> None:
+        """Check the invariants every stage relies on; raise AssertionError naming the first breach."""
+        for i, v in enumerate(self.values):
+            assert v.id == i, f"value {i} has id {v.id}"
+            assert v.kind in (INPUT, WEIGHT, ACTIVATION), f"value {i} has kind {v.kind!r}"
+            assert (v.producer is None) == (v.kind != ACTIVATION), f"value {i}: producer/kind mismatch"
+            assert v.alias_of is None or self.values[v.alias_of].alias_of is None, \
+                f"value {i} aliases {v.alias_of}, which is not a root"
+        seen: set[int] = {*self.inputs, *self.weights}
+        for i, op in enumerate(self.ops):
+            assert op.id == i, f"op {i} has id {op.id}"
+            for r in op.refs():
+                assert r in seen, f"op {i} ({op.target}) reads value {r} before it is written"
+            assert all(a < i for a in op.after), f"op {i} has an ordering edge from a later op"
+            for o in op.outputs:
+                assert self.values[o].producer == i, f"value {o} is not produced by op {i}"
+                seen.add(o)
+        for o in self.outputs:
+            assert o in seen, f"graph output {o} is never written"

@@ -1,0 +1,73 @@
+"""The aten operators nimble lowers to device tasks, grouped as the README lists them.
+
+An op outside this list is rejected at compile time with its name and the model's source line,
+and an artifact naming one is rejected at load time. Host-side scalar and list work (aten::size,
+aten::Int, prim::ListConstruct, ...) never reaches the op list: the frontend folds it.
+"""
+
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "convolution and linear algebra": (
+        "_convolution", "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+        "conv_transpose2d", "linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum",
+        "scaled_dot_product_attention",
+    ),
+    "normalization": (
+        "batch_norm", "_native_batch_norm_legit_no_training", "layer_norm", "native_layer_norm",
+        "group_norm", "native_group_norm", "instance_norm", "rms_norm",
+    ),
+    "activations": (
+        "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu", "mish", "sigmoid", "tanh",
+        "hardtanh", "hardswish", "hardsigmoid", "softplus", "clamp", "clamp_min", "clamp_max",
+        "softmax", "_softmax", "log_softmax", "_log_softmax",
+    ),
+    "pooling and resizing": (
+        "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool1d", "avg_pool2d",
+        "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_max_pool2d",
+        "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
+    ),
+    "pointwise arithmetic": (
+        "add", "sub", "rsub", "mul", "div", "neg", "pow", "sqrt", "rsqrt", "exp", "log", "abs",
+        "reciprocal", "erf", "sin", "cos", "floor", "ceil", "round", "sign", "where", "lerp",
+        "addcmul", "addcdiv", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+        "logical_and", "logical_or", "logical_not", "masked_fill", "bitwise_not",
+    ),
+    "reductions": (
+        "mean", "sum", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
+        "norm", "linalg_vector_norm", "cumsum", "logsumexp",
+    ),
+    "shape, views and copies": (
+        "view", "reshape", "_reshape_alias", "flatten", "unflatten", "squeeze", "unsqueeze",
+        "permute", "transpose", "t", "contiguous", "expand", "expand_as", "repeat", "select",
+        "slice", "narrow", "chunk", "split", "split_with_sizes", "unbind", "cat", "concat", "stack",
+        "flip", "roll", "index_select", "gather", "embedding", "to", "_to_copy", "type_as",
+        "clone", "detach", "alias", "pad", "constant_pad_nd", "reflection_pad2d",
+        "replication_pad2d", "zeros_like", "ones_like", "full_like", "copy", "channel_shuffle",
+        "native_channel_shuffle", "masked_select", "tril", "triu", "index",
+    ),
+    "in-place variants kept after mutation removal": (
+        "add_", "sub_", "mul_", "div_", "relu_", "relu6_", "hardtanh_", "hardswish_",
+        "hardsigmoid_", "sigmoid_", "silu_", "clamp_", "clamp_min_", "copy_", "masked_fill_",
+        "fill_", "zero_", "leaky_relu_", "gelu_", "tanh_",
+    ),
+}
+
+SUPPORTED_ATEN = frozenset(name for group in SUPPORTED.values() for name in group)
+
+# Host-side ops that read only a tensor's metadata: folded at compile time for static shapes.
+METADATA_OPS = frozenset({
+    "aten::size", "aten::dim", "aten::len", "aten::numel", "aten::stride",
+    "aten::is_floating_point", "aten::is_contiguous", "prim::shape", "prim::is_cuda",
+    "aten::is_complex", "aten::__isnot__", "aten::__is__",
+})
+
+# Ops whose result changes from call to call; a constant-folded copy would be wrong.
+NONDETERMINISTIC = frozenset({
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
+    "normal", "uniform", "multinomial", "randperm", "empty", "empty_like", "empty_strided",
+})
+
+
+def is_supported(target: str) -> bool:
+    """True for an allowlisted device op, given as `aten::name.overload` or `aten::name`."""
+    namespace, _, rest = target.partition("::")
+    return namespace == "aten" and rest.split(".")[0] in SUPPORTED_ATEN

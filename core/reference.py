@@ -1,0 +1,50 @@
+"""The reference executor: the op list run serially, one aten call per op, on any device.
+
+This is the ground truth every faster runtime is compared against, and the CPU fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torchops
+from .errors import ShapeError
+from .ir import Graph, INPUT, WEIGHT
+
+
+def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
+        device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Run `graph` on `inputs` and return its outputs, in graph order."""
+    device = torch.device(device)
+    tensors = bind(graph, weights, inputs, device)
+    with torch.no_grad():
+        for op in graph.ops:
+            fn = torchops.resolve(op.target)
+            args = [torchops.to_torch(a, tensors, device) for a in op.args]
+            kwargs = {k: torchops.to_torch(v, tensors, device) for k, v in op.kwargs}
+            try:
+                results = torchops.flatten_result(fn(*args, **kwargs))
+            except Exception as e:
+                raise RuntimeError(f"op {op.id} ({op.target}, from {op.source}) failed: {e}") from e
+            for vid, t in zip(op.outputs, results):
+                tensors[vid] = t
+    return [tensors[o] for o in graph.outputs]
+
+
+def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
+         device: torch.device) -> dict[int, torch.Tensor]:
+    """Value id -> tensor for the graph's inputs and weights, checked against their specs."""
+    if len(inputs) != len(graph.inputs):
+        raise ShapeError(f"the model takes {len(graph.inputs)} input(s), got {len(inputs)}")
+    tensors: dict[int, torch.Tensor] = {}
+    for vid, t in zip(graph.inputs, inputs):
+        v = graph.values[vid]
+        if tuple(t.shape) != v.spec.shape or torchops.dtype_name(t.dtype) != v.spec.dtype:
+            raise ShapeError(f"input '{v.name}' must be {v.spec.dtype}{list(v.spec.shape)}, "
+                             f"got {torchops.dtype_name(t.dtype)}{list(t.shape)}")
+        tensors[vid] = t.to(device)
+    for v in graph.values:
+        if v.kind == WEIGHT:
+            tensors[v.id] = weights[v.name].to(device)
+    assert all(graph.values[i].kind == INPUT for i in graph.inputs)
+    return tensors

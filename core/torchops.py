@@ -1,0 +1,115 @@
+"""The bridge between IR constants and torch objects: dtypes, enums, op targets, argument values.
+
+The frontend and every executor build torch arguments through `to_torch`, so they agree by
+construction on what an op is called with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedError
+from .ir import Ref, Special
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# TorchScript passes these enums as plain ints; c10's numbering.
+SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16",
+                6: "float32", 7: "float64", 9: "complex64", 10: "complex128", 11: "bool",
+                15: "bfloat16"}
+LAYOUTS = {0: torch.strided}
+MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format,
+                  2: torch.channels_last, 3: torch.channels_last_3d}
+_ENUMS = {
+    "layout": {str(v): v for v in LAYOUTS.values()},
+    "memory_format": {str(v): v for v in MEMORY_FORMATS.values()},
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise UnsupportedError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    name = name.removeprefix("torch.")
+    if name not in DTYPES:
+        raise KeyError(name)
+    return DTYPES[name]
+
+
+def resolve(target: str) -> torch._ops.OpOverload:
+    """`aten::add.Tensor` -> torch.ops.aten.add.Tensor; raises UnsupportedError if this torch lacks it."""
+    qualified, _, overload = target.partition(".")
+    namespace, _, name = qualified.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+    except (AttributeError, RuntimeError):
+        raise UnsupportedError(f"op {target} does not exist in torch {torch.__version__}") from None
+
+
+def target_of(schema: torch._C.FunctionSchema) -> str:
+    return f"{schema.name}.{schema.overload_name or 'default'}"
+
+
+def to_torch(arg, tensors, device: torch.device):
+    """An IR argument as torch expects it. `tensors` maps value ids to tensors; every device
+    argument becomes `device`, since a static graph runs wholly on one device."""
+    if isinstance(arg, Ref):
+        return tensors[arg.id]
+    if isinstance(arg, Special):
+        if arg.kind == "dtype":
+            return DTYPES[arg.name]
+        if arg.kind == "device":
+            return device
+        return _ENUMS[arg.kind][arg.name]
+    if isinstance(arg, tuple):
+        return [to_torch(a, tensors, device) for a in arg]
+    return arg
+
+
+def from_ivalue(value, type_str: str):
+    """A host constant as an IR argument, given the schema type it is passed as."""
+    base = type_str.rstrip("?")
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        return Special("dtype", dtype_name(value))
+    if base == "ScalarType" and isinstance(value, int):
+        return Special("dtype", SCALAR_TYPES[value])
+    if isinstance(value, torch.device):
+        return Special("device", value.type)
+    if base == "Device" and isinstance(value, str):
+        return Special("device", torch.device(value).type)
+    if base == "Layout" and isinstance(value, int):
+        return Special("layout", str(LAYOUTS[value]))
+    if isinstance(value, torch.layout):
+        return Special("layout", str(value))
+    if base == "MemoryFormat" and isinstance(value, int):
+        return Special("memory_format", str(MEMORY_FORMATS[value]))
+    if isinstance(value, torch.memory_format):
+        return Special("memory_format", str(value))
+    if isinstance(value, (list, tuple)):
+        inner = base[:-2] if base.endswith("[]") else base
+        return tuple(from_ivalue(v, inner) for v in value)
+    if isinstance(value, (bool, int, float, str, Ref)):
+        return value
+    raise UnsupportedError(f"constant of type {type(value).__name__} ({type_str}) is not supported")
+
+
+def flatten_result(result) -> list:
+    """An op's return value as a flat list of tensors (tuples and Tensor[] lists flattened)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    out = []
+    for r in result:
+        out.extend(flatten_result(r))
+    return out
