@@ -1,0 +1,64 @@
+"""Output comparison in Polygraphy's manner: the errors, a verdict, and the tolerance that would pass."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NimbleError
+
+
+class MismatchError(NimbleError):
+    """Outputs differ from the reference beyond the tolerance."""
+
+    exit_code = 3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_abs: float  # largest |out - ref| over all outputs
+    max_rel: float  # largest |out - ref| / max|ref|, per output, over all outputs
+    rtol: float
+    atol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs <= self.atol or self.max_rel <= self.rtol
+
+    def describe(self) -> str:
+        verdict = "ok" if self.passed else "MISMATCH"
+        return (f"{verdict}: max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g} "
+                f"(rtol {self.rtol:g}, atol {self.atol:g}; rtol {_ceil(self.max_rel)} would pass)")
+
+
+def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> Comparison:
+    """Relative error is taken against each output's largest magnitude, so that entries near zero
+    do not dominate; NaN or inf where the reference is finite counts as an infinite error."""
+    if len(outputs) != len(expected):
+        raise MismatchError(f"got {len(outputs)} outputs, expected {len(expected)}")
+    max_abs = max_rel = 0.0
+    for out, ref in zip(outputs, expected):
+        if tuple(out.shape) != tuple(ref.shape):
+            raise MismatchError(f"output shape {list(out.shape)} differs from the reference's {list(ref.shape)}")
+        out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+        diff = (out - ref).abs()
+        diff = torch.where(torch.isfinite(ref) & ~torch.isfinite(out), torch.inf, diff)
+        diff = torch.where(torch.isnan(ref) & torch.isnan(out), 0.0, diff)
+        err = diff.max().item() if diff.numel() else 0.0
+        scale = ref[torch.isfinite(ref)].abs().max().item() if torch.isfinite(ref).any() else 1.0
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / scale if scale > 0 else err)
+    return Comparison(max_abs, max_rel, rtol, atol)
+
+
+def _ceil(x: float) -> str:
+    """The smallest tolerance with one significant digit that is at least x."""
+    if x == 0 or math.isinf(x) or math.isnan(x):
+        return str(x)
+    exp = math.floor(math.log10(x))
+    mantissa = math.ceil(x / 10**exp - 1e-9)
+    if mantissa == 10:
+        mantissa, exp = 1, exp + 1
+    return f"{mantissa}e{exp}"

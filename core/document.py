@@ -1,0 +1,52 @@
+"""The plan document: one JSON object describing a compiled model, its ops and their outputs.
+
+`nimble compile --json` prints it; outside tools check schedules and memory plans against it.
+The README documents every field. Bump SCHEMA_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from .ir import Graph
+
+SCHEMA_VERSION = 1
+
+
+def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> dict:
+    """The plan document for `graph`. `schedule` and `memory` fill the per-op stream, order and
+    waits and the per-output offsets; where they are None, those fields are null."""
+    vals = graph.values
+    ops = []
+    for op in graph.ops:
+        ops.append({
+            "id": op.id,
+            "target": op.target,
+            "inputs": list(dict.fromkeys(op.refs())),
+            "deps": list(graph.deps(op)),
+            "stream": None if schedule is None else schedule.stream[op.id],
+            "order": None if schedule is None else schedule.position[op.id],
+            "waits": None if schedule is None else list(schedule.waits[op.id]),
+            "source": op.source,
+            "outputs": [{
+                "value": o,
+                "shape": list(vals[o].spec.shape),
+                "dtype": vals[o].spec.dtype,
+                "nbytes": vals[o].spec.nbytes,
+                "offset": None if memory is None else memory.offset_of(o),
+                "alias_of": vals[o].alias_of,
+            } for o in op.outputs],
+        })
+    weights = [v for v in vals if v.kind == "weight"]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "inputs": list(graph.inputs),
+        "outputs": list(graph.outputs),
+        "values": [{"id": v.id, "name": v.name, "kind": v.kind, "shape": list(v.spec.shape),
+                    "dtype": v.spec.dtype} for v in vals if v.kind != "activation"],
+        "weight_bytes": sum(v.spec.nbytes for v in weights),
+        "streams": None if schedule is None else schedule.num_streams,
+        "syncs": None if schedule is None else schedule.num_waits,
+        "arena_bytes": None if memory is None else memory.arena_bytes,
+        "lower_bound_bytes": None if memory is None else memory.lower_bound_bytes,
+        "ops": ops,
+    }

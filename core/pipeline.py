@@ -1,0 +1,97 @@
+"""`compile_model`: the one place that states the order of nimble's stages."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import frontend, reference, torchops
+from .compare import Comparison, MismatchError, compare
+from .errors import UsageError
+from .ir import Graph, TensorSpec
+
+CPU_RTOL, CPU_ATOL = 1e-4, 1e-5
+CUDA_RTOL, CUDA_ATOL = 1e-2, 1e-3  # convolutions run in TF32 on the GPU by default
+
+
+@dataclass
+class Compiled:
+    """Everything `nimble compile` produces for one model and one set of input specs."""
+
+    name: str
+    source_sha256: str
+    graph: Graph
+    weights: dict[str, torch.Tensor]
+    sample_inputs: list[torch.Tensor]
+    sample_outputs: list[torch.Tensor]  # the TorchScript module's outputs for sample_inputs
+    check: Comparison | None
+    check_device: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: this machine has no CUDA device; use --device cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
+    return device
+
+
+def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
+    """Deterministic random inputs: normal floats, small non-negative ints, random bools."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in specs:
+        dtype = torchops.DTYPES[spec.dtype]
+        if dtype.is_floating_point:
+            out.append(torch.randn(spec.shape, generator=gen).to(dtype))
+        elif dtype == torch.bool:
+            out.append(torch.rand(spec.shape, generator=gen) > 0.5)
+        else:
+            out.append(torch.randint(0, 2, spec.shape, generator=gen, dtype=dtype))
+    return out
+
+
+def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "auto",
+                  check: bool = True, progress=lambda stage: None) -> Compiled:
+    """Load a TorchScript model, lower it for `inputs`, and check the op list against the model.
+
+    `progress(stage)` is called as each stage starts. The check runs the op list on `device`
+    and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
+    """
+    path = Path(path)
+    device = resolve_device(device)
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    progress("loading")
+    module = frontend.load_module(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    seconds["load"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress("lowering")
+    lowered = frontend.lower(module, inputs, path.name)
+    seconds["lower"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress("running the reference")
+    xs = sample_inputs(inputs)
+    with frontend.quiet_torchscript(), torch.no_grad():
+        expected = torchops.flatten_result(lowered.module(*xs))
+    result = None
+    if check:
+        got = reference.run(lowered.graph, lowered.weights, xs, device)
+        rtol, atol = (CPU_RTOL, CPU_ATOL) if device == "cpu" else (CUDA_RTOL, CUDA_ATOL)
+        result = compare(got, expected, rtol, atol)
+        if not result.passed:
+            raise MismatchError(f"{path.name}: the lowered op list does not reproduce the model on "
+                                f"{device}: {result.describe()}")
+    seconds["check"] = time.perf_counter() - t
+    return Compiled(path.stem, digest, lowered.graph, lowered.weights, xs,
+                    [e.detach().cpu() for e in expected], result, device, seconds)

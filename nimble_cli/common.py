@@ -1,0 +1,55 @@
+"""What every command shares: the stderr console, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+# Human-readable output goes to stderr (rich honours NO_COLOR); stdout is for --json alone.
+console = Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def user_errors(debug: bool):
+    """Turn a NimbleError into one line on stderr and its exit code; anything else into one
+    line that asks for --debug. With --debug, the traceback comes too."""
+    from nimble.errors import NimbleError
+
+    try:
+        yield
+    except NimbleError as e:
+        if debug:
+            traceback.print_exc()
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as e:  # a bug in nimble: still one line, unless --debug
+        if debug:
+            traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(first)} "
+                      "(rerun with --debug for the traceback, and please report it)", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def print_json(doc: dict) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,72 @@
+"""`nimble compile`: TorchScript model -> op graph (and, as the stages land, the .nimble artifact)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, human_bytes, print_json, user_errors
+
+
+def compile_command(
+    model: Path = typer.Argument(..., help="TorchScript model saved with torch.jit.save (.pt)."),
+    shape: list[str] = typer.Option(..., "--shape", "-s", help="Static shape of an input, e.g. 1x3x224x224. "
+                                    "Repeat once per model input, in order."),
+    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32). Give one "
+                                              "for all inputs or one per --shape."),
+    device: str = typer.Option("auto", "--device", help="Where to check the lowered op list against the "
+                               "model: auto (CUDA if present), cpu or cuda. The result is portable either way."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    """Lower a TorchScript model into nimble's typed op graph and check it against the model.
+
+    Example: nimble compile sample_models/inception.pt --shape 1x3x224x224
+    """
+    with user_errors(debug):
+        from nimble.specs import input_specs
+
+        specs = input_specs(shape, dtype)
+        from nimble.document import plan_document
+        from nimble.pipeline import compile_model
+
+        with console.status("compiling", spinner="dots") as status:
+            compiled = compile_model(model, specs, device=device,
+                                     progress=lambda stage: status.update(f"{model.name}: {stage}"))
+        if json_out:
+            print_json(plan_document(compiled.graph, model=model.name))
+        _summary(compiled)
+
+
+def _summary(c) -> None:
+    g = c.graph
+    vals = g.values
+    weights = [v for v in vals if v.kind == "weight"]
+    acts = [v for v in vals if v.kind == "activation"]
+    own = [v for v in acts if v.alias_of is None]
+    console.print(f"[bold]{c.name}[/]: {len(g.ops)} ops, {len(g.inputs)} input(s), {len(g.outputs)} output(s)")
+    for label, ids in (("input", g.inputs), ("output", g.outputs)):
+        for i in ids:
+            console.print(f"  {label} {vals[i].name}: {vals[i].spec.dtype}{list(vals[i].spec.shape)}")
+    console.print(f"  weights: {len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")
+    console.print(f"  activations: {len(own)} buffers, {human_bytes(sum(v.spec.nbytes for v in own))} "
+                  f"without reuse ({len(acts) - len(own)} views)")
+    kinds: dict[str, int] = {}
+    for op in g.ops:
+        kinds[op.target] = kinds.get(op.target, 0) + 1
+    top = ", ".join(f"{k.split('::')[1]} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:6])
+    console.print(f"  ops by kind: {top}{', ...' if len(kinds) > 6 else ''}")
+    table = Table(title="largest activations", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("value", "op", "shape", "dtype", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for v in sorted(own, key=lambda v: (-v.spec.nbytes, v.id))[:5]:
+        table.add_row(v.name, g.ops[v.producer].target, "x".join(map(str, v.spec.shape)), v.spec.dtype,
+                      human_bytes(v.spec.nbytes))
+    console.print(table)
+    if c.check is not None:
+        console.print(f"  check on {c.check_device}: {c.check.describe()}")
+    times = ", ".join(f"{k} {v:.2f} s" for k, v in c.seconds.items())
+    console.print(f"  time: {times}")

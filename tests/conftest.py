@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+sys.path.insert(0, str(ROOT))  # for sample_models.build
+
+from sample_models.build import MODELS  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=sorted(MODELS))
+def sample(request):
+    """(name, path, input shapes) of each bundled sample model."""
+    name = request.param
+    return name, SAMPLES / f"{name}.pt", MODELS[name][1]
+
+
+def save_script(tmp_path: Path, module: torch.nn.Module, name: str) -> Path:
+    """Script `module` and save it as TorchScript under tmp_path."""
+    path = tmp_path / f"{name}.pt"
+    torch.jit.save(torch.jit.script(module), str(path))
+    return path

@@ -1,0 +1,132 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nimble.cli.main import app
+
+from . import models
+from .conftest import SAMPLES, save_script
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, code):
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    return " ".join(lines)
+
+
+def test_help_and_version():
+    assert invoke("--help").exit_code == 0
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.startswith("nimble ")
+    assert "--shape" in invoke("compile", "--help").stdout
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from nimble.cli.main import app; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compile_prints_a_summary():
+    result = invoke("compile", SAMPLES / "inception.pt", "--shape", "1x3x224x224", "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert "71 ops" in result.stderr and "largest activations" in result.stderr
+    assert "check on cpu: ok" in result.stderr
+    assert result.stdout == ""
+
+
+def test_compile_json_is_the_plan_document():
+    result = invoke("compile", SAMPLES / "two_io.pt", "-s", "1x3x64x64", "-s", "1x8", "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["schema_version"] == 1
+    assert len(doc["inputs"]) == 2 and len(doc["outputs"]) == 2
+    ids = [op["id"] for op in doc["ops"]]
+    assert ids == list(range(len(ids)))
+    produced = set(doc["inputs"]) | {v["id"] for v in doc["values"]}
+    for op in doc["ops"]:
+        assert set(op["inputs"]) <= produced, op
+        assert all(d < op["id"] for d in op["deps"])
+        for out in op["outputs"]:
+            assert out["nbytes"] > 0 and out["offset"] is None
+            produced.add(out["value"])
+    assert set(doc["outputs"]) <= produced
+
+
+def test_missing_file():
+    line = one_line_error(invoke("compile", "nope.pt", "--shape", "1x3"), 1)
+    assert "nope.pt: no such file" in line
+
+
+def test_random_bytes(tmp_path):
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"not a model" * 50)
+    assert "not a TorchScript archive" in one_line_error(invoke("compile", path, "--shape", "1x3"), 1)
+
+
+def test_state_dict(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save(torch.nn.Linear(3, 3).state_dict(), path)
+    assert "torch.save checkpoint" in one_line_error(invoke("compile", path, "--shape", "1x3"), 1)
+
+
+@pytest.mark.parametrize("shape", ["1x3xabc", "1x-3", "", "1x3x"])
+def test_malformed_shape_is_a_usage_error(shape):
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "--shape", shape), 2)
+    assert "is not a shape" in line
+
+
+def test_bad_dtype_is_a_usage_error():
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x8x8", "--dtype", "float33"), 2)
+    assert "float33" in line
+
+
+def test_wrong_number_of_shapes():
+    line = one_line_error(invoke("compile", SAMPLES / "two_io.pt", "--shape", "1x3x64x64"), 1)
+    assert "takes 2 input(s)" in line
+
+
+def test_shape_the_model_rejects():
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "--shape", "1x5x64x64"), 1)
+    assert "conv2d" in line and "rejects its inputs" in line
+
+
+def test_unsupported_op_names_op_and_line(tmp_path):
+    path = save_script(tmp_path, models.UnsupportedOp(), "inv")
+    line = one_line_error(invoke("compile", path, "--shape", "3x3"), 1)
+    assert "aten::linalg_inv" in line and "models.py:" in line
+
+
+def test_data_dependent_control_flow(tmp_path):
+    path = save_script(tmp_path, models.DataDependentIf(), "datadep")
+    line = one_line_error(invoke("compile", path, "--shape", "3x3"), 1)
+    assert "depends on tensor values" in line and "models.py:" in line
+
+
+def test_debug_shows_the_traceback():
+    result = invoke("compile", "nope.pt", "--shape", "1x3", "--debug")
+    assert result.exit_code == 1 and "Traceback" in result.stderr
+
+
+def test_no_cuda_is_a_clear_error_on_cpu_machines():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x8x8", "--device", "cuda"), 2)
+    assert "no CUDA device" in line
+
+
+def test_no_output_files_are_left_behind(tmp_path):
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"junk")
+    invoke("compile", path, "--shape", "1x3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pt"]

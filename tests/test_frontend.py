@@ -1,0 +1,136 @@
+import pytest
+import torch
+
+from nimble import frontend, reference
+from nimble.compare import compare
+from nimble.errors import ModelError, ShapeError, UnsupportedError
+from nimble.ir import TensorSpec
+from nimble.oplist import is_supported
+from nimble.pipeline import sample_inputs
+
+from . import models
+from .conftest import SAMPLES, save_script
+
+HOST_KINDS = ("aten::size", "aten::Int", "prim::NumToTensor", "prim::ListConstruct", "prim::TupleConstruct")
+
+
+def lower_file(path, shapes):
+    return frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], path.stem)
+
+
+def test_every_sample_matches_torchscript(sample):
+    name, path, shapes = sample
+    lowered = lower_file(path, shapes)
+    xs = sample_inputs(lowered.graph.values[i].spec for i in lowered.graph.inputs)
+    expected = lowered.module(*xs)
+    expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    result = compare(reference.run(lowered.graph, lowered.weights, xs), expected, rtol=1e-4, atol=0)
+    assert result.max_rel <= 1e-4, result.describe()
+
+
+def test_op_list_holds_only_allowlisted_device_tasks(sample):
+    name, path, shapes = sample
+    graph = lower_file(path, shapes).graph
+    graph.lint()
+    assert graph.ops, name
+    for op in graph.ops:
+        assert is_supported(op.target), op.target
+        assert not op.target.startswith(HOST_KINDS)
+        assert op.source and op.source != "<unknown source>"
+    for v in graph.values:
+        assert all(isinstance(d, int) and d >= 0 for d in v.spec.shape)
+
+
+def test_freezing_folds_batch_norm_into_convs():
+    graph = lower_file(SAMPLES / "resnet.pt", [(1, 3, 224, 224)]).graph
+    assert not any("batch_norm" in op.target for op in graph.ops)
+
+
+def test_scripted_model_with_shape_branch_and_loop_is_unrolled(tmp_path):
+    path = save_script(tmp_path, models.ShapeIfAndLoop(), "branchy")
+    lowered = lower_file(path, [(1, 4)])
+    assert [op.target for op in lowered.graph.ops] == [
+        "aten::add.Scalar", "aten::mul.Scalar", "aten::mul.Scalar", "aten::mul.Scalar", "aten::view.default"]
+    x = torch.randn(1, 4)
+    torch.testing.assert_close(reference.run(lowered.graph, lowered.weights, [x])[0], lowered.module(x))
+    view = lowered.graph.values[lowered.graph.outputs[0]]
+    assert view.alias_of == lowered.graph.ops[3].outputs[0]
+
+
+def test_in_place_write_through_a_view_gets_ordering_edges(tmp_path):
+    path = save_script(tmp_path, models.InPlaceThroughView(), "inplace")
+    lowered = lower_file(path, [(2, 3)])
+    g = lowered.graph
+    by_target = {op.target: op for op in g.ops}
+    write = by_target["aten::add_.Scalar"]
+    mul = by_target["aten::mul.Scalar"]
+    final = by_target["aten::add.Tensor"]
+    assert write.mutates and mul.id in write.after  # the write waits for the earlier reader of y
+    assert write.id in g.deps(final)  # the later reader of y waits for the write
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(reference.run(g, lowered.weights, [x])[0], lowered.module(x))
+
+
+def test_data_dependent_branch_names_the_source_line(tmp_path):
+    path = save_script(tmp_path, models.DataDependentIf(), "datadep")
+    with pytest.raises(UnsupportedError, match=r"depends on tensor values") as e:
+        lower_file(path, [(2, 2)])
+    assert "models.py:" in str(e.value)
+
+
+def test_unsupported_op_is_named_with_its_source_line(tmp_path):
+    path = save_script(tmp_path, models.UnsupportedOp(), "inv")
+    with pytest.raises(UnsupportedError, match=r"aten::linalg_inv.* at .*models.py:\d+ is not supported"):
+        lower_file(path, [(3, 3)])
+
+
+def test_shape_the_model_rejects_names_the_op():
+    with pytest.raises(ShapeError, match=r"conv2d.* rejects its inputs"):
+        lower_file(SAMPLES / "resnet.pt", [(1, 4, 64, 64)])
+
+
+def test_wrong_number_of_inputs():
+    with pytest.raises(ShapeError, match=r"takes 2 input\(s\) \(image, features\) but 1 shape"):
+        lower_file(SAMPLES / "two_io.pt", [(1, 3, 64, 64)])
+
+
+def test_a_different_batch_size_lowers_and_matches():
+    lowered = lower_file(SAMPLES / "inception.pt", [(3, 3, 96, 96)])
+    x = torch.randn(3, 3, 96, 96)
+    out = reference.run(lowered.graph, lowered.weights, [x])[0]
+    torch.testing.assert_close(out, lowered.module(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "no such file"),
+    (b"\x00\x01garbage" * 10, "not a TorchScript archive"),
+    ("state_dict", "torch.save checkpoint"),
+])
+def test_files_that_are_not_torchscript(tmp_path, content, match):
+    path = tmp_path / "model.pt"
+    if content == "state_dict":
+        torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ModelError, match=match):
+        frontend.load_module(path)
+
+
+def test_parallel_linears_stay_separate_ops(tmp_path):
+    """Freezing may merge linears that share an input, which would remove branch parallelism."""
+    path = save_script(tmp_path, models.ParallelLinears(), "parallel")
+    graph = lower_file(path, [(2, 8)]).graph
+    assert sum(op.target.startswith("aten::linear") for op in graph.ops) == 2
+
+
+def test_frontend_silences_torchscript_deprecation_warnings():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lower_file(SAMPLES / "two_io.pt", [(1, 3, 64, 64), (1, 8)])
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    with warnings.catch_warnings(record=True) as caught:  # and only inside the frontend
+        warnings.simplefilter("always")
+        torch.jit.load(str(SAMPLES / "two_io.pt"))
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
