@@ -42,7 +42,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
         "flip", "roll", "index_select", "gather", "embedding", "to", "_to_copy", "type_as",
         "clone", "detach", "alias", "pad", "constant_pad_nd", "reflection_pad2d",
         "replication_pad2d", "zeros_like", "ones_like", "full_like", "copy", "channel_shuffle",
-        "native_channel_shuffle", "masked_select", "tril", "triu", "index",
+        "native_channel_shuffle", "tril", "triu", "index",
     ),
     "in-place variants kept after mutation removal": (
         "add_", "sub_", "mul_", "div_", "relu_", "relu6_", "hardtanh_", "hardswish_",

@@ -1,0 +1,57 @@
+"""The README, --help and the installed package agree with the code."""
+
+import re
+import subprocess
+import sys
+
+from nimble.document import SCHEMA_VERSION
+from nimble.oplist import SUPPORTED
+
+from .conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_lists_every_supported_op_and_nothing_else():
+    section = README.split("## Supported ops", 1)[1]
+    for group, names in SUPPORTED.items():
+        line = next(line for line in section.splitlines() if line.startswith(f"- **{group}**"))
+        assert re.findall(r"`([^`]+)`", line) == list(names), group
+    listed = re.findall(r"^- \*\*(.+?)\*\*", section, re.M)
+    assert listed == list(SUPPORTED)
+
+
+def test_readme_has_exactly_two_setup_commands():
+    setup = README.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.+?)\n```", setup, re.S)
+    assert commands == [
+        "pip install -e . && nimble compile sample_models/inception.pt --shape 1x3x224x224",
+        "pip install -e '.[test]' && pytest",
+    ]
+
+
+def test_readme_documents_the_plan_document_fields():
+    from nimble.document import plan_document
+    from nimble.ir import Graph
+
+    doc = plan_document(Graph((), (), (), ()), model="m")
+    table = README.split("## The plan document", 1)[1].split("\n## ", 1)[0]
+    for key in doc:
+        assert f"`{key}`" in table, key
+    assert f"| `schema_version` | {SCHEMA_VERSION} |" in table
+    for key in ("id", "target", "inputs", "deps", "stream", "order", "waits", "source", "outputs"):
+        assert key in table
+    for key in ("value", "shape", "dtype", "nbytes", "offset", "alias_of"):
+        assert key in table
+
+
+def test_installed_package_has_no_generic_top_level_modules(tmp_path):
+    code = ("import importlib.util as u, nimble, nimble.formats, nimble.cli; "
+            "print(u.find_spec('core'), u.find_spec('formats'), u.find_spec('nimble_cli'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "None", "None"]
+
+
+def test_console_script_is_installed(tmp_path):
+    out = subprocess.run(["nimble", "--version"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("nimble ")
