@@ -30,6 +30,10 @@ _META = torch.device("meta")
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
                                "aten::feature_alpha_dropout"}
 _MAX_UNROLL = 100_000
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
+# Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
+# _convolution's extra flags only pick cuDNN settings; convolution reads the same from globals.
+_CANONICAL = {"aten::_convolution.default": ("aten::convolution.default", 9)}
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,8 @@ def lower(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = 
 def source_of(node: torch._C.Node) -> str:
     """'file.py:12' of the model code behind a node: the first frame outside torch itself."""
     text = node.sourceRange()
-    frames = re.findall(r'File "([^"]+)", line (\d+)', text) or re.findall(r"^(.+?)\((\d+)\): ", text, re.M)
+    frames = [(m.group(1) or m.group(3), m.group(2) or m.group(4))
+              for m in _FRAME.finditer(text)]  # both script and trace frame formats, in order
     torch_dir = os.path.dirname(torch.__file__)
     for file, line in frames:
         if not file.startswith(torch_dir) and not file.startswith("code/"):
@@ -131,7 +136,10 @@ class _Walker:
         meta = tensor if tensor.device == _META else torch.empty_strided(
             tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META)
         self.meta[vid] = meta
-        self.root_of.setdefault(id(meta), vid if alias_of is None else alias_of)
+        root = vid if alias_of is None else alias_of
+        self.root_of.setdefault(id(meta), root)
+        if meta._is_view():  # a fresh result that is a view of a temporary inside its op
+            self.root_of.setdefault(id(meta._base), root)
         return Ref(vid)
 
     def bind_inputs(self, graph: torch._C.Graph, specs: list[TensorSpec]) -> None:
@@ -300,6 +308,9 @@ class _Walker:
         elif schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         else:
+            if target in _CANONICAL:
+                target, keep = _CANONICAL[target]
+                schema, ins = torchops.resolve(target)._schema, ins[:keep]
             self._device_op(node, schema, target, ins, outs, source)
 
     def _bind_host(self, outs, result) -> None:
@@ -318,16 +329,16 @@ class _Walker:
             ir = torchops.from_ivalue(self._as_ref(obj, source), str(spec.type))
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
         fn = torchops.resolve(target)
-        call_args = [torchops.to_torch(a, self.meta, _META) for a in args]
-        call_kwargs = {k: torchops.to_torch(v, self.meta, _META) for k, v in kwargs}
+        refs = _refs_of(args + [v for _, v in kwargs])
         try:
-            result = fn(*call_args, **call_kwargs)
+            results, used = self._call(fn, args, kwargs, refs, _META)
+        except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
+            results, used = self._call(fn, args, kwargs, refs, torch.device("cpu"))
         except Exception as e:
             shapes = ", ".join(str(list(self.meta[r].shape)) for r in _refs_of(args))
             raise ShapeError(f"{self.name}: op {target} at {source} rejects its inputs "
                              f"(tensor shapes {shapes}): {_first_line(e)}") from e
-        results = torchops.flatten_result(result)
-        passed = {id(self.meta[r]): r for r in _refs_of(args + [v for _, v in kwargs])}
+        passed = {id(t): r for r, t in used.items()}  # `used` keeps the stand-ins alive, so ids stay unique
         writes = _written_args(schema, args, kwargs)
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
@@ -339,8 +350,10 @@ class _Walker:
         for t in results:
             alias = None
             if id(t) in passed:  # written in place and handed back
-                alias = self.root_of[id(t)]
-            elif t._is_view():
+                alias = self._root(passed[id(t)])
+            elif t._is_view() and id(t._base) in passed:
+                alias = self._root(passed[id(t._base)])
+            elif t._is_view():  # a view of a known value, or else of a temporary inside the op
                 alias = self.root_of.get(id(t._base))
             name = f"{short_name(target)}_{op_id}"
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
@@ -350,6 +363,29 @@ class _Walker:
             self.env[outs[0].unique()] = out_refs  # Tensor[] result (split, chunk, unbind)
         else:
             self._bind_host(outs, out_refs if len(outs) > 1 else out_refs[0])
+
+    def _call(self, fn, args, kwargs, refs, device):
+        """Run `fn` on stand-ins for its tensors: meta tensors, or on the CPU, weights and zeros.
+        Returns the flat results and the stand-in of each value read."""
+        if device == _META:
+            tensors = self.meta
+        else:
+            tensors = {r: self._cpu_example(r) for r in refs}
+        call_args = [torchops.to_torch(a, tensors, device) for a in args]
+        call_kwargs = {k: torchops.to_torch(v, tensors, device) for k, v in kwargs}
+        results = torchops.flatten_result(fn(*call_args, **call_kwargs))
+        return results, {r: tensors[r] for r in refs}
+
+    def _cpu_example(self, vid: int) -> torch.Tensor:
+        v = self.values[vid]
+        if v.kind == WEIGHT:
+            return self.weights[v.name]
+        meta = self.meta[vid]
+        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).zero_()
+
+    def _root(self, vid: int) -> int:
+        alias = self.values[vid].alias_of
+        return vid if alias is None else alias
 
     def graph_outputs(self, graph) -> list[int]:
         out = []

@@ -134,3 +134,38 @@ def test_frontend_silences_torchscript_deprecation_warnings():
         warnings.simplefilter("always")
         torch.jit.load(str(SAMPLES / "two_io.pt"))
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+
+
+@pytest.mark.parametrize("name", ["inception", "transformer", "two_io"])
+def test_ops_without_meta_kernels_fall_back_to_the_cpu(monkeypatch, name):
+    """Some torch versions lack meta kernels (torch 2.11 has none for aten::_convolution); the
+    frontend then types outputs by running the op on the CPU and must build the same graph."""
+    from .conftest import MODELS
+
+    shapes = MODELS[name][1]
+    expected = lower_file(SAMPLES / f"{name}.pt", shapes).graph
+    real_call = frontend._Walker._call
+
+    def no_meta(self, fn, args, kwargs, refs, device):
+        if device == frontend._META:
+            raise NotImplementedError("no meta kernel")
+        return real_call(self, fn, args, kwargs, refs, device)
+
+    monkeypatch.setattr(frontend._Walker, "_call", no_meta)
+    assert lower_file(SAMPLES / f"{name}.pt", shapes).graph == expected
+
+
+def test_source_lines_point_at_the_model_code_not_torch():
+    graph = lower_file(SAMPLES / "inception.pt", [(1, 3, 224, 224)]).graph
+    assert all("build.py:" in op.source for op in graph.ops), {op.source for op in graph.ops}
+
+
+def test_views_alias_their_base_even_through_ops_that_return_views():
+    """linear on 3-d input returns a view of a temporary; views of its result still alias it."""
+    graph = lower_file(SAMPLES / "transformer.pt", [(1, 64, 128)]).graph
+    view_ops = [op for op in graph.ops if op.target.split("::")[1].split(".")[0] in ("view", "transpose")]
+    assert len(view_ops) == 8
+    for op in view_ops:
+        out = graph.values[op.outputs[0]]
+        base = graph.values[out.alias_of]
+        assert out.alias_of is not None and base.alias_of is None and base.kind == "activation", op
