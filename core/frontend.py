@@ -30,6 +30,7 @@ _META = torch.device("meta")
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
                                "aten::feature_alpha_dropout"}
 _MAX_UNROLL = 100_000
+_TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 # Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
 # _convolution's extra flags only pick cuDNN settings; convolution reads the same from globals.
@@ -102,7 +103,8 @@ def source_of(node: torch._C.Node) -> str:
               for m in _FRAME.finditer(text)]  # both script and trace frame formats, in order
     torch_dir = os.path.dirname(torch.__file__)
     for file, line in frames:
-        if not file.startswith(torch_dir) and not file.startswith("code/"):
+        in_torch = file.startswith(torch_dir) or _TORCH_FILE.search(file)  # traced elsewhere too
+        if not in_torch and not file.startswith("code/"):
             return f"{file}:{line}"
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown source>"
 
