@@ -46,6 +46,13 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> di
         "weight_bytes": sum(v.spec.nbytes for v in weights),
         "streams": None if schedule is None else schedule.num_streams,
         "syncs": None if schedule is None else schedule.num_waits,
+        "schedule": None if schedule is None else {
+            "requested": schedule.requested,
+            "reduction_edges": schedule.reduction_edges,
+            "matching": schedule.matching,
+            "critical_path": schedule.critical_path,
+            "max_width": schedule.max_width,
+        },
         "arena_bytes": None if memory is None else memory.arena_bytes,
         "lower_bound_bytes": None if memory is None else memory.lower_bound_bytes,
         "ops": ops,

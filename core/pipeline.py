@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from . import frontend, reference, torchops
+from .schedule import Schedule, assign_streams
 from .compare import Comparison, MismatchError, compare
 from .errors import UsageError
 from .ir import Graph, TensorSpec
@@ -30,6 +31,7 @@ class Compiled:
     sample_outputs: list[torch.Tensor]  # the TorchScript module's outputs for sample_inputs
     check: Comparison | None
     check_device: str
+    schedule: Schedule
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -41,6 +43,15 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
     return device
+
+
+def parse_streams(streams: str | int) -> str | int:
+    if streams == "auto":
+        return streams
+    if isinstance(streams, int) or (isinstance(streams, str) and streams.isdigit()):
+        if int(streams) >= 1:
+            return int(streams)
+    raise UsageError(f"--streams {streams!r}: use auto (one stream per chain), 1, or a cap such as 8")
 
 
 def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
@@ -59,14 +70,16 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 
 
 def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "auto",
-                  check: bool = True, progress=lambda stage: None) -> Compiled:
-    """Load a TorchScript model, lower it for `inputs`, and check the op list against the model.
+                  streams: str | int = "auto", check: bool = True, progress=lambda stage: None) -> Compiled:
+    """Load a TorchScript model, lower it for `inputs`, check the op list against the model, and
+    schedule it on `streams` ("auto", 1, or a cap).
 
     `progress(stage)` is called as each stage starts. The check runs the op list on `device`
     and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
     device = resolve_device(device)
+    streams = parse_streams(streams)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("loading")
@@ -93,5 +106,10 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
             raise MismatchError(f"{path.name}: the lowered op list does not reproduce the model on "
                                 f"{device}: {result.describe()}")
     seconds["check"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress("scheduling")
+    schedule = assign_streams(lowered.graph, streams)
+    seconds["schedule"] = time.perf_counter() - t
     return Compiled(path.stem, digest, lowered.graph, lowered.weights, xs,
-                    [e.detach().cpu() for e in expected], result, device, seconds)
+                    [e.detach().cpu() for e in expected], result, device, schedule, seconds)

@@ -17,8 +17,12 @@ def compile_command(
                                     "Repeat once per model input, in order."),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32). Give one "
                                               "for all inputs or one per --shape."),
+    streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
+                                "(maximum concurrency, minimum syncs); 1: a single stream; N: at most N streams."),
     device: str = typer.Option("auto", "--device", help="Where to check the lowered op list against the "
                                "model: auto (CUDA if present), cpu or cuda. The result is portable either way."),
+    dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
+                                       "coloured by stream, waits dashed."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
@@ -34,11 +38,18 @@ def compile_command(
         from nimble.pipeline import compile_model
 
         with console.status("compiling", spinner="dots") as status:
-            compiled = compile_model(model, specs, device=device,
+            compiled = compile_model(model, specs, device=device, streams=streams,
                                      progress=lambda stage: status.update(f"{model.name}: {stage}"))
+        if dot is not None:
+            from nimble.dot import to_dot
+            from nimble.fileio import write_atomic
+
+            write_atomic(dot, to_dot(compiled.graph, compiled.schedule, model.name).encode())
         if json_out:
-            print_json(plan_document(compiled.graph, model=model.name))
+            print_json(plan_document(compiled.graph, model=model.name, schedule=compiled.schedule))
         _summary(compiled)
+        if dot is not None:
+            console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
 
 
 def _summary(c) -> None:
@@ -59,6 +70,10 @@ def _summary(c) -> None:
         kinds[op.target] = kinds.get(op.target, 0) + 1
     top = ", ".join(f"{k.split('::')[1]} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:6])
     console.print(f"  ops by kind: {top}{', ...' if len(kinds) > 6 else ''}")
+    s = c.schedule
+    console.print(f"  schedule ({s.requested}): {s.num_streams} streams, {s.num_waits} waits; "
+                  f"{s.reduction_edges} reduction edges, critical path {s.critical_path} ops, "
+                  f"widest level {s.max_width} ops")
     table = Table(title="largest activations", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("value", "op", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
