@@ -132,11 +132,15 @@ class _Walker:
 
     # values -----------------------------------------------------------------------------------
     def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
-        spec = TensorSpec(tuple(tensor.shape), torchops.dtype_name(tensor.dtype), tuple(tensor.stride()))
+        spec = TensorSpec(tuple(tensor.shape), torchops.dtype_name(tensor.dtype), tuple(tensor.stride()),
+                          tensor.storage_offset())
         vid = len(self.values)
         self.values.append(Value(vid, kind, spec, name, producer, alias_of))
         meta = tensor if tensor.device == _META else torch.empty_strided(
             tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META)
+        if meta.storage_offset() != spec.offset:  # a CPU stand-in's view: keep its offset
+            meta = torch.empty(spec.storage_nbytes // tensor.element_size(), dtype=tensor.dtype,
+                               device=_META).as_strided(tensor.shape, tensor.stride(), spec.offset)
         self.meta[vid] = meta
         root = vid if alias_of is None else alias_of
         self.root_of.setdefault(id(meta), root)

@@ -25,7 +25,8 @@ ITEMSIZE = {
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
-    strides: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()  # () means contiguous
+    offset: int = 0  # storage offset in elements (nonzero for some views)
 
     @property
     def numel(self) -> int:
@@ -39,6 +40,11 @@ class TensorSpec:
         strides = self.strides or contiguous_strides(self.shape)
         span = 1 + sum((n - 1) * s for n, s in zip(self.shape, strides) if n > 0)
         return span * ITEMSIZE[self.dtype]
+
+    @property
+    def storage_nbytes(self) -> int:
+        """Bytes of storage from its start to the tensor's last element."""
+        return self.offset * ITEMSIZE[self.dtype] + self.nbytes
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

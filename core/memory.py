@@ -1,0 +1,157 @@
+"""The memory plan: every activation at a fixed, 256-byte aligned offset in one arena, with reuse
+that is safe when ops run concurrently on several streams.
+
+A buffer is the storage of one root activation; views and in-place results share their root's
+buffer, and their uses count as uses of it. Two buffers may share bytes only if every use of one
+happens-before the producer of the other, where happens-before is what the GPU guarantees: issue
+order on one stream plus event waits, transitively. Independence in the DAG is not enough.
+Graph outputs get regions of their own for the whole replay.
+
+Placement is best-fit in the manner of TFLite's greedy-by-size: buffers in decreasing size each
+take the tightest gap among the conflicting buffers already placed. The lower bound is the
+largest total of buffers that pairwise must be live at once (see `_lower_bound`); no valid plan
+can use less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import ACTIVATION, ITEMSIZE, Graph
+from .flow import FlowNetwork
+from .schedule import Schedule, transitive_reduction
+
+ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    offset: tuple[int | None, ...]  # per value: byte offset of its buffer in the arena (roots only)
+    size: tuple[int, ...]  # per value: aligned bytes reserved (roots only, else 0)
+    arena_bytes: int
+    lower_bound_bytes: int
+    no_reuse_bytes: int  # every buffer in a region of its own
+    alignment: int = ALIGNMENT
+
+    def offset_of(self, graph: Graph, value: int) -> int | None:
+        """Arena offset of a value's first byte: its root's offset plus a view's storage offset.
+        None for inputs, weights and their views, which live outside the arena."""
+        v = graph.values[value]
+        root = value if v.alias_of is None else v.alias_of
+        if self.offset[root] is None:
+            return None
+        return self.offset[root] + v.spec.offset * ITEMSIZE[v.spec.dtype]
+
+
+def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
+    """Place every activation buffer of `graph` for execution under `schedule`."""
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
+    producer = {r: graph.values[r].producer for r in roots}
+    uses = _uses(graph, roots)
+    outputs = {_root(graph, o) for o in graph.outputs} & set(roots)
+    before = happens_before(graph, schedule)
+
+    def ordered(a: int, b: int) -> bool:
+        """Every use of a happens-before b's producer (outputs are ordered with nothing)."""
+        return a not in outputs and b not in outputs and uses[a] & before[producer[b]] == uses[a]
+
+    conflicts = {r: [p for p in roots if p != r and not (ordered(r, p) or ordered(p, r))] for r in roots}
+    span = {r: (uses[r].bit_length() - producer[r]) for r in roots}  # rough lifetime, in op ids
+    orders = (  # greedy by size, by breadth (size x lifetime), and in production order
+        sorted(roots, key=lambda r: (-size[r], producer[r], r)),
+        sorted(roots, key=lambda r: (-size[r] * span[r], producer[r], r)),
+        sorted(roots, key=lambda r: (producer[r], -size[r], r)),
+    )
+    offset = min((_place(o, size, conflicts) for o in orders),
+                 key=lambda off: max((off[r] + size[r] for r in roots), default=0))
+    arena = max((offset[r] + size[r] for r in roots), default=0)
+
+    offsets: list[int | None] = [None] * len(graph.values)
+    sizes = [0] * len(graph.values)
+    for r in roots:
+        offsets[r], sizes[r] = offset[r], size[r]
+    bound = _lower_bound(roots, size, ordered, schedule.position, producer)
+    return MemoryPlan(tuple(offsets), tuple(sizes), arena, bound, sum(size.values()))
+
+
+def happens_before(graph: Graph, schedule: Schedule) -> list[int]:
+    """before[v]: bitset of the ops guaranteed complete when op v starts (stream order + waits)."""
+    before = [0] * len(graph.ops)
+    preds = _sync_preds(schedule)
+    for v in schedule.order:
+        for u in preds[v]:
+            before[v] |= before[u] | 1 << u
+    return before
+
+
+def _sync_preds(schedule: Schedule) -> list[tuple[int, ...]]:
+    """Per op, the ops it directly waits for: its stream predecessor and its event waits."""
+    preds: list[tuple[int, ...]] = [()] * len(schedule.stream)
+    last_on: dict[int, int] = {}
+    for v in schedule.order:
+        s = schedule.stream[v]
+        preds[v] = schedule.waits[v] + ((last_on[s],) if s in last_on else ())
+        last_on[s] = v
+    return preds
+
+
+def _root(graph: Graph, value: int) -> int:
+    alias = graph.values[value].alias_of
+    return value if alias is None else alias
+
+
+def _uses(graph: Graph, roots: list[int]) -> dict[int, int]:
+    """Bitset of the ops that touch each buffer: its producer and every reader of it or its views."""
+    uses = {r: 1 << graph.values[r].producer for r in roots}
+    for op in graph.ops:
+        for ref in op.refs():
+            root = _root(graph, ref)
+            if root in uses:
+                uses[root] |= 1 << op.id
+    return uses
+
+
+def _align(n: int) -> int:
+    return max(ALIGNMENT, -(-n // ALIGNMENT) * ALIGNMENT)
+
+
+def _place(order: list[int], size: dict[int, int], conflicts: dict[int, list[int]]) -> dict[int, int]:
+    """Offsets from placing buffers in `order`, each in the tightest gap among placed conflicts."""
+    offset: dict[int, int] = {}
+    for r in order:
+        busy = [(offset[p], offset[p] + size[p]) for p in conflicts[r] if p in offset]
+        offset[r] = _best_fit(busy, size[r])
+    return offset
+
+
+def _best_fit(busy: list[tuple[int, int]], need: int) -> int:
+    """The start of the smallest gap of at least `need` bytes between busy ranges, else the end."""
+    best, best_gap, cursor = None, None, 0
+    for start, end in sorted(busy):
+        gap = start - cursor
+        if gap >= need and (best_gap is None or gap < best_gap):
+            best, best_gap = cursor, gap
+        cursor = max(cursor, end)
+    return cursor if best is None else best
+
+
+def _lower_bound(roots, size, ordered, position, producer) -> int:
+    """The heaviest set of buffers that pairwise must be live at once, i.e. the maximum-weight
+    antichain of the order "every use of a happens-before b's producer". By weighted Dilworth it
+    is the total size minus the most bytes that chains of that order can share: a max flow from
+    each buffer's end to any later buffer's start, through the order's transitive reduction."""
+    roots = sorted(roots, key=lambda r: (position[producer[r]], r))  # a topological order
+    later = [tuple(i for i in range(k) if ordered(roots[i], roots[k])) for k in range(len(roots))]
+    reduced = transitive_reduction(later)
+    n = len(roots)
+    src, sink = 2 * n, 2 * n + 1  # node 2k: buffer k's end; node 2k + 1: its start
+    net = FlowNetwork(2 * n + 2)
+    infinite = sum(size.values()) + 1
+    for k, r in enumerate(roots):
+        net.add_edge(src, 2 * k, size[r])
+        net.add_edge(2 * k + 1, sink, size[r])
+        net.add_edge(2 * k + 1, 2 * k, infinite)  # a chain may pass through buffer k
+        for i in reduced[k]:
+            net.add_edge(2 * i, 2 * k + 1, infinite)
+    return sum(size.values()) - net.max_flow(src, sink)

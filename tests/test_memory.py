@@ -1,0 +1,161 @@
+"""The memory plan is safe under concurrency, checked independently on random graphs and schedules."""
+
+import random
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nimble.frontend import load_module, lower
+from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
+from nimble.memory import ALIGNMENT, plan
+from nimble.schedule import Schedule, assign_streams
+
+from .conftest import MODELS, SAMPLES
+
+
+def random_graph(rng: random.Random, n: int) -> Graph:
+    """Ops over one input; some ops are views (their output aliases their first input's storage)."""
+    values = [Value(0, INPUT, TensorSpec((4,), "float32"), "x")]
+    ops = []
+    for i in range(n):
+        k = rng.choice([1, 1, 2, 3])
+        reads = sorted({rng.randrange(len(values)) for _ in range(k)})
+        vid = len(values)
+        base = values[reads[0]]
+        view = base.kind == ACTIVATION and rng.random() < 0.2
+        root = (base.alias_of if base.alias_of is not None else base.id) if view else None
+        spec = base.spec if view else TensorSpec((rng.choice([1, 7, 64, 300, 1000, 5000]),), "float32")
+        values.append(Value(vid, ACTIVATION, spec, f"v{vid}", i, root))
+        ops.append(Op(i, "aten::relu.default", tuple(Ref(r) for r in reads), (), (vid,)))
+    sinks = [v.id for v in values[1:] if rng.random() < 0.15] or [len(values) - 1]
+    graph = Graph(tuple(values), tuple(ops), (0,), tuple(sinks))
+    graph.lint()
+    return graph
+
+
+def random_schedule(rng: random.Random, graph: Graph, streams: int) -> Schedule:
+    """Random streams, a random topological issue order, a wait on every cross-stream dependency."""
+    n = len(graph.ops)
+    preds = [graph.deps(op) for op in graph.ops]
+    indegree = [len(p) for p in preds]
+    succs = [[] for _ in range(n)]
+    for v, ps in enumerate(preds):
+        for u in ps:
+            succs[u].append(v)
+    ready, order = [v for v in range(n) if indegree[v] == 0], []
+    while ready:
+        v = ready.pop(rng.randrange(len(ready)))
+        order.append(v)
+        for w in succs[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    stream = [rng.randrange(streams) for _ in range(n)]
+    position = [0] * n
+    for i, v in enumerate(order):
+        position[v] = i
+    waits = tuple(tuple(u for u in preds[v] if stream[u] != stream[v]) for v in range(n))
+    return Schedule(tuple(stream), tuple(order), tuple(position), waits, 0, 0, 0, 0, "random")
+
+
+def check_plan(graph: Graph, schedule: Schedule, memory) -> None:
+    """Independent check: overlapping buffers are ordered by happens-before; outputs overlap nothing."""
+    sync = nx.DiGraph()
+    sync.add_nodes_from(range(len(graph.ops)))
+    last = {}
+    for v in schedule.order:
+        s = schedule.stream[v]
+        if s in last:
+            sync.add_edge(last[s], v)
+        last[s] = v
+        sync.add_edges_from((u, v) for u in schedule.waits[v])
+    hb = nx.transitive_closure_dag(sync)
+
+    def root(v):
+        return graph.values[v].alias_of if graph.values[v].alias_of is not None else v
+
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    uses = {r: {graph.values[r].producer} for r in roots}
+    for op in graph.ops:
+        for r in op.refs():
+            if root(r) in uses:
+                uses[root(r)].add(op.id)
+    outputs = {root(o) for o in graph.outputs}
+    for r in roots:
+        off, size = memory.offset[r], memory.size[r]
+        assert off is not None and off % ALIGNMENT == 0 and size % ALIGNMENT == 0
+        assert size >= graph.values[r].spec.storage_nbytes and off + size <= memory.arena_bytes
+    for i, a in enumerate(roots):
+        for b in roots[i + 1:]:
+            oa, ob = memory.offset[a], memory.offset[b]
+            if oa < ob + memory.size[b] and ob < oa + memory.size[a]:
+                assert a not in outputs and b not in outputs, f"graph output {a} or {b} shares bytes"
+                pa, pb = graph.values[a].producer, graph.values[b].producer
+                a_first = all(hb.has_edge(u, pb) for u in uses[a])
+                b_first = all(hb.has_edge(u, pa) for u in uses[b])
+                assert a_first or b_first, f"buffers {a} and {b} overlap but may be live at once"
+    assert memory.lower_bound_bytes <= memory.arena_bytes <= memory.no_reuse_bytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 120), st.integers(1, 5), st.integers(0, 2**32))
+def test_random_plans_are_safe_under_random_schedules(n, streams, seed):
+    rng = random.Random(seed)
+    graph = random_graph(rng, n)
+    schedule = random_schedule(rng, graph, streams)
+    check_plan(graph, schedule, plan(graph, schedule))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 120), st.sampled_from(["auto", 1, 2, 4]), st.integers(0, 2**32))
+def test_random_plans_are_safe_under_nimble_schedules(n, streams, seed):
+    graph = random_graph(random.Random(seed), n)
+    schedule = assign_streams(graph, streams)
+    check_plan(graph, schedule, plan(graph, schedule))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 120), st.integers(0, 2**32))
+def test_one_stream_lower_bound_is_the_peak_of_live_bytes(n, seed):
+    graph = random_graph(random.Random(seed), n)
+    schedule = assign_streams(graph, 1)
+    memory = plan(graph, schedule)
+
+    def root(v):
+        return graph.values[v].alias_of if graph.values[v].alias_of is not None else v
+
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    end = {r: schedule.position[graph.values[r].producer] for r in roots}
+    for op in graph.ops:
+        for r in op.refs():
+            if root(r) in end:
+                end[root(r)] = max(end[root(r)], schedule.position[op.id])
+    for o in graph.outputs:
+        if root(o) in end:
+            end[root(o)] = len(graph.ops)
+    starts = {r: 0 if end[r] == len(graph.ops) else schedule.position[graph.values[r].producer] for r in roots}
+    peak = max((sum(memory.size[r] for r in roots if starts[r] <= t <= end[r]) for t in range(len(graph.ops))),
+               default=0)
+    assert memory.lower_bound_bytes == peak
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_sample_arenas_are_within_10_percent_of_the_lower_bound(sample, streams):
+    name, path, shapes = sample
+    graph = lower(load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name).graph
+    schedule = assign_streams(graph, streams)
+    memory = plan(graph, schedule)
+    check_plan(graph, schedule, memory)
+    assert memory.arena_bytes <= 1.10 * memory.lower_bound_bytes, (memory.arena_bytes, memory.lower_bound_bytes)
+    assert memory.arena_bytes < memory.no_reuse_bytes
+
+
+def test_views_share_their_base_buffer():
+    graph = lower(load_module(SAMPLES / "transformer.pt"), [TensorSpec((1, 64, 128), "float32")]).graph
+    memory = plan(graph, assign_streams(graph))
+    for v in graph.values:
+        if v.alias_of is not None and graph.values[v.alias_of].kind == ACTIVATION:
+            assert memory.offset[v.id] is None and memory.size[v.id] == 0
+            assert memory.offset_of(graph, v.id) == memory.offset[v.alias_of] + 4 * v.spec.offset
