@@ -31,7 +31,7 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> di
                 "shape": list(vals[o].spec.shape),
                 "dtype": vals[o].spec.dtype,
                 "nbytes": vals[o].spec.nbytes,
-                "offset": None if memory is None else memory.offset_of(o),
+                "offset": None if memory is None else memory.offset_of(graph, o),
                 "alias_of": vals[o].alias_of,
             } for o in op.outputs],
         })
@@ -55,5 +55,6 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> di
         },
         "arena_bytes": None if memory is None else memory.arena_bytes,
         "lower_bound_bytes": None if memory is None else memory.lower_bound_bytes,
+        "no_reuse_bytes": None if memory is None else memory.no_reuse_bytes,
         "ops": ops,
     }

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from . import frontend, reference, torchops
+from .memory import MemoryPlan, plan
 from .schedule import Schedule, assign_streams
 from .compare import Comparison, MismatchError, compare
 from .errors import UsageError
@@ -24,6 +25,7 @@ class Compiled:
     """Everything `nimble compile` produces for one model and one set of input specs."""
 
     name: str
+    model: str  # the source file's name
     source_sha256: str
     graph: Graph
     weights: dict[str, torch.Tensor]
@@ -32,7 +34,17 @@ class Compiled:
     check: Comparison | None
     check_device: str
     schedule: Schedule
+    memory: MemoryPlan
+    options: dict
     seconds: dict[str, float] = field(default_factory=dict)
+
+    def artifact(self):
+        """The `.nimble` artifact of this compilation (nimble.formats.Artifact)."""
+        from nimble.formats import Artifact
+
+        manifest = {"model": self.model, "source_sha256": self.source_sha256, "options": self.options}
+        return Artifact(manifest, self.graph, self.schedule, self.memory, self.weights,
+                        self.sample_inputs, self.sample_outputs)
 
 
 def resolve_device(device: str) -> str:
@@ -111,5 +123,13 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     progress("scheduling")
     schedule = assign_streams(lowered.graph, streams)
     seconds["schedule"] = time.perf_counter() - t
-    return Compiled(path.stem, digest, lowered.graph, lowered.weights, xs,
-                    [e.detach().cpu() for e in expected], result, device, schedule, seconds)
+
+    t = time.perf_counter()
+    progress("planning memory")
+    memory = plan(lowered.graph, schedule)
+    seconds["memory"] = time.perf_counter() - t
+    options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
+               "dtypes": [s.dtype for s in inputs]}
+    return Compiled(path.stem, path.name, digest, lowered.graph, lowered.weights, xs,
+                    [e.detach().cpu().contiguous() for e in expected], result, device, schedule, memory,
+                    options, seconds)

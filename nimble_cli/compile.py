@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -23,10 +24,13 @@ def compile_command(
                                "model: auto (CUDA if present), cpu or cuda. The result is portable either way."),
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
                                        "coloured by stream, waits dashed."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the artifact (a file, or "
+                                          "a folder for <model>.nimble). Default: next to the model."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Lower a TorchScript model into nimble's typed op graph and check it against the model.
+    """Compile a TorchScript model into a .nimble artifact: op graph, stream schedule, memory plan,
+    weights and a reference input and output.
 
     Example: nimble compile sample_models/inception.pt --shape 1x3x224x224
     """
@@ -34,22 +38,48 @@ def compile_command(
         from nimble.specs import input_specs
 
         specs = input_specs(shape, dtype)
+        target = artifact_path(model, output)
         from nimble.document import plan_document
         from nimble.pipeline import compile_model
 
         with console.status("compiling", spinner="dots") as status:
             compiled = compile_model(model, specs, device=device, streams=streams,
                                      progress=lambda stage: status.update(f"{model.name}: {stage}"))
-        if dot is not None:
-            from nimble.dot import to_dot
-            from nimble.fileio import write_atomic
+            status.update(f"{model.name}: writing {target.name}")
+            from nimble.formats import write_artifact
 
-            write_atomic(dot, to_dot(compiled.graph, compiled.schedule, model.name).encode())
+            t = time.perf_counter()
+            size = write_artifact(target, compiled.artifact())
+            compiled.seconds["write"] = time.perf_counter() - t
+        if dot is not None:
+            write_dot(dot, compiled.graph, compiled.schedule, model.name)
         if json_out:
-            print_json(plan_document(compiled.graph, model=model.name, schedule=compiled.schedule))
+            print_json(plan_document(compiled.graph, model=model.name, schedule=compiled.schedule,
+                                     memory=compiled.memory))
         _summary(compiled)
+        console.print(f"  wrote {target} ({human_bytes(size)})")
         if dot is not None:
             console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
+
+
+def artifact_path(model: Path, output: Path | None) -> Path:
+    """Where compile writes: -o as given (a folder gets <stem>.nimble), else next to the model."""
+    from nimble.errors import UsageError
+
+    if output is None:
+        return model.with_suffix(".nimble")
+    if output.is_dir():
+        return output / f"{model.stem}.nimble"
+    if not output.parent.is_dir():
+        raise UsageError(f"-o {output}: folder {output.parent} does not exist")
+    return output
+
+
+def write_dot(path: Path, graph, schedule, title: str) -> None:
+    from nimble.dot import to_dot
+    from nimble.fileio import write_atomic
+
+    write_atomic(path, to_dot(graph, schedule, title).encode())
 
 
 def _summary(c) -> None:
@@ -74,6 +104,9 @@ def _summary(c) -> None:
     console.print(f"  schedule ({s.requested}): {s.num_streams} streams, {s.num_waits} waits; "
                   f"{s.reduction_edges} reduction edges, critical path {s.critical_path} ops, "
                   f"widest level {s.max_width} ops")
+    m = c.memory
+    console.print(f"  memory: arena {human_bytes(m.arena_bytes)}, lower bound {human_bytes(m.lower_bound_bytes)} "
+                  f"({m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x), without reuse {human_bytes(m.no_reuse_bytes)}")
     table = Table(title="largest activations", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("value", "op", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")

@@ -7,6 +7,7 @@ import typer
 from nimble import __version__
 
 from .compile import compile_command
+from .inspect import inspect_command
 
 app = typer.Typer(
     name="nimble",
@@ -32,6 +33,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 app.command("compile")(compile_command)
+app.command("inspect")(inspect_command)
 
 
 def main() -> None:

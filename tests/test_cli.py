@@ -37,16 +37,38 @@ def test_help_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_compile_prints_a_summary():
-    result = invoke("compile", SAMPLES / "inception.pt", "--shape", "1x3x224x224", "--device", "cpu")
+def test_compile_prints_a_summary_and_writes_the_artifact(tmp_path):
+    out = tmp_path / "inception.nimble"
+    result = invoke("compile", SAMPLES / "inception.pt", "--shape", "1x3x224x224", "--device", "cpu", "-o", out)
     assert result.exit_code == 0, result.stderr
     assert "71 ops" in result.stderr and "largest activations" in result.stderr
-    assert "check on cpu: ok" in result.stderr
-    assert result.stdout == ""
+    assert "check on cpu: ok" in result.stderr and "arena" in result.stderr
+    assert f"wrote {out}" in result.stderr.replace("\n", "")
+    assert out.is_file() and result.stdout == ""
 
 
-def test_compile_json_is_the_plan_document():
-    result = invoke("compile", SAMPLES / "two_io.pt", "-s", "1x3x64x64", "-s", "1x8", "--json", "--device", "cpu")
+def test_output_folder_gets_model_stem(tmp_path):
+    result = invoke("compile", SAMPLES / "two_io.pt", "-s", "1x3x64x64", "-s", "1x8", "-o", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "two_io.nimble").is_file()
+
+
+def test_default_output_is_next_to_the_model(tmp_path):
+    model = tmp_path / "m.pt"
+    model.write_bytes((SAMPLES / "two_io.pt").read_bytes())
+    assert invoke("compile", model, "-s", "1x3x64x64", "-s", "1x8").exit_code == 0
+    assert (tmp_path / "m.nimble").is_file()
+
+
+def test_output_in_a_missing_folder_is_an_error(tmp_path):
+    line = one_line_error(invoke("compile", SAMPLES / "two_io.pt", "-s", "1x3x64x64", "-s", "1x8",
+                                 "-o", tmp_path / "nope" / "x.nimble"), 2)
+    assert "does not exist" in line
+
+
+def test_compile_json_is_the_plan_document(tmp_path):
+    result = invoke("compile", SAMPLES / "two_io.pt", "-s", "1x3x64x64", "-s", "1x8", "--json", "--device", "cpu",
+                    "-o", tmp_path)
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["schema_version"] == 1
@@ -54,11 +76,13 @@ def test_compile_json_is_the_plan_document():
     ids = [op["id"] for op in doc["ops"]]
     assert ids == list(range(len(ids)))
     produced = set(doc["inputs"]) | {v["id"] for v in doc["values"]}
+    aliases_outside = {o["value"] for op in doc["ops"] for o in op["outputs"] if o["alias_of"] in produced}
     for op in doc["ops"]:
         assert set(op["inputs"]) <= produced, op
         assert all(d < op["id"] for d in op["deps"])
         for out in op["outputs"]:
-            assert out["nbytes"] > 0 and out["offset"] is None
+            assert out["nbytes"] > 0 and (out["offset"] is None) == (out["value"] in aliases_outside)
+            assert out["offset"] is None or out["offset"] + out["nbytes"] <= doc["arena_bytes"]
             produced.add(out["value"])
     assert set(doc["outputs"]) <= produced
 
@@ -98,6 +122,7 @@ def test_wrong_number_of_shapes():
 
 def test_shape_the_model_rejects():
     line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "--shape", "1x5x64x64"), 1)
+    assert not (SAMPLES / "resnet.nimble").exists()
     assert "conv2d" in line and "rejects its inputs" in line
 
 

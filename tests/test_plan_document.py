@@ -13,7 +13,9 @@ runner = CliRunner()
 
 
 def compile_json(path, shapes, *extra):
-    args = ["compile", str(path), "--device", "cpu", "--json", *extra]
+    import tempfile
+
+    args = ["compile", str(path), "--device", "cpu", "--json", "-o", tempfile.mkdtemp(), *extra]
     for s in shapes:
         args += ["--shape", "x".join(map(str, s))]
     result = runner.invoke(app, args)
@@ -46,7 +48,7 @@ def test_dot_file_shows_streams_and_waits(tmp_path):
 
     dot = tmp_path / "inception.dot"
     result = runner.invoke(app, ["compile", str(SAMPLES / "inception.pt"), "-s", "1x3x224x224",
-                                 "--device", "cpu", "--dot", str(dot)])
+                                 "--device", "cpu", "--dot", str(dot), "-o", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     text = dot.read_text()
     assert text.startswith('digraph "inception.pt"') and text.rstrip().endswith("}")

@@ -1,0 +1,221 @@
+"""Writing and reading `.nimble` artifacts.
+
+Layout (every member stored, uncompressed, with fixed timestamps, in this order):
+    manifest.json               format and tool versions, source hash, I/O specs, options,
+                                and the sha256 and size of every other member
+    graph.json                  the op graph (nimble.ir)
+    schedule.json               the multi-stream schedule
+    memory.json                 the arena plan
+    weights.safetensors         weights, by value name
+    sample/inputs.safetensors   a reference input ...
+    sample/outputs.safetensors  ... and the source model's outputs for it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nimble import __version__
+from nimble.errors import ArtifactError, NimbleError
+from nimble.fileio import write_atomic
+from nimble.ir import WEIGHT, Graph
+from nimble.memory import MemoryPlan
+from nimble.oplist import is_supported
+from nimble.schedule import Schedule
+from nimble.verify import check_memory, check_schedule
+
+from . import codec, tensors
+from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_JSON_BYTES, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
+                   SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS, SCHEDULE, WEIGHTS, ZIP_DATE)
+
+
+@dataclass
+class Artifact:
+    manifest: dict
+    graph: Graph
+    schedule: Schedule
+    memory: MemoryPlan
+    weights: dict[str, torch.Tensor]
+    sample_inputs: list[torch.Tensor]
+    sample_outputs: list[torch.Tensor]
+
+    @property
+    def model(self) -> str:
+        return self.manifest["model"]
+
+
+def _json(obj) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=False, allow_nan=False) + "\n").encode()
+
+
+def _io_specs(graph: Graph, ids) -> list[dict]:
+    return [{"name": graph.values[i].name, **codec.encode_spec(graph.values[i].spec)} for i in ids]
+
+
+def encode(art: Artifact) -> bytes:
+    """The artifact's bytes: the same objects always give the same bytes."""
+    g = art.graph
+    members = {
+        GRAPH: _json(codec.encode_graph(g)),
+        SCHEDULE: _json(codec.encode_schedule(art.schedule)),
+        MEMORY: _json(codec.encode_memory(art.memory)),
+        WEIGHTS: tensors.save({g.values[w].name: art.weights[g.values[w].name] for w in g.weights}),
+        SAMPLE_INPUTS: tensors.save({SAMPLE_INPUT_KEY.format(i): t for i, t in enumerate(art.sample_inputs)}),
+        SAMPLE_OUTPUTS: tensors.save({SAMPLE_OUTPUT_KEY.format(i): t for i, t in enumerate(art.sample_outputs)}),
+    }
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "nimble_version": __version__,
+        "torch_version": torch.__version__,
+        **{k: art.manifest[k] for k in ("model", "source_sha256", "options")},
+        "inputs": _io_specs(g, g.inputs),
+        "outputs": _io_specs(g, g.outputs),
+        "members": {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                    for name, data in members.items()},
+    }
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:
+        for name, data in [(MANIFEST, _json(manifest)), *members.items()]:
+            info = zipfile.ZipInfo(name, date_time=ZIP_DATE)
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = 0o644 << 16
+            info.create_system = 3
+            z.writestr(info, data)
+    return buffer.getvalue()
+
+
+def write_artifact(path: str | Path, art: Artifact) -> int:
+    """Write `art` to `path` atomically; returns the size in bytes."""
+    data = encode(art)
+    write_atomic(path, data)
+    return len(data)
+
+
+def read_artifact(path: str | Path) -> Artifact:
+    """Read and validate an artifact. Any defect raises ArtifactError with one line naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")
+    try:
+        return _read(path)
+    except NimbleError:
+        raise
+    except Exception as e:  # whatever a damaged zip or blob throws, it is the artifact's defect
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {detail}); recompile the model") from e
+
+
+def _read(path: Path) -> Artifact:
+    name = path.name
+    if not zipfile.is_zipfile(path):
+        raise ArtifactError(f"{name} is not a .nimble artifact (not a zip file)")
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        names = [i.filename for i in infos]
+        if len(names) != len(set(names)):
+            raise ArtifactError(f"{name} has duplicate members")
+        if MANIFEST not in names:
+            raise ArtifactError(f"{name} has no {MANIFEST}; it is not a .nimble artifact")
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:
+                raise ArtifactError(f"{name}: member {info.filename} is compressed or larger than the file")
+        manifest = _load_json(z, MANIFEST, name)
+        _check_manifest(manifest, name)
+        extra = sorted(set(names) - set(MEMBERS))
+        missing = [m for m in MEMBERS if m not in names]
+        if missing or extra:
+            raise ArtifactError(f"{name}: member {(missing or extra)[0]} is {'missing' if missing else 'unexpected'}")
+        data = {}
+        for member in MEMBERS[1:]:
+            want = manifest["members"][member]
+            if z.getinfo(member).file_size != want["size"]:
+                raise ArtifactError(f"{name}: {member} is {z.getinfo(member).file_size} bytes, "
+                                    f"the manifest says {want['size']}")
+            data[member] = z.read(member)
+            if hashlib.sha256(data[member]).hexdigest() != want["sha256"]:
+                raise ArtifactError(f"{name}: {member} does not match its sha256 in the manifest")
+    graph = codec.decode_graph(_parse_json(data[GRAPH], GRAPH, name))
+    schedule = codec.decode_schedule(_parse_json(data[SCHEDULE], SCHEDULE, name), len(graph.ops))
+    memory = codec.decode_memory(_parse_json(data[MEMORY], MEMORY, name), len(graph.values))
+    _check_ops(graph, name)
+    try:
+        check_memory(graph, schedule, memory, check_schedule(graph, schedule))
+    except ValueError as e:
+        raise ArtifactError(f"{name}: unsafe plan: {e}") from None
+    _check_io(manifest, graph, name)
+
+    def spec(v):
+        return v.spec.dtype, v.spec.shape
+
+    weights = tensors.load(data[WEIGHTS], WEIGHTS, {v.name: spec(v) for v in graph.values if v.kind == WEIGHT})
+    sample_in = tensors.load(data[SAMPLE_INPUTS], SAMPLE_INPUTS, {
+        SAMPLE_INPUT_KEY.format(i): spec(graph.values[v]) for i, v in enumerate(graph.inputs)})
+    sample_out = tensors.load(data[SAMPLE_OUTPUTS], SAMPLE_OUTPUTS, {
+        SAMPLE_OUTPUT_KEY.format(i): spec(graph.values[v]) for i, v in enumerate(graph.outputs)})
+    return Artifact(manifest, graph, schedule, memory, weights,
+                    [sample_in[SAMPLE_INPUT_KEY.format(i)] for i in range(len(graph.inputs))],
+                    [sample_out[SAMPLE_OUTPUT_KEY.format(i)] for i in range(len(graph.outputs))])
+
+
+def _load_json(z: zipfile.ZipFile, member: str, name: str):
+    if z.getinfo(member).file_size > MAX_JSON_BYTES:
+        raise ArtifactError(f"{name}: {member} is larger than {MAX_JSON_BYTES} bytes")
+    return _parse_json(z.read(member), member, name)
+
+
+def _parse_json(data: bytes, member: str, name: str):
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ArtifactError(f"{name}: {member} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{name}: {member} is not a JSON object")
+    return doc
+
+
+def _check_manifest(m: dict, name: str) -> None:
+    version = m.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ArtifactError(f"{name}: manifest has no valid format_version")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{name} has format version {version}; this nimble ({__version__}) reads up to "
+                            f"{FORMAT_VERSION}: this artifact needs nimble >= {m.get('nimble_version', '?')}")
+    for key, kind in (("nimble_version", str), ("torch_version", str), ("model", str), ("source_sha256", str),
+                      ("options", dict), ("inputs", list), ("outputs", list), ("members", dict)):
+        if not isinstance(m.get(key), kind):
+            raise ArtifactError(f"{name}: manifest field '{key}' is missing or malformed")
+    for member in MEMBERS[1:]:
+        entry = m["members"].get(member)
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("size"), int) and entry["size"] >= 0):
+            raise ArtifactError(f"{name}: manifest lists no valid sha256 and size for {member}")
+
+
+def _check_ops(graph: Graph, name: str) -> None:
+    from nimble.torchops import resolve
+
+    for op in graph.ops:
+        if not is_supported(op.target):
+            raise ArtifactError(f"{name}: op {op.id} has target {op.target!r}, which is not an allowlisted op")
+        try:
+            resolve(op.target)
+        except NimbleError:
+            raise ArtifactError(f"{name}: op {op.target} does not exist in torch {torch.__version__}; "
+                                "recompile the model with this torch") from None
+
+
+def _check_io(manifest: dict, graph: Graph, name: str) -> None:
+    for key, ids in (("inputs", graph.inputs), ("outputs", graph.outputs)):
+        declared = manifest[key]
+        actual = _io_specs(graph, ids)
+        if declared != actual:
+            raise ArtifactError(f"{name}: manifest {key} do not match the graph")
+

@@ -1,0 +1,188 @@
+"""JSON encoding of nimble's plain objects: Graph, Schedule, MemoryPlan.
+
+Encoders return plain dicts with a fixed key order. Decoders check every field's type and range
+and raise ArtifactError naming the first bad field, so nothing malformed reaches a constructor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nimble.errors import ArtifactError
+from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Op, Ref, Special, TensorSpec, Value
+from nimble.memory import MemoryPlan
+from nimble.schedule import Schedule
+
+_SPECIAL_KINDS = ("dtype", "device", "layout", "memory_format")
+
+
+# ---------------------------------------------------------------------------------- encoding
+def encode_arg(a: Any) -> Any:
+    if isinstance(a, Ref):
+        return {"ref": a.id}
+    if isinstance(a, Special):
+        return {a.kind: a.name}
+    if isinstance(a, tuple):
+        return [encode_arg(x) for x in a]
+    if isinstance(a, float) and not math.isfinite(a):
+        return {"float": repr(a)}  # 'inf', '-inf' or 'nan'
+    return a
+
+
+def encode_spec(spec: TensorSpec) -> dict:
+    return {"shape": list(spec.shape), "dtype": spec.dtype, "strides": list(spec.strides), "offset": spec.offset}
+
+
+def encode_graph(graph: Graph) -> dict:
+    return {
+        "inputs": list(graph.inputs),
+        "outputs": list(graph.outputs),
+        "values": [{"id": v.id, "kind": v.kind, "name": v.name, **encode_spec(v.spec),
+                    "producer": v.producer, "alias_of": v.alias_of} for v in graph.values],
+        "ops": [{"id": op.id, "target": op.target, "args": encode_arg(op.args),
+                 "kwargs": [[k, encode_arg(a)] for k, a in op.kwargs], "outputs": list(op.outputs),
+                 "mutates": list(op.mutates), "after": list(op.after), "source": op.source}
+                for op in graph.ops],
+    }
+
+
+def encode_schedule(s: Schedule) -> dict:
+    return {"requested": s.requested, "stream": list(s.stream), "order": list(s.order),
+            "waits": [list(w) for w in s.waits], "reduction_edges": s.reduction_edges,
+            "matching": s.matching, "critical_path": s.critical_path, "max_width": s.max_width}
+
+
+def encode_memory(m: MemoryPlan) -> dict:
+    return {"alignment": m.alignment, "arena_bytes": m.arena_bytes, "lower_bound_bytes": m.lower_bound_bytes,
+            "no_reuse_bytes": m.no_reuse_bytes,
+            "buffers": [[v, off, m.size[v]] for v, off in enumerate(m.offset) if off is not None]}
+
+
+# ---------------------------------------------------------------------------------- decoding
+def _get(obj: dict, key: str, kind, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise ArtifactError(f"{where}: missing field '{key}'")
+    value = obj[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ArtifactError(f"{where}.{key} must be an integer")
+    if kind is not int and not isinstance(value, kind):
+        raise ArtifactError(f"{where}.{key} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _ints(values, where: str, lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise ArtifactError(f"{where} must be a list")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x >= hi):
+            raise ArtifactError(f"{where} holds {x!r}, outside [{lo}, {hi if hi is not None else 'inf'})")
+    return tuple(values)
+
+
+def _optional_id(value, where: str, hi: int) -> int | None:
+    return None if value is None else _ints([value], where, 0, hi)[0]
+
+
+def decode_arg(a: Any, n_values: int, where: str) -> Any:
+    if isinstance(a, list):
+        return tuple(decode_arg(x, n_values, where) for x in a)
+    if isinstance(a, dict):
+        if len(a) != 1:
+            raise ArtifactError(f"{where}: malformed argument {a!r}")
+        (kind, value), = a.items()
+        if kind == "ref":
+            return Ref(_ints([value], f"{where} ref", 0, n_values)[0])
+        if kind == "float" and value in ("inf", "-inf", "nan"):
+            return float(value)
+        if kind in _SPECIAL_KINDS and isinstance(value, str):
+            return Special(kind, value)
+        raise ArtifactError(f"{where}: malformed argument {a!r}")
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise ArtifactError(f"{where}: malformed argument {a!r}")
+
+
+def decode_spec(obj: dict, where: str) -> TensorSpec:
+    shape = _ints(_get(obj, "shape", list, where), f"{where}.shape")
+    dtype = _get(obj, "dtype", str, where)
+    if dtype not in ITEMSIZE:
+        raise ArtifactError(f"{where}.dtype {dtype!r} is not a known dtype")
+    strides = _ints(_get(obj, "strides", list, where), f"{where}.strides")
+    if strides and len(strides) != len(shape):
+        raise ArtifactError(f"{where}: {len(strides)} strides for {len(shape)} dimensions")
+    spec = TensorSpec(shape, dtype, strides, _get(obj, "offset", int, where))
+    if spec.offset < 0 or spec.storage_nbytes > 2**48:
+        raise ArtifactError(f"{where}: absurd tensor size or offset")
+    return spec
+
+
+def decode_graph(doc: dict) -> Graph:
+    raw_values = _get(doc, "values", list, "graph")
+    raw_ops = _get(doc, "ops", list, "graph")
+    nv, no = len(raw_values), len(raw_ops)
+    values = []
+    for i, v in enumerate(raw_values):
+        where = f"graph.values[{i}]"
+        if _get(v, "id", int, where) != i:
+            raise ArtifactError(f"{where}.id is not {i}")
+        kind = _get(v, "kind", str, where)
+        if kind not in (INPUT, WEIGHT, ACTIVATION):
+            raise ArtifactError(f"{where}.kind {kind!r} is not input, weight or activation")
+        values.append(Value(i, kind, decode_spec(v, where), _get(v, "name", str, where),
+                            _optional_id(v.get("producer"), f"{where}.producer", no),
+                            _optional_id(v.get("alias_of"), f"{where}.alias_of", nv)))
+    ops = []
+    for i, op in enumerate(raw_ops):
+        where = f"graph.ops[{i}]"
+        if _get(op, "id", int, where) != i:
+            raise ArtifactError(f"{where}.id is not {i}")
+        kwargs = []
+        for pair in _get(op, "kwargs", list, where):
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise ArtifactError(f"{where}.kwargs holds a malformed entry")
+            kwargs.append((pair[0], decode_arg(pair[1], nv, where)))
+        ops.append(Op(i, _get(op, "target", str, where), decode_arg(_get(op, "args", list, where), nv, where),
+                      tuple(kwargs), _ints(_get(op, "outputs", list, where), f"{where}.outputs", 0, nv),
+                      _ints(_get(op, "mutates", list, where), f"{where}.mutates", 0, nv),
+                      _ints(_get(op, "after", list, where), f"{where}.after", 0, no),
+                      _get(op, "source", str, where)))
+    graph = Graph(tuple(values), tuple(ops), _ints(_get(doc, "inputs", list, "graph"), "graph.inputs", 0, nv),
+                  _ints(_get(doc, "outputs", list, "graph"), "graph.outputs", 0, nv))
+    try:
+        graph.lint()
+    except AssertionError as e:
+        raise ArtifactError(f"graph is inconsistent: {e}") from None
+    return graph
+
+
+def decode_schedule(doc: dict, n_ops: int) -> Schedule:
+    stream = _ints(_get(doc, "stream", list, "schedule"), "schedule.stream", 0, max(n_ops, 1))
+    order = _ints(_get(doc, "order", list, "schedule"), "schedule.order", 0, max(n_ops, 1))
+    raw_waits = _get(doc, "waits", list, "schedule")
+    if len(stream) != n_ops or len(raw_waits) != n_ops or sorted(order) != list(range(n_ops)):
+        raise ArtifactError(f"schedule does not cover the graph's {n_ops} ops exactly once")
+    waits = tuple(_ints(w, f"schedule.waits[{i}]", 0, n_ops) for i, w in enumerate(raw_waits))
+    position = [0] * n_ops
+    for i, v in enumerate(order):
+        position[v] = i
+    return Schedule(stream, order, tuple(position), waits,
+                    *(_get(doc, k, int, "schedule") for k in ("reduction_edges", "matching", "critical_path",
+                                                               "max_width")),
+                    _get(doc, "requested", str, "schedule"))
+
+
+def decode_memory(doc: dict, n_values: int) -> MemoryPlan:
+    arena = _get(doc, "arena_bytes", int, "memory")
+    offsets: list[int | None] = [None] * n_values
+    sizes = [0] * n_values
+    for entry in _get(doc, "buffers", list, "memory"):
+        value, off, size = _ints(entry, "memory.buffers entry", 0)
+        if len(entry) != 3 or value >= n_values or off + size > arena or offsets[value] is not None:
+            raise ArtifactError(f"memory.buffers entry {entry!r} is out of range or repeated")
+        offsets[value], sizes[value] = off, size
+    plan = MemoryPlan(tuple(offsets), tuple(sizes), arena, _get(doc, "lower_bound_bytes", int, "memory"),
+                      _get(doc, "no_reuse_bytes", int, "memory"), _get(doc, "alignment", int, "memory"))
+    if plan.alignment < 1 or any(o is not None and o % plan.alignment for o in offsets):
+        raise ArtifactError("memory: offsets are not aligned")
+    return plan

@@ -1,0 +1,75 @@
+"""safetensors members, checked before a single tensor is allocated.
+
+The checks mirror safetensors' own: a capped header; known dtypes; every tensor's byte range
+matching its shape; ranges sorted, contiguous, non-overlapping and covering the data exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import safetensors.torch
+
+from nimble.errors import ArtifactError
+
+from .spec import MAX_SAFETENSORS_HEADER
+
+# safetensors dtype names -> (nimble dtype name, bytes per element)
+DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+          "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+          "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8)}
+
+
+def read_header(data: bytes, member: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) of a safetensors blob, after checking its layout."""
+    if len(data) < 8:
+        raise ArtifactError(f"{member} is truncated (no header)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_SAFETENSORS_HEADER or 8 + n > len(data):
+        raise ArtifactError(f"{member} declares a {n}-byte header in a {len(data)}-byte member")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ArtifactError(f"{member} has a header that is not JSON") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{member} has a malformed header")
+    header.pop("__metadata__", None)
+    out, ranges = {}, []
+    for name, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
+            raise ArtifactError(f"{member}: tensor '{name}' has an unknown dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise ArtifactError(f"{member}: tensor '{name}' has a malformed shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ArtifactError(f"{member}: tensor '{name}' has malformed data offsets")
+        dtype, itemsize = DTYPES[info["dtype"]]
+        if offsets[1] - offsets[0] != math.prod(shape) * itemsize or offsets[0] < 0:
+            raise ArtifactError(f"{member}: tensor '{name}' spans {offsets[1] - offsets[0]} bytes, "
+                                f"its shape needs {math.prod(shape) * itemsize}")
+        ranges.append((offsets[0], offsets[1], name))
+        out[name] = (dtype, tuple(shape))
+    cursor = 0
+    for start, end, name in sorted(ranges):
+        if start != cursor:
+            raise ArtifactError(f"{member}: tensor '{name}' overlaps another or leaves a gap")
+        cursor = end
+    if 8 + n + cursor != len(data):
+        raise ArtifactError(f"{member}: data is {len(data) - 8 - n} bytes, the header describes {cursor}")
+    return out
+
+
+def load(data: bytes, member: str, expected: dict[str, tuple[str, tuple[int, ...]]]):
+    """The tensors of a safetensors blob whose header must describe exactly `expected`."""
+    found = read_header(data, member)
+    if found != expected:
+        missing = sorted(set(expected) - set(found)) or sorted(k for k in found if found[k] != expected.get(k))
+        raise ArtifactError(f"{member} does not match the graph (first difference: '{(missing or ['?'])[0]}')")
+    return safetensors.torch.load(data)
+
+
+def save(tensors: dict) -> bytes:
+    return safetensors.torch.save({k: t.contiguous() for k, t in tensors.items()})

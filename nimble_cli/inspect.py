@@ -1,0 +1,75 @@
+"""`nimble inspect`: what an artifact holds, without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, human_bytes, print_json, user_errors
+
+
+def inspect_command(
+    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan document (the same as compile --json)."),
+    dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here."),
+    ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    """Validate an artifact and show its inputs, outputs, schedule, memory plan and ops.
+
+    Example: nimble inspect sample_models/inception.nimble --json
+    """
+    with user_errors(debug):
+        from nimble.document import plan_document
+        from nimble.formats import read_artifact
+
+        art = read_artifact(artifact)
+        if dot is not None:
+            from .compile import write_dot
+
+            write_dot(dot, art.graph, art.schedule, art.model)
+        if json_out:
+            print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory))
+            return
+        _summary(art, artifact, ops)
+
+
+def _summary(art, path: Path, show_ops: bool) -> None:
+    g, s, m, man = art.graph, art.schedule, art.memory, art.manifest
+    table = Table(title=f"{path.name}", title_justify="left", show_header=False, show_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, ids in (("input", g.inputs), ("output", g.outputs)):
+        for i in ids:
+            table.add_row(label, f"{g.values[i].name}: {g.values[i].spec.dtype}{list(g.values[i].spec.shape)}")
+    weights = [g.values[w] for w in g.weights]
+    table.add_row("model", f"{man['model']} (sha256 {man['source_sha256'][:12]})")
+    table.add_row("ops", str(len(g.ops)))
+    table.add_row("streams", f"{s.num_streams} ({s.requested}), {s.num_waits} syncs, critical path {s.critical_path}")
+    table.add_row("arena", f"{human_bytes(m.arena_bytes)} (lower bound {human_bytes(m.lower_bound_bytes)}, "
+                           f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "
+                           f"{human_bytes(m.no_reuse_bytes)})")
+    table.add_row("weights", f"{len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")
+    table.add_row("versions", f"format {man['format_version']}, nimble {man['nimble_version']}, "
+                              f"torch {man['torch_version']}")
+    table.add_row("options", ", ".join(f"{k} {v}" for k, v in man["options"].items()))
+    console.print(table)
+    if not show_ops:
+        return
+    ops = Table(show_edge=False, pad_edge=False, title="ops (offset: byte offset in the arena; "
+                "'=vN': shares value N's storage)", title_justify="left")
+    for col in ("op", "target", "stream", "order", "waits", "output shape", "offset", "bytes"):
+        ops.add_column(col, no_wrap=True, justify="right" if col in ("op", "stream", "order", "offset", "bytes")
+                       else "left")
+    for op in g.ops:
+        outs = [g.values[o] for o in op.outputs]
+        ops.add_row(str(op.id), op.target.split("::")[1].split(".")[0], str(s.stream[op.id]),
+                    str(s.position[op.id]), ",".join(map(str, s.waits[op.id])),
+                    " ".join("x".join(map(str, v.spec.shape)) + (f"=v{v.alias_of}" if v.alias_of is not None else "")
+                             for v in outs),
+                    " ".join(str(m.offset_of(g, v.id)) for v in outs),
+                    human_bytes(sum(v.spec.nbytes for v in outs)))
+    console.print(ops)
