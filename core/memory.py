@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .ir import ACTIVATION, ITEMSIZE, Graph
 from .flow import FlowNetwork
 from .schedule import Schedule, transitive_reduction
@@ -45,18 +47,16 @@ class MemoryPlan:
 
 def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
     """Place every activation buffer of `graph` for execution under `schedule`."""
-    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    # buffers in a topological order: a buffer can only follow one produced earlier
+    roots = sorted((v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None),
+                   key=lambda r: (schedule.position[graph.values[r].producer], r))
     size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
     producer = {r: graph.values[r].producer for r in roots}
     uses = _uses(graph, roots)
     outputs = {_root(graph, o) for o in graph.outputs} & set(roots)
-    before = happens_before(graph, schedule)
-
-    def ordered(a: int, b: int) -> bool:
-        """Every use of a happens-before b's producer (outputs are ordered with nothing)."""
-        return a not in outputs and b not in outputs and uses[a] & before[producer[b]] == uses[a]
-
-    conflicts = {r: [p for p in roots if p != r and not (ordered(r, p) or ordered(p, r))] for r in roots}
+    ordered = _order(roots, uses, producer, outputs, happens_before(graph, schedule), len(graph.ops))
+    free = ordered | ordered.T
+    conflicts = {r: [roots[j] for j in np.flatnonzero(~free[i]) if j != i] for i, r in enumerate(roots)}
     span = {r: (uses[r].bit_length() - producer[r]) for r in roots}  # rough lifetime, in op ids
     orders = (  # greedy by size, by breadth (size x lifetime), and in production order
         sorted(roots, key=lambda r: (-size[r], producer[r], r)),
@@ -71,8 +71,29 @@ def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
     sizes = [0] * len(graph.values)
     for r in roots:
         offsets[r], sizes[r] = offset[r], size[r]
-    bound = _lower_bound(roots, size, ordered, schedule.position, producer)
+    bound = _lower_bound([size[r] for r in roots], ordered)
     return MemoryPlan(tuple(offsets), tuple(sizes), arena, bound, sum(size.values()))
+
+
+def _order(roots, uses, producer, outputs, before, n_ops) -> np.ndarray:
+    """ordered[i, j]: every use of buffer i happens-before buffer j's producer, so j may take
+    i's bytes. Graph outputs are ordered with nothing. One matrix product over op bitsets."""
+    def rows(masks: list[int]) -> np.ndarray:
+        width = (n_ops + 7) // 8
+        packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), np.uint8)
+        bits = np.unpackbits(packed.reshape(len(masks), width), axis=1, bitorder="little")
+        return bits[:, :n_ops].astype(np.float32)
+
+    if not roots:
+        return np.zeros((0, 0), dtype=bool)
+    used = rows([uses[r] for r in roots])
+    not_before = 1.0 - rows([before[producer[r]] for r in roots])
+    ordered = (used @ not_before.T) == 0  # counts stay exact in float32 below 2**24 ops
+    is_output = np.array([r in outputs for r in roots])
+    ordered[is_output, :] = False
+    ordered[:, is_output] = False
+    np.fill_diagonal(ordered, False)
+    return ordered
 
 
 def happens_before(graph: Graph, schedule: Schedule) -> list[int]:
@@ -136,22 +157,20 @@ def _best_fit(busy: list[tuple[int, int]], need: int) -> int:
     return cursor if best is None else best
 
 
-def _lower_bound(roots, size, ordered, position, producer) -> int:
+def _lower_bound(sizes: list[int], ordered: np.ndarray) -> int:
     """The heaviest set of buffers that pairwise must be live at once, i.e. the maximum-weight
-    antichain of the order "every use of a happens-before b's producer". By weighted Dilworth it
-    is the total size minus the most bytes that chains of that order can share: a max flow from
-    each buffer's end to any later buffer's start, through the order's transitive reduction."""
-    roots = sorted(roots, key=lambda r: (position[producer[r]], r))  # a topological order
-    later = [tuple(i for i in range(k) if ordered(roots[i], roots[k])) for k in range(len(roots))]
-    reduced = transitive_reduction(later)
-    n = len(roots)
+    antichain of the buffer order. By weighted Dilworth it is the total size minus the most bytes
+    that chains of that order can share: a max flow from each buffer's end to any later buffer's
+    start, through the order's transitive reduction. Buffers come in a topological order."""
+    n = len(sizes)
+    reduced = transitive_reduction([tuple(np.flatnonzero(ordered[:k, k]).tolist()) for k in range(n)])
     src, sink = 2 * n, 2 * n + 1  # node 2k: buffer k's end; node 2k + 1: its start
     net = FlowNetwork(2 * n + 2)
-    infinite = sum(size.values()) + 1
-    for k, r in enumerate(roots):
-        net.add_edge(src, 2 * k, size[r])
-        net.add_edge(2 * k + 1, sink, size[r])
+    infinite = sum(sizes) + 1
+    for k in range(n):
+        net.add_edge(src, 2 * k, sizes[k])
+        net.add_edge(2 * k + 1, sink, sizes[k])
         net.add_edge(2 * k + 1, 2 * k, infinite)  # a chain may pass through buffer k
         for i in reduced[k]:
             net.add_edge(2 * i, 2 * k + 1, infinite)
-    return sum(size.values()) - net.max_flow(src, sink)
+    return sum(sizes) - net.max_flow(src, sink)

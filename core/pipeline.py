@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from .memory import MemoryPlan, plan
 from .schedule import Schedule, assign_streams
 from .compare import Comparison, MismatchError, compare
 from .errors import UsageError
+from .fileio import sha256_file
 from .ir import Graph, TensorSpec
 
 CPU_RTOL, CPU_ATOL = 1e-4, 1e-5
@@ -96,7 +96,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     t = time.perf_counter()
     progress("loading")
     module = frontend.load_module(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_file(path)
     seconds["load"] = time.perf_counter() - t
 
     t = time.perf_counter()

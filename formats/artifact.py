@@ -24,7 +24,7 @@ import torch
 
 from nimble import __version__
 from nimble.errors import ArtifactError, NimbleError
-from nimble.fileio import write_atomic
+from nimble.fileio import atomic_file
 from nimble.ir import WEIGHT, Graph
 from nimble.memory import MemoryPlan
 from nimble.oplist import is_supported
@@ -61,14 +61,28 @@ def _io_specs(graph: Graph, ids) -> list[dict]:
 
 def encode(art: Artifact) -> bytes:
     """The artifact's bytes: the same objects always give the same bytes."""
+    buffer = io.BytesIO()
+    _write_zip(buffer, art)
+    return buffer.getvalue()
+
+
+def write_artifact(path: str | Path, art: Artifact) -> int:
+    """Write `art` to `path` atomically, streaming into the temp file; returns the size in bytes."""
+    with atomic_file(path) as f:
+        _write_zip(f, art)
+        return f.tell()
+
+
+def _write_zip(file, art: Artifact) -> None:
     g = art.graph
-    members = {
-        GRAPH: _json(codec.encode_graph(g)),
-        SCHEDULE: _json(codec.encode_schedule(art.schedule)),
-        MEMORY: _json(codec.encode_memory(art.memory)),
-        WEIGHTS: tensors.save({g.values[w].name: art.weights[g.values[w].name] for w in g.weights}),
-        SAMPLE_INPUTS: tensors.save({SAMPLE_INPUT_KEY.format(i): t for i, t in enumerate(art.sample_inputs)}),
-        SAMPLE_OUTPUTS: tensors.save({SAMPLE_OUTPUT_KEY.format(i): t for i, t in enumerate(art.sample_outputs)}),
+    members = {  # each member as a list of chunks, so that weights stream without a copy
+        GRAPH: [_json(codec.encode_graph(g))],
+        SCHEDULE: [_json(codec.encode_schedule(art.schedule))],
+        MEMORY: [_json(codec.encode_memory(art.memory))],
+        WEIGHTS: tensors.serialize({g.values[w].name: art.weights[g.values[w].name] for w in g.weights}),
+        SAMPLE_INPUTS: tensors.serialize({SAMPLE_INPUT_KEY.format(i): t for i, t in enumerate(art.sample_inputs)}),
+        SAMPLE_OUTPUTS: tensors.serialize({SAMPLE_OUTPUT_KEY.format(i): t
+                                           for i, t in enumerate(art.sample_outputs)}),
     }
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -77,25 +91,25 @@ def encode(art: Artifact) -> bytes:
         **{k: art.manifest[k] for k in ("model", "source_sha256", "options")},
         "inputs": _io_specs(g, g.inputs),
         "outputs": _io_specs(g, g.outputs),
-        "members": {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-                    for name, data in members.items()},
+        "members": {name: _digest(chunks) for name, chunks in members.items()},
     }
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:
-        for name, data in [(MANIFEST, _json(manifest)), *members.items()]:
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as z:
+        for name, chunks in [(MANIFEST, [_json(manifest)]), *members.items()]:
             info = zipfile.ZipInfo(name, date_time=ZIP_DATE)
             info.compress_type = zipfile.ZIP_STORED
             info.external_attr = 0o644 << 16
             info.create_system = 3
-            z.writestr(info, data)
-    return buffer.getvalue()
+            info.file_size = sum(len(c) for c in chunks)
+            with z.open(info, "w", force_zip64=info.file_size >= 2**31) as out:
+                for chunk in chunks:
+                    out.write(chunk)
 
 
-def write_artifact(path: str | Path, art: Artifact) -> int:
-    """Write `art` to `path` atomically; returns the size in bytes."""
-    data = encode(art)
-    write_atomic(path, data)
-    return len(data)
+def _digest(chunks) -> dict:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return {"sha256": h.hexdigest(), "size": sum(len(c) for c in chunks)}
 
 
 def read_artifact(path: str | Path) -> Artifact:
@@ -139,7 +153,7 @@ def _read(path: Path) -> Artifact:
             if z.getinfo(member).file_size != want["size"]:
                 raise ArtifactError(f"{name}: {member} is {z.getinfo(member).file_size} bytes, "
                                     f"the manifest says {want['size']}")
-            data[member] = z.read(member)
+            data[member] = bytearray(z.read(member))  # writable, so tensors can view it
             if hashlib.sha256(data[member]).hexdigest() != want["sha256"]:
                 raise ArtifactError(f"{name}: {member} does not match its sha256 in the manifest")
     graph = codec.decode_graph(_parse_json(data[GRAPH], GRAPH, name))

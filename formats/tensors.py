@@ -10,16 +10,20 @@ import json
 import math
 import struct
 
-import safetensors.torch
+import torch
 
 from nimble.errors import ArtifactError
 
 from .spec import MAX_SAFETENSORS_HEADER
 
-# safetensors dtype names -> (nimble dtype name, bytes per element)
+# safetensors dtype codes -> (nimble dtype name, bytes per element)
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
           "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
           "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8)}
+DTYPES_TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool, "complex64": torch.complex64}
+_CODES = {DTYPES_TORCH[name]: code for code, (name, _) in DTYPES.items()}
 
 
 def read_header(data: bytes, member: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -62,14 +66,38 @@ def read_header(data: bytes, member: str) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
-def load(data: bytes, member: str, expected: dict[str, tuple[str, tuple[int, ...]]]):
-    """The tensors of a safetensors blob whose header must describe exactly `expected`."""
+def load(data: bytes | bytearray, member: str, expected: dict[str, tuple[str, tuple[int, ...]]]):
+    """The tensors of a safetensors blob whose header must describe exactly `expected`. The
+    tensors are views of `data`'s bytes (pass a bytearray to keep them writable)."""
     found = read_header(data, member)
     if found != expected:
         missing = sorted(set(expected) - set(found)) or sorted(k for k in found if found[k] != expected.get(k))
         raise ArtifactError(f"{member} does not match the graph (first difference: '{(missing or ['?'])[0]}')")
-    return safetensors.torch.load(data)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, (dtype, shape) in found.items():
+        start, end = header[name]["data_offsets"]
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=8 + n + start) if end > start \
+            else torch.empty(0, dtype=torch.uint8)
+        out[name] = flat.view(DTYPES_TORCH[dtype]).reshape(shape)
+    return out
 
 
-def save(tensors: dict) -> bytes:
-    return safetensors.torch.save({k: t.contiguous() for k, t in tensors.items()})
+def serialize(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """A safetensors blob as chunks (header, then each tensor's bytes, by name), without
+    copying tensor data. Any safetensors reader can load the joined chunks."""
+    names = sorted(tensors)
+    flats = {k: tensors[k].detach().contiguous().reshape(-1).view(torch.uint8) for k in names}
+    header, offset = {}, 0
+    for k in names:
+        code = _CODES[tensors[k].dtype]
+        header[k] = {"dtype": code, "shape": list(tensors[k].shape), "data_offsets": [offset, offset + flats[k].numel()]}
+        offset += flats[k].numel()
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text] + [memoryview(flats[k].numpy()) for k in names if flats[k].numel()]
+
+
+def save(tensors: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(serialize(tensors))

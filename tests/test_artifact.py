@@ -273,3 +273,21 @@ def test_cli_reports_artifact_errors_in_one_line(blob, tmp_path):
     assert len(result.stderr.strip().splitlines()) <= 2 and "error:" in result.stderr
     missing = CliRunner().invoke(app, ["inspect", str(tmp_path / "none.nimble")])
     assert missing.exit_code == 1 and "no such file" in missing.stderr
+
+
+def test_weights_are_standard_safetensors_readable_by_the_safetensors_library():
+    import safetensors.torch
+
+    from nimble.formats import tensors
+
+    sample = {"b": torch.randn(3, 4), "a": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+              "h": torch.randn(5).to(torch.bfloat16), "m": torch.tensor([True, False]),
+              "s": torch.tensor(2.5), "e": torch.zeros(0, 3), "t": torch.randn(4, 3).t()}
+    blob = tensors.save(sample)
+    theirs = safetensors.torch.load(blob)
+    ours = tensors.load(bytearray(blob), "x", {k: (tensors.DTYPES[tensors._CODES[t.dtype]][0], tuple(t.shape))
+                                             for k, t in sample.items()})
+    for k, t in sample.items():
+        assert torch.equal(theirs[k], t) and torch.equal(ours[k], t) and ours[k].dtype == t.dtype
+    contiguous = {k: t.contiguous() for k, t in sample.items()}
+    assert safetensors.torch.load(safetensors.torch.save(contiguous)).keys() == ours.keys()
