@@ -117,4 +117,6 @@ def _summary(c) -> None:
     if c.check is not None:
         console.print(f"  check on {c.check_device}: {c.check.describe()}")
     times = ", ".join(f"{k} {v:.2f} s" for k, v in c.seconds.items())
-    console.print(f"  time: {times}")
+    total = sum(c.seconds.values())
+    console.print(f"  time: {times}; total {total:.2f} s, "
+                  f"{total - c.seconds.get('check', 0):.2f} s without the reference run")
