@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 
 _API = {
     "compile_model": "pipeline",
+    "load": "runtime",
+    "Executable": "runtime",
     "Compiled": "pipeline",
     "input_specs": "specs",
     "NimbleError": "errors",

@@ -1,0 +1,119 @@
+"""Running ops so that their results land at their planned arena offsets.
+
+Each op whose output is a planned buffer writes straight into its arena view through the op's
+`out=` overload. Where that overload would only compute and then copy (convolution, relu), a
+substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add, and
+clamp_min for relu. An op with no out= overload computes, then copies into its view. Views and
+in-place results are whatever the op returns: views of the arena, of inputs or of weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import torchops
+from .ir import ACTIVATION, Graph, Op, contiguous_strides
+from .memory import MemoryPlan
+
+
+def out_overload(target: str):
+    """The `out=` overload that matches a functional overload argument for argument, or None.
+    Returns (overload, names of its out arguments)."""
+    fn = torchops.resolve(target)
+    functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
+    packet = getattr(torch.ops.aten, target.split("::")[1].split(".")[0])
+    for name in sorted(packet.overloads()):
+        if "out" not in name:
+            continue
+        schema = getattr(packet, name)._schema
+        outs = [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        rest = [(a.name, str(a.type)) for a in schema.arguments if a not in outs]
+        if rest == functional and len(outs) == len(fn._schema.returns):
+            return getattr(packet, name), [a.name for a in outs]
+    return None
+
+
+def _cudnn_conv(args: list, out: torch.Tensor) -> bool:
+    """aten::convolution into `out` with cuDNN's own out= kernel; False where it does not apply."""
+    x, w, bias, stride, padding, dilation, transposed, _, groups = args
+    if transposed or not x.is_cuda or x.dim() != 4 or not torch.backends.cudnn.enabled:
+        return False
+    torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, groups, False, False,
+                                         torch.backends.cudnn.allow_tf32, out=out)
+    if bias is not None:
+        out.add_(bias.reshape(1, -1, 1, 1))
+    return True
+
+
+def _relu(args: list, out: torch.Tensor) -> bool:
+    torch.ops.aten.clamp_min.out(args[0], 0, out=out)
+    return True
+
+
+# target -> writer(args, out) that fills `out` with a real out= kernel, or returns False
+SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], bool]] = {
+    "aten::convolution.default": _cudnn_conv,
+    "aten::relu.default": _relu,
+}
+# Generated out= overloads that allocate a result and copy it: no better than computing then copying.
+COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",
+                         "aten::native_layer_norm.default"})
+
+
+@dataclass
+class PlacedOp:
+    op: Op
+    fn: Callable
+    out_fn: Callable | None  # the op's out= overload, used when every output is a planned buffer
+    out_names: list[str]
+    substitute: Callable | None
+
+
+def prepare(graph: Graph) -> list[PlacedOp]:
+    """Resolve every op once: its function, out= overload and substitute."""
+    placed = []
+    for op in graph.ops:
+        found = None if op.target in COPYING_OUT else out_overload(op.target)
+        placed.append(PlacedOp(op, torchops.resolve(op.target), found[0] if found else None,
+                               found[1] if found else [], SUBSTITUTES.get(op.target)))
+    return placed
+
+
+def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Value id -> a tensor over its planned bytes, for every planned (root) activation."""
+    views = {}
+    for v in graph.values:
+        off = memory.offset[v.id]
+        if v.kind != ACTIVATION or off is None:
+            continue
+        dtype = torchops.DTYPES[v.spec.dtype]
+        flat = arena[off: off + memory.size[v.id]].view(dtype)
+        views[v.id] = flat.as_strided(v.spec.shape, v.spec.strides or contiguous_strides(v.spec.shape),
+                                      flat.storage_offset() + v.spec.offset)  # as_strided offsets are absolute
+    return views
+
+
+def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device) -> None:
+    """Run one op: planned outputs are written into their views, the rest bound as returned."""
+    op = p.op
+    args = [torchops.to_torch(a, env, device) for a in op.args]
+    kwargs = {k: torchops.to_torch(v, env, device) for k, v in op.kwargs}
+    planned = [views.get(o) for o in op.outputs]
+    if planned and all(t is not None for t in planned):
+        if p.substitute is not None and len(planned) == 1 and p.substitute(args, planned[0]):
+            env[op.outputs[0]] = planned[0]
+            return
+        if p.out_fn is not None:
+            p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
+            env.update(zip(op.outputs, planned))
+            return
+    results = torchops.flatten_result(p.fn(*args, **kwargs))
+    for vid, t, view in zip(op.outputs, results, planned):
+        if view is None:
+            env[vid] = t  # a view or in-place result, or an output outside the arena
+        else:
+            view.copy_(t)
+            env[vid] = view

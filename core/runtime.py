@@ -1,0 +1,222 @@
+"""Loading an artifact for execution: `nimble.load(path) -> Executable`.
+
+On CUDA, loading moves the weights to the device, allocates one arena of the planned size and one
+static buffer per input, creates the planned streams, runs the op list once eagerly on those
+streams (which validates every op and creates each stream's cuBLAS and cuDNN handles and
+workspaces), then captures it once into a CUDA graph in issue order: each op on its stream, an
+event wait for each planned wait, every side stream forked from the capturing stream and joined
+back to it. A call copies the inputs into their buffers and replays the graph. Loading reads the
+schedule and the memory plan from the artifact; it never computes them.
+
+On the CPU, the same placed op list runs serially in issue order on each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import torchops
+from .errors import NimbleError, ShapeError
+from .ir import WEIGHT
+from .placed import PlacedOp, arena_views, prepare, run_op
+
+
+class ExecutionError(NimbleError):
+    """The artifact cannot run here: out of memory, an op that fails, a capture that fails."""
+
+
+class CaptureError(ExecutionError):
+    """CUDA graph capture failed; the process's CUDA state may be unusable."""
+
+
+@dataclass
+class LoadStats:
+    seconds: dict[str, float] = field(default_factory=dict)
+    weight_bytes: int = 0
+    arena_bytes: int = 0
+    scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
+
+
+def resolve_device(device: str) -> tuple[torch.device, str | None]:
+    """(device, notice): auto picks CUDA when present, else the CPU with a notice."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), None
+        return torch.device("cpu"), "no CUDA device here: running the op list serially on the CPU"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise NimbleError("--device cuda: this machine has no CUDA device; use --device cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise NimbleError(f"device {device!r}: use auto, cpu or cuda")
+    return torch.device(device), None
+
+
+class Executable:
+    """A loaded artifact. Calling it runs one inference: `outputs = exe(x)` or `exe(x, y)`.
+
+    Outputs are views of nimble's buffers, valid until the next call; pass `copy=True` for tensors
+    of your own."""
+
+    def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
+                 use_graph: bool = True):
+        t0 = time.perf_counter()
+        self.artifact = artifact
+        self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
+        self.device, self.notice = resolve_device(device)
+        self.stats = LoadStats()
+        self._placed: list[PlacedOp] = prepare(self.graph)
+        self._cuda_graph = None
+        self._broken = None
+        self._with_arena = arena
+        self._order = list(range(len(self.graph.ops))) if single_stream else list(self.schedule.order)
+        self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
+        self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
+        self._allocate()
+        self.stats.seconds["allocate"] = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
+            t = time.perf_counter()
+            self._issue(validate=True)  # eager warm-up on every stream: handles and workspaces exist
+            torch.cuda.synchronize(self.device)
+            self.stats.seconds["warmup"] = time.perf_counter() - t
+            if use_graph:
+                t = time.perf_counter()
+                self._capture()
+                self.stats.seconds["capture"] = time.perf_counter() - t
+        self.stats.seconds["total"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------ set-up
+    def _allocate(self) -> None:
+        g, dev = self.graph, self.device
+        need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
+        try:
+            self._weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values if v.kind == WEIGHT}
+            self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
+            self._inputs = [torch.empty(g.values[i].spec.shape, dtype=torchops.DTYPES[g.values[i].spec.dtype],
+                                        device=dev) for i in g.inputs]
+        except torch.cuda.OutOfMemoryError:
+            raise ExecutionError(f"out of GPU memory while loading: the weights and arena need {need} bytes "
+                                f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
+        self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
+        self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
+        self.stats.arena_bytes = self.memory.arena_bytes if self._with_arena else 0
+
+    def _env(self) -> dict[int, torch.Tensor]:
+        env = dict(self._weights)
+        env.update(zip(self.graph.inputs, self._inputs))
+        return env
+
+    def _issue(self, validate: bool = False) -> dict[int, torch.Tensor]:
+        """Issue every op in order on its stream, waiting on the planned events."""
+        env = self._env()
+        cuda = self.device.type == "cuda"
+        waited = {u for ws in self._waits for u in ws}
+        events: dict[int, torch.cuda.Event] = {}
+        for i in self._order:
+            p = self._placed[i]
+            if cuda:
+                stream = self._streams[self._stream_of[i]]
+                ctx = torch.cuda.stream(stream)
+            else:
+                stream, ctx = None, contextlib.nullcontext()
+            with ctx:
+                for u in self._waits[i] if cuda else ():
+                    stream.wait_event(events[u])
+                try:
+                    run_op(p, env, self._views, self.device)
+                except Exception as e:
+                    if not validate:
+                        raise
+                    raise ExecutionError(f"op {i} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
+                                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
+                        from e
+                if cuda and i in waited:
+                    events[i] = torch.cuda.Event()
+                    events[i].record(stream)
+        if cuda:
+            main = torch.cuda.current_stream(self.device)
+            for s in self._streams:
+                main.wait_stream(s)
+        self._env_after = env
+        return env
+
+    def _capture(self) -> None:
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        capture = self._streams[0]
+        capture.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.graph(graph, stream=capture):
+                for s in self._streams[1:]:
+                    s.wait_stream(capture)  # fork every side stream from the capturing stream
+                env = self._issue()
+                for s in self._streams[1:]:
+                    capture.wait_stream(s)  # and join them back before capture ends
+        except Exception as e:
+            self._broken = str(e)
+            raise CaptureError(f"CUDA graph capture failed ({str(e).strip().splitlines()[0]}); this process "
+                               "cannot use CUDA reliably any more. Restart it, and try an artifact compiled "
+                               "with --streams 1") from e
+        torch.cuda.synchronize(self.device)
+        self.stats.scratch_bytes = torch.cuda.memory_reserved(self.device) - before
+        self._cuda_graph = graph
+        self._outputs = [env[o] for o in self.graph.outputs]
+        self._tensors = env
+
+    # ------------------------------------------------------------------------------ calls
+    def __call__(self, *inputs: torch.Tensor, copy: bool = False) -> list[torch.Tensor]:
+        self._load_inputs(inputs)
+        if self._cuda_graph is not None:
+            self._cuda_graph.replay()
+            outputs = self._outputs
+        else:
+            env = self._issue()
+            outputs = [env[o] for o in self.graph.outputs]
+        return [t.clone() for t in outputs] if copy else list(outputs)
+
+    def replay(self) -> None:
+        """One inference on whatever the input buffers hold (for benchmarks)."""
+        if self._cuda_graph is not None:
+            self._cuda_graph.replay()
+        else:
+            self._issue()
+
+    def _load_inputs(self, inputs) -> None:
+        g = self.graph
+        if len(inputs) != len(g.inputs):
+            raise ShapeError(f"the model takes {len(g.inputs)} input(s) "
+                             f"({', '.join(g.values[i].name for i in g.inputs)}), got {len(inputs)}")
+        for vid, buf, x in zip(g.inputs, self._inputs, inputs):
+            spec = g.values[vid].spec
+            if not isinstance(x, torch.Tensor):
+                raise ShapeError(f"input '{g.values[vid].name}' must be a tensor, got {type(x).__name__}")
+            if tuple(x.shape) != spec.shape or x.dtype != buf.dtype:
+                raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
+                                 f"{torchops.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
+                                 "other shapes")
+            buf.copy_(x, non_blocking=True)
+
+    @property
+    def input_buffers(self) -> list[torch.Tensor]:
+        return list(self._inputs)
+
+    def tensors(self) -> dict[int, torch.Tensor]:
+        """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call."""
+        return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
+
+
+def load(path: str | Path, device: str = "auto") -> Executable:
+    """Read and validate an artifact, then prepare it for execution on `device`."""
+    from nimble.formats import read_artifact
+
+    t = time.perf_counter()
+    art = read_artifact(path)
+    read_s = time.perf_counter() - t
+    exe = Executable(art, device)
+    exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
+    return exe
+
