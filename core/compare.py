@@ -10,6 +10,14 @@ import torch
 from .errors import NimbleError
 
 
+CPU_TOLERANCE = (1e-4, 1e-5)  # (rtol, atol) for fp32 numerics
+CUDA_TOLERANCE = (1e-2, 1e-3)  # convolutions run in TF32 on the GPU by default
+
+
+def default_tolerance(device) -> tuple[float, float]:
+    return CPU_TOLERANCE if str(device).startswith("cpu") else CUDA_TOLERANCE
+
+
 class MismatchError(NimbleError):
     """Outputs differ from the reference beyond the tolerance."""
 
@@ -27,10 +35,15 @@ class Comparison:
     def passed(self) -> bool:
         return self.max_abs <= self.atol or self.max_rel <= self.rtol
 
+    @property
+    def passing_rtol(self) -> str:
+        """The smallest one-digit rtol that would have passed."""
+        return _ceil(self.max_rel)
+
     def describe(self) -> str:
         verdict = "ok" if self.passed else "MISMATCH"
         return (f"{verdict}: max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g} "
-                f"(rtol {self.rtol:g}, atol {self.atol:g}; rtol {_ceil(self.max_rel)} would pass)")
+                f"(rtol {self.rtol:g}, atol {self.atol:g}; rtol {self.passing_rtol} would pass)")
 
 
 def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> Comparison:

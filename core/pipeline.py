@@ -11,13 +11,11 @@ import torch
 from . import frontend, reference, torchops
 from .memory import MemoryPlan, plan
 from .schedule import Schedule, assign_streams
-from .compare import Comparison, MismatchError, compare
+from .compare import Comparison, MismatchError, compare, default_tolerance
 from .errors import UsageError
 from .fileio import sha256_file
 from .ir import Graph, TensorSpec
 
-CPU_RTOL, CPU_ATOL = 1e-4, 1e-5
-CUDA_RTOL, CUDA_ATOL = 1e-2, 1e-3  # convolutions run in TF32 on the GPU by default
 
 
 @dataclass
@@ -112,7 +110,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     result = None
     if check:
         got = reference.run(lowered.graph, lowered.weights, xs, device)
-        rtol, atol = (CPU_RTOL, CPU_ATOL) if device == "cpu" else (CUDA_RTOL, CUDA_ATOL)
+        rtol, atol = default_tolerance(device)
         result = compare(got, expected, rtol, atol)
         if not result.passed:
             raise MismatchError(f"{path.name}: the lowered op list does not reproduce the model on "

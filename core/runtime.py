@@ -62,7 +62,7 @@ class Executable:
     of your own."""
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
-                 use_graph: bool = True):
+                 use_graph: bool = True, graph_dump: str | None = None):
         t0 = time.perf_counter()
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
@@ -85,7 +85,7 @@ class Executable:
             self.stats.seconds["warmup"] = time.perf_counter() - t
             if use_graph:
                 t = time.perf_counter()
-                self._capture()
+                self._capture(graph_dump)
                 self.stats.seconds["capture"] = time.perf_counter() - t
         self.stats.seconds["total"] = time.perf_counter() - t0
 
@@ -144,9 +144,11 @@ class Executable:
         self._env_after = env
         return env
 
-    def _capture(self) -> None:
+    def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
+        if dump:
+            graph.enable_debug_mode()  # keeps the graph so that debug_dump can write it as DOT
         capture = self._streams[0]
         capture.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -162,6 +164,8 @@ class Executable:
                                "cannot use CUDA reliably any more. Restart it, and try an artifact compiled "
                                "with --streams 1") from e
         torch.cuda.synchronize(self.device)
+        if dump:
+            graph.debug_dump(dump)
         self.stats.scratch_bytes = torch.cuda.memory_reserved(self.device) - before
         self._cuda_graph = graph
         self._outputs = [env[o] for o in self.graph.outputs]

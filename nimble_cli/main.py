@@ -8,6 +8,8 @@ from nimble import __version__
 
 from .compile import compile_command
 from .inspect import inspect_command
+from .run import run_command
+from .bench import bench_command
 
 app = typer.Typer(
     name="nimble",
@@ -34,6 +36,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 app.command("compile")(compile_command)
 app.command("inspect")(inspect_command)
+app.command("run")(run_command)
+app.command("bench")(bench_command)
 
 
 def main() -> None:

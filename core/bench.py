@@ -1,0 +1,71 @@
+"""Latency measurement in trtexec's vocabulary, for any runner with a `replay()` method.
+
+Latency is host wall time from launching one inference until the GPU finished it (the inputs
+already sit in the runner's buffers). GPU compute time comes from CUDA events around the launch,
+host enqueue time from the host clock around it. Throughput comes from back-to-back launches.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Timing:
+    latency_ms: list[float] = field(default_factory=list)
+    gpu_ms: list[float] = field(default_factory=list)
+    enqueue_ms: list[float] = field(default_factory=list)
+    throughput: float = 0.0  # inferences per second, back to back
+
+    def summary(self, percentiles=(90, 95, 99)) -> dict:
+        lat = sorted(self.latency_ms)
+        mean = statistics.fmean(lat)
+        out = {"iterations": len(lat), "min_ms": lat[0], "mean_ms": mean, "median_ms": statistics.median(lat),
+               "max_ms": lat[-1], "cv_percent": 100 * statistics.pstdev(lat) / mean if mean else 0.0,
+               "gpu_mean_ms": statistics.fmean(self.gpu_ms) if self.gpu_ms else None,
+               "enqueue_mean_ms": statistics.fmean(self.enqueue_ms), "throughput_per_s": self.throughput}
+        for p in percentiles:
+            out[f"p{p:g}_ms"] = lat[min(len(lat) - 1, max(0, math.ceil(p / 100 * len(lat)) - 1))]
+        return out
+
+
+def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0,
+            iterations: int | None = None) -> Timing:
+    """Time `replay()`: warm up for warmup_ms, then run for duration_s or exactly `iterations` times."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    end = time.perf_counter() + warmup_ms / 1000
+    while True:
+        replay()
+        sync()
+        if time.perf_counter() >= end:
+            break
+    timing = Timing()
+    start_ev, stop_ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
+        else (None, None)
+    deadline = time.perf_counter() + duration_s
+    while (len(timing.latency_ms) < iterations) if iterations else (time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        if cuda:
+            start_ev.record()
+        replay()
+        t1 = time.perf_counter()
+        if cuda:
+            stop_ev.record()
+        sync()
+        t2 = time.perf_counter()
+        timing.latency_ms.append((t2 - t0) * 1000)
+        timing.enqueue_ms.append((t1 - t0) * 1000)
+        if cuda:
+            timing.gpu_ms.append(start_ev.elapsed_time(stop_ev))
+    n = max(1, min(len(timing.latency_ms), 1000))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        replay()
+    sync()
+    timing.throughput = n / (time.perf_counter() - t0)
+    return timing

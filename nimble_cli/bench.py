@@ -1,0 +1,158 @@
+"""`nimble bench`: latency, throughput and memory of an artifact, beside PyTorch baselines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, human_bytes, print_json, user_errors
+
+BENCH_SCHEMA_VERSION = 1
+VARIANTS = {
+    "nimble": "nimble: planned streams, planned arena, one CUDA graph",
+    "eager": "the same op list run eagerly, one op at a time, no graph",
+    "pytorch_graph_1stream": "one-stream CUDA graph of the op list in PyTorch's graph pool",
+    "pytorch_graph_streams": "the planned multi-stream CUDA graph in PyTorch's graph pool",
+}
+SHORT = {"nimble": "nimble", "eager": "eager", "pytorch_graph_1stream": "pt graph 1s",
+         "pytorch_graph_streams": "pt graph ms"}
+
+
+def bench_command(
+    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    warmup_ms: float = typer.Option(200, "--warmup-ms", help="Warm-up time before measuring, per variant."),
+    duration_s: float = typer.Option(3.0, "--duration-s", help="Measuring time per variant."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Measure exactly N inferences per "
+                                             "variant instead of --duration-s."),
+    percentiles: str = typer.Option("90,95,99", "--percentiles", help="Latency percentiles to report."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
+                                   "PyTorch-pool CUDA graphs in the same process."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA if present), cuda or cpu."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON report on stdout."),
+    export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
+                                                "times (latency, GPU, enqueue; ms) to this JSON file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    """Measure an artifact's latency in trtexec's terms (min, mean, median, percentiles, max, GPU
+    compute time, host enqueue time, throughput, coefficient of variation), its load time and time
+    to first inference, and its GPU memory, beside three baselines run in the same process.
+
+    Example: nimble bench sample_models/inception.nimble --duration-s 2
+    """
+    with user_errors(debug):
+        import time
+
+        import torch
+
+        from nimble import reference
+        from nimble.bench import measure
+        from nimble.errors import UsageError
+        from nimble.runtime import Executable, load
+
+        try:
+            pcts = tuple(float(p) for p in percentiles.split(",") if p.strip())
+        except ValueError:
+            raise UsageError(f"--percentiles {percentiles!r}: give numbers such as 90,95,99") from None
+        if not all(0 < p <= 100 for p in pcts):
+            raise UsageError("--percentiles must lie in (0, 100]")
+        if iterations is not None and iterations < 1:
+            raise UsageError("--iterations must be at least 1")
+        if duration_s <= 0 or warmup_ms < 0:
+            raise UsageError("--duration-s must be positive and --warmup-ms not negative")
+
+        with console.status(f"loading {artifact.name}", spinner="dots") as status:
+            t0 = time.perf_counter()
+            exe = load(artifact, device)
+            cuda = exe.device.type == "cuda"
+            for buf, x in zip(exe.input_buffers, exe.artifact.sample_inputs):
+                buf.copy_(x)
+            exe.replay()
+            if cuda:
+                torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() if cuda else None
+            if exe.notice:
+                console.print(f"[yellow]note:[/] {exe.notice}")
+            runners = {"nimble": exe.replay}
+            memory = {"weights_bytes": exe.stats.weight_bytes, "arena_bytes": exe.stats.arena_bytes,
+                      "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
+            if baselines:
+                status.update("building baselines")
+                weights = {k: t.to(exe.device) for k, t in exe.artifact.weights.items()}
+                xs = [b.clone() for b in exe.input_buffers]
+                runners["eager"] = lambda: reference.run(exe.graph, weights, xs, exe.device)
+                if cuda:
+                    for name, single in (("pytorch_graph_1stream", True), ("pytorch_graph_streams", False)):
+                        torch.cuda.empty_cache()
+                        other = Executable(exe.artifact, "cuda", arena=False, single_stream=single)
+                        for buf, x in zip(other.input_buffers, exe.artifact.sample_inputs):
+                            buf.copy_(x)
+                        runners[name] = other.replay
+                        memory[f"{name}_pool_bytes"] = other.stats.scratch_bytes
+            results = {}
+            for name, replay in runners.items():
+                status.update(f"timing {name}")
+                results[name] = measure(replay, cuda=cuda, warmup_ms=warmup_ms, duration_s=duration_s,
+                                        iterations=iterations)
+        summaries = {k: t.summary(pcts) for k, t in results.items()}
+        report = {
+            "schema_version": BENCH_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
+            "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+            "load_seconds": exe.stats.seconds["total"], "first_inference_seconds": first,
+            "load_breakdown_seconds": exe.stats.seconds, "memory": memory,
+            "settings": {"warmup_ms": warmup_ms, "duration_s": None if iterations else duration_s,
+                         "iterations": iterations, "percentiles": list(pcts)},
+            "results": summaries,
+            "speedup_vs": {k: s["mean_ms"] / summaries["nimble"]["mean_ms"] for k, s in summaries.items()
+                           if k != "nimble"},
+        }
+        if export_times is not None:
+            from nimble.fileio import write_atomic
+
+            t = results["nimble"]
+            write_atomic(export_times, json.dumps([{"latency_ms": a, "gpu_ms": b, "enqueue_ms": c} for a, b, c in
+                                                   zip(t.latency_ms, t.gpu_ms or [None] * len(t.latency_ms),
+                                                       t.enqueue_ms)], indent=1).encode())
+        if json_out:
+            print_json(report)
+        _print(report, pcts)
+
+
+def _print(r: dict, pcts) -> None:
+    console.print(f"[bold]{Path(r['artifact']).name}[/] on {r['gpu'] or r['device']} (torch {r['torch']}): "
+                  f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
+    names = list(r["results"])
+    table = Table(show_edge=False, pad_edge=False, title="latency per inference, ms", title_justify="left")
+    table.add_column("")
+    for name in names:
+        table.add_column(SHORT[name], justify="right", no_wrap=True)
+    rows = [("mean", "mean_ms"), ("median", "median_ms"), *[(f"p{p:g}", f"p{p:g}_ms") for p in pcts],
+            ("min", "min_ms"), ("max", "max_ms"), ("GPU compute", "gpu_mean_ms"), ("host enqueue", "enqueue_mean_ms")]
+    for label, key in rows:
+        table.add_row(label, *("-" if r["results"][n][key] is None else f"{r['results'][n][key]:.3f}" for n in names))
+    table.add_row("throughput /s", *(f"{r['results'][n]['throughput_per_s']:.0f}" for n in names))
+    table.add_row("CV %", *(f"{r['results'][n]['cv_percent']:.1f}" for n in names))
+    table.add_row("nimble speedup", *("-" if n == "nimble" else f"{r['speedup_vs'][n]:.2f}x" for n in names))
+    console.print(table)
+    for name in names:
+        what = VARIANTS[name] if r["gpu"] or name != "nimble" else "nimble: the placed op list in its arena, serially"
+        console.print(f"  {SHORT[name]}: {what}")
+    m = r["memory"]
+    line = (f"memory: weights {human_bytes(m['weights_bytes'])}, arena {human_bytes(m['arena_bytes'])}, "
+            f"scratch {human_bytes(m['scratch_bytes'])}")
+    if m["process_peak_bytes"] is not None:
+        line += f", process peak {human_bytes(m['process_peak_bytes'])}"
+    console.print(line)
+    if "pytorch_graph_streams_pool_bytes" in m:
+        pool = m["pytorch_graph_streams_pool_bytes"]
+        ours = m["arena_bytes"] + m["scratch_bytes"]
+        console.print(f"PyTorch's graph pool for the same multi-stream capture: {human_bytes(pool)}; nimble's arena "
+                      f"plus scratch is {ours / max(pool, 1):.2f}x of it")
+    for name, s in r["results"].items():
+        if s["cv_percent"] > 2.5:
+            console.print(f"[yellow]warning:[/] {name}: coefficient of variation {s['cv_percent']:.1f}% is above "
+                          "2.5%; the machine may be busy, or raise --duration-s")

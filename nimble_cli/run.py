@@ -1,0 +1,136 @@
+"""`nimble run`: load an artifact, capture it, and run one inference."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import console, print_json, user_errors
+
+RUN_SCHEMA_VERSION = 1
+
+
+def run_command(
+    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    inputs: Optional[list[str]] = typer.Option(None, "--input", "-i", help="NAME=FILE.npy or NAME=FILE.safetensors "
+                                               "(or just FILE for a one-input model). Repeat per input."),
+    random: bool = typer.Option(False, "--random", help="Run on random inputs of the right shapes."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs to this .safetensors file."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA if present, else the CPU), cuda or cpu."),
+    check: bool = typer.Option(False, "--check", help="Run the artifact's stored sample input and compare with the "
+                               "stored reference outputs; exit 3 on a mismatch."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for --check (default 1e-2 on "
+                                         "CUDA, where convolutions run in TF32; 1e-4 on the CPU)."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
+                                         "CUDA, 1e-5 on the CPU)."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON report on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    """Run one inference. With no --input or --random, it uses the artifact's stored sample input.
+
+    Example: nimble run sample_models/inception.nimble --check
+    """
+    with user_errors(debug):
+        from nimble.compare import MismatchError, compare, default_tolerance
+        from nimble.errors import UsageError
+        from nimble.runtime import load
+
+        if check and (inputs or random):
+            raise UsageError("--check runs the stored sample input; leave out --input and --random")
+        if inputs and random:
+            raise UsageError("give --input files or --random, not both")
+        with console.status(f"loading {artifact.name}", spinner="dots"):
+            t = time.perf_counter()
+            exe = load(artifact, device)
+        if exe.notice:
+            console.print(f"[yellow]note:[/] {exe.notice}")
+        g = exe.graph
+        if inputs:
+            xs = read_inputs(inputs, g)
+        elif random:
+            from nimble.pipeline import sample_inputs
+
+            xs = sample_inputs([g.values[i].spec for i in g.inputs], seed=int(time.time()))
+        else:
+            xs = exe.artifact.sample_inputs
+        outs = exe(*[x.to(exe.device) for x in xs], copy=True)
+        first = time.perf_counter() - t
+        report = {"schema_version": RUN_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
+                  "load_seconds": round(exe.stats.seconds["total"], 4), "first_inference_seconds": round(first, 4),
+                  "outputs": [_describe(g.values[o].name, t) for o, t in zip(g.outputs, outs)], "check": None}
+        result = None
+        if check:
+            rt, at = default_tolerance(exe.device)
+            result = compare(outs, exe.artifact.sample_outputs, rtol if rtol is not None else rt,
+                             atol if atol is not None else at)
+            report["check"] = {"passed": result.passed, "max_abs": result.max_abs, "max_rel": result.max_rel,
+                               "rtol": result.rtol, "atol": result.atol}
+        if output is not None:
+            from nimble.fileio import write_atomic
+            from nimble.formats.tensors import save
+
+            write_atomic(output, save({g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)}))
+        if json_out:
+            print_json(report)
+        console.print(f"{artifact.name} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
+                      f"first inference after {first:.2f} s")
+        for o in report["outputs"]:
+            console.print(f"  {o['name']}: {o['dtype']}{o['shape']} min {o['min']:.4g} max {o['max']:.4g} "
+                          f"mean {o['mean']:.4g}")
+        if output is not None:
+            console.print(f"  wrote {output}")
+        if result is not None:
+            console.print(f"  check: {result.describe()}")
+            if not result.passed:
+                raise MismatchError(f"outputs differ from the stored reference beyond the tolerance; "
+                                    f"--rtol {result.passing_rtol} would accept them")
+
+
+def _describe(name: str, t) -> dict:
+    f = t.detach().float()
+    return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "min": f.min().item() if f.numel() else 0.0, "max": f.max().item() if f.numel() else 0.0,
+            "mean": f.mean().item() if f.numel() else 0.0}
+
+
+def read_inputs(items: list[str], graph) -> list:
+    """Tensors for each graph input from NAME=FILE arguments (.npy or .safetensors)."""
+    import numpy as np
+    import torch
+
+    from nimble.errors import ModelError, UsageError
+
+    names = [graph.values[i].name for i in graph.inputs]
+    given: dict[str, object] = {}
+    for item in items:
+        name, sep, file = item.partition("=")
+        if not sep:
+            if len(names) != 1:
+                raise UsageError(f"--input {item}: this model has inputs {', '.join(names)}; write NAME=FILE")
+            name, file = names[0], item
+        if name not in names:
+            raise UsageError(f"--input {item}: the model has no input '{name}' (inputs: {', '.join(names)})")
+        path = Path(file)
+        if not path.is_file():
+            raise ModelError(f"--input {item}: {path}: no such file")
+        try:
+            if path.suffix == ".npy":
+                given[name] = torch.from_numpy(np.load(path, allow_pickle=False))
+            elif path.suffix == ".safetensors":
+                import safetensors.torch
+
+                tensors = safetensors.torch.load_file(str(path))
+                if name not in tensors and len(tensors) != 1:
+                    raise ModelError(f"--input {item}: {path} holds {', '.join(tensors)}, not '{name}'")
+                given[name] = tensors.get(name, next(iter(tensors.values())))
+            else:
+                raise UsageError(f"--input {item}: use a .npy or .safetensors file")
+        except (ValueError, OSError) as e:
+            raise ModelError(f"--input {item}: {path} could not be read ({e})") from None
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise UsageError(f"no --input for {', '.join(missing)}; give one per model input, or use --random")
+    return [given[n] for n in names]

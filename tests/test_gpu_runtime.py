@@ -1,0 +1,130 @@
+"""The CUDA runtime: parity, races, placement and real parallelism. Run with `pytest -m gpu`."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from typer.testing import CliRunner
+
+import nimble
+from nimble import reference
+from nimble.cli.main import app
+from nimble.compare import compare
+from nimble.formats import read_artifact, write_artifact
+from nimble.pipeline import compile_model
+from nimble.runtime import Executable
+from nimble.specs import input_specs
+
+from .conftest import MODELS, SAMPLES, save_script
+
+pytestmark = pytest.mark.gpu
+
+
+def shapes_of(name):
+    return ["x".join(map(str, s)) for s in MODELS[name][1]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu_artifacts")
+    out = {}
+    for name in MODELS:
+        c = compile_model(SAMPLES / f"{name}.pt", input_specs(shapes_of(name)), device="cpu")
+        write_artifact(folder / f"{name}.nimble", c.artifact())
+        out[name] = folder / f"{name}.nimble"
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_parity_and_placement_on_cuda(artifacts, name):
+    exe = nimble.load(artifacts[name], device="cuda")
+    outs = exe(*exe.artifact.sample_inputs, copy=True)
+    result = compare(outs, exe.artifact.sample_outputs, rtol=1e-2, atol=1e-3)
+    assert result.passed, result.describe()
+    base, env = exe.arena.data_ptr(), exe.tensors()
+    planned = [v.id for v in exe.graph.values if exe.memory.offset[v.id] is not None]
+    assert planned
+    for vid in planned:
+        assert env[vid].is_cuda and env[vid].data_ptr() - base == exe.memory.offset[vid], vid
+
+
+@pytest.mark.parametrize("name", ["inception", "nasnet", "transformer", "two_io"])
+def test_100_replays_with_fresh_inputs_agree_with_serial_execution(artifacts, name):
+    exe = nimble.load(artifacts[name], device="cuda")
+    weights = {k: t.cuda() for k, t in exe.artifact.weights.items()}
+    torch.manual_seed(0)
+    for _ in range(100):
+        xs = [torch.randn_like(t).cuda() for t in exe.artifact.sample_inputs]
+        got = exe(*xs)
+        want = reference.run(exe.graph, weights, xs, "cuda")
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_run_check_passes(artifacts, name):
+    result = CliRunner().invoke(app, ["run", str(artifacts[name]), "--check", "--device", "cuda"])
+    assert result.exit_code == 0, result.stderr
+
+
+def _graph_shape(dot_text: str) -> tuple[int, int]:
+    """(most successors of any node, most predecessors of any node) in a CUDA graph's DOT dump."""
+    edges = re.findall(r'"?(\w+)"?\s*->\s*"?(\w+)"?', dot_text)
+    succ, pred = {}, {}
+    for a, b in edges:
+        succ[a] = succ.get(a, 0) + 1
+        pred[b] = pred.get(b, 0) + 1
+    return max(succ.values(), default=0), max(pred.values(), default=0)
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+        self.b = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def test_the_captured_graph_really_forks_into_parallel_branches(tmp_path):
+    path = save_script(tmp_path, TwoBranches().eval(), "two_branches")
+    shapes = {}
+    for streams in ("auto", "1"):
+        c = compile_model(path, input_specs(["64x1024"]), device="cpu", streams=streams)
+        art_path = tmp_path / f"tb_{streams}.nimble"
+        write_artifact(art_path, c.artifact())
+        dump = tmp_path / f"graph_{streams}.dot"
+        exe = Executable(read_artifact(art_path), "cuda", graph_dump=str(dump))
+        shapes[streams] = _graph_shape(dump.read_text())
+        x = torch.randn(64, 1024, device="cuda")
+        torch.testing.assert_close(exe(x)[0], reference.run(exe.graph, {k: t.cuda() for k, t in c.weights.items()},
+                                                             [x], "cuda")[0], rtol=1e-3, atol=1e-3)
+    assert c.schedule.num_streams == 1
+    assert shapes["auto"][0] >= 2 and shapes["auto"][1] >= 2, shapes  # a fork and a join
+    assert shapes["1"] == (1, 1), shapes  # one stream: a plain chain of nodes
+
+
+def test_load_never_schedules_or_plans_on_cuda(artifacts, monkeypatch):
+    import nimble.memory
+    import nimble.schedule
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loading must not schedule or plan")
+
+    monkeypatch.setattr(nimble.schedule, "assign_streams", forbidden)
+    monkeypatch.setattr(nimble.schedule, "schedule_dag", forbidden)
+    monkeypatch.setattr(nimble.memory, "plan", forbidden)
+    exe = nimble.load(artifacts["inception"], device="cuda")
+    exe(*exe.artifact.sample_inputs)
+
+
+def test_bench_runs_with_baselines(artifacts):
+    import json
+
+    result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "20", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["results"]) == {"nimble", "eager", "pytorch_graph_1stream", "pytorch_graph_streams"}
+    assert report["memory"]["arena_bytes"] > 0 and report["results"]["nimble"]["gpu_mean_ms"] > 0

@@ -1,0 +1,176 @@
+"""The runtime on the CPU: placed execution, parity, and loading without re-planning."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import nimble
+from nimble import reference
+from nimble.cli.main import app
+from nimble.errors import ShapeError
+from nimble.formats import write_artifact
+from nimble.pipeline import compile_model
+from nimble.specs import input_specs
+
+from .conftest import MODELS, SAMPLES
+
+runner = CliRunner()
+
+
+def shapes_of(name):
+    return ["x".join(map(str, s)) for s in MODELS[name][1]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """Every sample model compiled once (auto streams), as name -> (path, Compiled)."""
+    folder = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for name in MODELS:
+        c = compile_model(SAMPLES / f"{name}.pt", input_specs(shapes_of(name)), device="cpu")
+        write_artifact(folder / f"{name}.nimble", c.artifact())
+        out[name] = (folder / f"{name}.nimble", c)
+    return out
+
+
+def placement_errors(exe):
+    base = exe.arena.data_ptr()
+    env = exe.tensors()
+    return [v.id for v in exe.graph.values
+            if exe.memory.offset[v.id] is not None and env[v.id].data_ptr() - base != exe.memory.offset[v.id]]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cpu_executable_matches_and_uses_planned_offsets(artifacts, name):
+    path, c = artifacts[name]
+    exe = nimble.load(path, device="cpu")
+    outs = exe(*c.sample_inputs, copy=True)
+    for o, r in zip(outs, c.sample_outputs):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+    assert placement_errors(exe) == []
+    x = [torch.randn_like(t) for t in c.sample_inputs]
+    for o, r in zip(exe(*x), reference.run(exe.graph, exe.artifact.weights, x)):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+
+
+def test_loading_never_schedules_or_plans(artifacts, monkeypatch):
+    import nimble.memory
+    import nimble.schedule
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loading must not schedule or plan")
+
+    for module, names in ((nimble.schedule, ("assign_streams", "schedule_dag", "_merge_chains")),
+                          (nimble.memory, ("plan", "_lower_bound", "_place"))):
+        for n in names:
+            monkeypatch.setattr(module, n, forbidden)
+    path, c = artifacts["nasnet"]
+    exe = nimble.load(path, device="cpu")
+    exe(*c.sample_inputs)
+
+
+def test_wrong_inputs_are_clear_errors(artifacts):
+    path, c = artifacts["two_io"]
+    exe = nimble.load(path, device="cpu")
+    with pytest.raises(ShapeError, match=r"takes 2 input\(s\) \(image, features\), got 1"):
+        exe(c.sample_inputs[0])
+    with pytest.raises(ShapeError, match=r"input 'features' must be float32\[1, 8\], got float32\[2, 8\]"):
+        exe(c.sample_inputs[0], torch.zeros(2, 8))
+    with pytest.raises(ShapeError, match="must be float32"):
+        exe(c.sample_inputs[0], torch.zeros(1, 8, dtype=torch.float64))
+
+
+def test_run_check_passes_and_reports(artifacts):
+    path, _ = artifacts["inception"]
+    result = runner.invoke(app, ["run", str(path), "--check", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["schema_version"] == 1 and report["check"]["passed"]
+    assert report["outputs"][0]["shape"] == [1, 10]
+    assert "would pass" in result.stderr
+
+
+def test_run_check_exits_3_on_a_mismatch(artifacts):
+    path, _ = artifacts["inception"]
+    result = runner.invoke(app, ["run", str(path), "--check", "--device", "cpu", "--rtol", "0", "--atol", "0"])
+    assert result.exit_code in (0, 3)  # bit-exact runs are possible on the CPU
+    if result.exit_code == 3:
+        assert "would accept" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_inputs_from_files_and_outputs_to_safetensors(artifacts, tmp_path):
+    import safetensors.torch
+
+    path, c = artifacts["two_io"]
+    np.save(tmp_path / "image.npy", c.sample_inputs[0].numpy())
+    safetensors.torch.save_file({"features": c.sample_inputs[1]}, str(tmp_path / "f.safetensors"))
+    out = tmp_path / "out.safetensors"
+    result = runner.invoke(app, ["run", str(path), "--device", "cpu", "-i", f"image={tmp_path / 'image.npy'}",
+                                 "-i", f"features={tmp_path / 'f.safetensors'}", "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    got = safetensors.torch.load_file(str(out))
+    names = [c.graph.values[o].name for o in c.graph.outputs]
+    for name, ref in zip(names, c.sample_outputs):
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("args,code,match", [
+    (["-i", "nope=x.npy"], 2, "has no input 'nope'"),
+    (["-i", "image=missing.npy", "-i", "features=missing.npy"], 1, "no such file"),
+    (["-i", "image=x.txt"], 2, "no --input for features|.npy or .safetensors"),
+    (["--random", "--check"], 2, "leave out --input and --random"),
+])
+def test_run_bad_inputs(artifacts, args, code, match, tmp_path):
+    path, _ = artifacts["two_io"]
+    (tmp_path / "x.txt").write_text("x")
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        result = runner.invoke(app, ["run", str(path), "--device", "cpu", *args])
+    finally:
+        os.chdir(cwd)
+    assert result.exit_code == code, result.stderr
+    assert "Traceback" not in result.stderr
+    import re
+
+    assert re.search(match, result.stderr), result.stderr
+
+
+def test_run_rejects_an_input_of_the_wrong_shape(artifacts, tmp_path):
+    path, _ = artifacts["inception"]
+    np.save(tmp_path / "x.npy", np.zeros((1, 3, 10, 10), dtype=np.float32))
+    result = runner.invoke(app, ["run", str(path), "--device", "cpu", "-i", str(tmp_path / "x.npy")])
+    assert result.exit_code == 1 and "must be float32[1, 3, 224, 224]" in result.stderr
+
+
+def test_run_on_a_corrupt_artifact(tmp_path):
+    bad = tmp_path / "bad.nimble"
+    bad.write_bytes(b"PK\x03\x04 nope")
+    result = runner.invoke(app, ["run", str(bad)])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr and "error:" in result.stderr
+
+
+def test_bench_json_report(artifacts, tmp_path):
+    path, _ = artifacts["transformer"]
+    times = tmp_path / "times.json"
+    result = runner.invoke(app, ["bench", str(path), "--device", "cpu", "--iterations", "5", "--warmup-ms", "0",
+                                 "--json", "--export-times", str(times)])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["schema_version"] == 1 and set(report["results"]) == {"nimble", "eager"}
+    nimble_row = report["results"]["nimble"]
+    assert nimble_row["iterations"] == 5 and nimble_row["min_ms"] <= nimble_row["median_ms"] <= nimble_row["max_ms"]
+    assert {"p90_ms", "p95_ms", "p99_ms", "cv_percent", "throughput_per_s"} <= set(nimble_row)
+    assert len(json.loads(times.read_text())) == 5
+
+
+@pytest.mark.parametrize("args", [["--percentiles", "abc"], ["--iterations", "0"], ["--duration-s", "0"]])
+def test_bench_usage_errors(artifacts, args):
+    path, _ = artifacts["transformer"]
+    result = runner.invoke(app, ["bench", str(path), "--device", "cpu", *args])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
