@@ -223,17 +223,24 @@ MODELS = {
 }
 
 
-def build(name: str) -> torch.jit.ScriptModule:
-    """The sample model `name`, seeded, in eval mode, converted to TorchScript."""
-    make, shapes, how = MODELS[name]
+def build_module(name: str) -> nn.Module:
+    """The sample model `name` as a plain module: seeded, in eval mode, batch norm randomized."""
     torch.manual_seed(0)
-    model = make().eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.1, 0.1)
-            m.running_var.uniform_(0.5, 1.5)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.1, 0.1)
+    model = MODELS[name][0]().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def build(name: str) -> torch.jit.ScriptModule:
+    """The sample model `name` converted to TorchScript, as its MODELS entry says."""
+    _, shapes, how = MODELS[name]
+    model = build_module(name)
     if how == "script":
         return torch.jit.script(model)
     example = tuple(torch.randn(s) for s in shapes)
