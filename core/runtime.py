@@ -147,8 +147,12 @@ class Executable:
     def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        if dump:
-            graph.enable_debug_mode()  # keeps the graph so that debug_dump can write it as DOT
+        if dump:  # keep the cudaGraph_t after instantiation, so that debug_dump can print it as DOT
+            try:
+                graph = torch.cuda.CUDAGraph(keep_graph=True)
+            except TypeError:  # older torch: debug mode alone keeps it
+                pass
+            graph.enable_debug_mode()
         capture = self._streams[0]
         capture.wait_stream(torch.cuda.current_stream(self.device))
         try:
