@@ -68,14 +68,17 @@ def test_run_check_passes(artifacts, name):
     assert result.exit_code == 0, result.stderr
 
 
-def _graph_shape(dot_text: str) -> tuple[int, int]:
-    """(most successors of any node, most predecessors of any node) in a CUDA graph's DOT dump."""
+def _graph_shape(dot_text: str) -> tuple[int, int, int]:
+    """(nodes without predecessors, most successors, most predecessors) of the nodes on edges of
+    a CUDA graph's DOT dump. A chain gives (1, 1, 1); parallel branches start at several roots or
+    at a fork, and end at a join."""
     edges = re.findall(r'"?(\w+)"?\s*->\s*"?(\w+)"?', dot_text)
     succ, pred = {}, {}
     for a, b in edges:
         succ[a] = succ.get(a, 0) + 1
         pred[b] = pred.get(b, 0) + 1
-    return max(succ.values(), default=0), max(pred.values(), default=0)
+    roots = {n for e in edges for n in e} - set(pred)
+    return len(roots), max(succ.values(), default=0), max(pred.values(), default=0)
 
 
 class TwoBranches(nn.Module):
@@ -101,9 +104,9 @@ def test_the_captured_graph_really_forks_into_parallel_branches(tmp_path):
         x = torch.randn(64, 1024, device="cuda")
         torch.testing.assert_close(exe(x)[0], reference.run(exe.graph, {k: t.cuda() for k, t in c.weights.items()},
                                                              [x], "cuda")[0], rtol=1e-3, atol=1e-3)
-    assert c.schedule.num_streams == 1
-    assert shapes["auto"][0] >= 2 and shapes["auto"][1] >= 2, shapes  # a fork and a join
-    assert shapes["1"] == (1, 1), shapes  # one stream: a plain chain of nodes
+    roots, forks, joins = shapes["auto"]
+    assert (roots >= 2 or forks >= 2) and joins >= 2, shapes  # branches that start apart and join
+    assert shapes["1"] == (1, 1, 1), shapes  # one stream: a plain chain of nodes
 
 
 def test_load_never_schedules_or_plans_on_cuda(artifacts, monkeypatch):
