@@ -36,16 +36,26 @@ def out_overload(target: str):
     return None
 
 
-def _cudnn_conv(args: list, out: torch.Tensor) -> bool:
-    """aten::convolution into `out` with cuDNN's own out= kernel; False where it does not apply."""
-    x, w, bias, stride, padding, dilation, transposed, _, groups = args
-    if transposed or not x.is_cuda or x.dim() != 4 or not torch.backends.cudnn.enabled:
+def _conv(args: list, out: torch.Tensor) -> bool:
+    """aten::convolution into `out` with the kernel eager PyTorch would pick, through that kernel's
+    own out= overload: cuDNN (bias added in place, as eager does) or the CUDA depthwise kernel.
+    False where neither applies; the caller then computes and copies."""
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    if not x.is_cuda or x.dim() != 4 or transposed:
         return False
-    torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, groups, False, False,
-                                         torch.backends.cudnn.allow_tf32, out=out)
-    if bias is not None:
-        out.add_(bias.reshape(1, -1, 1, 1))
-    return True
+    backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed, output_padding,
+                                            groups, None)
+    if backend == torch._C._ConvBackend.Cudnn:
+        torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, groups,
+                                             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                                             torch.backends.cudnn.allow_tf32, out=out)
+        if bias is not None:
+            out.add_(bias.reshape(1, -1, 1, 1))
+        return True
+    if backend == torch._C._ConvBackend.CudaDepthwise2d:
+        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), bias, stride, padding, dilation, out=out)
+        return True
+    return False
 
 
 def _relu(args: list, out: torch.Tensor) -> bool:
@@ -55,7 +65,7 @@ def _relu(args: list, out: torch.Tensor) -> bool:
 
 # target -> writer(args, out) that fills `out` with a real out= kernel, or returns False
 SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], bool]] = {
-    "aten::convolution.default": _cudnn_conv,
+    "aten::convolution.default": _conv,
     "aten::relu.default": _relu,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
