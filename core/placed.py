@@ -58,6 +58,15 @@ def _conv(args: list, out: torch.Tensor) -> bool:
     return False
 
 
+def _global_avg_pool(args: list, out: torch.Tensor) -> bool:
+    """adaptive_avg_pool2d to 1x1 as eager computes it, a mean over H and W; its out= overload
+    would run the generic pooling kernel, which is far slower on large maps."""
+    if list(args[1]) != [1, 1]:
+        return False
+    torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
+    return True
+
+
 def _relu(args: list, out: torch.Tensor) -> bool:
     torch.ops.aten.clamp_min.out(args[0], 0, out=out)
     return True
@@ -67,6 +76,7 @@ def _relu(args: list, out: torch.Tensor) -> bool:
 SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], bool]] = {
     "aten::convolution.default": _conv,
     "aten::relu.default": _relu,
+    "aten::adaptive_avg_pool2d.default": _global_avg_pool,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",
