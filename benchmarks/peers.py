@@ -184,7 +184,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         docs = [json.loads(p.read_text()) for p in args.report]
-        rows = [r for d in docs for r in d["rows"]]
+        latest = {(r["model"], r["batch"]): r for d in docs for r in d["rows"]}  # later runs win
+        rows = list(latest.values())
         meta = docs[0]["meta"]
         meta["command"] = " ; ".join(d["meta"]["command"] for d in docs)
         text = report(rows, meta)
