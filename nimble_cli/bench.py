@@ -37,9 +37,12 @@ def bench_command(
                                                 "times (latency, GPU, enqueue; ms) to this JSON file."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Measure an artifact's latency in trtexec's terms (min, mean, median, percentiles, max, GPU
-    compute time, host enqueue time, throughput, coefficient of variation), its load time and time
-    to first inference, and its GPU memory, beside three baselines run in the same process.
+    """Measure latency, throughput, load time and memory, beside PyTorch baselines.
+
+    Latency is reported in trtexec's terms (min, mean, median, percentiles, max, GPU compute time,
+    host enqueue time, throughput, coefficient of variation), with load time, time to first
+    inference and GPU memory. Three baselines run in the same process: the eager op list, and
+    one-stream and multi-stream CUDA graphs in PyTorch's graph pool.
 
     Example: nimble bench sample_models/inception.nimble --duration-s 2
     """

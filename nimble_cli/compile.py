@@ -29,8 +29,10 @@ def compile_command(
     json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Compile a TorchScript model into a .nimble artifact: op graph, stream schedule, memory plan,
-    weights and a reference input and output.
+    """Compile a TorchScript model into a .nimble artifact.
+
+    The artifact holds the op graph, the multi-stream schedule, the memory plan, the weights, and a
+    reference input and output. Compiling needs no GPU.
 
     Example: nimble compile sample_models/inception.pt --shape 1x3x224x224
     """

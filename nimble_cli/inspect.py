@@ -18,7 +18,9 @@ def inspect_command(
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Validate an artifact and show its inputs, outputs, schedule, memory plan and ops.
+    """Validate an artifact and show what it holds; needs no GPU.
+
+    Shows inputs, outputs, schedule, memory plan and one row per op; --json prints the plan document.
 
     Example: nimble inspect sample_models/inception.nimble --json
     """

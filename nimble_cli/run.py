@@ -29,7 +29,9 @@ def run_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Run one inference. With no --input or --random, it uses the artifact's stored sample input.
+    """Run one inference, optionally checking it against the stored reference.
+
+    With no --input or --random, it uses the artifact's stored sample input.
 
     Example: nimble run sample_models/inception.nimble --check
     """
