@@ -163,7 +163,7 @@ class _Walker:
             self.inputs.append(ref.id)
             self.env[param.unique()] = ref
 
-    def _as_ref(self, obj, source: str):
+    def _as_ref(self, obj):
         """A host tensor used by a device op becomes a weight; other objects pass through."""
         if isinstance(obj, Ref):
             return obj
@@ -177,7 +177,7 @@ class _Walker:
                 self.hold.append(obj)
             return Ref(self.weight_of[key])
         if isinstance(obj, (list, tuple)):
-            return tuple(self._as_ref(o, source) for o in obj)
+            return tuple(self._as_ref(o) for o in obj)
         return obj
 
     def _weight_name(self, hint: str) -> str:
@@ -332,7 +332,7 @@ class _Walker:
                                    "see the README's list of supported ops")
         args, kwargs = [], []
         for spec, obj in zip(schema.arguments, ins):
-            ir = torchops.from_ivalue(self._as_ref(obj, source), str(spec.type))
+            ir = torchops.from_ivalue(self._as_ref(obj), str(spec.type))
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
         fn = torchops.resolve(target)
         refs = _refs_of(args + [v for _, v in kwargs])
@@ -397,7 +397,7 @@ class _Walker:
         out = []
         for obj in _flat([self._get(v) for v in graph.outputs()]):
             if isinstance(obj, torch.Tensor):
-                obj = self._as_ref(obj, "return")
+                obj = self._as_ref(obj)
             if not isinstance(obj, Ref):
                 raise UnsupportedError(f"{self.name} returns a {type(obj).__name__}; nimble needs "
                                        "models that return tensors (or tuples and lists of them)")

@@ -45,16 +45,6 @@ class Compiled:
                         self.sample_inputs, self.sample_outputs)
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: this machine has no CUDA device; use --device cpu or auto")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
-    return device
-
-
 def parse_streams(streams: str | int) -> str | int:
     if streams == "auto":
         return streams
@@ -88,7 +78,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
-    device = resolve_device(device)
+    device = torchops.resolve_device(device)[0].type
     streams = parse_streams(streams)
     seconds: dict[str, float] = {}
     t = time.perf_counter()

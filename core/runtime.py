@@ -42,19 +42,6 @@ class LoadStats:
     scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
 
 
-def resolve_device(device: str) -> tuple[torch.device, str | None]:
-    """(device, notice): auto picks CUDA when present, else the CPU with a notice."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda"), None
-        return torch.device("cpu"), "no CUDA device here: running the op list serially on the CPU"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise NimbleError("--device cuda: this machine has no CUDA device; use --device cpu or auto")
-    if device not in ("cpu", "cuda"):
-        raise NimbleError(f"device {device!r}: use auto, cpu or cuda")
-    return torch.device(device), None
-
-
 class Executable:
     """A loaded artifact. Calling it runs one inference: `outputs = exe(x)` or `exe(x, y)`.
 
@@ -62,11 +49,14 @@ class Executable:
     of your own."""
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
-                 use_graph: bool = True, graph_dump: str | None = None):
+                 graph_dump: str | None = None):
+        """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
+        activations in PyTorch's graph pool, or every op on one stream in program order.
+        `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging)."""
         t0 = time.perf_counter()
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
-        self.device, self.notice = resolve_device(device)
+        self.device, self.notice = torchops.resolve_device(device)
         self.stats = LoadStats()
         self._placed: list[PlacedOp] = prepare(self.graph)
         self._cuda_graph = None
@@ -83,10 +73,9 @@ class Executable:
             self._issue(validate=True)  # eager warm-up on every stream: handles and workspaces exist
             torch.cuda.synchronize(self.device)
             self.stats.seconds["warmup"] = time.perf_counter() - t
-            if use_graph:
-                t = time.perf_counter()
-                self._capture(graph_dump)
-                self.stats.seconds["capture"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._capture(graph_dump)
+            self.stats.seconds["capture"] = time.perf_counter() - t
         self.stats.seconds["total"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ set-up

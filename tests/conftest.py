@@ -29,6 +29,23 @@ def sample(request):
     return name, SAMPLES / f"{name}.pt", MODELS[name][1]
 
 
+@pytest.fixture(scope="session")
+def sample_artifacts(tmp_path_factory):
+    """Every sample model compiled once (auto streams, checked on the CPU): name -> .nimble path."""
+    from nimble.formats import write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    folder = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for name, (_, shapes, _) in MODELS.items():
+        compiled = compile_model(SAMPLES / f"{name}.pt", input_specs(["x".join(map(str, s)) for s in shapes]),
+                                 device="cpu")
+        write_artifact(folder / f"{name}.nimble", compiled.artifact())
+        out[name] = folder / f"{name}.nimble"
+    return out
+
+
 def save_script(tmp_path: Path, module: torch.nn.Module, name: str) -> Path:
     """Script `module` and save it as TorchScript under tmp_path."""
     path = tmp_path / f"{name}.pt"

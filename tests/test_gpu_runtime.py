@@ -16,24 +16,14 @@ from nimble.pipeline import compile_model
 from nimble.runtime import Executable
 from nimble.specs import input_specs
 
-from .conftest import MODELS, SAMPLES, save_script
+from .conftest import MODELS, save_script
 
 pytestmark = pytest.mark.gpu
 
 
-def shapes_of(name):
-    return ["x".join(map(str, s)) for s in MODELS[name][1]]
-
-
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gpu_artifacts")
-    out = {}
-    for name in MODELS:
-        c = compile_model(SAMPLES / f"{name}.pt", input_specs(shapes_of(name)), device="cpu")
-        write_artifact(folder / f"{name}.nimble", c.artifact())
-        out[name] = folder / f"{name}.nimble"
-    return out
+def artifacts(sample_artifacts):
+    return sample_artifacts
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -12,7 +12,8 @@ from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
 from nimble.memory import ALIGNMENT, plan
 from nimble.schedule import Schedule, assign_streams
 
-from .conftest import MODELS, SAMPLES
+from .conftest import SAMPLES
+from .test_schedule import sync_graph
 
 
 def random_graph(rng: random.Random, n: int) -> Graph:
@@ -62,16 +63,7 @@ def random_schedule(rng: random.Random, graph: Graph, streams: int) -> Schedule:
 
 def check_plan(graph: Graph, schedule: Schedule, memory) -> None:
     """Independent check: overlapping buffers are ordered by happens-before; outputs overlap nothing."""
-    sync = nx.DiGraph()
-    sync.add_nodes_from(range(len(graph.ops)))
-    last = {}
-    for v in schedule.order:
-        s = schedule.stream[v]
-        if s in last:
-            sync.add_edge(last[s], v)
-        last[s] = v
-        sync.add_edges_from((u, v) for u in schedule.waits[v])
-    hb = nx.transitive_closure_dag(sync)
+    hb = nx.transitive_closure_dag(sync_graph(schedule))
 
     def root(v):
         return graph.values[v].alias_of if graph.values[v].alias_of is not None else v

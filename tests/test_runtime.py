@@ -11,29 +11,17 @@ import nimble
 from nimble import reference
 from nimble.cli.main import app
 from nimble.errors import ShapeError
-from nimble.formats import write_artifact
-from nimble.pipeline import compile_model
-from nimble.specs import input_specs
+from nimble.formats import read_artifact
 
-from .conftest import MODELS, SAMPLES
+from .conftest import MODELS
 
 runner = CliRunner()
 
 
-def shapes_of(name):
-    return ["x".join(map(str, s)) for s in MODELS[name][1]]
-
-
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    """Every sample model compiled once (auto streams), as name -> (path, Compiled)."""
-    folder = tmp_path_factory.mktemp("artifacts")
-    out = {}
-    for name in MODELS:
-        c = compile_model(SAMPLES / f"{name}.pt", input_specs(shapes_of(name)), device="cpu")
-        write_artifact(folder / f"{name}.nimble", c.artifact())
-        out[name] = (folder / f"{name}.nimble", c)
-    return out
+def artifacts(sample_artifacts):
+    """name -> (path, the artifact as read back), for every sample model."""
+    return {name: (path, read_artifact(path)) for name, path in sample_artifacts.items()}
 
 
 def placement_errors(exe):
