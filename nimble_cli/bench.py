@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors
+from .common import console, human_bytes, print_json, user_errors, writable
 
 BENCH_SCHEMA_VERSION = 1
 VARIANTS = {
@@ -62,6 +62,7 @@ def bench_command(
             raise UsageError(f"--percentiles {percentiles!r}: give numbers such as 90,95,99") from None
         if not all(0 < p <= 100 for p in pcts):
             raise UsageError("--percentiles must lie in (0, 100]")
+        writable(export_times, "--export-times")
         if iterations is not None and iterations < 1:
             raise UsageError("--iterations must be at least 1")
         if duration_s <= 0 or warmup_ms < 0:

@@ -28,6 +28,12 @@ def user_errors(debug: bool):
             traceback.print_exc()
         console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
+    except OSError as e:  # the file system said no: permissions, a full disk, a path that vanished
+        if debug:
+            traceback.print_exc()
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}{escape(where)}", soft_wrap=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("interrupted")
         raise typer.Exit(130) from None
@@ -40,6 +46,17 @@ def user_errors(debug: bool):
         console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(first)} "
                       "(rerun with --debug for the traceback, and please report it)", soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def writable(path, option: str):
+    """Fail fast, before any work, when an output path's folder does not exist."""
+    from pathlib import Path
+
+    from nimble.errors import UsageError
+
+    if path is not None and not Path(path).parent.is_dir():
+        raise UsageError(f"{option} {path}: folder {Path(path).parent} does not exist")
+    return path
 
 
 def print_json(doc: dict) -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors
+from .common import console, human_bytes, print_json, user_errors, writable
 
 
 def compile_command(
@@ -41,6 +41,7 @@ def compile_command(
 
         specs = input_specs(shape, dtype)
         target = artifact_path(model, output)
+        writable(dot, "--dot")
         from nimble.document import plan_document
         from nimble.pipeline import compile_model
 

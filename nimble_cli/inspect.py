@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors
+from .common import console, human_bytes, print_json, user_errors, writable
 
 
 def inspect_command(
@@ -28,6 +28,7 @@ def inspect_command(
         from nimble.document import plan_document
         from nimble.formats import read_artifact
 
+        writable(dot, "--dot")
         art = read_artifact(artifact)
         if dot is not None:
             from .compile import write_dot

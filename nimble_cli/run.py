@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import console, print_json, user_errors
+from .common import console, print_json, user_errors, writable
 
 RUN_SCHEMA_VERSION = 1
 
@@ -40,6 +40,7 @@ def run_command(
         from nimble.errors import UsageError
         from nimble.runtime import load
 
+        writable(output, "--output")
         if check and (inputs or random):
             raise UsageError("--check runs the stored sample input; leave out --input and --random")
         if inputs and random:

@@ -162,3 +162,31 @@ def test_bench_usage_errors(artifacts, args):
     path, _ = artifacts["transformer"]
     result = runner.invoke(app, ["bench", str(path), "--device", "cpu", *args])
     assert result.exit_code == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["compile", "{model}", "-s", "1x3x64x64", "-s", "1x8", "-o", "{tmp}", "--dot", "{missing}"],
+    ["inspect", "{artifact}", "--dot", "{missing}"],
+    ["run", "{artifact}", "--device", "cpu", "-o", "{missing}"],
+    ["bench", "{artifact}", "--device", "cpu", "--export-times", "{missing}"],
+])
+def test_outputs_in_missing_folders_fail_before_any_work(artifacts, tmp_path, command):
+    from .conftest import SAMPLES
+
+    values = {"model": str(SAMPLES / "two_io.pt"), "tmp": str(tmp_path), "artifact": str(artifacts["two_io"][0]),
+              "missing": str(tmp_path / "nope" / "out.file")}
+    result = runner.invoke(app, [part.format(**values) for part in command])
+    assert result.exit_code == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "two_io.nimble").exists()
+
+
+def test_unwritable_output_is_one_line(artifacts, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    result = runner.invoke(app, ["run", str(artifacts["two_io"][0]), "--device", "cpu", "-o", str(folder / "o.st")])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr and "internal error" not in result.stderr
