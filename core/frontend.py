@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -19,23 +18,10 @@ from pathlib import Path
 
 import torch
 
-from . import torchops
-from .hostops import host_op
-from .errors import ModelError, NimbleError, ShapeError, UnsupportedError
-from .ir import ACTIVATION, INPUT, WEIGHT, Graph, Op, Ref, TensorSpec, Value
-from .oplist import METADATA_OPS, NONDETERMINISTIC, is_supported
+from .errors import ModelError, UnsupportedError
+from .ir import Graph, TensorSpec
 from .passes import finalize
-
-_META = torch.device("meta")
-_IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
-                               "aten::feature_alpha_dropout"}
-_MAX_UNROLL = 100_000
-_TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
-# Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
-# _convolution's extra flags only pick cuDNN settings; convolution reads the same from globals.
-_CANONICAL = {"aten::_convolution.default": ("aten::convolution.default", 9)}
-
+from .walker import Walker, first_line, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)
 class Lowered:
@@ -74,7 +60,7 @@ def load_module(path: str | os.PathLike) -> torch.jit.ScriptModule:
         with quiet_torchscript():
             module = torch.jit.load(str(path), map_location="cpu")
     except Exception as e:  # torch raises RuntimeError, ValueError, pickle errors...
-        raise ModelError(f"{path} could not be loaded as TorchScript ({_first_line(e)}); {hint}") from e
+        raise ModelError(f"{path} could not be loaded as TorchScript ({first_line(e)}); {hint}") from e
     return module.eval()
 
 
@@ -82,13 +68,13 @@ def lower(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = 
     """Freeze `module` and lower its forward for these static input specs."""
     with quiet_torchscript(), torch.no_grad():
         try:
-            frozen = torch.jit.freeze(module.eval()) if module.training is False else module
+            frozen = torch.jit.freeze(module.eval())
         except Exception as e:
-            raise UnsupportedError(f"{name}: torch.jit.freeze failed ({_first_line(e)})") from e
+            raise UnsupportedError(f"{name}: torch.jit.freeze failed ({first_line(e)})") from e
         graph = frozen.graph.copy()
         torch._C._jit_pass_inline(graph)
         torch._C._jit_pass_remove_mutation(graph)
-        walker = _Walker(name)
+        walker = Walker(name)
         walker.bind_inputs(graph, inputs)
         walker.block(graph.block())
         outputs = walker.graph_outputs(graph)
@@ -96,345 +82,3 @@ def lower(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = 
     return Lowered(ir, weights, frozen)
 
 
-def source_of(node: torch._C.Node) -> str:
-    """'file.py:12' of the model code behind a node: the first frame outside torch itself."""
-    text = node.sourceRange()
-    frames = [(m.group(1) or m.group(3), m.group(2) or m.group(4))
-              for m in _FRAME.finditer(text)]  # both script and trace frame formats, in order
-    torch_dir = os.path.dirname(torch.__file__)
-    for file, line in frames:
-        in_torch = file.startswith(torch_dir) or _TORCH_FILE.search(file)  # traced elsewhere too
-        if not in_torch and not file.startswith("code/"):
-            return f"{file}:{line}"
-    return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown source>"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-class _Walker:
-    """One pass over a frozen TorchScript graph, building IR values and ops as it goes."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.values: list[Value] = []
-        self.ops: list[Op] = []
-        self.meta: dict[int, torch.Tensor] = {}  # value id -> meta tensor
-        self.root_of: dict[int, int] = {}  # id(meta tensor) -> value id that owns its storage
-        self.weights: dict[str, torch.Tensor] = {}
-        self.weight_of: dict[int, int] = {}  # id(host tensor) -> weight value id
-        self.hold: list[torch.Tensor] = []  # keeps host tensors alive so their ids stay unique
-        self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object
-        self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
-        self.inputs: list[int] = []
-
-    # values -----------------------------------------------------------------------------------
-    def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
-        spec = TensorSpec(tuple(tensor.shape), torchops.dtype_name(tensor.dtype), tuple(tensor.stride()),
-                          tensor.storage_offset())
-        vid = len(self.values)
-        self.values.append(Value(vid, kind, spec, name, producer, alias_of))
-        meta = tensor if tensor.device == _META else torch.empty_strided(
-            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META)
-        if meta.storage_offset() != spec.offset:  # a CPU stand-in's view: keep its offset
-            meta = torch.empty(spec.storage_nbytes // tensor.element_size(), dtype=tensor.dtype,
-                               device=_META).as_strided(tensor.shape, tensor.stride(), spec.offset)
-        self.meta[vid] = meta
-        root = vid if alias_of is None else alias_of
-        self.root_of.setdefault(id(meta), root)
-        if meta._is_view():  # a fresh result that is a view of a temporary inside its op
-            self.root_of.setdefault(id(meta._base), root)
-        return Ref(vid)
-
-    def bind_inputs(self, graph: torch._C.Graph, specs: list[TensorSpec]) -> None:
-        params = list(graph.inputs())[1:]  # inputs()[0] is the module itself
-        names = [p.debugName().split(".")[0] for p in params]
-        if len(specs) != len(params):
-            raise ShapeError(f"{self.name} takes {len(params)} input(s) ({', '.join(names)}) "
-                             f"but {len(specs)} shape(s) were given; pass one --shape per input")
-        for param, name, spec in zip(params, names, specs):
-            if not param.type().isSubtypeOf(torch._C.TensorType.get()):
-                raise UnsupportedError(f"{self.name} input '{name}' is a {param.type()}, not a "
-                                       "Tensor; nimble takes models whose inputs are all tensors")
-            t = torch.empty(spec.shape, dtype=torchops.DTYPES[spec.dtype], device=_META)
-            ref = self._new_value(INPUT, t, name)
-            self.inputs.append(ref.id)
-            self.env[param.unique()] = ref
-
-    def _as_ref(self, obj):
-        """A host tensor used by a device op becomes a weight; other objects pass through."""
-        if isinstance(obj, Ref):
-            return obj
-        if isinstance(obj, torch.Tensor):
-            key = id(obj)
-            if key not in self.weight_of:
-                name = self._weight_name(self.hints.get(key, "const"))
-                tensor = obj.detach().contiguous()
-                self.weights[name] = tensor
-                self.weight_of[key] = self._new_value(WEIGHT, tensor, name).id
-                self.hold.append(obj)
-            return Ref(self.weight_of[key])
-        if isinstance(obj, (list, tuple)):
-            return tuple(self._as_ref(o) for o in obj)
-        return obj
-
-    def _weight_name(self, hint: str) -> str:
-        base = hint.removeprefix("self.")
-        if not base or base.replace(".", "").isdigit():
-            base = "const"
-        name, n = base, 1
-        while name in self.weights:
-            name, n = f"{base}_{n}", n + 1
-        return name
-
-    # walking ----------------------------------------------------------------------------------
-    def block(self, block) -> None:
-        for node in block.nodes():
-            try:
-                self.node(node)
-            except NimbleError:
-                raise
-            except Exception as e:
-                raise UnsupportedError(f"{self.name}: could not lower {node.kind()} at "
-                                       f"{source_of(node)}: {_first_line(e)}") from e
-
-    def _get(self, v):
-        return self.env[v.unique()]
-
-    def node(self, node) -> None:
-        kind = node.kind()
-        outs = list(node.outputs())
-        ins = [self._get(v) for v in node.inputs()]
-        if kind == "prim::Constant":
-            value = outs[0].toIValue() if outs[0].type().kind() != "NoneType" else None
-            if isinstance(value, torch.Tensor):
-                self.hints[id(value)] = outs[0].debugName()
-                self.hold.append(value)
-            self.env[outs[0].unique()] = value
-        elif kind == "prim::ListConstruct":
-            self.env[outs[0].unique()] = list(ins)
-        elif kind == "prim::TupleConstruct":
-            self.env[outs[0].unique()] = tuple(ins)
-        elif kind in ("prim::ListUnpack", "prim::TupleUnpack"):
-            if len(ins[0]) != len(outs):
-                raise ShapeError(f"{self.name}: unpacking {len(ins[0])} values into {len(outs)} "
-                                 f"at {source_of(node)}")
-            for o, v in zip(outs, ins[0]):
-                self.env[o.unique()] = v
-        elif kind == "prim::TupleIndex":
-            self.env[outs[0].unique()] = ins[0][ins[1]]
-        elif kind in ("prim::unchecked_cast", "aten::detach", "prim::data"):
-            self.env[outs[0].unique()] = ins[0]
-        elif kind == "prim::Uninitialized":
-            self.env[outs[0].unique()] = None
-        elif kind in ("aten::warn", "prim::Print"):
-            pass
-        elif kind == "prim::RaiseException":
-            raise UnsupportedError(f"{self.name} raises an exception at {source_of(node)} for these "
-                                   f"input shapes: {ins[0] if ins else ''}")
-        elif kind == "prim::NumToTensor":
-            self.env[outs[0].unique()] = torch.tensor(ins[0])
-        elif kind == "prim::dtype":
-            self.env[outs[0].unique()] = self._tensor(ins[0]).dtype
-        elif kind == "prim::device":
-            self.env[outs[0].unique()] = torch.device("cpu")  # any device argument means "the run's"
-        elif kind == "prim::If":
-            self._if(node, ins[0])
-        elif kind == "prim::Loop":
-            self._loop(node, ins)
-        elif kind in ("prim::GetAttr", "prim::CallMethod", "prim::CallFunction", "prim::PythonOp"):
-            raise UnsupportedError(f"{self.name}: {kind} survived freezing at {source_of(node)}; "
-                                   "nimble needs a module whose forward freezes to plain ops")
-        else:
-            self._schema_node(node, ins, outs)
-
-    def _tensor(self, obj) -> torch.Tensor:
-        return self.meta[obj.id] if isinstance(obj, Ref) else obj
-
-    def _condition(self, value, node) -> bool:
-        if isinstance(value, Ref):
-            self._data_dependent(node)
-        return bool(value)
-
-    def _data_dependent(self, node):
-        raise UnsupportedError(
-            f"{self.name}: {node.kind()} at {source_of(node)} depends on tensor values; nimble needs "
-            "control flow and shapes fixed by the input shapes alone")
-
-    def _if(self, node, cond) -> None:
-        taken = list(node.blocks())[0 if self._condition(cond, node) else 1]
-        self.block(taken)
-        for o, r in zip(node.outputs(), taken.returnNode().inputs()):
-            self.env[o.unique()] = self._get(r)
-
-    def _loop(self, node, ins) -> None:
-        trips, cond, carried = ins[0], ins[1], list(ins[2:])
-        body = list(node.blocks())[0]
-        params = list(body.inputs())
-        i = 0
-        while self._condition(cond, node) and i < trips:
-            if i >= _MAX_UNROLL:
-                raise UnsupportedError(f"{self.name}: loop at {source_of(node)} runs over "
-                                       f"{_MAX_UNROLL} iterations; nimble unrolls loops")
-            self.env[params[0].unique()] = i
-            for p, v in zip(params[1:], carried):
-                self.env[p.unique()] = v
-            self.block(body)
-            results = [self._get(r) for r in body.returnNode().inputs()]
-            cond, carried, i = results[0], results[1:], i + 1
-        for o, v in zip(node.outputs(), carried):
-            self.env[o.unique()] = v
-
-    def _schema_node(self, node, ins, outs) -> None:
-        source = source_of(node)
-        try:
-            schema = torch._C.parse_schema(node.schema())
-        except RuntimeError:
-            raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
-                                   "(it has no aten schema)") from None
-        target = torchops.target_of(schema)
-        refs = any(isinstance(a, Ref) for a in _flat(ins))
-        tensor_out = any(_is_tensor_type(o.type()) for o in outs)
-        short = target.split("::")[1].split(".")[0]
-        if not refs:
-            if short in NONDETERMINISTIC:
-                raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
-                                       "uninitialized memory; nimble runs deterministic graphs only")
-            python = host_op(schema.name) if not tensor_out else None
-            result = python(*ins) if python else torchops.resolve(target)(*ins)
-            self._bind_host(outs, result)
-        elif not tensor_out:
-            if schema.name not in METADATA_OPS:
-                self._data_dependent(node)
-            args = [self._tensor(a) if isinstance(a, Ref) else a for a in ins]
-            python = host_op(schema.name)
-            self._bind_host(outs, python(*args) if python else torchops.resolve(target)(*args))
-        elif schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
-            self.env[outs[0].unique()] = ins[0]
-        else:
-            if target in _CANONICAL:
-                target, keep = _CANONICAL[target]
-                schema, ins = torchops.resolve(target)._schema, ins[:keep]
-            self._device_op(node, schema, target, ins, outs, source)
-
-    def _bind_host(self, outs, result) -> None:
-        if len(outs) == 1:
-            self.env[outs[0].unique()] = result
-        else:
-            for o, r in zip(outs, result):
-                self.env[o.unique()] = r
-
-    def _device_op(self, node, schema, target, ins, outs, source) -> None:
-        if not is_supported(target):
-            raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
-                                   "see the README's list of supported ops")
-        args, kwargs = [], []
-        for spec, obj in zip(schema.arguments, ins):
-            ir = torchops.from_ivalue(self._as_ref(obj), str(spec.type))
-            (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
-        fn = torchops.resolve(target)
-        refs = _refs_of(args + [v for _, v in kwargs])
-        try:
-            results, used = self._call(fn, args, kwargs, refs, _META)
-        except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
-            results, used = self._call(fn, args, kwargs, refs, torch.device("cpu"))
-        except Exception as e:
-            shapes = ", ".join(str(list(self.meta[r].shape)) for r in _refs_of(args))
-            raise ShapeError(f"{self.name}: op {target} at {source} rejects its inputs "
-                             f"(tensor shapes {shapes}): {_first_line(e)}") from e
-        passed = {id(t): r for r, t in used.items()}  # `used` keeps the stand-ins alive, so ids stay unique
-        writes = _written_args(schema, args, kwargs)
-        if not writes and len(results) == 1 and id(results[0]) in passed:
-            # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
-            # nothing to run.
-            self.env[outs[0].unique()] = Ref(passed[id(results[0])])
-            return
-        op_id = len(self.ops)
-        out_refs = []
-        for t in results:
-            alias = None
-            if id(t) in passed:  # written in place and handed back
-                alias = self._root(passed[id(t)])
-            elif t._is_view() and id(t._base) in passed:
-                alias = self._root(passed[id(t._base)])
-            elif t._is_view():  # a view of a known value, or else of a temporary inside the op
-                alias = self.root_of.get(id(t._base))
-            name = f"{short_name(target)}_{op_id}"
-            out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
-        self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
-                           tuple(r.id for r in out_refs), tuple(writes), (), source))
-        if len(outs) == 1 and len(out_refs) != 1 and outs[0].type().kind() == "ListType":
-            self.env[outs[0].unique()] = out_refs  # Tensor[] result (split, chunk, unbind)
-        else:
-            self._bind_host(outs, out_refs if len(outs) > 1 else out_refs[0])
-
-    def _call(self, fn, args, kwargs, refs, device):
-        """Run `fn` on stand-ins for its tensors: meta tensors, or on the CPU, weights and zeros.
-        Returns the flat results and the stand-in of each value read."""
-        if device == _META:
-            tensors = self.meta
-        else:
-            tensors = {r: self._cpu_example(r) for r in refs}
-        call_args = [torchops.to_torch(a, tensors, device) for a in args]
-        call_kwargs = {k: torchops.to_torch(v, tensors, device) for k, v in kwargs}
-        results = torchops.flatten_result(fn(*call_args, **call_kwargs))
-        return results, {r: tensors[r] for r in refs}
-
-    def _cpu_example(self, vid: int) -> torch.Tensor:
-        v = self.values[vid]
-        if v.kind == WEIGHT:
-            return self.weights[v.name]
-        meta = self.meta[vid]
-        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).zero_()
-
-    def _root(self, vid: int) -> int:
-        alias = self.values[vid].alias_of
-        return vid if alias is None else alias
-
-    def graph_outputs(self, graph) -> list[int]:
-        out = []
-        for obj in _flat([self._get(v) for v in graph.outputs()]):
-            if isinstance(obj, torch.Tensor):
-                obj = self._as_ref(obj)
-            if not isinstance(obj, Ref):
-                raise UnsupportedError(f"{self.name} returns a {type(obj).__name__}; nimble needs "
-                                       "models that return tensors (or tuples and lists of them)")
-            out.append(obj.id)
-        return out
-
-
-def short_name(target: str) -> str:
-    return target.split("::")[-1].split(".")[0]
-
-
-def _is_tensor_type(t) -> bool:
-    tensor = torch._C.TensorType.get()
-    if t.isSubtypeOf(tensor):
-        return True
-    return any(_is_tensor_type(c) for c in t.containedTypes())
-
-
-def _flat(objs):
-    for o in objs:
-        if isinstance(o, (list, tuple)):
-            yield from _flat(o)
-        else:
-            yield o
-
-
-def _refs_of(args):
-    return [a.id for a in _flat(args) if isinstance(a, Ref)]
-
-
-def _written_args(schema, args, kwargs) -> list[int]:
-    """Value ids the op writes in place, from the schema's `Tensor(a!)` annotations."""
-    by_name = dict(kwargs)
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    written = []
-    for spec in schema.arguments:
-        if spec.alias_info is not None and spec.alias_info.is_write:
-            arg = by_name[spec.name] if spec.kwarg_only else args[positional.index(spec)]
-            written.extend(_refs_of([arg]))
-    return written

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nimble import frontend, reference
+from nimble import frontend, reference, walker
 from nimble.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
 from nimble.ir import TensorSpec
@@ -144,14 +144,14 @@ def test_ops_without_meta_kernels_fall_back_to_the_cpu(monkeypatch, name):
 
     shapes = MODELS[name][1]
     expected = lower_file(SAMPLES / f"{name}.pt", shapes).graph
-    real_call = frontend._Walker._call
+    real_call = walker.Walker._call
 
     def no_meta(self, fn, args, kwargs, refs, device):
-        if device == frontend._META:
+        if device == walker._META:
             raise NotImplementedError("no meta kernel")
         return real_call(self, fn, args, kwargs, refs, device)
 
-    monkeypatch.setattr(frontend._Walker, "_call", no_meta)
+    monkeypatch.setattr(walker.Walker, "_call", no_meta)
     assert lower_file(SAMPLES / f"{name}.pt", shapes).graph == expected
 
 
