@@ -116,6 +116,11 @@ class Graph:
     def weights(self) -> tuple[int, ...]:
         return tuple(v.id for v in self.values if v.kind == WEIGHT)
 
+    def root(self, value: int) -> int:
+        """The value that owns `value`'s storage: itself, or the base it is a view or alias of."""
+        alias = self.values[value].alias_of
+        return value if alias is None else alias
+
     def deps(self, op: Op) -> tuple[int, ...]:
         """Ops that must finish before `op` starts: producers of its inputs plus ordering edges."""
         producers = {self.values[r].producer for r in op.refs()}

@@ -39,7 +39,7 @@ class MemoryPlan:
         """Arena offset of a value's first byte: its root's offset plus a view's storage offset.
         None for inputs, weights and their views, which live outside the arena."""
         v = graph.values[value]
-        root = value if v.alias_of is None else v.alias_of
+        root = graph.root(value)
         if self.offset[root] is None:
             return None
         return self.offset[root] + v.spec.offset * ITEMSIZE[v.spec.dtype]
@@ -52,8 +52,8 @@ def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
                    key=lambda r: (schedule.position[graph.values[r].producer], r))
     size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
     producer = {r: graph.values[r].producer for r in roots}
-    uses = _uses(graph, roots)
-    outputs = {_root(graph, o) for o in graph.outputs} & set(roots)
+    uses = buffer_uses(graph, roots)
+    outputs = {graph.root(o) for o in graph.outputs} & set(roots)
     ordered = _order(roots, uses, producer, outputs, happens_before(graph, schedule), len(graph.ops))
     free = ordered | ordered.T
     conflicts = {r: [roots[j] for j in np.flatnonzero(~free[i]) if j != i] for i, r in enumerate(roots)}
@@ -117,17 +117,12 @@ def _sync_preds(schedule: Schedule) -> list[tuple[int, ...]]:
     return preds
 
 
-def _root(graph: Graph, value: int) -> int:
-    alias = graph.values[value].alias_of
-    return value if alias is None else alias
-
-
-def _uses(graph: Graph, roots: list[int]) -> dict[int, int]:
+def buffer_uses(graph: Graph, roots) -> dict[int, int]:
     """Bitset of the ops that touch each buffer: its producer and every reader of it or its views."""
     uses = {r: 1 << graph.values[r].producer for r in roots}
     for op in graph.ops:
         for ref in op.refs():
-            root = _root(graph, ref)
+            root = graph.root(ref)
             if root in uses:
                 uses[root] |= 1 << op.id
     return uses

@@ -58,8 +58,7 @@ def _live_ops(values: list[Value], ops: list[Op], outputs: list[int]) -> set[int
 def _with_ordering_edges(graph: Graph, ops: list[Op]) -> list[Op]:
     """In-place writes and reads through aliases need edges that data flow alone does not give:
     a write waits for earlier readers of the same storage, and later readers wait for the write."""
-    def root(v: int) -> int:
-        return graph.values[v].alias_of if graph.values[v].alias_of is not None else v
+    root = graph.root
 
     last_write: dict[int, int] = {}
     readers: dict[int, list[int]] = {}

@@ -65,6 +65,7 @@ class Executable:
         self._order = list(range(len(self.graph.ops))) if single_stream else list(self.schedule.order)
         self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
         self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
+        self._waited = {u for ws in self._waits for u in ws}  # ops whose completion is an event
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0
         if self.device.type == "cuda":
@@ -103,7 +104,6 @@ class Executable:
         """Issue every op in order on its stream, waiting on the planned events."""
         env = self._env()
         cuda = self.device.type == "cuda"
-        waited = {u for ws in self._waits for u in ws}
         events: dict[int, torch.cuda.Event] = {}
         for i in self._order:
             p = self._placed[i]
@@ -123,7 +123,7 @@ class Executable:
                     raise ExecutionError(f"op {i} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
                                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
                         from e
-                if cuda and i in waited:
+                if cuda and i in self._waited:
                     events[i] = torch.cuda.Event()
                     events[i].record(stream)
         if cuda:

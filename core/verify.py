@@ -4,7 +4,7 @@ disk: a plan that passes cannot race. Each check raises ValueError naming the fi
 from __future__ import annotations
 
 from .ir import ACTIVATION, Graph
-from .memory import MemoryPlan, happens_before
+from .memory import MemoryPlan, buffer_uses, happens_before
 from .schedule import Schedule
 
 
@@ -26,17 +26,9 @@ def check_schedule(graph: Graph, schedule: Schedule) -> list[int]:
 def check_memory(graph: Graph, schedule: Schedule, memory: MemoryPlan, before: list[int]) -> None:
     """Every activation buffer is placed, large enough, and overlaps only buffers it is ordered
     with (every use of one happens-before the other's producer); graph outputs overlap nothing."""
-    def root(v: int) -> int:
-        alias = graph.values[v].alias_of
-        return v if alias is None else alias
-
     roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
-    uses = {r: 1 << graph.values[r].producer for r in roots}
-    for op in graph.ops:
-        for r in op.refs():
-            if root(r) in uses:
-                uses[root(r)] |= 1 << op.id
-    outputs = {root(o) for o in graph.outputs}
+    uses = buffer_uses(graph, roots)
+    outputs = {graph.root(o) for o in graph.outputs}
     for r in roots:
         if memory.offset[r] is None or memory.size[r] < graph.values[r].spec.storage_nbytes:
             raise ValueError(f"activation {r} has no buffer or too small a one")
