@@ -60,7 +60,6 @@ class Executable:
         self.stats = LoadStats()
         self._placed: list[PlacedOp] = prepare(self.graph)
         self._cuda_graph = None
-        self._broken = None
         self._with_arena = arena
         self._order = list(range(len(self.graph.ops))) if single_stream else list(self.schedule.order)
         self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
@@ -152,7 +151,6 @@ class Executable:
                 for s in self._streams[1:]:
                     capture.wait_stream(s)  # and join them back before capture ends
         except Exception as e:
-            self._broken = str(e)
             raise CaptureError(f"CUDA graph capture failed ({str(e).strip().splitlines()[0]}); this process "
                                "cannot use CUDA reliably any more. Restart it, and try an artifact compiled "
                                "with --streams 1") from e

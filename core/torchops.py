@@ -54,13 +54,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise UnsupportedError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}") from None
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    name = name.removeprefix("torch.")
-    if name not in DTYPES:
-        raise KeyError(name)
-    return DTYPES[name]
-
-
 def resolve(target: str) -> torch._ops.OpOverload:
     """`aten::add.Tensor` -> torch.ops.aten.add.Tensor; raises UnsupportedError if this torch lacks it."""
     qualified, _, overload = target.partition(".")
