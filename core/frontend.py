@@ -71,14 +71,24 @@ def lower(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = 
             frozen = torch.jit.freeze(module.eval())
         except Exception as e:
             raise UnsupportedError(f"{name}: torch.jit.freeze failed ({first_line(e)})") from e
-        graph = frozen.graph.copy()
-        torch._C._jit_pass_inline(graph)
-        torch._C._jit_pass_remove_mutation(graph)
-        walker = Walker(name)
-        walker.bind_inputs(graph, inputs)
-        walker.block(graph.block())
-        outputs = walker.graph_outputs(graph)
-        ir, weights = finalize(walker.values, walker.ops, walker.inputs, outputs, walker.weights)
-    return Lowered(ir, weights, frozen)
+        return Lowered(*_walk(frozen, inputs, name, training=False), frozen)
 
 
+def lower_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = "model") -> Lowered:
+    """Lower `module`'s training-mode forward without freezing it: its parameters and buffers
+    become weights named by their qualified names, which the caller binds to the live tensors."""
+    with quiet_torchscript(), torch.no_grad():
+        return Lowered(*_walk(module, inputs, name, training=True), module)
+
+
+def _walk(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, training: bool):
+    graph = module.graph.copy()
+    torch._C._jit_pass_inline(graph)
+    torch._C._jit_pass_remove_mutation(graph)
+    walker = Walker(name, training)
+    if training:
+        walker.bind_module(graph, module)
+    walker.bind_inputs(graph, inputs)
+    walker.block(graph.block())
+    outputs = walker.graph_outputs(graph)
+    return finalize(walker.values, walker.ops, walker.inputs, outputs, walker.weights)

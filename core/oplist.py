@@ -51,6 +51,13 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# Lowered only for `Nimble(module).prepare(..., training=True)`: random ops run on every call.
+TRAINING_ONLY: tuple[str, ...] = (
+    "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "empty", "empty_like",
+    "uniform_", "normal_",
+)
+
 SUPPORTED_ATEN = frozenset(name for group in SUPPORTED.values() for name in group)
 
 # Host-side ops that read only a tensor's metadata: folded at compile time for static shapes.
@@ -67,7 +74,8 @@ NONDETERMINISTIC = frozenset({
 })
 
 
-def is_supported(target: str) -> bool:
+def is_supported(target: str, training: bool = False) -> bool:
     """True for an allowlisted device op, given as `aten::name.overload` or `aten::name`."""
     namespace, _, rest = target.partition("::")
-    return namespace == "aten" and rest.split(".")[0] in SUPPORTED_ATEN
+    name = rest.split(".")[0]
+    return namespace == "aten" and (name in SUPPORTED_ATEN or (training and name in TRAINING_ONLY))

@@ -12,7 +12,8 @@ from .ir import WEIGHT, Graph, Op, Ref, Value
 def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: list[int],
              weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Drop dead ops and values, add ordering edges for in-place writes, renumber densely."""
-    live_ops = _live_ops(values, ops, outputs)
+    state = {v.id for v in values if v.kind == WEIGHT}  # a write to a weight is model state
+    live_ops = _live_ops(values, ops, outputs, state)
     ops = [op for op in ops if op.id in live_ops]
     used = set(inputs) | set(outputs)
     for op in ops:
@@ -39,12 +40,13 @@ def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: lis
     return graph, {k: t for k, t in weights.items() if k in names}
 
 
-def _live_ops(values: list[Value], ops: list[Op], outputs: list[int]) -> set[int]:
-    """Ops whose results reach a graph output, or that write into storage that does."""
+def _live_ops(values: list[Value], ops: list[Op], outputs: list[int], state: set[int]) -> set[int]:
+    """Ops whose results reach a graph output, or that write into storage that does or into
+    `state` (weights: a training-mode batch-norm counter, say)."""
     def root(v: int) -> int:
         return values[v].alias_of if values[v].alias_of is not None else v
 
-    live_values = set(outputs) | {root(o) for o in outputs}
+    live_values = set(outputs) | {root(o) for o in outputs} | state
     live_ops: set[int] = set()
     for op in reversed(ops):
         writes_live = any(root(m) in live_values for m in op.mutates)

@@ -78,32 +78,42 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
-    device = torchops.resolve_device(device)[0].type
-    streams = parse_streams(streams)
-    seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("loading")
     module = frontend.load_module(path)
     digest = sha256_file(path)
-    seconds["load"] = time.perf_counter() - t
+    load_s = time.perf_counter() - t
+    compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress)
+    compiled.seconds = {"load": load_s, **compiled.seconds}
+    return compiled
 
+
+def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
+                   digest: str, device: str = "auto", streams: str | int = "auto", check: bool = True,
+                   progress=lambda stage: None) -> Compiled:
+    """`compile_model` for a module already in memory. `model` and `digest` name its source in
+    the manifest. Its weights may live on any device; the check runs on `device`."""
+    device = torchops.resolve_device(device)[0].type
+    streams = parse_streams(streams)
+    seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("lowering")
-    lowered = frontend.lower(module, inputs, path.name)
+    lowered = frontend.lower(module, inputs, model)
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
     progress("running the reference")
     xs = sample_inputs(inputs)
+    home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
     with frontend.quiet_torchscript(), torch.no_grad():
-        expected = torchops.flatten_result(lowered.module(*xs))
+        expected = [e.cpu() for e in torchops.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
     result = None
     if check:
         got = reference.run(lowered.graph, lowered.weights, xs, device)
         rtol, atol = default_tolerance(device)
         result = compare(got, expected, rtol, atol)
         if not result.passed:
-            raise MismatchError(f"{path.name}: the lowered op list does not reproduce the model on "
+            raise MismatchError(f"{model}: the lowered op list does not reproduce the model on "
                                 f"{device}: {result.describe()}")
     seconds["check"] = time.perf_counter() - t
 
@@ -118,6 +128,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     seconds["memory"] = time.perf_counter() - t
     options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
                "dtypes": [s.dtype for s in inputs]}
-    return Compiled(path.stem, path.name, digest, lowered.graph, lowered.weights, xs,
-                    [e.detach().cpu().contiguous() for e in expected], result, device, schedule, memory,
+    weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
+    return Compiled(name, model, digest, lowered.graph, weights, xs,
+                    [e.detach().contiguous() for e in expected], result, device, schedule, memory,
                     options, seconds)

@@ -21,6 +21,7 @@ from .oplist import METADATA_OPS, NONDETERMINISTIC, is_supported
 _META = torch.device("meta")
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
                                "aten::feature_alpha_dropout"}
+_UPDATES_RUNNING_STATS = {"aten::batch_norm", "aten::instance_norm"}  # (input, w, b, mean, var, training, ...)
 _MAX_UNROLL = 100_000
 _TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
@@ -47,11 +48,26 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-class Walker:
-    """One pass over a frozen TorchScript graph, building IR values and ops as it goes."""
+class ModuleAttr:
+    """A submodule reached through `prim::GetAttr`, with its qualified name ('layer1.0.')."""
 
-    def __init__(self, name: str):
+    def __init__(self, module: torch._C.ScriptModule, prefix: str = ""):
+        self.module, self.prefix = module, prefix
+
+
+class Walker:
+    """One pass over a TorchScript graph, building IR values and ops as it goes.
+
+    For inference the graph is frozen: weights are constants. With `training=True` it is not:
+    parameters and buffers are read through `prim::GetAttr` and become weights named by their
+    qualified names ('layer1.0.bn1.running_mean'), random ops stay device ops, and training-mode
+    batch norm counts as writing its running statistics."""
+
+    def __init__(self, name: str, training: bool = False):
         self.name = name
+        self.training = training
+        self.attrs: dict[str, torch.Tensor] = {}  # qualified name -> the module's tensor
+        self.attr_ids: set[int] = set()  # ids of those tensors: device values, never folded
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self.meta: dict[int, torch.Tensor] = {}  # value id -> meta tensor
@@ -80,6 +96,27 @@ class Walker:
         if meta._is_view():  # a fresh result that is a view of a temporary inside its op
             self.root_of.setdefault(id(meta._base), root)
         return Ref(vid)
+
+    def bind_module(self, graph: torch._C.Graph, module: torch.jit.ScriptModule) -> None:
+        """Let `prim::GetAttr` on the graph's `self` input read `module`'s attributes."""
+        self.env[next(graph.inputs()).unique()] = ModuleAttr(module._c)
+
+    def _get_attr(self, owner, name: str, node):
+        if not isinstance(owner, ModuleAttr):
+            raise UnsupportedError(f"{self.name}: prim::GetAttr on a {type(owner).__name__} at "
+                                   f"{source_of(node)}; nimble reads attributes of modules only")
+        value = owner.module.getattr(name)
+        qualified = owner.prefix + name
+        if isinstance(value, torch._C.ScriptModule):
+            return ModuleAttr(value, qualified + ".")
+        if isinstance(value, torch.Tensor):
+            if qualified not in self.attrs:  # one tensor object per attribute, so one weight value
+                self.attrs[qualified] = value
+                self.attr_ids.add(id(value))
+                self.hints[id(value)] = qualified
+                self.hold.append(value)
+            return self.attrs[qualified]
+        return value
 
     def bind_inputs(self, graph: torch._C.Graph, specs: list[TensorSpec]) -> None:
         params = list(graph.inputs())[1:]  # inputs()[0] is the module itself
@@ -177,6 +214,8 @@ class Walker:
             self._if(node, ins[0])
         elif kind == "prim::Loop":
             self._loop(node, ins)
+        elif kind == "prim::GetAttr" and self.training:
+            self.env[outs[0].unique()] = self._get_attr(ins[0], node.s("name"), node)
         elif kind in ("prim::GetAttr", "prim::CallMethod", "prim::CallFunction", "prim::PythonOp"):
             raise UnsupportedError(f"{self.name}: {kind} survived freezing at {source_of(node)}; "
                                    "nimble needs a module whose forward freezes to plain ops")
@@ -228,10 +267,10 @@ class Walker:
             raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
                                    "(it has no aten schema)") from None
         target = torchops.target_of(schema)
-        refs = any(isinstance(a, Ref) for a in _flat(ins))
+        refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]
-        if not refs:
+        if not refs and not (self.training and short in NONDETERMINISTIC):
             if short in NONDETERMINISTIC:
                 raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
                                        "uninitialized memory; nimble runs deterministic graphs only")
@@ -260,7 +299,7 @@ class Walker:
                 self.env[o.unique()] = r
 
     def _device_op(self, node, schema, target, ins, outs, source) -> None:
-        if not is_supported(target):
+        if not is_supported(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
         args, kwargs = [], []
@@ -279,6 +318,8 @@ class Walker:
                              f"(tensor shapes {shapes}): {first_line(e)}") from e
         passed = {id(t): r for r, t in used.items()}  # `used` keeps the stand-ins alive, so ids stay unique
         writes = _written_args(schema, args, kwargs)
+        if self.training and schema.name in _UPDATES_RUNNING_STATS and args[5] is True:
+            writes += _refs_of(args[3:5])  # running_mean, running_var: updated in place, unannotated
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
@@ -318,7 +359,7 @@ class Walker:
     def _cpu_example(self, vid: int) -> torch.Tensor:
         v = self.values[vid]
         if v.kind == WEIGHT:
-            return self.weights[v.name]
+            return self.weights[v.name].cpu()  # a module prepared for training may live on the GPU
         meta = self.meta[vid]
         return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).zero_()
 
