@@ -10,6 +10,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _API = {
+    "Nimble": "api",
     "compile_model": "pipeline",
     "load": "runtime",
     "Executable": "runtime",

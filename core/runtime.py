@@ -134,13 +134,7 @@ class Executable:
 
     def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        if dump:  # keep the cudaGraph_t after instantiation, so that debug_dump can print it as DOT
-            try:
-                graph = torch.cuda.CUDAGraph(keep_graph=True)
-            except TypeError:  # older torch: debug mode alone keeps it
-                pass
-            graph.enable_debug_mode()
+        graph = new_graph(debug=bool(dump))
         capture = self._streams[0]
         capture.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -202,6 +196,18 @@ class Executable:
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
+
+
+def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:
+    """A CUDA graph; with `debug`, one that keeps its cudaGraph_t so `debug_dump` can write DOT."""
+    if not debug:
+        return torch.cuda.CUDAGraph()
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:  # older torch: debug mode alone keeps it
+        graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    return graph
 
 
 def load(path: str | Path, device: str = "auto") -> Executable:

@@ -1,0 +1,214 @@
+"""`nimble.Nimble(module)`: nimble in-process, on a live module, with no artifact on disk.
+
+    model = nimble.Nimble(net).prepare(torch.randn(32, 3, 32, 32, device="cuda"), training=True)
+    loss = criterion(model(x), y)
+    loss.backward()        # gradients land in net's own .grad tensors
+    optimizer.step()       # any torch.optim optimizer over net.parameters()
+
+`prepare` traces the module (a TorchScript module is used as it is) through the same frontend
+and stream schedule as `nimble compile`. For inference it also plans the arena and loads the
+result as `nimble.load` would; for training it captures the forward and the backward as CUDA
+graphs bound to the module's own tensors (see `training.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import warnings
+
+import torch
+
+from . import frontend, torchops
+from .errors import ModelError, ShapeError, UnsupportedError, UsageError
+from .ir import TensorSpec
+from .walker import first_line
+
+
+class Nimble:
+    """A module run by nimble. Call `prepare(example_inputs, training=...)`, then call it like the
+    module: `out = model(x)`. Outputs are fresh tensors, as the module's own would be."""
+
+    def __init__(self, module: torch.nn.Module):
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"Nimble wraps a torch.nn.Module or a TorchScript module, got a "
+                             f"{type(module).__name__}")
+        self.module = module
+        self._runner = None
+        self._compiled = None
+        self._training = False
+        self._specs: list[TensorSpec] = []
+        self._device = torch.device("cpu")
+        self._streams: str | int = "auto"
+
+    # ------------------------------------------------------------------------------ prepare
+    def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto") -> Nimble:
+        """Trace, schedule and capture the module for inputs shaped like `example_inputs` (a tensor,
+        or a tuple or list of them). `training=True` prepares forward and backward, and puts the
+        module in training mode; `training=False` puts it in eval mode. `streams` is "auto" (one
+        stream per chain of the schedule), 1, or a cap. Returns self."""
+        from .pipeline import compile_script, parse_streams
+        from .runtime import Executable
+        from .schedule import assign_streams
+        from .training import TrainingGraph
+
+        xs = _as_inputs(example_inputs, "example_inputs")
+        device = xs[0].device
+        if any(x.device != device for x in xs):
+            raise UsageError("example_inputs are on different devices; put them all on one device")
+        home = _home_device(self.module)
+        if home is not None and home != device:
+            raise UsageError(f"the module is on {home} but example_inputs are on {device}; move both to one "
+                             "device")
+        self._streams = streams = parse_streams(streams)
+        self._runner = self._compiled = None
+        self._specs = [TensorSpec(tuple(x.shape), torchops.dtype_name(x.dtype)) for x in xs]
+        self._device, self._training = device, bool(training)
+        self.module.train(self._training)
+        script = self._script(xs)
+        name = type(self.module).__name__
+        if self._training:
+            lowered = frontend.lower_training(script, self._specs, name)
+            schedule = assign_streams(lowered.graph, streams)
+            self._runner = TrainingGraph(self.module, lowered.graph, lowered.weights, schedule, device)
+        else:
+            self._compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
+                                            device.type, streams, check=False)
+            self._runner = Executable(self._compiled.artifact(), device.type)
+        self._guard = _Guard(self.module, versions=not self._training)
+        return self
+
+    def _script(self, xs: list[torch.Tensor]) -> torch.jit.ScriptModule:
+        """The module as TorchScript: itself, or traced on `xs` with its buffers and the RNG left as
+        they were (tracing runs the forward once)."""
+        if isinstance(self.module, torch.jit.ScriptModule):
+            return self.module
+        buffers = [b for b in self.module.buffers()]
+        saved = [b.clone() for b in buffers]
+        rng = [xs[0].device] if xs[0].device.type == "cuda" else []
+        try:
+            with frontend.quiet_torchscript(), warnings.catch_warnings(), torch.no_grad(), \
+                    torch.random.fork_rng(devices=rng):
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                return torch.jit.trace(self.module, tuple(xs), check_trace=False)
+        except Exception as e:
+            raise UnsupportedError(f"{type(self.module).__name__} could not be traced ({first_line(e)}); "
+                                   "pass a torch.jit.script of it instead") from e
+        finally:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+
+    # ------------------------------------------------------------------------------ calls
+    def __call__(self, *inputs: torch.Tensor):
+        if self._runner is None:
+            raise UsageError("call prepare(example_inputs) before running the model")
+        if self.module.training != self._training:
+            now, then = ("training", "inference") if self.module.training else ("eval", "training")
+            raise UsageError(f"the module is in {now} mode but was prepared for {then}; call "
+                             f"prepare(example_inputs, training={self.module.training}) again")
+        self._guard.check()
+        xs = self._check_inputs(inputs)
+        if self._training:
+            outs = self._runner(xs)
+        else:
+            outs = self._runner(*xs, copy=True)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _check_inputs(self, inputs) -> list[torch.Tensor]:
+        if len(inputs) != len(self._specs):
+            raise ShapeError(f"the model was prepared for {len(self._specs)} input(s), got {len(inputs)}")
+        for i, (x, spec) in enumerate(zip(inputs, self._specs)):
+            if not isinstance(x, torch.Tensor):
+                raise ShapeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            if tuple(x.shape) != spec.shape or torchops.dtype_name(x.dtype) != spec.dtype:
+                raise ShapeError(f"input {i} is {torchops.dtype_name(x.dtype)}{list(x.shape)} but the model "
+                                 f"was prepared for {spec.dtype}{list(spec.shape)}; call prepare() with an "
+                                 "example of this shape (a second Nimble can hold another shape)")
+            if x.device != self._device:
+                raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
+            if x.requires_grad:
+                raise UsageError(f"input {i} requires grad; nimble computes gradients for the module's "
+                                 "parameters only. Pass x.detach(), or train without nimble")
+        return list(inputs)
+
+    # ------------------------------------------------------------------------------ save
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the `.nimble` artifact that `nimble compile` would write for the module as it is now
+        (in eval mode) and the prepared input shapes."""
+        from nimble.formats import write_artifact
+        from .pipeline import compile_script
+
+        if self._runner is None:
+            raise UsageError("call prepare(example_inputs) before save()")
+        compiled = self._compiled
+        if compiled is None or not self._guard.unchanged():
+            was_training = self.module.training
+            self.module.eval()
+            try:
+                xs = [torch.zeros(s.shape, dtype=torchops.DTYPES[s.dtype], device=self._device) for s in self._specs]
+                script = self._script(xs)
+                name = type(self.module).__name__
+                compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
+                                          self._device.type, self._streams, check=False)
+            finally:
+                self.module.train(was_training)
+        write_artifact(path, compiled.artifact())
+
+
+class _Guard:
+    """Notices a module changed after `prepare`: a parameter or buffer replaced or given new
+    storage, or, where the prepared copy is frozen (inference), written in place."""
+
+    def __init__(self, module: torch.nn.Module, versions: bool):
+        self.versions = versions
+        self.entries = []
+        for prefix, m in module.named_modules(remove_duplicate=False):
+            for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                if t is not None:
+                    self.entries.append((m, name, t, t.data_ptr(), t._version, f"{prefix}.{name}".lstrip(".")))
+
+    def check(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ModelError(f"the module changed after prepare(): {problem}; call prepare() again")
+
+    def unchanged(self) -> bool:
+        return self._problem() is None
+
+    def _problem(self) -> str | None:
+        for m, name, t, ptr, version, qualified in self.entries:
+            now = getattr(m, name, None)
+            if now is not t:
+                return f"'{qualified}' was replaced"
+            if t.data_ptr() != ptr:
+                return f"'{qualified}' was given new storage"
+            if self.versions and t._version != version:
+                return f"'{qualified}' was written in place (the prepared copy would be stale)"
+        return None
+
+
+def _as_inputs(example, what: str) -> list[torch.Tensor]:
+    xs = [example] if isinstance(example, torch.Tensor) else list(example) \
+        if isinstance(example, (tuple, list)) else None
+    if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
+        raise UsageError(f"{what} must be a tensor or a tuple of tensors, got {type(example).__name__}")
+    for i, x in enumerate(xs):
+        if x.requires_grad:
+            raise UsageError(f"{what}[{i}] requires grad; nimble computes gradients for the module's "
+                             "parameters only. Pass x.detach()")
+    return xs
+
+
+def _home_device(module: torch.nn.Module) -> torch.device | None:
+    t = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return None if t is None else t.device
+
+
+def _digest(script: torch.jit.ScriptModule) -> str:
+    buf = io.BytesIO()
+    with frontend.quiet_torchscript():
+        torch.jit.save(script, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
