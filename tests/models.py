@@ -42,3 +42,25 @@ class ParallelLinears(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) * self.b(x)
+
+
+class StochasticNet(nn.Module):
+    """Batch norm, dropout and a stochastic-depth residual (torch.empty(...).bernoulli_()), as in
+    EfficientNet's training-mode forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.branch = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.SiLU(inplace=True))
+        self.drop = nn.Dropout(0.3)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        if self.training:
+            keep = torch.empty([x.shape[0], 1, 1, 1], dtype=x.dtype, device=x.device).bernoulli_(0.8)
+            x = x + self.branch(x) * keep.div_(0.8)
+        else:
+            x = x + self.branch(x)
+        return self.fc(self.drop(x.mean([2, 3])))

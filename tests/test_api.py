@@ -1,0 +1,191 @@
+"""`nimble.Nimble(module).prepare(...)` on the CPU: inference parity, training parity with eager
+PyTorch over SGD steps, `save`, and one-line errors. (The CUDA-graph path: test_gpu_training.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nimble
+from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
+from sample_models.build import MODELS, build_module
+from tests.models import StochasticNet, UnsupportedOp
+
+CLASSIFIERS = ["resnet", "inception", "mobilenet", "nasnet"]
+
+
+def _example(name: str, batch: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn((batch, *s[1:]), generator=gen) for s in MODELS[name][1]]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_inference_matches_the_module(name):
+    module = build_module(name).eval()
+    xs = _example(name)
+    model = nimble.Nimble(module).prepare(tuple(xs))
+    with torch.no_grad():
+        want = module(*xs)
+    got = model(*xs)
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        want, got = (want,), (got,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert model(*xs)[0] is not model(*xs)[0]  # fresh tensors, not views of nimble's buffers
+
+
+def _train(step_fn, module, steps, seed=0):
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 3, 32, 32, generator=gen)
+        y = torch.randint(0, 10, (4,), generator=gen)
+        torch.manual_seed(step)  # one dropout draw per step, the same for both runs
+        loss = F.cross_entropy(step_fn(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("factory", [*CLASSIFIERS, "stochastic"])
+def test_training_matches_eager_pytorch(factory):
+    module = StochasticNet() if factory == "stochastic" else build_module(factory)
+    eager = copy.deepcopy(module).train()
+    model = nimble.Nimble(module).prepare(torch.randn(4, 3, 32, 32), training=True)
+    assert module.training
+    got = _train(model, module, 5)
+    want = _train(eager, eager, 5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)  # incl. running stats
+    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)  # sum order may differ
+
+
+def test_prepare_leaves_batch_norm_statistics_alone():
+    module = build_module("resnet")
+    before = copy.deepcopy(module.state_dict())
+    nimble.Nimble(module).prepare(torch.randn(4, 3, 32, 32), training=True)
+    for name, t in module.state_dict().items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_dropout_draws_fresh_numbers_each_call():
+    module = StochasticNet()
+    model = nimble.Nimble(module).prepare(torch.randn(4, 3, 16, 16), training=True)
+    x = torch.randn(4, 3, 16, 16)
+    assert not torch.equal(model(x), model(x))
+
+
+def test_save_writes_the_artifact_compile_would(tmp_path):
+    module = build_module("resnet").eval()
+    x = torch.randn(1, 3, 32, 32)
+    model = nimble.Nimble(module).prepare(x, streams=2)
+    model.save(tmp_path / "m.nimble")
+    exe = nimble.load(tmp_path / "m.nimble")
+    torch.testing.assert_close(exe(x)[0], model(x), rtol=1e-5, atol=1e-6)
+    assert exe.artifact.manifest["options"]["streams"] == "2"
+
+
+def test_save_after_training_holds_the_trained_weights(tmp_path):
+    module = build_module("resnet")
+    model = nimble.Nimble(module).prepare(torch.randn(4, 3, 32, 32), training=True)
+    _train(model, module, 2)
+    model.save(tmp_path / "trained.nimble")
+    assert module.training  # save compiles in eval mode and puts the mode back
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        want = module.eval()(x)
+    torch.testing.assert_close(nimble.load(tmp_path / "trained.nimble")(x)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_scripted_module_is_accepted():
+    module = torch.jit.script(build_module("inception").eval())
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(nimble.Nimble(module).prepare(x)(x), module(x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- errors
+def _one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and text
+    return text
+
+
+@pytest.fixture
+def prepared():
+    module = build_module("resnet")
+    return module, nimble.Nimble(module).prepare(torch.randn(4, 3, 32, 32), training=True)
+
+
+def test_inputs_that_require_grad_are_refused(prepared):
+    _, model = prepared
+    with pytest.raises(UsageError) as e:
+        model(torch.randn(4, 3, 32, 32, requires_grad=True))
+    assert "requires grad" in _one_line(e)
+    with pytest.raises(UsageError):
+        nimble.Nimble(build_module("resnet")).prepare(torch.randn(4, 3, 32, 32, requires_grad=True))
+
+
+def test_a_shape_other_than_the_prepared_one_is_refused(prepared):
+    _, model = prepared
+    with pytest.raises(ShapeError) as e:
+        model(torch.randn(8, 3, 32, 32))
+    assert "[8, 3, 32, 32]" in _one_line(e) and "[4, 3, 32, 32]" in str(e.value)
+    with pytest.raises(ShapeError):
+        model(torch.randn(4, 3, 32, 32), torch.randn(1))
+
+
+def test_replacing_a_parameter_after_prepare_is_refused(prepared):
+    module, model = prepared
+    module.fc.weight = nn.Parameter(torch.zeros_like(module.fc.weight))
+    with pytest.raises(ModelError) as e:
+        model(torch.randn(4, 3, 32, 32))
+    assert "fc.weight" in _one_line(e) and "prepare() again" in str(e.value)
+
+
+def test_in_place_weight_changes_are_refused_for_inference_only(prepared):
+    module = build_module("resnet").eval()
+    model = nimble.Nimble(module).prepare(torch.randn(1, 3, 32, 32))
+    with torch.no_grad():
+        module.fc.bias.add_(1)  # load_state_dict does this too
+    with pytest.raises(ModelError) as e:
+        model(torch.randn(1, 3, 32, 32))
+    assert "written in place" in _one_line(e)
+    _, trained = prepared  # an optimizer step writes in place: fine for training
+    _train(trained, trained.module, 1)
+
+
+def test_switching_mode_after_prepare_is_refused(prepared):
+    module, model = prepared
+    module.eval()
+    with pytest.raises(UsageError) as e:
+        model(torch.randn(4, 3, 32, 32))
+    assert "training=False" in _one_line(e)
+
+
+def test_unsupported_ops_and_misuse_are_one_line():
+    with pytest.raises(UnsupportedError) as e:
+        nimble.Nimble(UnsupportedOp()).prepare(torch.randn(3, 3))
+    assert "linalg_inv" in _one_line(e)
+    with pytest.raises(UsageError) as e:
+        nimble.Nimble(build_module("resnet"))(torch.randn(1, 3, 32, 32))
+    assert "prepare" in _one_line(e)
+    with pytest.raises(UsageError):
+        nimble.Nimble(lambda x: x)
+    with pytest.raises(UsageError):
+        nimble.Nimble(build_module("resnet")).prepare("not a tensor")
+    with pytest.raises(UsageError):
+        nimble.Nimble(build_module("resnet")).prepare(torch.randn(1, 3, 32, 32), streams="many")
+    with pytest.raises(ModelError):
+        nimble.Nimble(build_module("resnet").requires_grad_(False)).prepare(torch.randn(2, 3, 32, 32),
+                                                                           training=True)
