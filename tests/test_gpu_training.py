@@ -1,0 +1,131 @@
+"""`Nimble(module).prepare(..., training=True)` on CUDA: captured forward and backward graphs
+against eager PyTorch over 20 SGD-with-momentum steps, `.grad` semantics, dropout, parallelism."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nimble
+from nimble.errors import ModelError, UsageError
+from nimble.frontend import lower_training
+from nimble.ir import TensorSpec
+from nimble.schedule import assign_streams
+from nimble.training import TrainingGraph
+from sample_models.build import build_module
+from tests.models import StochasticNet
+from tests.test_gpu_runtime import TwoBranches, _graph_shape
+
+pytestmark = pytest.mark.gpu
+SHAPE = (16, 3, 32, 32)
+
+
+def _steps(step_fn, module, steps, seed=0, zero=True):
+    opt = torch.optim.SGD(module.parameters(), lr=0.02, momentum=0.9)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(SHAPE, device="cuda", generator=gen)
+        y = torch.randint(0, 10, (SHAPE[0],), device="cuda", generator=gen)
+        torch.manual_seed(step)  # the same dropout draws for both runs
+        loss = F.cross_entropy(step_fn(x), y)
+        if zero:
+            opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("factory", ["resnet", "inception", "mobilenet", "nasnet", "stochastic"])
+def test_20_sgd_steps_match_eager_pytorch(factory):
+    """Batch norm (statistics and counter), dropout and stochastic depth, residual and
+    multi-branch blocks. Tolerances fit TF32 convolutions, whose rounding compounds over steps."""
+    torch.manual_seed(0)
+    module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
+    eager = copy.deepcopy(module).train()
+    model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
+    got = _steps(model, module, 20)
+    want = _steps(eager, eager, 20)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-3)
+    for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b), name  # num_batches_tracked: 20 exactly
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_grad_accumulation_zero_grad_and_clipping_work_as_in_eager():
+    torch.manual_seed(0)
+    module = build_module("resnet").cuda()
+    eager = copy.deepcopy(module).train()
+    model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
+    x = torch.randn(SHAPE, device="cuda")
+    for m, net in ((model, module), (eager, eager)):
+        net.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        m(x).square().mean().backward()  # accumulates: two backward passes, no zero_grad between
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+    for p, q in zip(module.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3)
+    module.zero_grad(set_to_none=False)  # zeroes the bound .grad tensors in place
+    eager.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(module.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3)
+    _steps(model, module, 3, zero=False)  # optimizer steps on accumulating grads still run
+
+
+def test_dropout_draws_fresh_numbers_on_every_replay():
+    module = StochasticNet().cuda()
+    model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
+    x = torch.randn(SHAPE, device="cuda")
+    outs = [model(x) for _ in range(3)]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+def test_the_backward_graph_inherits_the_forward_streams(tmp_path):
+    module = TwoBranches().cuda().train()
+    x = torch.randn(64, 1024, device="cuda")
+    traced = torch.jit.trace(module, x)
+    lowered = lower_training(traced, [TensorSpec((64, 1024), "float32")])
+    shapes = {}
+    for streams in ("auto", 1):
+        schedule = assign_streams(lowered.graph, streams)
+        TrainingGraph(module, lowered.graph, lowered.weights, schedule, torch.device("cuda"),
+                      graph_dump=str(tmp_path / f"{streams}_"))
+        shapes[streams] = {part: _graph_shape((tmp_path / f"{streams}_{part}.dot").read_text())
+                           for part in ("forward", "backward")}
+    for part in ("forward", "backward"):
+        roots, forks, joins = shapes["auto"][part]
+        assert (roots >= 2 or forks >= 2) and joins >= 2, (part, shapes)
+
+
+def test_errors_on_cuda():
+    module = build_module("resnet").cuda()
+    model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
+    with pytest.raises(UsageError):
+        model(torch.randn(SHAPE, device="cuda", requires_grad=True))
+    with pytest.raises(nimble.ShapeError):
+        model(torch.randn(SHAPE))  # on the CPU
+    module.fc.weight.data = torch.zeros_like(module.fc.weight)  # new storage under the same tensor
+    with pytest.raises(ModelError) as e:
+        model(torch.randn(SHAPE, device="cuda"))
+    assert "fc.weight" in str(e.value)
+    with pytest.raises(UsageError):
+        nimble.Nimble(module).prepare(torch.randn(SHAPE), training=True)  # module on CUDA, input not
+
+
+def test_inference_prepare_on_cuda_matches_the_module():
+    module = build_module("inception").cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    model = nimble.Nimble(module).prepare(x)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), module(x), rtol=1e-2, atol=1e-3)
