@@ -163,6 +163,9 @@ class TrainingGraph:
             self.grad_outputs = [torch.zeros_like(o) for o in diff]
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
             with torch.cuda.graph(bwd, pool=pool, stream=capture):
+                for s in self._streams[1:]:
+                    s.wait_stream(capture)  # all join the capture first: without this, autograd's
+                    # cross-stream syncs invalidate it (seen on torch 2.11)
                 grads = self._grads(diff, self.grad_outputs)
                 for s in self._streams[1:]:
                     capture.wait_stream(s)
