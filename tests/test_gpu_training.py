@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 SHAPE = (16, 3, 32, 32)
 
 
-def _steps(step_fn, module, steps, seed=0, zero=True):
-    opt = torch.optim.SGD(module.parameters(), lr=0.02, momentum=0.9)
+def _steps(step_fn, module, steps, seed=0, zero=True, lr=0.02):
+    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     losses = []
     for step in range(steps):
@@ -41,24 +41,37 @@ def _steps(step_fn, module, steps, seed=0, zero=True):
     return losses
 
 
+@pytest.fixture
+def tf32(request):
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = request.param
+    yield request.param
+    torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("tf32", [False, True], indirect=True, ids=["fp32", "tf32"])
 @pytest.mark.parametrize("factory", ["resnet", "inception", "mobilenet", "nasnet", "stochastic"])
-def test_20_sgd_steps_match_eager_pytorch(factory):
+def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
     """Batch norm (statistics and counter), dropout and stochastic depth, residual and
-    multi-branch blocks. Tolerances fit TF32 convolutions, whose rounding compounds over steps."""
+    multi-branch blocks. In full fp32 nimble must track eager closely. With TF32 convolutions
+    (PyTorch's default) the two runs' rounding differs and SGD on random batches amplifies it
+    step by step, so that run uses a smaller learning rate and TF32-sized tolerances."""
     torch.manual_seed(0)
     module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
     eager = copy.deepcopy(module).train()
     model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
-    got = _steps(model, module, 20)
-    want = _steps(eager, eager, 20)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-3)
+    lr, rtol, atol = (0.005, 2e-2, 2e-3) if tf32 else (0.02, 1e-3, 1e-4)
+    got = _steps(model, module, 20, lr=lr)
+    want = _steps(eager, eager, 20, lr=lr)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=atol)
     for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
         if a.dtype == torch.int64:
             assert torch.equal(a, b), name  # num_batches_tracked: 20 exactly
         else:
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(a, b, rtol=rtol, atol=5 * atol, msg=lambda m, n=name: f"{n}: {m}")
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=5 * rtol, atol=5 * atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_grad_accumulation_zero_grad_and_clipping_work_as_in_eager():
