@@ -54,6 +54,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 # Lowered only for `Nimble(module).prepare(..., training=True)`: random ops run on every call.
 TRAINING_ONLY: tuple[str, ...] = (
     "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "dropout_", "feature_dropout_", "alpha_dropout_", "feature_alpha_dropout_",
     "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "empty", "empty_like",
     "uniform_", "normal_",
 )

