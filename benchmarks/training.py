@@ -97,6 +97,11 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool) -> dict:
     step, last = stepper(eager, eager.parameters(), batch)
     eager_losses = first_losses(step, last)
     row["eager_ms"] = median_ms(step, iters)
+    again = copy.deepcopy(base)  # the control: eager against itself, same weights and batch
+    step, last = stepper(again, again.parameters(), batch)
+    row["eager_again_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
+                                        for a, b in zip(first_losses(step, last), eager_losses)]
+    del again
 
     for streams in ("auto", 1):
         net = copy.deepcopy(base)
@@ -162,7 +167,9 @@ def report(rows: list[dict], meta: dict) -> str:
               "largest relative difference per step: " + ", ".join(f"{max(d[i] for d in diffs):.1e}"
                                                                    for i in range(len(diffs[0]))) +
               ". The first is the forward alone; later steps add the updates' rounding (TF32 "
-              "convolutions, as PyTorch defaults)."]
+              "convolutions, as PyTorch defaults). Eager against a second eager run: " +
+              ", ".join(f"{max(r['eager_again_loss_rel_diff'][i] for r in rows):.1e}" for i in range(len(diffs[0]))) +
+              "."]
     return "\n".join(lines) + "\n"
 
 

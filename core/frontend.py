@@ -10,6 +10,7 @@ on the meta device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 import zipfile
@@ -78,7 +79,26 @@ def lower_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     """Lower `module`'s training-mode forward without freezing it: its parameters and buffers
     become weights named by their qualified names, which the caller binds to the live tensors."""
     with quiet_torchscript(), torch.no_grad():
-        return Lowered(*_walk(module, inputs, name, training=True), module)
+        graph, weights = _walk(module, inputs, name, training=True)
+    return Lowered(_chain_loose_ops(graph), weights, module)
+
+
+def _chain_loose_ops(graph: Graph) -> Graph:
+    """Thread each op that depends on nothing (a batch-norm counter's `add_`, a random `empty`)
+    into program order: after the op before it, and before the op after it. Left loose, each
+    would be a chain, and so a stream, of its own: one per batch-norm layer in training mode."""
+    loose = {op.id for op in graph.ops if op.id and not graph.deps(op)}
+    ops = []
+    for op in graph.ops:
+        after = set(op.after)
+        if op.id in loose:
+            after.add(op.id - 1)
+        if op.id - 1 in loose:
+            after.add(op.id - 1)
+        ops.append(dataclasses.replace(op, after=tuple(sorted(after))))
+    chained = dataclasses.replace(graph, ops=tuple(ops))
+    chained.lint()
+    return chained
 
 
 def _walk(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, training: bool):
