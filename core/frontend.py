@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelError, UnsupportedError
-from .ir import Graph, TensorSpec
+from .ir import WEIGHT, Graph, TensorSpec
 from .passes import finalize
 from .walker import Walker, first_line, source_of  # noqa: F401  (source_of is part of the API)
 
@@ -84,10 +84,11 @@ def lower_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
 
 
 def _chain_loose_ops(graph: Graph) -> Graph:
-    """Thread each op that depends on nothing (a batch-norm counter's `add_`, a random `empty`)
+    """Thread each op that reads only weights, or nothing (a batch-norm counter's `add_`, a random `empty`)
     into program order: after the op before it, and before the op after it. Left loose, each
     would be a chain, and so a stream, of its own: one per batch-norm layer in training mode."""
-    loose = {op.id for op in graph.ops if op.id and not graph.deps(op)}
+    loose = {op.id for op in graph.ops if op.id and not graph.deps(op)
+             and all(graph.values[r].kind == WEIGHT for r in op.refs())}  # reads no input either
     ops = []
     for op in graph.ops:
         after = set(op.after)

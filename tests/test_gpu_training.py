@@ -56,8 +56,8 @@ def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
     """Batch norm (statistics and counter), dropout and stochastic depth, residual and
     multi-branch blocks. Rounding differs between the runs (TF32 convolutions, gradient sums in
     another order across streams) and SGD on random batches amplifies it step by step, so the
-    learning rate is small and the tolerances grow with TF32; gradients, which react most to
-    small weight differences, get the widest."""
+    learning rate is small and the tolerances grow with TF32. Gradients, which react most to
+    small weight differences, are compared by relative norm."""
     torch.manual_seed(0)
     module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
     eager = copy.deepcopy(module).train()
@@ -72,8 +72,8 @@ def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
         else:
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=20 * rtol, atol=20 * atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        error = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+        assert error < 5 * rtol, f"{name}: gradient differs from eager by {error:.1e} (relative norm)"
 
 
 def test_grad_accumulation_zero_grad_and_clipping_work_as_in_eager():
