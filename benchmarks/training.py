@@ -84,10 +84,9 @@ def stepper(model, params, batch: int, before=None):
 
 
 def bench_one(name: str, batch: int, iters: int, compile_it: bool) -> dict:
+    import nimble
     import torch
     import torchvision
-
-    import nimble
 
     torch.manual_seed(0)
     base = getattr(torchvision.models, name)(weights=None, num_classes=10).cuda().train()

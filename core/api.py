@@ -139,6 +139,7 @@ class Nimble:
         """Write the `.nimble` artifact that `nimble compile` would write for the module as it is now
         (in eval mode) and the prepared input shapes."""
         from nimble.formats import write_artifact
+
         from .pipeline import compile_script
 
         if self._runner is None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import nimble
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-
-import nimble
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
+from torch import nn
+
 from sample_models.build import MODELS, build_module
 from tests.models import StochasticNet, UnsupportedOp
 

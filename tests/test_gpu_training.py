@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import copy
 
+import nimble
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-
-import nimble
 from nimble.errors import ModelError, UsageError
 from nimble.frontend import lower_training
 from nimble.ir import TensorSpec
 from nimble.schedule import assign_streams
 from nimble.training import TrainingGraph
+
 from sample_models.build import build_module
 from tests.models import StochasticNet
 from tests.test_gpu_runtime import TwoBranches, _graph_shape
@@ -56,24 +55,30 @@ def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
     """Batch norm (statistics and counter), dropout and stochastic depth, residual and
     multi-branch blocks. Rounding differs between the runs (TF32 convolutions, gradient sums in
     another order across streams) and SGD on random batches amplifies it step by step, so the
-    learning rate is small and the tolerances grow with TF32. Gradients, which react most to
-    small weight differences, are compared by relative norm."""
+    learning rate is small and the tolerances grow with TF32; tensors are compared in norm, and
+    gradients, which react most to small weight differences, get 5 times the weights' tolerance."""
     torch.manual_seed(0)
     module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
     eager = copy.deepcopy(module).train()
     model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
-    lr, rtol, atol = (0.002, 2e-2, 2e-3) if tf32 else (0.005, 1e-3, 1e-4)
+    lr, rel, floor = (0.002, 2e-2, 1e-4) if tf32 else (0.005, 1e-3, 1e-5)
     got = _steps(model, module, 20, lr=lr)
     want = _steps(eager, eager, 20, lr=lr)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rel, atol=10 * floor)
     for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
         if a.dtype == torch.int64:
             assert torch.equal(a, b), name  # num_batches_tracked: 20 exactly
         else:
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            _assert_near(a, b, rel, floor, name)
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
-        error = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
-        assert error < 5 * rtol, f"{name}: gradient differs from eager by {error:.1e} (relative norm)"
+        _assert_near(p.grad, q.grad, 5 * rel, floor, f"{name}.grad")
+
+
+def _assert_near(a: torch.Tensor, b: torch.Tensor, rel: float, floor: float, name: str) -> None:
+    """|a - b| <= rel |b| + floor sqrt(n), in the 2-norm: robust to the odd element a rounding
+    difference flips, and to tensors near zero (a bias followed by batch norm has no gradient)."""
+    error, scale = (a - b).norm().item(), b.norm().item()
+    assert error <= rel * scale + floor * b.numel() ** 0.5, f"{name}: |a - b| = {error:.2e}, |b| = {scale:.2e}"
 
 
 def test_grad_accumulation_zero_grad_and_clipping_work_as_in_eager():
