@@ -40,45 +40,52 @@ def _steps(step_fn, module, steps, seed=0, zero=True, lr=0.02):
     return losses
 
 
-@pytest.fixture
-def tf32(request):
+@pytest.fixture(autouse=True)
+def cudnn_settings():
     before = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic
-    torch.backends.cudnn.allow_tf32 = request.param
     torch.backends.cudnn.deterministic = True  # no atomics in weight gradients: less noise to amplify
-    yield request.param
+    yield
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = before
 
 
-@pytest.mark.parametrize("tf32", [False, True], indirect=True, ids=["fp32", "tf32"])
+def _trained(module, tf32: bool, use_nimble: bool):
+    """(per-step losses, state, gradients) after 20 SGD-with-momentum steps from `module`'s weights."""
+    torch.backends.cudnn.allow_tf32 = tf32
+    net = copy.deepcopy(module).train()
+    run = nimble.Nimble(net).prepare(torch.randn(SHAPE, device="cuda"), training=True) if use_nimble else net
+    losses = _steps(run, net, 20, lr=0.005)
+    return (torch.tensor(losses), {k: v.clone() for k, v in net.state_dict().items()},
+            {n: p.grad.clone() for n, p in net.named_parameters()})
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
 @pytest.mark.parametrize("factory", ["resnet", "inception", "mobilenet", "nasnet", "stochastic"])
 def test_20_sgd_steps_match_eager_pytorch(factory, tf32):
     """Batch norm (statistics and counter), dropout and stochastic depth, residual and
-    multi-branch blocks. Rounding differs between the runs (TF32 convolutions, gradient sums in
-    another order across streams) and SGD on random batches amplifies it step by step, so the
-    learning rate is small and the tolerances grow with TF32; tensors are compared in norm, and
-    gradients, which react most to small weight differences, get 5 times the weights' tolerance."""
+    multi-branch blocks. In fp32, nimble must track eager within 1e-3 (gradient sums run in
+    another order across streams; SGD amplifies any rounding step by step). With TF32
+    convolutions the tolerance is TF32's own effect on eager training: nimble may be at most
+    twice as far from eager as eager with TF32 is from eager without it."""
     torch.manual_seed(0)
     module = (StochasticNet() if factory == "stochastic" else build_module(factory)).cuda()
-    eager = copy.deepcopy(module).train()
-    model = nimble.Nimble(module).prepare(torch.randn(SHAPE, device="cuda"), training=True)
-    lr, rel, floor = (0.002, 2e-2, 1e-4) if tf32 else (0.005, 1e-3, 1e-5)
-    got = _steps(model, module, 20, lr=lr)
-    want = _steps(eager, eager, 20, lr=lr)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rel, atol=10 * floor)
-    for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
+    got = _trained(module, tf32, use_nimble=True)
+    want = _trained(module, tf32, use_nimble=False)
+    other = _trained(module, False, use_nimble=False) if tf32 else None
+
+    def check(name, a, b, ref=None, rel=1e-3, floor=1e-5):
         if a.dtype == torch.int64:
             assert torch.equal(a, b), name  # num_batches_tracked: 20 exactly
-        else:
-            _assert_near(a, b, rel, floor, name)
-    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
-        _assert_near(p.grad, q.grad, 5 * rel, floor, f"{name}.grad")
+            return
+        error = (a - b).norm().item()
+        allowed = rel * b.norm().item() if ref is None else 2 * (ref - b).norm().item()
+        allowed += floor * b.numel() ** 0.5
+        assert error <= allowed, f"{name}: |nimble - eager| = {error:.2e}, allowed {allowed:.2e}"
 
-
-def _assert_near(a: torch.Tensor, b: torch.Tensor, rel: float, floor: float, name: str) -> None:
-    """|a - b| <= rel |b| + floor sqrt(n), in the 2-norm: robust to the odd element a rounding
-    difference flips, and to tensors near zero (a bias followed by batch norm has no gradient)."""
-    error, scale = (a - b).norm().item(), b.norm().item()
-    assert error <= rel * scale + floor * b.numel() ** 0.5, f"{name}: |a - b| = {error:.2e}, |b| = {scale:.2e}"
+    check("losses", got[0], want[0], other[0] if other else None)
+    for name in want[1]:
+        check(name, got[1][name], want[1][name], other[1][name] if other else None)
+    for name in want[2]:  # gradients react most to weight differences: 5x the tolerance
+        check(f"{name}.grad", got[2][name], want[2][name], other[2][name] if other else None, rel=5e-3)
 
 
 def test_grad_accumulation_zero_grad_and_clipping_work_as_in_eager():
