@@ -147,6 +147,7 @@ def report(rows: list[dict], meta: dict) -> str:
              "| model | batch | eager | torch.compile | nimble | nimble 1-stream | × eager | target | "
              "fwd auto / 1 | bwd auto / 1 | streams | prepare s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else len(MODELS), r["batch"]))
     for r in rows:
         target = TARGETS.get((r["model"], r["batch"]))
         met = "" if target is None else f"≥ {target} ({'met' if r['speedup_vs_eager'] >= target else 'missed'})"

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from nimble.document import SCHEMA_VERSION
-from nimble.oplist import SUPPORTED
+from nimble.oplist import SUPPORTED, TRAINING_ONLY
 
 from .conftest import ROOT
 
@@ -19,6 +19,8 @@ def test_readme_lists_every_supported_op_and_nothing_else():
         assert re.findall(r"`([^`]+)`", line) == list(names), group
     listed = re.findall(r"^- \*\*(.+?)\*\*", section, re.M)
     assert listed == list(SUPPORTED)
+    training = next(line for line in section.splitlines() if line.startswith("Training only"))
+    assert re.findall(r"`([^`]+)`", training)[1:] == list(TRAINING_ONLY)  # [0] is prepare(...)
 
 
 def test_readme_has_exactly_two_setup_commands():
