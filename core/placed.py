@@ -119,8 +119,7 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[i
 def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device) -> None:
     """Run one op: planned outputs are written into their views, the rest bound as returned."""
     op = p.op
-    args = [torchops.to_torch(a, env, device) for a in op.args]
-    kwargs = {k: torchops.to_torch(v, env, device) for k, v in op.kwargs}
+    args, kwargs = torchops.op_arguments(op, env, device)
     planned = [views.get(o) for o in op.outputs]
     if planned and all(t is not None for t in planned):
         if p.substitute is not None and len(planned) == 1 and p.substitute(args, planned[0]):

@@ -20,8 +20,7 @@ def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tenso
     with torch.no_grad():
         for op in graph.ops:
             fn = torchops.resolve(op.target)
-            args = [torchops.to_torch(a, tensors, device) for a in op.args]
-            kwargs = {k: torchops.to_torch(v, tensors, device) for k, v in op.kwargs}
+            args, kwargs = torchops.op_arguments(op, tensors, device)
             try:
                 results = torchops.flatten_result(fn(*args, **kwargs))
             except Exception as e:

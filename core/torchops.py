@@ -84,6 +84,12 @@ def to_torch(arg, tensors, device: torch.device):
     return arg
 
 
+def op_arguments(op, tensors, device: torch.device) -> tuple[list, dict]:
+    """An IR op's (args, kwargs) as its aten overload takes them, tensors looked up in `tensors`."""
+    return ([to_torch(a, tensors, device) for a in op.args],
+            {k: to_torch(v, tensors, device) for k, v in op.kwargs})
+
+
 def from_ivalue(value, type_str: str):
     """A host constant as an IR argument, given the schema type it is passed as."""
     base = type_str.rstrip("?")

@@ -120,8 +120,7 @@ class TrainingGraph:
 
     def _run(self, i: int, env: dict[int, torch.Tensor]) -> None:
         op = self.graph.ops[i]
-        args = [torchops.to_torch(a, env, self.device) for a in op.args]
-        kwargs = {k: torchops.to_torch(v, env, self.device) for k, v in op.kwargs}
+        args, kwargs = torchops.op_arguments(op, env, self.device)
         try:
             results = torchops.flatten_result(self._fns[i](*args, **kwargs))
         except Exception as e:
