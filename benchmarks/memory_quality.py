@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from nimble import frontend  # noqa: E402
 from nimble.ir import TensorSpec  # noqa: E402
-from nimble.memory import plan  # noqa: E402
-from nimble.schedule import assign_streams  # noqa: E402
+from nimble.plan.memory import plan  # noqa: E402
+from nimble.plan.schedule import assign_streams  # noqa: E402
 from sample_models.build import MODELS as SAMPLES  # noqa: E402
 
 

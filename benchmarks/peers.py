@@ -47,7 +47,7 @@ def make_model(name: str):
 
 
 def time_it(fn, duration_s: float) -> float:
-    from nimble.bench import measure
+    from nimble.runtime.timing import measure
 
     return measure(fn, cuda=True, warmup_ms=150, duration_s=duration_s).summary()["mean_ms"]
 
@@ -55,11 +55,11 @@ def time_it(fn, duration_s: float) -> float:
 def bench_one(name: str, batch: int, duration_s: float, tmp: Path) -> dict:
     import torch
 
-    from nimble.compare import compare
+    from nimble.runtime.compare import compare
     from nimble.formats import read_artifact, write_artifact
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
-    from nimble.runtime import Executable
+    from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 
     model, shapes = make_model(name)

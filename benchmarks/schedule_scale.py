@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nimble.schedule import schedule_dag  # noqa: E402
+from nimble.plan.schedule import schedule_dag  # noqa: E402
 
 
 def nasnet_like(num_ops: int, seed: int = 0) -> list[list[int]]:

@@ -22,7 +22,9 @@ _API = {
     "UnsupportedError": "errors",
     "UsageError": "errors",
     "ArtifactError": "errors",
-    "MismatchError": "compare",
+    "ExecutionError": "errors",
+    "CaptureError": "errors",
+    "MismatchError": "errors",
 }
 
 __all__ = ["__version__", *_API]

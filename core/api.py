@@ -21,10 +21,10 @@ import warnings
 
 import torch
 
-from . import frontend, torchops
-from .errors import ModelError, ShapeError, UnsupportedError, UsageError
+from . import frontend
+from .errors import ModelError, ShapeError, UnsupportedError, UsageError, first_line
 from .ir import TensorSpec
-from .walker import first_line
+from .ops import bridge
 
 
 class Nimble:
@@ -49,10 +49,9 @@ class Nimble:
         or a tuple or list of them). `training=True` prepares forward and backward, and puts the
         module in training mode; `training=False` puts it in eval mode. `streams` is "auto" (one
         stream per chain of the schedule), 1, or a cap. Returns self."""
-        from .pipeline import compile_script, parse_streams
-        from .runtime import Executable
-        from .schedule import assign_streams
-        from .training import TrainingGraph
+        from .pipeline import compile_script, compile_training, parse_streams
+        from .runtime.executable import Executable
+        from .runtime.training import TrainingGraph
 
         xs = _as_inputs(example_inputs, "example_inputs")
         device = xs[0].device
@@ -64,15 +63,14 @@ class Nimble:
                              "device")
         self._streams = streams = parse_streams(streams)
         self._runner = self._compiled = None
-        self._specs = [TensorSpec(tuple(x.shape), torchops.dtype_name(x.dtype)) for x in xs]
+        self._specs = [TensorSpec(tuple(x.shape), bridge.dtype_name(x.dtype)) for x in xs]
         self._device, self._training = device, bool(training)
         self.module.train(self._training)
         script = self._script(xs)
         name = type(self.module).__name__
         if self._training:
-            lowered = frontend.lower_training(script, self._specs, name)
-            schedule = assign_streams(lowered.graph, streams)
-            self._runner = TrainingGraph(self.module, lowered.graph, lowered.weights, schedule, device)
+            planned = compile_training(script, self._specs, name, streams)
+            self._runner = TrainingGraph(self.module, planned.graph, planned.constants, planned.schedule, device)
         else:
             self._compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
                                             device.type, streams, check=False)
@@ -123,8 +121,8 @@ class Nimble:
         for i, (x, spec) in enumerate(zip(inputs, self._specs)):
             if not isinstance(x, torch.Tensor):
                 raise ShapeError(f"input {i} must be a tensor, got {type(x).__name__}")
-            if tuple(x.shape) != spec.shape or torchops.dtype_name(x.dtype) != spec.dtype:
-                raise ShapeError(f"input {i} is {torchops.dtype_name(x.dtype)}{list(x.shape)} but the model "
+            if tuple(x.shape) != spec.shape or bridge.dtype_name(x.dtype) != spec.dtype:
+                raise ShapeError(f"input {i} is {bridge.dtype_name(x.dtype)}{list(x.shape)} but the model "
                                  f"was prepared for {spec.dtype}{list(spec.shape)}; call prepare() with an "
                                  "example of this shape (a second Nimble can hold another shape)")
             if x.device != self._device:
@@ -149,7 +147,7 @@ class Nimble:
             was_training = self.module.training
             self.module.eval()
             try:
-                xs = [torch.zeros(s.shape, dtype=torchops.DTYPES[s.dtype], device=self._device) for s in self._specs]
+                xs = [torch.zeros(s.shape, dtype=bridge.DTYPES[s.dtype], device=self._device) for s in self._specs]
                 script = self._script(xs)
                 name = type(self.module).__name__
                 compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),

@@ -30,3 +30,24 @@ class UnsupportedError(NimbleError):
 
 class ArtifactError(NimbleError):
     """A `.nimble` file is missing, corrupt, or from an incompatible version."""
+
+
+class MismatchError(NimbleError):
+    """Outputs differ from the reference beyond the tolerance."""
+
+    exit_code = 3
+
+
+class ExecutionError(NimbleError):
+    """The op list cannot run here: out of memory, an op that fails, a capture that fails."""
+
+
+class CaptureError(ExecutionError):
+    """CUDA graph capture failed; the process's CUDA state may be unusable."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none): how nimble
+    quotes an error from torch inside its own one-line messages."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

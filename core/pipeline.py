@@ -1,21 +1,34 @@
-"""`compile_model`: the one place that states the order of nimble's stages."""
+"""The one place that states the order of nimble's stages (DESIGN.md, "Data flow").
+
+    frontend (model -> Graph) -> PASSES (Graph -> Graph) -> check against the model
+        -> schedule (Graph -> Schedule) -> memory (Graph, Schedule -> MemoryPlan) -> Compiled
+
+`compile_model` reads a file, `compile_script` takes a module in memory, and `compile_training`
+is the training-mode order that `nimble.Nimble(...).prepare(training=True)` runs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import frontend, reference, torchops
-from .memory import MemoryPlan, plan
-from .schedule import Schedule, assign_streams
-from .compare import Comparison, MismatchError, compare, default_tolerance
-from .errors import UsageError
+from . import frontend, passes
+from .errors import MismatchError, UsageError
 from .fileio import sha256_file
 from .ir import Graph, TensorSpec
+from .ops import bridge
+from .plan.memory import MemoryPlan, plan
+from .plan.schedule import Schedule, assign_streams
+from .runtime import reference
+from .runtime.compare import Comparison, compare, default_tolerance
 
+# Graph -> Graph passes, in the order they run (each is one file under passes/).
+PASSES: tuple = ()
+TRAINING_PASSES: tuple = (passes.chain_loose_ops,)
 
 
 @dataclass
@@ -59,7 +72,7 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
-        dtype = torchops.DTYPES[spec.dtype]
+        dtype = bridge.DTYPES[spec.dtype]
         if dtype.is_floating_point:
             out.append(torch.randn(spec.shape, generator=gen).to(dtype))
         elif dtype == torch.bool:
@@ -93,12 +106,13 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
                    progress=lambda stage: None) -> Compiled:
     """`compile_model` for a module already in memory. `model` and `digest` name its source in
     the manifest. Its weights may live on any device; the check runs on `device`."""
-    device = torchops.resolve_device(device)[0].type
+    device = bridge.resolve_device(device)[0].type
     streams = parse_streams(streams)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("lowering")
     lowered = frontend.lower(module, inputs, model)
+    lowered = dataclasses.replace(lowered, graph=run_passes(lowered.graph, PASSES))
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -106,7 +120,7 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     xs = sample_inputs(inputs)
     home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
     with frontend.quiet_torchscript(), torch.no_grad():
-        expected = [e.cpu() for e in torchops.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
+        expected = [e.cpu() for e in bridge.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
     result = None
     if check:
         got = reference.run(lowered.graph, lowered.weights, xs, device)
@@ -132,3 +146,25 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     return Compiled(name, model, digest, lowered.graph, weights, xs,
                     [e.detach().contiguous() for e in expected], result, device, schedule, memory,
                     options, seconds)
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    graph: Graph  # the training-mode op list; weights are named by the module's qualified names
+    constants: dict[str, torch.Tensor]  # weights that are not the module's own parameters or buffers
+    schedule: Schedule
+
+
+def compile_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str,
+                     streams: str | int = "auto") -> TrainingPlan:
+    """The training-mode pipeline: lower unfrozen, run TRAINING_PASSES, schedule. There is no
+    arena plan: autograd keeps saved activations alive until the backward."""
+    lowered = frontend.lower_training(module, inputs, name)
+    graph = run_passes(lowered.graph, TRAINING_PASSES)
+    return TrainingPlan(graph, lowered.weights, assign_streams(graph, parse_streams(streams)))
+
+
+def run_passes(graph: Graph, order) -> Graph:
+    for p in order:
+        graph = p(graph)
+    return graph

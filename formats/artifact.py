@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from nimble import __version__
-from nimble.errors import ArtifactError, NimbleError
+from nimble.errors import ArtifactError, NimbleError, first_line
 from nimble.fileio import atomic_file
 from nimble.ir import WEIGHT, Graph
-from nimble.memory import MemoryPlan
-from nimble.oplist import is_supported
-from nimble.schedule import Schedule
-from nimble.verify import check_memory, check_schedule
+from nimble.ops.allowlist import is_supported
+from nimble.plan.memory import MemoryPlan
+from nimble.plan.schedule import Schedule
+from nimble.plan.verify import check_memory, check_schedule
 
 from . import codec, tensors
 from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_JSON_BYTES, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
@@ -122,8 +122,7 @@ def read_artifact(path: str | Path) -> Artifact:
     except NimbleError:
         raise
     except Exception as e:  # whatever a damaged zip or blob throws, it is the artifact's defect
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {detail}); recompile the model") from e
+        raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {first_line(e)}); recompile the model") from e
 
 
 def _read(path: Path) -> Artifact:
@@ -214,7 +213,7 @@ def _check_manifest(m: dict, name: str) -> None:
 
 
 def _check_ops(graph: Graph, name: str) -> None:
-    from nimble.torchops import resolve
+    from nimble.ops.bridge import resolve
 
     for op in graph.ops:
         if not is_supported(op.target):

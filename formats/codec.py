@@ -11,8 +11,8 @@ from typing import Any
 
 from nimble.errors import ArtifactError
 from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Op, Ref, Special, TensorSpec, Value
-from nimble.memory import MemoryPlan
-from nimble.schedule import Schedule
+from nimble.plan.memory import MemoryPlan
+from nimble.plan.schedule import Schedule
 
 _SPECIAL_KINDS = ("dtype", "device", "layout", "memory_format")
 

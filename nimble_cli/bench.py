@@ -51,10 +51,10 @@ def bench_command(
 
         import torch
 
-        from nimble import reference
-        from nimble.bench import measure
         from nimble.errors import UsageError
-        from nimble.runtime import Executable, load
+        from nimble.runtime import reference
+        from nimble.runtime.executable import Executable, load
+        from nimble.runtime.timing import measure
 
         try:
             pcts = tuple(float(p) for p in percentiles.split(",") if p.strip())

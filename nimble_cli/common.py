@@ -19,7 +19,7 @@ console = Console(stderr=True, highlight=False)
 def user_errors(debug: bool):
     """Turn a NimbleError into one line on stderr and its exit code; anything else into one
     line that asks for --debug. With --debug, the traceback comes too."""
-    from nimble.errors import NimbleError
+    from nimble.errors import NimbleError, first_line
 
     try:
         yield
@@ -42,8 +42,7 @@ def user_errors(debug: bool):
     except Exception as e:  # a bug in nimble: still one line, unless --debug
         if debug:
             traceback.print_exc()
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(first)} "
+        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(first_line(e))} "
                       "(rerun with --debug for the traceback, and please report it)", soft_wrap=True)
         raise typer.Exit(1) from None
 

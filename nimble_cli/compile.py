@@ -42,7 +42,7 @@ def compile_command(
         specs = input_specs(shape, dtype)
         target = artifact_path(model, output)
         writable(dot, "--dot")
-        from nimble.document import plan_document
+        from nimble.plan.document import plan_document
         from nimble.pipeline import compile_model
 
         with console.status("compiling", spinner="dots") as status:
@@ -79,7 +79,7 @@ def artifact_path(model: Path, output: Path | None) -> Path:
 
 
 def write_dot(path: Path, graph, schedule, title: str) -> None:
-    from nimble.dot import to_dot
+    from nimble.plan.dot import to_dot
     from nimble.fileio import write_atomic
 
     write_atomic(path, to_dot(graph, schedule, title).encode())

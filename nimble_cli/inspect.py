@@ -25,7 +25,7 @@ def inspect_command(
     Example: nimble inspect sample_models/inception.nimble --json
     """
     with user_errors(debug):
-        from nimble.document import plan_document
+        from nimble.plan.document import plan_document
         from nimble.formats import read_artifact
 
         writable(dot, "--dot")

@@ -36,9 +36,9 @@ def run_command(
     Example: nimble run sample_models/inception.nimble --check
     """
     with user_errors(debug):
-        from nimble.compare import MismatchError, compare, default_tolerance
+        from nimble.runtime.compare import MismatchError, compare, default_tolerance
         from nimble.errors import UsageError
-        from nimble.runtime import load
+        from nimble.runtime.executable import load
 
         writable(output, "--output")
         if check and (inputs or random):

@@ -4,8 +4,8 @@ import re
 import subprocess
 import sys
 
-from nimble.document import SCHEMA_VERSION
-from nimble.oplist import SUPPORTED, TRAINING_ONLY
+from nimble.plan.document import SCHEMA_VERSION
+from nimble.ops.allowlist import SUPPORTED, TRAINING_ONLY
 
 from .conftest import ROOT
 
@@ -33,7 +33,7 @@ def test_readme_has_exactly_two_setup_commands():
 
 
 def test_readme_documents_the_plan_document_fields():
-    from nimble.document import plan_document
+    from nimble.plan.document import plan_document
     from nimble.ir import Graph
 
     doc = plan_document(Graph((), (), (), ()), model="m")
@@ -47,11 +47,36 @@ def test_readme_documents_the_plan_document_fields():
         assert key in table
 
 
+def test_readme_layout_table_matches_the_folders():
+    table = README.split("## Layout", 1)[1].split("\n\n", 2)[1]
+    rows = dict(re.findall(r"^\| `(core/[\w/]*)` \| [^|]+ \| (.+) \|$", table, re.M))
+    core = ROOT / "core"
+    folders = {f"core/{p.parent.relative_to(core)}/".replace("core/./", "core/") for p in core.rglob("__init__.py")}
+    assert set(rows) == folders
+    for folder, text in rows.items():
+        listed = set(re.findall(r"`(\w+\.py)`", text))
+        present = {p.name for p in (ROOT / folder).glob("*.py")} - {"__init__.py"}
+        assert listed == present, folder
+
+
 def test_installed_package_has_no_generic_top_level_modules(tmp_path):
     code = ("import importlib.util as u, nimble, nimble.formats, nimble.cli; "
             "print(u.find_spec('core'), u.find_spec('formats'), u.find_spec('nimble_cli'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "None", "None"]
+
+
+def test_pyproject_lists_every_package_folder():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: ROOT / path for name, path in config["package-dir"].items()}
+    found = set()
+    for top, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((top, *parts)))
+    assert sorted(config["packages"]) == sorted(found)
 
 
 def test_console_script_is_installed(tmp_path):

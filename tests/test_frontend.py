@@ -1,11 +1,13 @@
 import pytest
 import torch
 
-from nimble import frontend, reference, walker
-from nimble.compare import compare
+from nimble import frontend
+from nimble.frontend import walker
+from nimble.runtime import reference
+from nimble.runtime.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
 from nimble.ir import TensorSpec
-from nimble.oplist import is_supported
+from nimble.ops.allowlist import is_supported
 from nimble.pipeline import sample_inputs
 
 from . import models

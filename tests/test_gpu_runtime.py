@@ -8,12 +8,12 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 import nimble
-from nimble import reference
+from nimble.runtime import reference
 from nimble.cli.main import app
-from nimble.compare import compare
+from nimble.runtime.compare import compare
 from nimble.formats import read_artifact, write_artifact
 from nimble.pipeline import compile_model
-from nimble.runtime import Executable
+from nimble.runtime.executable import Executable
 from nimble.specs import input_specs
 
 from .conftest import MODELS, save_script
@@ -100,15 +100,15 @@ def test_the_captured_graph_really_forks_into_parallel_branches(tmp_path):
 
 
 def test_load_never_schedules_or_plans_on_cuda(artifacts, monkeypatch):
-    import nimble.memory
-    import nimble.schedule
+    import nimble.plan.memory
+    import nimble.plan.schedule
 
     def forbidden(*args, **kwargs):
         raise AssertionError("loading must not schedule or plan")
 
-    monkeypatch.setattr(nimble.schedule, "assign_streams", forbidden)
-    monkeypatch.setattr(nimble.schedule, "schedule_dag", forbidden)
-    monkeypatch.setattr(nimble.memory, "plan", forbidden)
+    monkeypatch.setattr(nimble.plan.schedule, "assign_streams", forbidden)
+    monkeypatch.setattr(nimble.plan.schedule, "schedule_dag", forbidden)
+    monkeypatch.setattr(nimble.plan.memory, "plan", forbidden)
     exe = nimble.load(artifacts["inception"], device="cuda")
     exe(*exe.artifact.sample_inputs)
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nimble.errors import ModelError, UsageError
-from nimble.frontend import lower_training
 from nimble.ir import TensorSpec
-from nimble.schedule import assign_streams
-from nimble.training import TrainingGraph
+from nimble.pipeline import compile_training
+from nimble.runtime.training import TrainingGraph
 
 from sample_models.build import build_module
 from tests.models import StochasticNet
@@ -122,11 +121,10 @@ def test_the_backward_graph_inherits_the_forward_streams(tmp_path):
     module = TwoBranches().cuda().train()
     x = torch.randn(64, 1024, device="cuda")
     traced = torch.jit.trace(module, x)
-    lowered = lower_training(traced, [TensorSpec((64, 1024), "float32")])
     shapes = {}
     for streams in ("auto", 1):
-        schedule = assign_streams(lowered.graph, streams)
-        TrainingGraph(module, lowered.graph, lowered.weights, schedule, torch.device("cuda"),
+        planned = compile_training(traced, [TensorSpec((64, 1024), "float32")], "TwoBranches", streams)
+        TrainingGraph(module, planned.graph, planned.constants, planned.schedule, torch.device("cuda"),
                       graph_dump=str(tmp_path / f"{streams}_"))
         shapes[streams] = {part: _graph_shape((tmp_path / f"{streams}_{part}.dot").read_text())
                            for part in ("forward", "backward")}

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
 from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
-from nimble.memory import ALIGNMENT, plan
-from nimble.schedule import Schedule, assign_streams
+from nimble.plan.memory import ALIGNMENT, plan
+from nimble.plan.schedule import Schedule, assign_streams
 
 from .conftest import SAMPLES
 from .test_schedule import sync_graph

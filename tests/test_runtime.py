@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 import nimble
-from nimble import reference
+from nimble.runtime import reference
 from nimble.cli.main import app
 from nimble.errors import ShapeError
 from nimble.formats import read_artifact
@@ -45,14 +45,14 @@ def test_cpu_executable_matches_and_uses_planned_offsets(artifacts, name):
 
 
 def test_loading_never_schedules_or_plans(artifacts, monkeypatch):
-    import nimble.memory
-    import nimble.schedule
+    import nimble.plan.memory
+    import nimble.plan.schedule
 
     def forbidden(*args, **kwargs):
         raise AssertionError("loading must not schedule or plan")
 
-    for module, names in ((nimble.schedule, ("assign_streams", "schedule_dag", "_merge_chains")),
-                          (nimble.memory, ("plan", "_lower_bound", "_place"))):
+    for module, names in ((nimble.plan.schedule, ("assign_streams", "schedule_dag", "_merge_chains")),
+                          (nimble.plan.memory, ("plan", "_lower_bound", "_place"))):
         for n in names:
             monkeypatch.setattr(module, n, forbidden)
     path, c = artifacts["nasnet"]

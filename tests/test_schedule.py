@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
 from nimble.ir import TensorSpec
-from nimble.matching import hopcroft_karp
-from nimble.schedule import assign_streams, schedule_dag, transitive_reduction
+from nimble.plan.matching import hopcroft_karp
+from nimble.plan.schedule import assign_streams, schedule_dag, transitive_reduction
 
 from .conftest import SAMPLES
 

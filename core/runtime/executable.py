@@ -13,25 +13,17 @@ On the CPU, the same placed op list runs serially in issue order on each call.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import torchops
-from .errors import NimbleError, ShapeError
-from .ir import WEIGHT
-from .placed import PlacedOp, arena_views, prepare, run_op
-
-
-class ExecutionError(NimbleError):
-    """The artifact cannot run here: out of memory, an op that fails, a capture that fails."""
-
-
-class CaptureError(ExecutionError):
-    """CUDA graph capture failed; the process's CUDA state may be unusable."""
+from ..errors import ExecutionError, ShapeError, first_line
+from ..ir import WEIGHT
+from ..ops import bridge
+from . import streams
+from .placement import PlacedOp, arena_views, prepare, run_op
 
 
 @dataclass
@@ -56,7 +48,7 @@ class Executable:
         t0 = time.perf_counter()
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
-        self.device, self.notice = torchops.resolve_device(device)
+        self.device, self.notice = bridge.resolve_device(device)
         self.stats = LoadStats()
         self._placed: list[PlacedOp] = prepare(self.graph)
         self._cuda_graph = None
@@ -64,7 +56,7 @@ class Executable:
         self._order = list(range(len(self.graph.ops))) if single_stream else list(self.schedule.order)
         self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
         self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
-        self._waited = {u for ws in self._waits for u in ws}  # ops whose completion is an event
+        self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0
         if self.device.type == "cuda":
@@ -85,7 +77,7 @@ class Executable:
         try:
             self._weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values if v.kind == WEIGHT}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
-            self._inputs = [torch.empty(g.values[i].spec.shape, dtype=torchops.DTYPES[g.values[i].spec.dtype],
+            self._inputs = [torch.empty(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
         except torch.cuda.OutOfMemoryError:
             raise ExecutionError(f"out of GPU memory while loading: the weights and arena need {need} bytes "
@@ -100,54 +92,30 @@ class Executable:
         return env
 
     def _issue(self, validate: bool = False) -> dict[int, torch.Tensor]:
-        """Issue every op in order on its stream, waiting on the planned events."""
+        """Issue every op in order on its stream, waiting on the planned events. With `validate`,
+        an op that fails is named with its source line."""
         env = self._env()
-        cuda = self.device.type == "cuda"
-        events: dict[int, torch.cuda.Event] = {}
-        for i in self._order:
+
+        def run(i: int) -> None:
             p = self._placed[i]
-            if cuda:
-                stream = self._streams[self._stream_of[i]]
-                ctx = torch.cuda.stream(stream)
-            else:
-                stream, ctx = None, contextlib.nullcontext()
-            with ctx:
-                for u in self._waits[i] if cuda else ():
-                    stream.wait_event(events[u])
-                try:
-                    run_op(p, env, self._views, self.device)
-                except Exception as e:
-                    if not validate:
-                        raise
-                    raise ExecutionError(f"op {i} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
-                                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
-                        from e
-                if cuda and i in self._waited:
-                    events[i] = torch.cuda.Event()
-                    events[i].record(stream)
-        if cuda:
-            main = torch.cuda.current_stream(self.device)
-            for s in self._streams:
-                main.wait_stream(s)
+            try:
+                run_op(p, env, self._views, self.device)
+            except Exception as e:
+                if not validate:
+                    raise
+                raise ExecutionError(f"op {i} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
+                                     f"{first_line(e)}") from e
+
+        streams.issue(self._order, run, self.device, self._streams, self._stream_of, self._waits)
         self._env_after = env
         return env
 
     def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
-        graph = new_graph(debug=bool(dump))
-        capture = self._streams[0]
-        capture.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.graph(graph, stream=capture):
-                for s in self._streams[1:]:
-                    s.wait_stream(capture)  # fork every side stream from the capturing stream
-                env = self._issue()
-                for s in self._streams[1:]:
-                    capture.wait_stream(s)  # and join them back before capture ends
-        except Exception as e:
-            raise CaptureError(f"CUDA graph capture failed ({str(e).strip().splitlines()[0]}); this process "
-                               "cannot use CUDA reliably any more. Restart it, and try an artifact compiled "
-                               "with --streams 1") from e
+        graph = streams.new_graph(debug=bool(dump))
+        with streams.capturing(graph, self._streams[0], self.device, "the op list",
+                               "try an artifact compiled with --streams 1"):
+            env = self._issue()
         torch.cuda.synchronize(self.device)
         if dump:
             graph.debug_dump(dump)
@@ -185,7 +153,7 @@ class Executable:
                 raise ShapeError(f"input '{g.values[vid].name}' must be a tensor, got {type(x).__name__}")
             if tuple(x.shape) != spec.shape or x.dtype != buf.dtype:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
-                                 f"{torchops.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
+                                 f"{bridge.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
                                  "other shapes")
             buf.copy_(x, non_blocking=True)
 
@@ -196,18 +164,6 @@ class Executable:
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
-
-
-def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:
-    """A CUDA graph; with `debug`, one that keeps its cudaGraph_t so `debug_dump` can write DOT."""
-    if not debug:
-        return torch.cuda.CUDAGraph()
-    try:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:  # older torch: debug mode alone keeps it
-        graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()
-    return graph
 
 
 def load(path: str | Path, device: str = "auto") -> Executable:

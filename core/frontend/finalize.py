@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .ir import WEIGHT, Graph, Op, Ref, Value
+from ..ir import WEIGHT, Graph, Op, Ref, Value
 
 
 def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: list[int],

@@ -3,7 +3,7 @@ disk: a plan that passes cannot race. Each check raises ValueError naming the fi
 
 from __future__ import annotations
 
-from .ir import ACTIVATION, Graph
+from ..ir import ACTIVATION, Graph
 from .memory import MemoryPlan, buffer_uses, happens_before
 from .schedule import Schedule
 

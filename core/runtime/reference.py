@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from . import torchops
-from .errors import ShapeError
-from .ir import Graph, INPUT, WEIGHT
+from ..errors import ExecutionError, ShapeError, first_line
+from ..ir import INPUT, WEIGHT, Graph
+from ..ops import bridge
 
 
 def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
@@ -19,12 +19,13 @@ def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tenso
     tensors = bind(graph, weights, inputs, device)
     with torch.no_grad():
         for op in graph.ops:
-            fn = torchops.resolve(op.target)
-            args, kwargs = torchops.op_arguments(op, tensors, device)
+            fn = bridge.resolve(op.target)
+            args, kwargs = bridge.op_arguments(op, tensors, device)
             try:
-                results = torchops.flatten_result(fn(*args, **kwargs))
+                results = bridge.flatten_result(fn(*args, **kwargs))
             except Exception as e:
-                raise RuntimeError(f"op {op.id} ({op.target}, from {op.source}) failed: {e}") from e
+                raise ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {device}: "
+                                     f"{first_line(e)}") from e
             for vid, t in zip(op.outputs, results):
                 tensors[vid] = t
     return [tensors[o] for o in graph.outputs]
@@ -38,9 +39,9 @@ def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tens
     tensors: dict[int, torch.Tensor] = {}
     for vid, t in zip(graph.inputs, inputs):
         v = graph.values[vid]
-        if tuple(t.shape) != v.spec.shape or torchops.dtype_name(t.dtype) != v.spec.dtype:
+        if tuple(t.shape) != v.spec.shape or bridge.dtype_name(t.dtype) != v.spec.dtype:
             raise ShapeError(f"input '{v.name}' must be {v.spec.dtype}{list(v.spec.shape)}, "
-                             f"got {torchops.dtype_name(t.dtype)}{list(t.shape)}")
+                             f"got {bridge.dtype_name(t.dtype)}{list(t.shape)}")
         tensors[vid] = t.to(device)
     for v in graph.values:
         if v.kind == WEIGHT:

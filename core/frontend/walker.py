@@ -12,11 +12,11 @@ import re
 
 import torch
 
-from . import torchops
-from .errors import NimbleError, ShapeError, UnsupportedError
+from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
+from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
+from ..ops import bridge
+from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC, is_supported
 from .hostops import host_op
-from .ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
-from .oplist import METADATA_OPS, NONDETERMINISTIC, is_supported
 
 _META = torch.device("meta")
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
@@ -41,11 +41,6 @@ def source_of(node: torch._C.Node) -> str:
         if not in_torch and not file.startswith("code/"):
             return f"{file}:{line}"
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown source>"
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class ModuleAttr:
@@ -81,7 +76,7 @@ class Walker:
 
     # values -----------------------------------------------------------------------------------
     def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
-        spec = TensorSpec(tuple(tensor.shape), torchops.dtype_name(tensor.dtype), tuple(tensor.stride()),
+        spec = TensorSpec(tuple(tensor.shape), bridge.dtype_name(tensor.dtype), tuple(tensor.stride()),
                           tensor.storage_offset())
         vid = len(self.values)
         self.values.append(Value(vid, kind, spec, name, producer, alias_of))
@@ -128,7 +123,7 @@ class Walker:
             if not param.type().isSubtypeOf(torch._C.TensorType.get()):
                 raise UnsupportedError(f"{self.name} input '{name}' is a {param.type()}, not a "
                                        "Tensor; nimble takes models whose inputs are all tensors")
-            t = torch.empty(spec.shape, dtype=torchops.DTYPES[spec.dtype], device=_META)
+            t = torch.empty(spec.shape, dtype=bridge.DTYPES[spec.dtype], device=_META)
             ref = self._new_value(INPUT, t, name)
             self.inputs.append(ref.id)
             self.env[param.unique()] = ref
@@ -266,7 +261,7 @@ class Walker:
         except RuntimeError:
             raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
                                    "(it has no aten schema)") from None
-        target = torchops.target_of(schema)
+        target = bridge.target_of(schema)
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]
@@ -275,20 +270,20 @@ class Walker:
                 raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
                                        "uninitialized memory; nimble runs deterministic graphs only")
             python = host_op(schema.name) if not tensor_out else None
-            result = python(*ins) if python else torchops.resolve(target)(*ins)
+            result = python(*ins) if python else bridge.resolve(target)(*ins)
             self._bind_host(outs, result)
         elif not tensor_out:
             if schema.name not in METADATA_OPS:
                 self._data_dependent(node)
             args = [self._tensor(a) if isinstance(a, Ref) else a for a in ins]
             python = host_op(schema.name)
-            self._bind_host(outs, python(*args) if python else torchops.resolve(target)(*args))
+            self._bind_host(outs, python(*args) if python else bridge.resolve(target)(*args))
         elif schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         else:
             if target in _CANONICAL:
                 target, keep = _CANONICAL[target]
-                schema, ins = torchops.resolve(target)._schema, ins[:keep]
+                schema, ins = bridge.resolve(target)._schema, ins[:keep]
             self._device_op(node, schema, target, ins, outs, source)
 
     def _bind_host(self, outs, result) -> None:
@@ -304,9 +299,9 @@ class Walker:
                                    "see the README's list of supported ops")
         args, kwargs = [], []
         for spec, obj in zip(schema.arguments, ins):
-            ir = torchops.from_ivalue(self._as_ref(obj), str(spec.type))
+            ir = bridge.from_ivalue(self._as_ref(obj), str(spec.type))
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
-        fn = torchops.resolve(target)
+        fn = bridge.resolve(target)
         refs = _refs_of(args + [v for _, v in kwargs])
         try:
             results, used = self._call(fn, args, kwargs, refs, _META)
@@ -351,9 +346,9 @@ class Walker:
             tensors = self.meta
         else:
             tensors = {r: self._cpu_example(r) for r in refs}
-        call_args = [torchops.to_torch(a, tensors, device) for a in args]
-        call_kwargs = {k: torchops.to_torch(v, tensors, device) for k, v in kwargs}
-        results = torchops.flatten_result(fn(*call_args, **call_kwargs))
+        call_args = [bridge.to_torch(a, tensors, device) for a in args]
+        call_kwargs = {k: bridge.to_torch(v, tensors, device) for k, v in kwargs}
+        results = bridge.flatten_result(fn(*call_args, **call_kwargs))
         return results, {r: tensors[r] for r in refs}
 
     def _cpu_example(self, vid: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedError
-from .ir import Ref, Special
+from ..errors import UnsupportedError
+from ..ir import Ref, Special
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -34,7 +34,7 @@ _ENUMS = {
 
 def resolve_device(device: str) -> tuple[torch.device, str | None]:
     """(device, notice) for --device: auto picks CUDA when present, else the CPU with a notice."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if device == "auto":
         if torch.cuda.is_available():

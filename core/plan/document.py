@@ -6,7 +6,7 @@ The README documents every field. Bump SCHEMA_VERSION on any incompatible change
 
 from __future__ import annotations
 
-from .ir import Graph
+from ..ir import Graph
 
 SCHEMA_VERSION = 1
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Graph
+from ..ir import Graph
 from .matching import hopcroft_karp
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ir import Graph
+from ..ir import Graph
 from .schedule import Schedule, transitive_reduction
 
 

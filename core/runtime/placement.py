@@ -14,15 +14,15 @@ from typing import Callable
 
 import torch
 
-from . import torchops
-from .ir import ACTIVATION, Graph, Op, contiguous_strides
-from .memory import MemoryPlan
+from ..ops import bridge
+from ..ir import ACTIVATION, Graph, Op, contiguous_strides
+from ..plan.memory import MemoryPlan
 
 
 def out_overload(target: str):
     """The `out=` overload that matches a functional overload argument for argument, or None.
     Returns (overload, names of its out arguments)."""
-    fn = torchops.resolve(target)
+    fn = bridge.resolve(target)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
     packet = getattr(torch.ops.aten, target.split("::")[1].split(".")[0])
     for name in sorted(packet.overloads()):
@@ -97,7 +97,7 @@ def prepare(graph: Graph) -> list[PlacedOp]:
     placed = []
     for op in graph.ops:
         found = None if op.target in COPYING_OUT else out_overload(op.target)
-        placed.append(PlacedOp(op, torchops.resolve(op.target), found[0] if found else None,
+        placed.append(PlacedOp(op, bridge.resolve(op.target), found[0] if found else None,
                                found[1] if found else [], SUBSTITUTES.get(op.target)))
     return placed
 
@@ -109,7 +109,7 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[i
         off = memory.offset[v.id]
         if v.kind != ACTIVATION or off is None:
             continue
-        dtype = torchops.DTYPES[v.spec.dtype]
+        dtype = bridge.DTYPES[v.spec.dtype]
         flat = arena[off: off + memory.size[v.id]].view(dtype)
         views[v.id] = flat.as_strided(v.spec.shape, v.spec.strides or contiguous_strides(v.spec.shape),
                                       flat.storage_offset() + v.spec.offset)  # as_strided offsets are absolute
@@ -119,7 +119,7 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[i
 def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device) -> None:
     """Run one op: planned outputs are written into their views, the rest bound as returned."""
     op = p.op
-    args, kwargs = torchops.op_arguments(op, env, device)
+    args, kwargs = bridge.op_arguments(op, env, device)
     planned = [views.get(o) for o in op.outputs]
     if planned and all(t is not None for t in planned):
         if p.substitute is not None and len(planned) == 1 and p.substitute(args, planned[0]):
@@ -129,7 +129,7 @@ def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Ten
             p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
             env.update(zip(op.outputs, planned))
             return
-    results = torchops.flatten_result(p.fn(*args, **kwargs))
+    results = bridge.flatten_result(p.fn(*args, **kwargs))
     for vid, t, view in zip(op.outputs, results, planned):
         if view is None:
             env[vid] = t  # a view or in-place result, or an output outside the arena

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import NimbleError
+from ..errors import MismatchError  # noqa: F401  (raised by callers of compare)
 
 
 CPU_TOLERANCE = (1e-4, 1e-5)  # (rtol, atol) for fp32 numerics
@@ -16,12 +16,6 @@ CUDA_TOLERANCE = (1e-2, 1e-3)  # convolutions run in TF32 on the GPU by default
 
 def default_tolerance(device) -> tuple[float, float]:
     return CPU_TOLERANCE if str(device).startswith("cpu") else CUDA_TOLERANCE
-
-
-class MismatchError(NimbleError):
-    """Outputs differ from the reference beyond the tolerance."""
-
-    exit_code = 3
 
 
 @dataclass(frozen=True)

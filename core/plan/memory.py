@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import ACTIVATION, ITEMSIZE, Graph
+from ..ir import ACTIVATION, ITEMSIZE, Graph
 from .flow import FlowNetwork
 from .schedule import Schedule, transitive_reduction
 

@@ -1,7 +1,7 @@
 """Training on captured graphs: the forward on the planned streams and its backward, each one
 CUDA graph, bound to a live module's own parameters, buffers and `.grad` tensors.
 
-The forward issues the training-mode op list (see `frontend.lower_training`) with autograd on,
+The forward issues the training-mode op list (see `pipeline.compile_training`) with autograd on,
 each op on its planned stream with the planned event waits. Autograd records each op's stream,
 and runs its backward op on that stream, so the backward capture inherits the forward's streams.
 Activations come from the private memory pool the two graphs share: autograd keeps the saved ones
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from . import torchops
-from .errors import ModelError
-from .ir import WEIGHT, Graph
-from .runtime import CaptureError, ExecutionError, new_graph
-from .schedule import Schedule
-from .walker import first_line
+from ..errors import ExecutionError, ModelError, first_line
+from ..ir import WEIGHT, Graph
+from ..ops import bridge
+from ..plan.schedule import Schedule
+from . import streams
 
 _WARMUP_STEPS = 2
 
@@ -69,16 +68,16 @@ class TrainingGraph:
         if not self.params:
             raise ModelError("the module has no parameters that require grad; prepare it with "
                              "training=False for inference")
-        self._fns = [torchops.resolve(op.target) for op in graph.ops]
+        self._fns = [bridge.resolve(op.target) for op in graph.ops]
         self._order = list(schedule.order)
-        self._waited = {u for ws in schedule.waits for u in ws}
+        self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
         stream_of = schedule.stream
         # reads of a tensor allocated on another stream: recorded, so the allocator never hands
         # its memory out again until the reading stream is done with it (forward and backward)
         self._cross = [[r for r in op.refs() if graph.values[graph.root(r)].producer is not None
                         and stream_of[graph.values[graph.root(r)].producer] != stream_of[op.id]]
                        for op in graph.ops]
-        self.inputs = [torch.zeros(graph.values[i].spec.shape, dtype=torchops.DTYPES[graph.values[i].spec.dtype],
+        self.inputs = [torch.zeros(graph.values[i].spec.shape, dtype=bridge.DTYPES[graph.values[i].spec.dtype],
                                    device=device) for i in graph.inputs]
         self.fwd_graph = self.bwd_graph = None
         if device.type == "cuda":
@@ -92,37 +91,23 @@ class TrainingGraph:
         env = dict(self.bound)
         env.update(zip(self.graph.inputs, self.inputs))
         cuda = self.device.type == "cuda"
-        events: dict[int, torch.cuda.Event] = {}
-        if cuda:
-            main = torch.cuda.current_stream(self.device)
-            for s in self._streams:
-                if s != main:
-                    s.wait_stream(main)  # fork: inputs and parameters were written on `main`
-        for i in self._order:
-            if not cuda:
-                self._run(i, env)
-                continue
-            stream = self._streams[self.schedule.stream[i]]
-            with torch.cuda.stream(stream):
-                for u in self.schedule.waits[i]:
-                    stream.wait_event(events[u])
-                self._run(i, env)
+
+        def run(i: int) -> None:
+            self._run(i, env)
+            if cuda:
+                stream = torch.cuda.current_stream(self.device)
                 for r in self._cross[i]:
                     env[r].record_stream(stream)
-                if i in self._waited:
-                    events[i] = torch.cuda.Event()
-                    events[i].record(stream)
-        if cuda:
-            for s in self._streams:
-                if s != main:
-                    main.wait_stream(s)  # join
+
+        sched = self.schedule
+        streams.issue(self._order, run, self.device, self._streams, sched.stream, sched.waits)
         return [env[o] for o in self.graph.outputs]
 
     def _run(self, i: int, env: dict[int, torch.Tensor]) -> None:
         op = self.graph.ops[i]
-        args, kwargs = torchops.op_arguments(op, env, self.device)
+        args, kwargs = bridge.op_arguments(op, env, self.device)
         try:
-            results = torchops.flatten_result(self._fns[i](*args, **kwargs))
+            results = bridge.flatten_result(self._fns[i](*args, **kwargs))
         except Exception as e:
             raise ExecutionError(f"op {i} ({op.target}, from {op.source}) fails on {self.device} in "
                                  f"training mode: {first_line(e)}") from e
@@ -151,31 +136,21 @@ class TrainingGraph:
 
     def _capture(self, dump: str | None) -> None:
         pool = torch.cuda.graph_pool_handle()
-        capture = self._streams[0]
-        capture.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            fwd, bwd = new_graph(bool(dump)), new_graph(bool(dump))
-            with torch.cuda.graph(fwd, pool=pool, stream=capture):
-                outputs = self._issue()
-            self.differentiable = [o.requires_grad for o in outputs]
-            diff = [o for o in outputs if o.requires_grad]
-            self.grad_outputs = [torch.zeros_like(o) for o in diff]
-            self.grad_buffers = [torch.zeros_like(p) for p in self.params]
-            with torch.cuda.graph(bwd, pool=pool, stream=capture):
-                for s in self._streams[1:]:
-                    s.wait_stream(capture)  # all join the capture first: without this, autograd's
-                    # cross-stream syncs invalidate it (seen on torch 2.11)
+        what, advice = "the training step", "try streams=1, or train the module without nimble"
+        fwd, bwd = streams.new_graph(bool(dump)), streams.new_graph(bool(dump))
+        with streams.capturing(fwd, self._streams[0], self.device, what, advice, pool):
+            outputs = self._issue()
+        self.differentiable = [o.requires_grad for o in outputs]
+        diff = [o for o in outputs if o.requires_grad]
+        self.grad_outputs = [torch.zeros_like(o) for o in diff]
+        self.grad_buffers = [torch.zeros_like(p) for p in self.params]
+        with streams.capturing(bwd, self._streams[0], self.device, what, advice, pool):
+            # every stream joins the capture before autograd runs: without this, autograd's
+            # cross-stream syncs invalidate it (seen on torch 2.11)
+            with streams.forked(self._streams, self.device):
                 grads = self._grads(diff, self.grad_outputs)
-                for s in self._streams[1:]:
-                    capture.wait_stream(s)
-                pairs = [(b, g) for b, g in zip(self.grad_buffers, grads) if g is not None]
-                torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
-        except ExecutionError:
-            raise
-        except Exception as e:
-            raise CaptureError(f"CUDA graph capture of the training step failed ({first_line(e)}); this "
-                               "process cannot use CUDA reliably any more. Restart it, and try streams=1, or "
-                               "train the module without nimble") from e
+            pairs = [(b, g) for b, g in zip(self.grad_buffers, grads) if g is not None]
+            torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
         torch.cuda.synchronize(self.device)
         if dump:
             fwd.debug_dump(f"{dump}forward.dot")

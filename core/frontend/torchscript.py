@@ -10,7 +10,6 @@ on the meta device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import warnings
 import zipfile
@@ -19,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError, UnsupportedError
-from .ir import WEIGHT, Graph, TensorSpec
-from .passes import finalize
-from .walker import Walker, first_line, source_of  # noqa: F401  (source_of is part of the API)
+from ..errors import ModelError, UnsupportedError, first_line
+from ..ir import Graph, TensorSpec
+from .finalize import finalize
+from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)
 class Lowered:
@@ -80,26 +79,7 @@ def lower_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     become weights named by their qualified names, which the caller binds to the live tensors."""
     with quiet_torchscript(), torch.no_grad():
         graph, weights = _walk(module, inputs, name, training=True)
-    return Lowered(_chain_loose_ops(graph), weights, module)
-
-
-def _chain_loose_ops(graph: Graph) -> Graph:
-    """Thread each op that reads only weights, or nothing (a batch-norm counter's `add_`, a random `empty`)
-    into program order: after the op before it, and before the op after it. Left loose, each
-    would be a chain, and so a stream, of its own: one per batch-norm layer in training mode."""
-    loose = {op.id for op in graph.ops if op.id and not graph.deps(op)
-             and all(graph.values[r].kind == WEIGHT for r in op.refs())}  # reads no input either
-    ops = []
-    for op in graph.ops:
-        after = set(op.after)
-        if op.id in loose:
-            after.add(op.id - 1)
-        if op.id - 1 in loose:
-            after.add(op.id - 1)
-        ops.append(dataclasses.replace(op, after=tuple(sorted(after))))
-    chained = dataclasses.replace(graph, ops=tuple(ops))
-    chained.lint()
-    return chained
+    return Lowered(graph, weights, module)
 
 
 def _walk(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, training: bool):

@@ -1,0 +1,86 @@
+"""Issuing an op list on its planned streams, and capturing that into a CUDA graph.
+
+One helper issues for every executor that follows a schedule: inference loading (eager warm-up,
+then capture) and training (warm-up steps, then the forward capture). Its rules are what the
+platform requires (DESIGN.md, "Multi-stream capture"):
+
+- every side stream is forked from the current stream before its first op, and joined back to it
+  after its last, in eager runs as in capture. Eagerly this orders the ops after the inputs and
+  weights written on the current stream; in capture it is what makes the side streams part of
+  the graph at all;
+- an op waits on the event of each op its schedule names, recorded right after that op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import CaptureError, ExecutionError, first_line
+
+
+@contextlib.contextmanager
+def forked(streams: Sequence[torch.cuda.Stream], device: torch.device) -> Iterator[None]:
+    """Fork every stream other than the current one from it on entry, and join them back on exit."""
+    main = torch.cuda.current_stream(device)
+    side = [s for s in streams if s != main]
+    for s in side:
+        s.wait_stream(main)
+    yield
+    for s in side:
+        main.wait_stream(s)
+
+
+def issue(order: Sequence[int], run: Callable[[int], None], device: torch.device,
+          streams: Sequence[torch.cuda.Stream] = (), stream_of: Sequence[int] = (),
+          waits: Sequence[Sequence[int]] = ()) -> None:
+    """Call `run(i)` for each op `i` in `order`. On CUDA (`streams` given), each call runs on
+    `streams[stream_of[i]]` after waiting on the events of the ops in `waits[i]`; without streams
+    the ops run one after another on the current device."""
+    if not streams:
+        for i in order:
+            run(i)
+        return
+    waited = {u for ws in waits for u in ws}
+    events: dict[int, torch.cuda.Event] = {}
+    with forked(streams, device):
+        for i in order:
+            stream = streams[stream_of[i]]
+            with torch.cuda.stream(stream):
+                for u in waits[i]:
+                    stream.wait_event(events[u])
+                run(i)
+                if i in waited:
+                    events[i] = torch.cuda.Event()
+                    events[i].record(stream)
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: torch.device, what: str,
+              advice: str, pool=None) -> Iterator[None]:
+    """Capture the body into `graph` on `stream`, which first waits for the current stream. A
+    failure other than an ExecutionError (an op that fails names itself) becomes a CaptureError:
+    `what` names what was captured and `advice` what to try instead."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    except ExecutionError:
+        raise
+    except Exception as e:
+        raise CaptureError(f"CUDA graph capture of {what} failed ({first_line(e)}); this process cannot use "
+                           f"CUDA reliably any more. Restart it, and {advice}") from e
+
+
+def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:
+    """A CUDA graph; with `debug`, one that keeps its cudaGraph_t so `debug_dump` can write DOT."""
+    if not debug:
+        return torch.cuda.CUDAGraph()
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:  # older torch: debug mode alone keeps it
+        graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    return graph
