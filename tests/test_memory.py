@@ -151,3 +151,43 @@ def test_views_share_their_base_buffer():
         if v.alias_of is not None and graph.values[v.alias_of].kind == ACTIVATION:
             assert memory.offset[v.id] is None and memory.size[v.id] == 0
             assert memory.offset_of(graph, v.id) == memory.offset[v.alias_of] + 4 * v.spec.offset
+
+
+# Generated NASNet-like cells on which best fit alone ends 6 to 18 % above the bound with one stream.
+HARD_CELLNETS = (7, 12, 17, 63, 85)
+
+
+@pytest.mark.parametrize("seed", HARD_CELLNETS)
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_the_search_closes_the_gap_on_hard_cell_networks(seed, streams):
+    from benchmarks.cellnets import cell_network
+
+    graph = cell_network(seed)
+    schedule = assign_streams(graph, streams)
+    memory = plan(graph, schedule)
+    check_plan(graph, schedule, memory)
+    assert memory.arena_bytes <= 1.05 * memory.lower_bound_bytes, (memory.arena_bytes, memory.lower_bound_bytes)
+    again = plan(graph, schedule)
+    assert again == memory  # seeded: the same graph always gets the same plan (byte-identical artifacts)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 60), st.floats(0.05, 0.9), st.integers(0, 2**32))
+def test_bottom_left_packing_never_overlaps_conflicting_buffers(n, density, seed):
+    from nimble.plan.memory import _bottom_left
+
+    rng = random.Random(seed)
+    size = {r: rng.choice([256, 512, 1024, 4096, 65536]) for r in range(n)}
+    conflicts = {r: [] for r in range(n)}
+    for a in range(n):
+        for b in range(a + 1, n):
+            if rng.random() < density:
+                conflicts[a].append(b)
+                conflicts[b].append(a)
+    order = rng.sample(range(n), n)
+    offset = _bottom_left(order, size, conflicts)
+    assert sorted(offset) == list(range(n))
+    for a in range(n):
+        assert offset[a] >= 0
+        for b in conflicts[a]:
+            assert offset[a] + size[a] <= offset[b] or offset[b] + size[b] <= offset[a], (a, b)

@@ -7,14 +7,16 @@ happens-before the producer of the other, where happens-before is what the GPU g
 order on one stream plus event waits, transitively. Independence in the DAG is not enough.
 Graph outputs get regions of their own for the whole replay.
 
-Placement is best-fit in the manner of TFLite's greedy-by-size: buffers in decreasing size each
-take the tightest gap among the conflicting buffers already placed. The lower bound is the
-largest total of buffers that pairwise must be live at once (see `_lower_bound`); no valid plan
-can use less.
+The lower bound is the largest total of buffers that pairwise must be live at once (see
+`_lower_bound`); no valid plan can use less. Placement (see `_search`) tries best fit in the
+manner of TFLite's greedy-by-size first, then, while the arena is above the bound, a bounded,
+seeded squeaky-wheel search over bottom-left placements.
 """
 
 from __future__ import annotations
 
+import heapq
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,20 +60,14 @@ def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
     free = ordered | ordered.T
     conflicts = {r: [roots[j] for j in np.flatnonzero(~free[i]) if j != i] for i, r in enumerate(roots)}
     span = {r: (uses[r].bit_length() - producer[r]) for r in roots}  # rough lifetime, in op ids
-    orders = (  # greedy by size, by breadth (size x lifetime), and in production order
-        sorted(roots, key=lambda r: (-size[r], producer[r], r)),
-        sorted(roots, key=lambda r: (-size[r] * span[r], producer[r], r)),
-        sorted(roots, key=lambda r: (producer[r], -size[r], r)),
-    )
-    offset = min((_place(o, size, conflicts) for o in orders),
-                 key=lambda off: max((off[r] + size[r] for r in roots), default=0))
-    arena = max((offset[r] + size[r] for r in roots), default=0)
+    bound = _lower_bound([size[r] for r in roots], ordered)
+    offset = _search(roots, size, conflicts, producer, span, bound)
+    arena = _top(offset, size)
 
     offsets: list[int | None] = [None] * len(graph.values)
     sizes = [0] * len(graph.values)
     for r in roots:
         offsets[r], sizes[r] = offset[r], size[r]
-    bound = _lower_bound([size[r] for r in roots], ordered)
     return MemoryPlan(tuple(offsets), tuple(sizes), arena, bound, sum(size.values()))
 
 
@@ -132,6 +128,48 @@ def _align(n: int) -> int:
     return max(ALIGNMENT, -(-n // ALIGNMENT) * ALIGNMENT)
 
 
+# The search: a fixed amount of work, so a plan is reproducible and big graphs stay fast.
+_CHAIN = 60  # placements per start order
+_WORK = 3_000_000  # conflict-list entries walked in all (one placement walks each list once)
+_BOOST = 0.25  # how far, at most, a buffer above the bound moves up the order (x buffer count)
+
+
+def _search(roots, size, conflicts, producer, span, bound) -> dict[int, int]:
+    """Offsets for every buffer, stopping as soon as the arena meets the lower bound.
+
+    First, best fit (TFLite's greedy by size) in three orders: by size, by breadth (size x
+    lifetime) and in production order. Where that leaves the arena above the bound, a
+    squeaky-wheel search over bottom-left placements: the buffers that end above the bound move
+    up the order by a random amount, and the order is placed again. It starts once from each of
+    four orders, and is seeded, so the same graph always gets the same plan."""
+    keys = (lambda r: (-size[r], producer[r], r), lambda r: (-size[r] * span[r], producer[r], r),
+            lambda r: (producer[r], -size[r], r), lambda r: (-span[r], -size[r], r))
+    starts = [sorted(roots, key=k) for k in keys]
+    best = min((_place(o, size, conflicts) for o in starts[:3]), key=lambda off: _top(off, size))
+    walked = sum(len(c) for c in conflicts.values()) + len(roots)
+    chain = min(_CHAIN, _WORK // (walked * len(starts)))
+    rng = random.Random(0)
+    for start in starts:
+        if _top(best, size) <= bound:
+            break
+        priority = {r: len(start) - i for i, r in enumerate(start)}
+        for _ in range(chain):
+            order = sorted(roots, key=lambda r: -priority[r])
+            offset = _bottom_left(order, size, conflicts)
+            if _top(offset, size) < _top(best, size):
+                best = offset
+            if _top(best, size) <= bound:
+                break
+            for r in roots:
+                if offset[r] + size[r] > bound:
+                    priority[r] += _BOOST * len(roots) * rng.random()
+    return best
+
+
+def _top(offset: dict[int, int], size: dict[int, int]) -> int:
+    return max((offset[r] + size[r] for r in offset), default=0)
+
+
 def _place(order: list[int], size: dict[int, int], conflicts: dict[int, list[int]]) -> dict[int, int]:
     """Offsets from placing buffers in `order`, each in the tightest gap among placed conflicts."""
     offset: dict[int, int] = {}
@@ -150,6 +188,26 @@ def _best_fit(busy: list[tuple[int, int]], need: int) -> int:
             best, best_gap = cursor, gap
         cursor = max(cursor, end)
     return cursor if best is None else best
+
+
+def _bottom_left(order: list[int], size: dict[int, int], conflicts: dict[int, list[int]]) -> dict[int, int]:
+    """Bottom-left packing: the next buffer placed is the one whose floor (the top of its placed
+    conflicts) is lowest, ties going to the earliest in `order`; it sits on that floor."""
+    rank = {r: i for i, r in enumerate(order)}
+    floor = dict.fromkeys(order, 0)
+    heap = [(0, rank[r], r) for r in order]
+    offset: dict[int, int] = {}
+    while heap:
+        at, _, r = heapq.heappop(heap)
+        if r in offset or at != floor[r]:
+            continue  # placed already, or a stale entry: its floor has risen since
+        offset[r] = at
+        top = at + size[r]
+        for c in conflicts[r]:
+            if c not in offset and floor[c] < top:
+                floor[c] = top
+                heapq.heappush(heap, (top, rank[c], c))
+    return offset
 
 
 def _lower_bound(sizes: list[int], ordered: np.ndarray) -> int:
