@@ -3,7 +3,8 @@
 On CUDA, loading moves the weights to the device, allocates one arena of the planned size and one
 static buffer per input, creates the planned streams, runs the op list once eagerly on those
 streams (which validates every op and creates each stream's cuBLAS and cuDNN handles and
-workspaces), then captures it once into a CUDA graph in issue order: each op on its stream, an
+workspaces; the streams fork from the current stream, as in capture, so they follow the weight
+and input copies), then captures it once into a CUDA graph in issue order: each op on its stream, an
 event wait for each planned wait, every side stream forked from the capturing stream and joined
 back to it. A call copies the inputs into their buffers and replays the graph. Loading reads the
 schedule and the memory plan from the artifact; it never computes them.
