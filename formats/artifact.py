@@ -26,7 +26,6 @@ from nimble import __version__
 from nimble.errors import ArtifactError, NimbleError, first_line
 from nimble.fileio import atomic_file
 from nimble.ir import WEIGHT, Graph
-from nimble.ops.allowlist import is_supported
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_memory, check_schedule
@@ -213,16 +212,14 @@ def _check_manifest(m: dict, name: str) -> None:
 
 
 def _check_ops(graph: Graph, name: str) -> None:
-    from nimble.ops.bridge import resolve
+    from nimble.ops.bridge import device_ops
 
+    table = device_ops()
     for op in graph.ops:
-        if not is_supported(op.target):
-            raise ArtifactError(f"{name}: op {op.id} has target {op.target!r}, which is not an allowlisted op")
-        try:
-            resolve(op.target)
-        except NimbleError:
-            raise ArtifactError(f"{name}: op {op.target} does not exist in torch {torch.__version__}; "
-                                "recompile the model with this torch") from None
+        if op.target not in table:
+            raise ArtifactError(f"{name}: op {op.id} has target {op.target!r}, which is not an allowlisted overload "
+                                f"in torch {torch.__version__} (out= overloads never are); recompile the model "
+                                "with this nimble and torch")
 
 
 def _check_io(manifest: dict, graph: Graph, name: str) -> None:

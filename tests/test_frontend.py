@@ -7,7 +7,7 @@ from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
 from nimble.ir import TensorSpec
-from nimble.ops.allowlist import is_supported
+from nimble.ops.bridge import is_allowed
 from nimble.pipeline import sample_inputs
 
 from . import models
@@ -36,7 +36,7 @@ def test_op_list_holds_only_allowlisted_device_tasks(sample):
     graph.lint()
     assert graph.ops, name
     for op in graph.ops:
-        assert is_supported(op.target), op.target
+        assert is_allowed(op.target), op.target
         assert not op.target.startswith(HOST_KINDS)
         assert op.source and op.source != "<unknown source>"
     for v in graph.values:

@@ -15,7 +15,7 @@ import torch
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import bridge
-from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC, is_supported
+from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
 from .hostops import host_op
 
 _META = torch.device("meta")
@@ -270,14 +270,14 @@ class Walker:
                 raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
                                        "uninitialized memory; nimble runs deterministic graphs only")
             python = host_op(schema.name) if not tensor_out else None
-            result = python(*ins) if python else bridge.resolve(target)(*ins)
+            result = python(*ins) if python else bridge.schema_op(target)(*ins)
             self._bind_host(outs, result)
         elif not tensor_out:
             if schema.name not in METADATA_OPS:
                 self._data_dependent(node)
             args = [self._tensor(a) if isinstance(a, Ref) else a for a in ins]
             python = host_op(schema.name)
-            self._bind_host(outs, python(*args) if python else bridge.resolve(target)(*args))
+            self._bind_host(outs, python(*args) if python else bridge.schema_op(target)(*args))
         elif schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         else:
@@ -294,14 +294,14 @@ class Walker:
                 self.env[o.unique()] = r
 
     def _device_op(self, node, schema, target, ins, outs, source) -> None:
-        if not is_supported(target, self.training):
+        if not bridge.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
         args, kwargs = [], []
         for spec, obj in zip(schema.arguments, ins):
             ir = bridge.from_ivalue(self._as_ref(obj), str(spec.type))
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
-        fn = bridge.resolve(target)
+        fn = bridge.resolve(target, self.training)
         refs = _refs_of(args + [v for _, v in kwargs])
         try:
             results, used = self._call(fn, args, kwargs, refs, _META)

@@ -1,7 +1,11 @@
 """The aten operators nimble lowers to device tasks, grouped as the README lists them.
 
 An op outside this list is rejected at compile time with its name and the model's source line,
-and an artifact naming one is rejected at load time. Host-side scalar and list work (aten::size,
+and an artifact naming one is rejected at load time. What an artifact may name is narrower still:
+an exact overload of these names that is not an `out=` overload (`bridge.device_ops` builds that
+table). No op here makes a view of arbitrary geometry: every view op derives its result from its
+input's own sizes and strides, and torch checks that it stays inside the input's storage
+(`_reshape_alias` and `as_strided` do not, so they are not here). Host-side scalar and list work (aten::size,
 aten::Int, prim::ListConstruct, ...) never reaches the op list: the frontend folds it.
 """
 
@@ -36,7 +40,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
         "norm", "linalg_vector_norm", "cumsum", "logsumexp",
     ),
     "shape, views and copies": (
-        "view", "reshape", "_reshape_alias", "flatten", "unflatten", "squeeze", "unsqueeze",
+        "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
         "permute", "transpose", "t", "contiguous", "expand", "expand_as", "repeat", "select",
         "slice", "narrow", "chunk", "split", "split_with_sizes", "unbind", "cat", "concat", "stack",
         "flip", "roll", "index_select", "gather", "embedding", "to", "_to_copy", "type_as",
@@ -73,10 +77,3 @@ NONDETERMINISTIC = frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
     "normal", "uniform", "multinomial", "randperm", "empty", "empty_like", "empty_strided",
 })
-
-
-def is_supported(target: str, training: bool = False) -> bool:
-    """True for an allowlisted device op, given as `aten::name.overload` or `aten::name`."""
-    namespace, _, rest = target.partition("::")
-    name = rest.split(".")[0]
-    return namespace == "aten" and (name in SUPPORTED_ATEN or (training and name in TRAINING_ONLY))

@@ -24,7 +24,7 @@ def out_overload(target: str):
     Returns (overload, names of its out arguments)."""
     fn = bridge.resolve(target)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
-    packet = getattr(torch.ops.aten, target.split("::")[1].split(".")[0])
+    packet = fn.overloadpacket
     for name in sorted(packet.overloads()):
         if "out" not in name:
             continue

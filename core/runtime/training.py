@@ -68,7 +68,7 @@ class TrainingGraph:
         if not self.params:
             raise ModelError("the module has no parameters that require grad; prepare it with "
                              "training=False for inference")
-        self._fns = [bridge.resolve(op.target) for op in graph.ops]
+        self._fns = [bridge.resolve(op.target, training=True) for op in graph.ops]
         self._order = list(schedule.order)
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
         stream_of = schedule.stream
