@@ -32,6 +32,10 @@ class ArtifactError(NimbleError):
     """A `.nimble` file is missing, corrupt, or from an incompatible version."""
 
 
+class GraphError(NimbleError):
+    """A graph breaks an invariant of the IR (`Graph.lint`)."""
+
+
 class MismatchError(NimbleError):
     """Outputs differ from the reference beyond the tolerance."""
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .errors import GraphError
+
 INPUT, WEIGHT, ACTIVATION = "input", "weight", "activation"
 
 ITEMSIZE = {
@@ -128,21 +130,38 @@ class Graph:
         return tuple(sorted(producers | set(op.after)))
 
     def lint(self) -> None:
-        """Check the invariants every stage relies on; raise AssertionError naming the first breach."""
+        """Check the invariants every stage relies on; raise GraphError naming the first breach.
+        These are `if`s, not asserts: graphs come from files too, and `python -O` strips asserts."""
+        n_values, n_ops = len(self.values), len(self.ops)
         for i, v in enumerate(self.values):
-            assert v.id == i, f"value {i} has id {v.id}"
-            assert v.kind in (INPUT, WEIGHT, ACTIVATION), f"value {i} has kind {v.kind!r}"
-            assert (v.producer is None) == (v.kind != ACTIVATION), f"value {i}: producer/kind mismatch"
-            assert v.alias_of is None or self.values[v.alias_of].alias_of is None, \
-                f"value {i} aliases {v.alias_of}, which is not a root"
+            _require(v.id == i, f"value {i} has id {v.id}")
+            _require(v.kind in (INPUT, WEIGHT, ACTIVATION), f"value {i} has kind {v.kind!r}")
+            _require((v.producer is None) == (v.kind != ACTIVATION), f"value {i}: producer/kind mismatch")
+            _require(v.producer is None or 0 <= v.producer < n_ops, f"value {i} has no producer op {v.producer}")
+            _require(v.alias_of is None or (0 <= v.alias_of < n_values and v.alias_of != i
+                                            and self.values[v.alias_of].alias_of is None),
+                     f"value {i} aliases {v.alias_of}, which is not a root")
+        _require(len(set(self.inputs)) == len(self.inputs), "a graph input is listed twice")
+        _require(sorted(self.inputs) == [v.id for v in self.values if v.kind == INPUT],
+                 "the graph inputs are not exactly the input values")
         seen: set[int] = {*self.inputs, *self.weights}
         for i, op in enumerate(self.ops):
-            assert op.id == i, f"op {i} has id {op.id}"
+            _require(op.id == i, f"op {i} has id {op.id}")
             for r in op.refs():
-                assert r in seen, f"op {i} ({op.target}) reads value {r} before it is written"
-            assert all(a < i for a in op.after), f"op {i} has an ordering edge from a later op"
+                _require(r in seen, f"op {i} ({op.target}) reads value {r} before it is written")
+            _require(all(0 <= a < i for a in op.after), f"op {i} has an ordering edge from a later op")
             for o in op.outputs:
-                assert self.values[o].producer == i, f"value {o} is not produced by op {i}"
+                _require(0 <= o < n_values and self.values[o].producer == i and o not in seen,
+                         f"value {o} is not produced by op {i} alone")
                 seen.add(o)
+            for m in op.mutates:
+                _require(m in seen, f"op {i} writes value {m}, which does not exist yet")
+        _require(all(v.producer is None or v.id in seen for v in self.values),
+                 "a value names a producer that does not output it")
         for o in self.outputs:
-            assert o in seen, f"graph output {o} is never written"
+            _require(o in seen, f"graph output {o} is never written")
+
+
+def _require(condition: bool, breach: str) -> None:
+    if not condition:
+        raise GraphError(breach)

@@ -31,8 +31,8 @@ from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_memory, check_schedule
 
 from . import codec, tensors
-from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_JSON_BYTES, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
-                   SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS, SCHEDULE, WEIGHTS, ZIP_DATE)
+from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_MANIFEST_BYTES, MAX_STRING, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
+                   SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS, SCHEDULE, WEIGHTS, ZIP_DATE, limit)
 
 
 @dataclass
@@ -148,6 +148,8 @@ def _read(path: Path) -> Artifact:
         data = {}
         for member in MEMBERS[1:]:
             want = manifest["members"][member]
+            if member.endswith(".json"):
+                _check_json_size(z, member, name)
             if z.getinfo(member).file_size != want["size"]:
                 raise ArtifactError(f"{name}: {member} is {z.getinfo(member).file_size} bytes, "
                                     f"the manifest says {want['size']}")
@@ -178,19 +180,41 @@ def _read(path: Path) -> Artifact:
 
 
 def _load_json(z: zipfile.ZipFile, member: str, name: str):
-    if z.getinfo(member).file_size > MAX_JSON_BYTES:
-        raise ArtifactError(f"{name}: {member} is larger than {MAX_JSON_BYTES} bytes")
+    _check_json_size(z, member, name)
     return _parse_json(z.read(member), member, name)
 
 
+def _check_json_size(z: zipfile.ZipFile, member: str, name: str) -> None:
+    cap = MAX_MANIFEST_BYTES if member == MANIFEST else limit("MAX_JSON_BYTES")
+    if z.getinfo(member).file_size > cap:
+        raise ArtifactError(f"{name}: {member} is larger than {cap} bytes"
+                            + ("" if member == MANIFEST else " (raise the cap with NIMBLE_MAX_JSON_BYTES)"))
+
+
 def _parse_json(data: bytes, member: str, name: str):
+    """Strict JSON: duplicate keys, NaN and Infinity are refused, not silently resolved."""
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        if len(keys) != len(set(keys)):
+            raise _Refused(f"a duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+        return dict(pairs)
+
+    def constant(text):
+        raise _Refused(f"a bare {text}")
+
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        doc = json.loads(data, object_pairs_hook=unique, parse_constant=constant)
+    except _Refused as e:
+        raise ArtifactError(f"{name}: {member} holds {str(e)[:80]}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
         raise ArtifactError(f"{name}: {member} is not valid JSON") from None
     if not isinstance(doc, dict):
         raise ArtifactError(f"{name}: {member} is not a JSON object")
     return doc
+
+
+class _Refused(Exception):
+    pass
 
 
 def _check_manifest(m: dict, name: str) -> None:
@@ -204,11 +228,23 @@ def _check_manifest(m: dict, name: str) -> None:
                       ("options", dict), ("inputs", list), ("outputs", list), ("members", dict)):
         if not isinstance(m.get(key), kind):
             raise ArtifactError(f"{name}: manifest field '{key}' is missing or malformed")
+    if _longest_string(m) > MAX_STRING:
+        raise ArtifactError(f"{name}: the manifest holds a string longer than {MAX_STRING} characters")
     for member in MEMBERS[1:]:
         entry = m["members"].get(member)
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("size"), int) and entry["size"] >= 0):
             raise ArtifactError(f"{name}: manifest lists no valid sha256 and size for {member}")
+
+
+def _longest_string(doc) -> int:
+    if isinstance(doc, str):
+        return len(doc)
+    if isinstance(doc, dict):
+        return max((max(len(k), _longest_string(v)) for k, v in doc.items()), default=0)
+    if isinstance(doc, list):
+        return max((_longest_string(v) for v in doc), default=0)
+    return 0
 
 
 def _check_ops(graph: Graph, name: str) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nimble.errors import ArtifactError
+from nimble.errors import ArtifactError, GraphError
 from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Op, Ref, Special, TensorSpec, Value
-from nimble.plan.memory import MemoryPlan
+from nimble.plan.memory import ALIGNMENT, MemoryPlan
 from nimble.plan.schedule import Schedule
+
+from .spec import MAX_DIMS, MAX_STRING, limit
 
 _SPECIAL_KINDS = ("dtype", "device", "layout", "memory_format")
 
@@ -68,6 +70,8 @@ def _get(obj: dict, key: str, kind, where: str):
         raise ArtifactError(f"{where}.{key} must be an integer")
     if kind is not int and not isinstance(value, kind):
         raise ArtifactError(f"{where}.{key} has the wrong type ({type(value).__name__})")
+    if kind is str and len(value) > MAX_STRING:
+        raise ArtifactError(f"{where}.{key} is longer than {MAX_STRING} characters")
     return value
 
 
@@ -95,15 +99,21 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
             return Ref(_ints([value], f"{where} ref", 0, n_values)[0])
         if kind == "float" and value in ("inf", "-inf", "nan"):
             return float(value)
-        if kind in _SPECIAL_KINDS and isinstance(value, str):
+        if kind in _SPECIAL_KINDS and isinstance(value, str) and len(value) <= MAX_STRING:
             return Special(kind, value)
         raise ArtifactError(f"{where}: malformed argument {a!r}")
+    if isinstance(a, float) and not math.isfinite(a):
+        raise ArtifactError(f"{where}: a bare non-finite number")
+    if isinstance(a, str) and len(a) > MAX_STRING:
+        raise ArtifactError(f"{where}: a string argument longer than {MAX_STRING} characters")
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
     raise ArtifactError(f"{where}: malformed argument {a!r}")
 
 
 def decode_spec(obj: dict, where: str) -> TensorSpec:
+    if len(_get(obj, "shape", list, where)) > MAX_DIMS:
+        raise ArtifactError(f"{where}.shape has more than {MAX_DIMS} dimensions")
     shape = _ints(_get(obj, "shape", list, where), f"{where}.shape")
     dtype = _get(obj, "dtype", str, where)
     if dtype not in ITEMSIZE:
@@ -112,8 +122,10 @@ def decode_spec(obj: dict, where: str) -> TensorSpec:
     if strides and len(strides) != len(shape):
         raise ArtifactError(f"{where}: {len(strides)} strides for {len(shape)} dimensions")
     spec = TensorSpec(shape, dtype, strides, _get(obj, "offset", int, where))
-    if spec.offset < 0 or spec.storage_nbytes > 2**48:
-        raise ArtifactError(f"{where}: absurd tensor size or offset")
+    cap = limit("MAX_TENSOR_BYTES")
+    if spec.offset < 0 or spec.storage_nbytes > cap:
+        raise ArtifactError(f"{where} spans {spec.storage_nbytes} bytes, over the cap of {cap} "
+                            "(raise it with NIMBLE_MAX_TENSOR_BYTES if the model really needs it)")
     return spec
 
 
@@ -151,7 +163,7 @@ def decode_graph(doc: dict) -> Graph:
                   _ints(_get(doc, "outputs", list, "graph"), "graph.outputs", 0, nv))
     try:
         graph.lint()
-    except AssertionError as e:
+    except GraphError as e:
         raise ArtifactError(f"graph is inconsistent: {e}") from None
     return graph
 
@@ -173,16 +185,25 @@ def decode_schedule(doc: dict, n_ops: int) -> Schedule:
 
 
 def decode_memory(doc: dict, n_values: int) -> MemoryPlan:
-    arena = _get(doc, "arena_bytes", int, "memory")
+    """The arena plan; its arena must be exactly the end of its furthest buffer, under the cap."""
+    if _get(doc, "alignment", int, "memory") != ALIGNMENT:
+        raise ArtifactError(f"memory.alignment is not {ALIGNMENT}")
     offsets: list[int | None] = [None] * n_values
     sizes = [0] * n_values
+    cap = limit("MAX_ARENA_BYTES")
     for entry in _get(doc, "buffers", list, "memory"):
-        value, off, size = _ints(entry, "memory.buffers entry", 0)
-        if len(entry) != 3 or value >= n_values or off + size > arena or offsets[value] is not None:
-            raise ArtifactError(f"memory.buffers entry {entry!r} is out of range or repeated")
+        value, off, size = _ints(entry, "memory.buffers entry", 0) if isinstance(entry, list) and len(entry) == 3 \
+            else (None, 0, 0)
+        if value is None or value >= n_values or offsets[value] is not None or off + size > cap:
+            raise ArtifactError(f"memory.buffers entry {str(entry)[:80]} is malformed, out of range or repeated")
+        if off % ALIGNMENT or size % ALIGNMENT or size == 0:
+            raise ArtifactError(f"memory: the buffer of value {value} is not {ALIGNMENT}-byte aligned")
         offsets[value], sizes[value] = off, size
-    plan = MemoryPlan(tuple(offsets), tuple(sizes), arena, _get(doc, "lower_bound_bytes", int, "memory"),
-                      _get(doc, "no_reuse_bytes", int, "memory"), _get(doc, "alignment", int, "memory"))
-    if plan.alignment < 1 or any(o is not None and o % plan.alignment for o in offsets):
-        raise ArtifactError("memory: offsets are not aligned")
-    return plan
+    arena = _get(doc, "arena_bytes", int, "memory")
+    end = max((o + z for o, z in zip(offsets, sizes) if o is not None), default=0)
+    if arena != end:
+        raise ArtifactError(f"memory.arena_bytes is {arena}, but its buffers end at {end}")
+    lower, no_reuse = (_get(doc, k, int, "memory") for k in ("lower_bound_bytes", "no_reuse_bytes"))
+    if not 0 <= lower <= arena or no_reuse != sum(sizes):
+        raise ArtifactError("memory: lower_bound_bytes or no_reuse_bytes is inconsistent with the buffers")
+    return MemoryPlan(tuple(offsets), tuple(sizes), arena, lower, no_reuse, ALIGNMENT)

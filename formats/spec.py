@@ -13,8 +13,25 @@ SAMPLE_OUTPUTS = "sample/outputs.safetensors"
 MEMBERS = (MANIFEST, GRAPH, SCHEDULE, MEMORY, WEIGHTS, SAMPLE_INPUTS, SAMPLE_OUTPUTS)
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed timestamps make the bytes reproducible
-MAX_JSON_BYTES = 256 * 2**20  # a JSON member larger than this is refused before parsing
+
+# Caps on what a file may declare, checked before anything is allocated. The byte caps can be
+# raised for one process through the environment variables named beside them.
+MAX_MANIFEST_BYTES = 2**20
+MAX_JSON_BYTES = 64 * 2**20  # NIMBLE_MAX_JSON_BYTES: graph, schedule and memory members
 MAX_SAFETENSORS_HEADER = 100 * 2**20  # the cap safetensors itself applies
+MAX_STRING = 4096  # characters in any name, target, source line or version
+MAX_DIMS = 16
+MAX_TENSOR_BYTES = 2**36  # NIMBLE_MAX_TENSOR_BYTES: storage one value spans (64 GiB)
+MAX_ARENA_BYTES = 2**38  # NIMBLE_MAX_ARENA_BYTES: the activation arena (256 GiB)
+
+
+def limit(name: str) -> int:
+    """A byte cap, raised (or lowered) by the environment variable NIMBLE_<name> if set."""
+    import os
+
+    default = globals()[name]
+    text = os.environ.get(f"NIMBLE_{name}")
+    return int(text) if text and text.isdecimal() else default
 
 SAMPLE_INPUT_KEY = "input{}"
 SAMPLE_OUTPUT_KEY = "output{}"

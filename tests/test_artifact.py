@@ -226,6 +226,7 @@ def test_overlapping_live_buffers_make_the_plan_unsafe(blob, tmp_path):
     def edit(doc):
         for entry in doc["buffers"]:
             entry[1] = 0
+        doc["arena_bytes"] = doc["lower_bound_bytes"] = max(size for _, _, size in doc["buffers"])
 
     with pytest.raises(ArtifactError, match="overlap"):
         read_bytes(tmp_path, edit_json(blob, "memory.json", edit))

@@ -1,43 +1,165 @@
 """Structural checks of a schedule and a memory plan against their graph, for plans read from
-disk: a plan that passes cannot race. Each check raises ValueError naming the first breach."""
+disk: a plan that passes cannot race. Each check raises ValueError naming the first breach.
+
+Both run in O(n log n) time and O(n + streams^2) memory, so a stranger's file cannot turn
+validation into a denial of service:
+
+- happens-before comes from vector clocks (one entry per stream) computed in issue order, and
+  only the clocks that later ops still need are kept;
+- overlapping buffers are checked by a sweep over arena addresses that keeps the buffers live at
+  the current address sorted by their producer's issue position. Being ordered (every use of one
+  happens-before the other's producer) is transitive, so the buffers over any address are safe
+  exactly when each pair of neighbours in that sorted list is; a sweep creates O(n) neighbour
+  pairs in all.
+"""
 
 from __future__ import annotations
 
+import bisect
+from collections import defaultdict
+
+import numpy as np
+
 from ..ir import ACTIVATION, Graph
-from .memory import MemoryPlan, buffer_uses, happens_before
+from .memory import ALIGNMENT, MemoryPlan
 from .schedule import Schedule
 
+MAX_STREAMS = 4096  # vector clocks cost streams^2 entries at worst
 
-def check_schedule(graph: Graph, schedule: Schedule) -> list[int]:
+
+class Clocks:
+    """Answers "does op u complete before op v starts?" for queries grouped by v, in one pass
+    over the issue order. `before(v)[s]` is the highest per-stream sequence number on stream `s`
+    that is guaranteed complete when `v` starts (-1: none)."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        n = len(schedule.order)
+        self.streams = max(schedule.stream, default=-1) + 1
+        if self.streams > MAX_STREAMS:
+            raise ValueError(f"the schedule uses {self.streams} streams, more than {MAX_STREAMS}")
+        self.seq = [0] * n
+        counts = [0] * self.streams
+        for v in schedule.order:
+            self.seq[v] = counts[schedule.stream[v]]
+            counts[schedule.stream[v]] += 1
+
+    def walk(self):
+        """For each op v in issue order, yield (v, before(v)). Only the clocks later ops still
+        read are kept: each stream's last op, and waited-on ops until their last waiter."""
+        s = self.schedule
+        pending = defaultdict(int)
+        for ws in s.waits:
+            for u in ws:
+                pending[u] += 1
+        after: dict[int, np.ndarray] = {}  # clocks kept: last op per stream, and waited-on ops
+        last_on: dict[int, int] = {}
+        for v in s.order:
+            clock = np.full(self.streams, -1, dtype=np.int64)
+            stream = s.stream[v]
+            if stream in last_on:
+                np.maximum(clock, after[last_on[stream]], out=clock)
+            for u in s.waits[v]:
+                np.maximum(clock, after[u], out=clock)
+                pending[u] -= 1
+            yield v, clock
+            done = clock.copy()
+            done[stream] = self.seq[v]
+            previous = last_on.get(stream)
+            last_on[stream] = v
+            after[v] = done
+            if previous is not None and pending.get(previous, 0) == 0:
+                after.pop(previous, None)
+            for u in s.waits[v]:
+                if pending[u] == 0 and last_on.get(s.stream[u]) != u:
+                    after.pop(u, None)
+
+    def complete(self, clock: np.ndarray, u: int) -> bool:
+        """True when op u is guaranteed complete under `clock`."""
+        return clock[self.schedule.stream[u]] >= self.seq[u]
+
+
+def check_schedule(graph: Graph, schedule: Schedule) -> Clocks:
     """Every dependency is issued first and enforced by stream order or waits. Returns the
-    happens-before bitsets, which check_memory reuses."""
+    clocks, which check_memory reuses."""
     for v in range(len(graph.ops)):
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:
                 raise ValueError(f"op {v} waits on op {u}, which is issued after it")
-    before = happens_before(graph, schedule)
-    for op in graph.ops:
-        for u in graph.deps(op):
-            if not before[op.id] >> u & 1:
-                raise ValueError(f"op {op.id} may start before op {u}, which it depends on")
-    return before
+    clocks = Clocks(schedule)
+    for v, clock in clocks.walk():
+        for u in graph.deps(graph.ops[v]):
+            if not clocks.complete(clock, u):
+                raise ValueError(f"op {v} may start before op {u}, which it depends on")
+    return clocks
 
 
-def check_memory(graph: Graph, schedule: Schedule, memory: MemoryPlan, before: list[int]) -> None:
-    """Every activation buffer is placed, large enough, and overlaps only buffers it is ordered
-    with (every use of one happens-before the other's producer); graph outputs overlap nothing."""
+def check_memory(graph: Graph, schedule: Schedule, memory: MemoryPlan, clocks: Clocks) -> None:
+    """Every activation buffer is placed and exactly as large as its tensor needs (aligned);
+    nothing else has a buffer; overlapping buffers are ordered (every use of one happens-before
+    the other's producer); graph outputs overlap nothing."""
     roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
-    uses = buffer_uses(graph, roots)
-    outputs = {graph.root(o) for o in graph.outputs}
+    is_root = set(roots)
+    for v in graph.values:
+        if memory.offset[v.id] is not None and v.id not in is_root:
+            raise ValueError(f"value {v.id} has a buffer but is not an activation that owns its storage")
     for r in roots:
-        if memory.offset[r] is None or memory.size[r] < graph.values[r].spec.storage_nbytes:
-            raise ValueError(f"activation {r} has no buffer or too small a one")
-    spans = sorted((memory.offset[r], memory.offset[r] + memory.size[r], r) for r in roots)
-    for i, (start, end, a) in enumerate(spans):
-        for start_b, _, b in spans[i + 1:]:
-            if start_b >= end:
-                break
-            pa, pb = graph.values[a].producer, graph.values[b].producer
-            ordered = (uses[a] & before[pb] == uses[a]) or (uses[b] & before[pa] == uses[b])
-            if a in outputs or b in outputs or not ordered:
+        need = max(ALIGNMENT, -(-graph.values[r].spec.storage_nbytes // ALIGNMENT) * ALIGNMENT)
+        if memory.offset[r] is None or memory.size[r] != need:
+            raise ValueError(f"activation {r} has no buffer, or one that is not the {need} bytes it needs")
+    outputs = {graph.root(o) for o in graph.outputs}
+    position = {r: schedule.position[graph.values[r].producer] for r in roots}
+    pairs = _neighbours(roots, memory, position, outputs)
+    uses: dict[int, list[int]] = {r: [graph.values[r].producer] for r in roots}
+    for op in graph.ops:
+        for ref in op.refs():
+            root = graph.root(ref)
+            if root in uses:
+                uses[root].append(op.id)
+    last_use: dict[int, dict[int, int]] = {}  # buffer -> stream -> highest sequence number used
+    for r in roots:
+        per_stream: dict[int, int] = {}
+        for u in uses[r]:
+            s = schedule.stream[u]
+            per_stream[s] = max(per_stream.get(s, -1), clocks.seq[u])
+        last_use[r] = per_stream
+    by_later = defaultdict(list)  # producer of the later buffer -> the earlier buffers to check
+    for a, b in pairs:
+        by_later[graph.values[b].producer].append((a, b))
+    for v, clock in clocks.walk():
+        for a, b in by_later.get(v, ()):
+            if any(clock[s] < q for s, q in last_use[a].items()):
                 raise ValueError(f"buffers of values {a} and {b} overlap but may be live at once")
+
+
+def _neighbours(roots, memory: MemoryPlan, position: dict[int, int], outputs: set[int]) -> list[tuple[int, int]]:
+    """The (earlier, later) buffer pairs that become neighbours, in producer order, among the
+    buffers over some arena address. Raises at once if a graph output shares an address."""
+    events = []
+    for r in roots:
+        start, end = memory.offset[r], memory.offset[r] + memory.size[r]
+        events.append((start, 1, r))
+        events.append((end, 0, r))  # at one address, ends come before starts: ranges are half-open
+    events.sort()
+    live: list[tuple[int, int]] = []  # (producer position, buffer), sorted
+    pairs = []
+
+    def pair(a: tuple[int, int], b: tuple[int, int]) -> None:
+        if a[1] in outputs or b[1] in outputs:
+            raise ValueError(f"buffers of values {a[1]} and {b[1]} overlap, and one is a graph output")
+        pairs.append((a[1], b[1]))
+
+    for _, starting, r in events:
+        key = (position[r], r)
+        i = bisect.bisect_left(live, key)
+        if starting:
+            if i > 0:
+                pair(live[i - 1], key)
+            if i < len(live):
+                pair(key, live[i])
+            live.insert(i, key)
+        else:
+            del live[i]
+            if 0 < i < len(live):
+                pair(live[i - 1], live[i])
+    return pairs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ExecutionError, ShapeError, first_line
-from ..ir import INPUT, WEIGHT, Graph
+from ..ir import WEIGHT, Graph
 from ..ops import bridge
 
 
@@ -46,5 +46,4 @@ def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tens
     for v in graph.values:
         if v.kind == WEIGHT:
             tensors[v.id] = weights[v.name].to(device)
-    assert all(graph.values[i].kind == INPUT for i in graph.inputs)
     return tensors
