@@ -63,6 +63,18 @@ def random_schedule(rng: random.Random, graph: Graph, streams: int) -> Schedule:
 
 def check_plan(graph: Graph, schedule: Schedule, memory) -> None:
     """Independent check: overlapping buffers are ordered by happens-before; outputs overlap nothing."""
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    for r in roots:
+        off, size = memory.offset[r], memory.size[r]
+        assert off is not None and off % ALIGNMENT == 0 and size % ALIGNMENT == 0
+        assert size >= graph.values[r].spec.storage_nbytes and off + size <= memory.arena_bytes
+    breach = unsafe_overlap(graph, schedule, memory)
+    assert breach is None, breach
+    assert memory.lower_bound_bytes <= memory.arena_bytes <= memory.no_reuse_bytes
+
+
+def unsafe_overlap(graph: Graph, schedule: Schedule, memory) -> str | None:
+    """Brute force over every pair of buffers: the first pair that shares bytes unsafely."""
     hb = nx.transitive_closure_dag(sync_graph(schedule))
 
     def root(v):
@@ -75,20 +87,18 @@ def check_plan(graph: Graph, schedule: Schedule, memory) -> None:
             if root(r) in uses:
                 uses[root(r)].add(op.id)
     outputs = {root(o) for o in graph.outputs}
-    for r in roots:
-        off, size = memory.offset[r], memory.size[r]
-        assert off is not None and off % ALIGNMENT == 0 and size % ALIGNMENT == 0
-        assert size >= graph.values[r].spec.storage_nbytes and off + size <= memory.arena_bytes
     for i, a in enumerate(roots):
         for b in roots[i + 1:]:
             oa, ob = memory.offset[a], memory.offset[b]
             if oa < ob + memory.size[b] and ob < oa + memory.size[a]:
-                assert a not in outputs and b not in outputs, f"graph output {a} or {b} shares bytes"
+                if a in outputs or b in outputs:
+                    return f"graph output {a} or {b} shares bytes"
                 pa, pb = graph.values[a].producer, graph.values[b].producer
                 a_first = all(hb.has_edge(u, pb) for u in uses[a])
                 b_first = all(hb.has_edge(u, pa) for u in uses[b])
-                assert a_first or b_first, f"buffers {a} and {b} overlap but may be live at once"
-    assert memory.lower_bound_bytes <= memory.arena_bytes <= memory.no_reuse_bytes
+                if not (a_first or b_first):
+                    return f"buffers {a} and {b} overlap but may be live at once"
+    return None
 
 
 @settings(max_examples=80, deadline=None)
@@ -191,3 +201,30 @@ def test_bottom_left_packing_never_overlaps_conflicting_buffers(n, density, seed
         assert offset[a] >= 0
         for b in conflicts[a]:
             assert offset[a] + size[a] <= offset[b] or offset[b] + size[b] <= offset[a], (a, b)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 4), st.integers(0, 2**32), st.booleans())
+def test_the_loader_check_agrees_with_the_independent_checker(n, streams, seed, scramble):
+    """verify.check_memory (O(n log n), what loading runs) refuses a plan exactly when the
+    brute-force pairwise check does, on plans as made and with offsets scrambled."""
+    import dataclasses
+
+    from nimble.plan.verify import check_memory, check_schedule
+
+    rng = random.Random(seed)
+    graph = random_graph(rng, n)
+    schedule = random_schedule(rng, graph, streams)
+    memory = plan(graph, schedule)
+    if scramble:
+        offsets = [None if o is None else rng.randrange(max(2, n // 2)) * ALIGNMENT for o in memory.offset]
+        arena = max((o + z for o, z in zip(offsets, memory.size) if o is not None), default=0)
+        memory = dataclasses.replace(memory, offset=tuple(offsets), arena_bytes=arena,
+                                     lower_bound_bytes=min(memory.lower_bound_bytes, arena))
+    safe = unsafe_overlap(graph, schedule, memory) is None
+    try:
+        check_memory(graph, schedule, memory, check_schedule(graph, schedule))
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted == safe
