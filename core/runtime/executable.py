@@ -25,6 +25,7 @@ from ..ir import WEIGHT
 from ..ops import bridge
 from . import streams
 from .placement import PlacedOp, arena_views, prepare, run_op
+from .preflight import preflight
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Executable:
         self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
         self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
+        t = time.perf_counter()
+        preflight(self.graph, self.memory, artifact.model)  # before any op touches real memory
+        self.stats.seconds["preflight"] = time.perf_counter() - t
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0
         if self.device.type == "cuda":
@@ -80,9 +84,10 @@ class Executable:
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
             self._inputs = [torch.empty(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
-        except torch.cuda.OutOfMemoryError:
-            raise ExecutionError(f"out of GPU memory while loading: the weights and arena need {need} bytes "
-                                f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
+            raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
+                                 f"and arena need {need} bytes "
+                                 f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
         self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
         self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
         self.stats.arena_bytes = self.memory.arena_bytes if self._with_arena else 0
@@ -132,7 +137,7 @@ class Executable:
             self._cuda_graph.replay()
             outputs = self._outputs
         else:
-            env = self._issue()
+            env = self._issue(validate=True)
             outputs = [env[o] for o in self.graph.outputs]
         return [t.clone() for t in outputs] if copy else list(outputs)
 
@@ -141,7 +146,7 @@ class Executable:
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
         else:
-            self._issue()
+            self._issue(validate=True)
 
     def _load_inputs(self, inputs) -> None:
         g = self.graph

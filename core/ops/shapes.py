@@ -1,0 +1,255 @@
+"""Shape rules: the result of common ops on the meta device, computed here instead of by their
+meta kernels, most of which are Python (torch._refs) and cost a millisecond or more an op, plus a
+second or more to import sympy and torch._dynamo the first time.
+
+`infer(target, args, kwargs)` returns the op's results as meta tensors, or None where no rule
+applies (an op without one, or inputs outside what a rule covers: non-contiguous or mixed-dtype
+tensors, integer inputs to ops that promote). The caller then runs the meta kernel. Each rule is
+checked against the meta kernel in tests/test_shapes.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+_META = torch.device("meta")
+
+
+def infer(target: str, args: list, kwargs: dict) -> list[torch.Tensor] | None:
+    rule = RULES.get(target)
+    if rule is None:
+        return None
+    out = rule(*args, **kwargs)
+    return None if out is None else [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def _empty(shape, dtype, memory_format=torch.contiguous_format) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=_META, memory_format=memory_format)
+
+
+def _plain(*tensors) -> bool:
+    """All contiguous, of one floating dtype."""
+    return _floats(*tensors) and all(t.is_contiguous() for t in tensors)
+
+
+def _floats(*tensors) -> bool:
+    """All of one floating dtype, in any layout (products write a fresh contiguous result)."""
+    return all(t.is_floating_point() and t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _broadcast(*shapes) -> tuple[int, ...]:
+    """torch.broadcast_shapes without its import of sympy."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(-ndim, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"shapes {[list(s) for s in shapes]} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _unary(x, *args, **kwargs):
+    return _empty(x.shape, x.dtype) if _plain(x) else None
+
+
+def _binary(x, y, *args, **kwargs):
+    tensors = [t for t in (x, y) if isinstance(t, torch.Tensor)]
+    if not _plain(*tensors) or not isinstance(x, torch.Tensor):
+        return None
+    if not isinstance(y, torch.Tensor) and not isinstance(y, (int, float)):
+        return None  # a complex or bool scalar can change the dtype
+    shape = _broadcast(*(tuple(t.shape) for t in tensors))
+    if tuple(x.shape) != tuple(shape):
+        return None  # broadcasting into the first operand's shape only: its layout decides
+    return _empty(shape, x.dtype)
+
+
+def _linear(x, w, b=None):
+    if not _plain(x, w, *([b] if b is not None else [])) or x.dim() < 1 or w.dim() != 2:
+        return None
+    if x.shape[-1] != w.shape[1] or (b is not None and tuple(b.shape) not in ((w.shape[0],), ())):
+        raise ValueError(f"linear of {list(x.shape)} with a weight of {list(w.shape)}")
+    return _empty((*x.shape[:-1], w.shape[0]), x.dtype)
+
+
+def _addmm(b, m1, m2, beta=1, alpha=1):
+    if not _plain(b, m1, m2) or m1.dim() != 2 or m2.dim() != 2 or m1.shape[1] != m2.shape[0]:
+        return None
+    _broadcast(tuple(b.shape), (m1.shape[0], m2.shape[1]))
+    return _empty((m1.shape[0], m2.shape[1]), m1.dtype)
+
+
+def _matmul(a, b):
+    if not _floats(a, b) or a.dim() < 2 or b.dim() < 2:
+        return None
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul of {list(a.shape)} and {list(b.shape)}")
+    batch = _broadcast(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    return _empty((*batch, a.shape[-2], b.shape[-1]), a.dtype)
+
+
+def _pool_size(n, k, s, p, d, ceil_mode):
+    if k < 1 or s < 1 or d < 1 or p < 0 or p > k // 2:
+        raise ValueError("pooling window, stride or padding out of range")
+    span = n + 2 * p - d * (k - 1) - 1
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if ceil_mode and (out - 1) * s >= n + p:
+        out -= 1
+    if out < 1:
+        raise ValueError("pooling output would be empty")
+    return out
+
+
+def _pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    if not _plain(x) or x.dim() not in (3, 4):
+        return None
+
+    def pair(a, default=None):
+        a = list(a) if isinstance(a, (list, tuple)) else [a]
+        a = a or default
+        return a * 2 if len(a) == 1 else a
+
+    kernel, stride = pair(kernel), pair(stride, kernel)
+    padding, dilation = pair(padding), pair(dilation)
+    spatial = [_pool_size(n, k, s, p, d, ceil_mode)
+               for n, k, s, p, d in zip(x.shape[-2:], kernel, stride, padding, dilation)]
+    return _empty((*x.shape[:-2], *spatial), x.dtype)
+
+
+def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _pool2d(x, kernel, stride, padding, dilation, ceil_mode)
+
+
+def _avg_pool2d(x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor=None):
+    return _pool2d(x, kernel, stride, padding, 1, ceil_mode)
+
+
+def _adaptive_avg_pool2d(x, output_size):
+    size = list(output_size) if isinstance(output_size, (list, tuple)) else [output_size]
+    size = size * 2 if len(size) == 1 else size
+    if not _plain(x) or x.dim() not in (3, 4) or len(size) != 2 or min(size) < 1 or min(x.shape[-2:]) < 1:
+        return None
+    return _empty((*x.shape[:-2], *size), x.dtype)
+
+
+def _mean_dim(x, dims, keepdim=False, dtype=None):
+    if not _plain(x) or dtype is not None or dims is None or x.dim() == 0:
+        return None
+    listed = [dims] if isinstance(dims, int) else list(dims)
+    axes = {d % x.dim() for d in listed}
+    if not axes:
+        return None
+    if len(axes) != len(listed) or any(not -x.dim() <= d < x.dim() for d in listed):
+        raise ValueError(f"mean over dimensions {listed} of a {x.dim()}-d tensor")
+    shape = [1 if i in axes else n for i, n in enumerate(x.shape) if keepdim or i not in axes]
+    return _empty(shape, x.dtype)
+
+
+def _cat(tensors, dim=0):
+    tensors = list(tensors)
+    if not tensors or not _plain(*tensors) or any(t.dim() != tensors[0].dim() for t in tensors) \
+            or tensors[0].dim() == 0:
+        return None
+    d = dim % tensors[0].dim()
+    first = tensors[0].shape
+    if any(t.shape[:d] != first[:d] or t.shape[d + 1:] != first[d + 1:] for t in tensors):
+        raise ValueError("cat of tensors whose other dimensions differ")
+    return _empty((*first[:d], sum(t.shape[d] for t in tensors), *first[d + 1:]), tensors[0].dtype)
+
+
+def _softmax(x, dim, dtype=None):
+    return _unary(x) if dtype is None else None
+
+
+def _internal_softmax(x, dim, half_to_float):
+    return None if half_to_float else _unary(x)
+
+
+def _layer_norm(x, shape, weight=None, bias=None, eps=1e-5, cudnn=True):
+    shape = list(shape)
+    if not _plain(x) or not shape or list(x.shape[-len(shape):]) != shape:
+        return None
+    for t in (weight, bias):
+        if t is not None and (not _plain(x, t) or list(t.shape) != shape):
+            return None
+    return _empty(x.shape, x.dtype)
+
+
+def _conv(x, w, bias=None, stride=1, padding=0, dilation=1, transposed=False, output_padding=0, groups=1,
+          unbatched=False):
+    """Convolution by its shape rule; None for string padding ('same', 'valid'). The rule covers
+    batched inputs, and for conv1d, conv2d and conv3d unbatched ones too."""
+    if isinstance(padding, str) or not _plain(x, w, *([bias] if bias is not None else [])):
+        return None
+    dims = w.dim() - 2
+    if not unbatched and x.dim() != dims + 2:
+        return None  # aten::convolution's own rules for other ranks: left to its meta kernel
+    if dims < 1 or x.dim() not in (dims + 1, dims + 2) or groups < 1:
+        raise ValueError(f"convolution of a {x.dim()}-d input with a {w.dim()}-d weight")
+    batched = x.dim() == dims + 2
+    shape = list(x.shape) if batched else [1, *x.shape]
+
+    def per_dim(a):
+        a = list(a) if isinstance(a, (list, tuple)) else [a]
+        return a * dims if len(a) == 1 else a
+
+    stride, padding, dilation, output_padding = map(per_dim, (stride, padding, dilation, output_padding))
+    if not all(len(a) == dims for a in (stride, padding, dilation, output_padding)):
+        raise ValueError("convolution parameters do not match its dimensions")
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
+        raise ValueError("convolution with a stride or dilation below 1, or negative padding")
+    k = list(w.shape[2:])
+    if transposed:
+        if shape[1] != w.shape[0] or w.shape[0] % groups:
+            raise ValueError(f"transposed convolution of {shape[1]} channels with a weight for {w.shape[0]}")
+        channels = w.shape[1] * groups
+        spatial = [(n - 1) * s - 2 * p + d * (kk - 1) + op + 1
+                   for n, s, p, d, kk, op in zip(shape[2:], stride, padding, dilation, k, output_padding)]
+    else:
+        if shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+            raise ValueError(f"convolution of {shape[1]} channels with a weight for {w.shape[1] * groups}")
+        channels = w.shape[0]
+        spatial = [(n + 2 * p - d * (kk - 1) - 1) // s + 1
+                   for n, s, p, d, kk in zip(shape[2:], stride, padding, dilation, k)]
+    if min(spatial, default=1) < 1 or math.prod(shape) == 0:
+        if transposed:
+            return None  # an empty transposed result: rare enough to leave to the meta kernel
+        raise ValueError(f"convolution output would have size {spatial}")
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"convolution bias of shape {list(bias.shape)} for {channels} channels")
+    result = _empty([shape[0], channels, *spatial], x.dtype)
+    return result if batched else result.squeeze(0)
+
+
+def _conv_nd(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return _conv(x, w, bias, stride, padding, dilation, False, 0, groups, unbatched=True)
+
+
+_UNARY = ("relu", "relu6", "hardtanh", "sigmoid", "tanh", "silu", "gelu", "hardswish", "hardsigmoid",
+          "leaky_relu", "elu", "selu", "mish", "softplus", "clamp", "clamp_min", "clamp_max", "neg", "abs",
+          "exp", "log", "sqrt", "rsqrt", "erf", "reciprocal")
+RULES: dict[str, Callable] = {
+    **{f"aten::{name}.default": _unary for name in _UNARY},
+    **{f"aten::{name}.Tensor": _binary for name in ("add", "sub", "mul", "div")},
+    "aten::maximum.default": _binary,
+    "aten::minimum.default": _binary,
+    "aten::linear.default": _linear,
+    "aten::addmm.default": _addmm,
+    "aten::matmul.default": _matmul,
+    "aten::max_pool2d.default": _max_pool2d,
+    "aten::avg_pool2d.default": _avg_pool2d,
+    "aten::adaptive_avg_pool2d.default": _adaptive_avg_pool2d,
+    "aten::mean.dim": _mean_dim,
+    "aten::cat.default": _cat,
+    "aten::softmax.int": _softmax,
+    "aten::_softmax.default": _internal_softmax,
+    "aten::layer_norm.default": _layer_norm,
+    "aten::convolution.default": _conv,
+    "aten::conv1d.default": _conv_nd,
+    "aten::conv2d.default": _conv_nd,
+    "aten::conv3d.default": _conv_nd,
+}

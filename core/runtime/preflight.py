@@ -1,0 +1,132 @@
+"""Every value checked against its plan before any op touches real memory.
+
+An artifact declares, for every value, its shape, dtype, strides, storage offset and the buffer
+whose storage it shares; the memory plan gives each buffer its bytes. `preflight` runs the whole
+op list on the meta device (shapes and strides only, no data) over stand-ins laid out exactly as
+the runtime lays out the real tensors, and refuses, with one line naming the op:
+
+- any op whose result differs from its declared spec in shape, dtype, strides or storage
+  offset, or that returns a different number of results;
+- any result declared as a view or in-place result of a buffer that is not a view of that
+  buffer's storage, and any fresh result declared as a view;
+- any value whose extent (storage offset plus the bytes its strides span) exceeds its root
+  buffer: the planned buffer of an activation, the tensor itself for an input or a weight.
+
+An op that the runtime would then run can only compute its declared result, inside its declared
+buffers. Common ops are typed by their shape rules (`ops/shapes.py`), since most meta kernels are
+Python and slow. The others run their meta kernels; some of those would import torch._dynamo on
+their first call, only to mark themselves as not to be traced (seconds on a GPU machine):
+`_without_dynamo_import` spares that for the length of the check and leaves no trace afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+from ..errors import ArtifactError, first_line
+from ..ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
+from ..ops import bridge, shapes
+from ..plan.memory import MemoryPlan
+
+_META = torch.device("meta")
+
+
+def preflight(graph: Graph, memory: MemoryPlan, name: str = "artifact") -> None:
+    """Raise ArtifactError on the first value that breaks its plan; see the module docstring."""
+    with _without_dynamo_import():
+        _check(graph, memory, name)
+
+
+@contextlib.contextmanager
+def _without_dynamo_import():
+    """While the body runs, torch-internal functions marked `_disable_dynamo` (many Python meta
+    kernels) find a stand-in `torch._dynamo` whose `disable` returns the function itself, instead
+    of importing the real one. Outside compilation that is all `disable` means. Afterwards the
+    stand-in is gone and the functions it touched forget it, so a later torch.compile in the
+    same process imports and applies the real one. Where torch._dynamo is already imported, the
+    body runs as it is."""
+    if "torch._dynamo" in sys.modules or "_dynamo" in vars(torch):
+        yield
+        return
+    touched = []
+
+    def disable(fn, recursive=True, wrapping=True):
+        touched.append(fn)
+        return fn
+
+    stand_in = types.ModuleType("torch._dynamo")
+    stand_in.disable = disable
+    sys.modules["torch._dynamo"] = stand_in
+    torch._dynamo = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        if vars(torch).get("_dynamo") is stand_in:
+            del torch._dynamo
+        for fn in touched:
+            vars(fn).pop("__dynamo_disable", None)
+
+
+def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
+    capacity: dict[int, int] = {}  # root value -> bytes of its storage at run time
+    env: dict[int, torch.Tensor] = {}
+    for v in graph.values:
+        if v.kind != ACTIVATION:  # the runtime binds these as contiguous tensors of their shape
+            env[v.id] = torch.empty(v.spec.shape, dtype=bridge.DTYPES[v.spec.dtype], device=_META)
+            capacity[v.id] = v.spec.numel * env[v.id].element_size()
+        elif v.alias_of is None:
+            capacity[v.id] = memory.size[v.id]
+    for v in graph.values:
+        root = graph.root(v.id)
+        if v.spec.storage_nbytes > capacity[root]:
+            raise ArtifactError(f"{name}: value {v.id} ('{v.name}') spans {v.spec.storage_nbytes} bytes of a "
+                                f"{capacity[root]}-byte buffer")
+    buffers: dict[int, torch.Tensor] = {}  # root activation -> meta storage of its planned size
+    for op in graph.ops:
+        args, kwargs = bridge.op_arguments(op, env, _META)
+        where = f"{name}: op {op.id} ({op.target})"
+        try:
+            results = bridge.flatten_result(_run(op.target, args, kwargs))
+        except Exception as e:
+            raise ArtifactError(f"{where} rejects its declared inputs: {first_line(e)}") from None
+        if len(results) != len(op.outputs) or not all(isinstance(t, torch.Tensor) for t in results):
+            raise ArtifactError(f"{where} returns {len(results)} results, the graph declares {len(op.outputs)}")
+        for vid, t in zip(op.outputs, results):
+            v = graph.values[vid]
+            got = TensorSpec(tuple(t.shape), bridge.dtype_name(t.dtype), tuple(t.stride()), t.storage_offset())
+            if (got.shape, got.dtype, got.offset) != (v.spec.shape, v.spec.dtype, v.spec.offset) \
+                    or _strides(got) != _strides(v.spec):
+                raise ArtifactError(f"{where} computes {got.dtype}{list(got.shape)} (strides {list(got.strides)}, "
+                                    f"offset {got.offset}) but value {vid} is declared "
+                                    f"{v.spec.dtype}{list(v.spec.shape)} (strides {list(_strides(v.spec))}, "
+                                    f"offset {v.spec.offset})")
+            if v.alias_of is None:
+                if any(t.untyped_storage()._cdata == env[r].untyped_storage()._cdata for r in op.refs()):
+                    raise ArtifactError(f"{where}: value {vid} is a view of an input but is declared as a buffer "
+                                        "of its own")
+                storage = torch.empty(capacity[vid], dtype=torch.uint8, device=_META)
+                buffers[vid] = storage
+                env[vid] = storage.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()) \
+                    if capacity[vid] % t.element_size() == 0 else t
+            else:
+                base = buffers.get(v.alias_of, env.get(v.alias_of))
+                if base is None or t.untyped_storage()._cdata != base.untyped_storage()._cdata:
+                    raise ArtifactError(f"{where}: value {vid} is declared a view of value {v.alias_of}, "
+                                        "but the op does not return one")
+                env[vid] = t
+
+
+def _strides(spec: TensorSpec) -> tuple[int | None, ...]:
+    """Strides where they matter: a dimension of size 0 or 1 never steps."""
+    return tuple(s if n > 1 else None for n, s in zip(spec.shape, spec.strides or contiguous_strides(spec.shape)))
+
+
+def _run(target: str, args: list, kwargs: dict):
+    inferred = shapes.infer(target, args, kwargs)
+    return inferred if inferred is not None else bridge.resolve(target)(*args, **kwargs)

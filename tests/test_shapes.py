@@ -1,0 +1,132 @@
+"""Every shape rule agrees with the op's own meta kernel: same shape, dtype and strides where it
+answers, and a refusal wherever the meta kernel refuses."""
+
+import random
+
+import pytest
+import torch
+
+from nimble.ops import bridge, shapes
+
+META = torch.device("meta")
+
+
+def t(shape, dtype=torch.float32, transpose=False):
+    x = torch.empty(shape, dtype=dtype, device=META)
+    return x.transpose(-1, -2) if transpose and x.dim() >= 2 else x
+
+
+def shape(rng, dims, lo=1, hi=9):
+    return [rng.randint(lo, hi) for _ in range(dims)]
+
+
+def cases(target, rng):
+    """(args, kwargs) for `target`, many of them invalid on purpose."""
+    name = target.split("::")[1].split(".")[0]
+    dtype = rng.choice([torch.float32, torch.float32, torch.float16, torch.int64])
+    if target in ("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
+                  "aten::maximum.default", "aten::minimum.default"):
+        a = shape(rng, rng.randint(1, 4), 1, 4)
+        b = [n if rng.random() < 0.6 else rng.choice([1, 2]) for n in a[rng.randint(0, len(a) - 1):]]
+        other = t(b, rng.choice([dtype, torch.float32])) if rng.random() < 0.8 else rng.choice([2, 0.5])
+        if "maximum" in target or "minimum" in target:
+            other = other if isinstance(other, torch.Tensor) else t(b, dtype)
+        return [t(a, dtype, rng.random() < 0.2), other], ({"alpha": 1} if name in ("add", "sub") else {})
+    if target in ("aten::linear.default",):
+        k = rng.randint(1, 6)
+        x = t(shape(rng, rng.randint(1, 3)) + [k if rng.random() < 0.9 else k + 1], dtype)
+        w = t([rng.randint(1, 6), k], dtype)
+        return [x, w, t([w.shape[0]], dtype) if rng.random() < 0.5 else None], {}
+    if target == "aten::addmm.default":
+        n, m, p = shape(rng, 3)
+        return [t(rng.choice([[p], [n, p], [1, p]]), dtype), t([n, m], dtype), t([m if rng.random() < 0.9 else m + 1, p], dtype)], {}
+    if target == "aten::matmul.default":
+        batch = shape(rng, rng.randint(0, 2), 1, 3)
+        n, m, p = shape(rng, 3)
+        other_batch = [b if rng.random() < 0.7 else 1 for b in batch]
+        return [t(batch + [n, m], dtype, rng.random() < 0.3), t(other_batch + [m if rng.random() < 0.9 else m + 1, p], dtype, rng.random() < 0.3)], {}
+    if name in ("max_pool2d", "avg_pool2d"):
+        k = rng.randint(1, 4)
+        s = rng.choice([[], [rng.randint(1, 3)]])
+        p = rng.randint(0, 2)
+        x = t(shape(rng, rng.choice([3, 4]), 1, 12), dtype)
+        if name == "max_pool2d":
+            return [x, [k], s, [p], [rng.randint(1, 2)], rng.random() < 0.5], {}
+        return [x, [k], s, [p], rng.random() < 0.5, True, None], {}
+    if name == "adaptive_avg_pool2d":
+        return [t(shape(rng, rng.choice([3, 4]), 1, 12), dtype), shape(rng, 2, 1, 5)], {}
+    if target == "aten::mean.dim":
+        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        return [x, rng.sample(range(-x.dim(), x.dim()), rng.randint(1, x.dim())) if rng.random() < 0.9 else [0, 0],
+                rng.random() < 0.5], {}
+    if name == "cat":
+        dims = rng.randint(1, 4)
+        base = shape(rng, dims)
+        d = rng.randrange(dims)
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            s = list(base)
+            s[d] = rng.randint(1, 5)
+            if rng.random() < 0.1:
+                s[(d + 1) % dims] += 1
+            parts.append(t(s, dtype))
+        return [parts, d - dims if rng.random() < 0.5 else d], {}
+    if target == "aten::softmax.int":
+        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        return [x, rng.randrange(x.dim()), None], {}
+    if target == "aten::_softmax.default":
+        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        return [x, rng.randrange(x.dim()), False], {}
+    if name == "layer_norm":
+        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        norm = list(x.shape[-rng.randint(1, x.dim()):])
+        w = t(norm if rng.random() < 0.9 else [n + 1 for n in norm], dtype)
+        return [x, norm, w, t(norm, dtype), 1e-5, False], {}
+    if name in ("convolution", "conv1d", "conv2d", "conv3d"):
+        dims = {"conv1d": 1, "conv2d": 2, "conv3d": 3}.get(name, rng.randint(1, 3))
+        groups = rng.choice([1, 1, 2])
+        cin, cout = groups * rng.randint(1, 3), groups * rng.randint(1, 3)
+        transposed = name == "convolution" and rng.random() < 0.3
+        k = shape(rng, dims, 1, 3)
+        w = t([cin, cout // groups, *k] if transposed else [cout, cin // groups if rng.random() < 0.95 else cin + 1, *k],
+              dtype)
+        x = t(([1] if rng.random() < 0.8 else []) + [cin] + shape(rng, dims, 1, 9), dtype)
+        bias = t([cout]) if rng.random() < 0.5 else None
+        stride, padding, dilation = [rng.randint(1, 2)], [rng.randint(0, 2)], [rng.randint(1, 2)]
+        if name == "convolution":
+            return [x, w, bias, stride, padding, dilation, transposed, [0], groups], {}
+        return [x, w, bias, stride, padding, dilation, groups], {}
+    # unary
+    x = t(shape(rng, rng.randint(0, 4)), dtype, rng.random() < 0.2)
+    extra = {"hardtanh": [-1.0, 1.0], "clamp": [0.0, 6.0], "clamp_min": [0.0], "clamp_max": [1.0],
+             "leaky_relu": [0.1], "elu": [1.0, 1.0, 1.0], "softplus": [1.0, 20.0], "gelu": []}.get(name, [])
+    return [x, *extra], ({"approximate": "none"} if name == "gelu" else {})
+
+
+def describe(x: torch.Tensor):
+    return tuple(x.shape), x.dtype, tuple(s if n > 1 else None for n, s in zip(x.shape, x.stride()))
+
+
+@pytest.mark.parametrize("target", sorted(shapes.RULES))
+def test_rule_agrees_with_the_meta_kernel(target):
+    rng = random.Random(target)
+    fn = bridge.resolve(target)
+    answered = 0
+    for _ in range(150):
+        args, kwargs = cases(target, rng)
+        try:
+            ours = shapes.infer(target, args, kwargs)
+        except (ValueError, RuntimeError):
+            ours = "refused"
+        if ours is None:
+            continue
+        try:
+            theirs = bridge.flatten_result(fn(*args, **kwargs))
+        except Exception:
+            theirs = "refused"
+        if ours == "refused" or theirs == "refused":
+            assert ours == theirs, (target, args, kwargs, ours, theirs)
+            continue
+        answered += 1
+        assert [describe(x) for x in ours] == [describe(x) for x in theirs], (target, args, kwargs)
+    assert answered >= 20, f"{target}: the rule answered only {answered} cases"
