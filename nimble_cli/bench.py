@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors, writable
+from .common import console, human_bytes, literal, print_json, user_errors, writable
 
 BENCH_SCHEMA_VERSION = 1
 VARIANTS = {
@@ -127,7 +127,7 @@ def bench_command(
 
 
 def _print(r: dict, pcts) -> None:
-    console.print(f"[bold]{Path(r['artifact']).name}[/] on {r['gpu'] or r['device']} (torch {r['torch']}): "
+    console.print(f"[bold]{literal(Path(r['artifact']).name)}[/] on {r['gpu'] or r['device']} (torch {r['torch']}): "
                   f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
     names = list(r["results"])
     table = Table(show_edge=False, pad_edge=False, title="latency per inference, ms", title_justify="left")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import traceback
 
@@ -13,6 +14,16 @@ from rich.markup import escape
 
 # Human-readable output goes to stderr (rich honours NO_COLOR); stdout is for --json alone.
 console = Console(stderr=True, highlight=False)
+
+# C0 and C1 controls, DEL, and the Unicode format characters that reorder or hide text
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def literal(text) -> str:
+    """Text from a file or a model, for rich to print as it is: control characters appear
+    escaped (so no terminal escape sequence reaches the terminal) and markup is not interpreted."""
+    return escape(_UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
+                                   else f"\\u{ord(m.group()):04x}", str(text)))
 
 
 @contextlib.contextmanager
@@ -26,13 +37,13 @@ def user_errors(debug: bool):
     except NimbleError as e:
         if debug:
             traceback.print_exc()
-        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {literal(e)}", soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     except OSError as e:  # the file system said no: permissions, a full disk, a path that vanished
         if debug:
             traceback.print_exc()
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}{escape(where)}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {literal(e.strerror or str(e))}{literal(where)}", soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("interrupted")
@@ -42,7 +53,7 @@ def user_errors(debug: bool):
     except Exception as e:  # a bug in nimble: still one line, unless --debug
         if debug:
             traceback.print_exc()
-        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(first_line(e))} "
+        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {literal(first_line(e))} "
                       "(rerun with --debug for the traceback, and please report it)", soft_wrap=True)
         raise typer.Exit(1) from None
 

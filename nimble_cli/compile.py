@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors, writable
+from .common import console, human_bytes, literal, print_json, user_errors, writable
 
 
 def compile_command(
@@ -60,7 +60,7 @@ def compile_command(
             print_json(plan_document(compiled.graph, model=model.name, schedule=compiled.schedule,
                                      memory=compiled.memory))
         _summary(compiled)
-        console.print(f"  wrote {target} ({human_bytes(size)})")
+        console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
         if dot is not None:
             console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
 
@@ -91,10 +91,10 @@ def _summary(c) -> None:
     weights = [v for v in vals if v.kind == "weight"]
     acts = [v for v in vals if v.kind == "activation"]
     own = [v for v in acts if v.alias_of is None]
-    console.print(f"[bold]{c.name}[/]: {len(g.ops)} ops, {len(g.inputs)} input(s), {len(g.outputs)} output(s)")
+    console.print(f"[bold]{literal(c.name)}[/]: {len(g.ops)} ops, {len(g.inputs)} input(s), {len(g.outputs)} output(s)")
     for label, ids in (("input", g.inputs), ("output", g.outputs)):
         for i in ids:
-            console.print(f"  {label} {vals[i].name}: {vals[i].spec.dtype}{list(vals[i].spec.shape)}")
+            console.print(f"  {label} {literal(vals[i].name)}: {vals[i].spec.dtype}{list(vals[i].spec.shape)}")
     console.print(f"  weights: {len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")
     console.print(f"  activations: {len(own)} buffers, {human_bytes(sum(v.spec.nbytes for v in own))} "
                   f"without reuse ({len(acts) - len(own)} views)")
@@ -114,7 +114,7 @@ def _summary(c) -> None:
     for col in ("value", "op", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for v in sorted(own, key=lambda v: (-v.spec.nbytes, v.id))[:5]:
-        table.add_row(v.name, g.ops[v.producer].target, "x".join(map(str, v.spec.shape)), v.spec.dtype,
+        table.add_row(literal(v.name), literal(g.ops[v.producer].target), "x".join(map(str, v.spec.shape)), v.spec.dtype,
                       human_bytes(v.spec.nbytes))
     console.print(table)
     if c.check is not None:

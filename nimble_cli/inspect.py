@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, print_json, user_errors, writable
+from .common import console, human_bytes, literal, print_json, user_errors, writable
 
 
 def inspect_command(
@@ -42,23 +42,23 @@ def inspect_command(
 
 def _summary(art, path: Path, show_ops: bool) -> None:
     g, s, m, man = art.graph, art.schedule, art.memory, art.manifest
-    table = Table(title=f"{path.name}", title_justify="left", show_header=False, show_edge=False)
+    table = Table(title=literal(path.name), title_justify="left", show_header=False, show_edge=False)
     table.add_column(style="bold")
     table.add_column()
     for label, ids in (("input", g.inputs), ("output", g.outputs)):
         for i in ids:
-            table.add_row(label, f"{g.values[i].name}: {g.values[i].spec.dtype}{list(g.values[i].spec.shape)}")
+            table.add_row(label, f"{literal(g.values[i].name)}: {g.values[i].spec.dtype}{list(g.values[i].spec.shape)}")
     weights = [g.values[w] for w in g.weights]
-    table.add_row("model", f"{man['model']} (sha256 {man['source_sha256'][:12]})")
+    table.add_row("model", f"{literal(man['model'])} (sha256 {literal(man['source_sha256'][:12])})")
     table.add_row("ops", str(len(g.ops)))
-    table.add_row("streams", f"{s.num_streams} ({s.requested}), {s.num_waits} syncs, critical path {s.critical_path}")
+    table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}")
     table.add_row("arena", f"{human_bytes(m.arena_bytes)} (lower bound {human_bytes(m.lower_bound_bytes)}, "
                            f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "
                            f"{human_bytes(m.no_reuse_bytes)})")
     table.add_row("weights", f"{len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")
-    table.add_row("versions", f"format {man['format_version']}, nimble {man['nimble_version']}, "
-                              f"torch {man['torch_version']}")
-    table.add_row("options", ", ".join(f"{k} {v}" for k, v in man["options"].items()))
+    table.add_row("versions", f"format {man['format_version']}, nimble {literal(man['nimble_version'])}, "
+                              f"torch {literal(man['torch_version'])}")
+    table.add_row("options", ", ".join(f"{literal(k)} {literal(v)}" for k, v in man["options"].items()))
     console.print(table)
     if not show_ops:
         return
@@ -69,7 +69,7 @@ def _summary(art, path: Path, show_ops: bool) -> None:
                        else "left")
     for op in g.ops:
         outs = [g.values[o] for o in op.outputs]
-        ops.add_row(str(op.id), op.target.split("::")[1].split(".")[0], str(s.stream[op.id]),
+        ops.add_row(str(op.id), literal(op.target.split("::")[1].split(".")[0]), str(s.stream[op.id]),
                     str(s.position[op.id]), ",".join(map(str, s.waits[op.id])),
                     " ".join("x".join(map(str, v.spec.shape)) + (f"=v{v.alias_of}" if v.alias_of is not None else "")
                              for v in outs),

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import console, print_json, user_errors, writable
+from .common import console, literal, print_json, user_errors, writable
 
 RUN_SCHEMA_VERSION = 1
 
@@ -78,13 +78,13 @@ def run_command(
             write_atomic(output, save({g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)}))
         if json_out:
             print_json(report)
-        console.print(f"{artifact.name} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
+        console.print(f"{literal(artifact.name)} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
                       f"first inference after {first:.2f} s")
         for o in report["outputs"]:
-            console.print(f"  {o['name']}: {o['dtype']}{o['shape']} min {o['min']:.4g} max {o['max']:.4g} "
+            console.print(f"  {literal(o['name'])}: {o['dtype']}{o['shape']} min {o['min']:.4g} max {o['max']:.4g} "
                           f"mean {o['mean']:.4g}")
         if output is not None:
-            console.print(f"  wrote {output}")
+            console.print(f"  wrote {literal(output)}")
         if result is not None:
             console.print(f"  check: {result.describe()}")
             if not result.passed:
