@@ -20,6 +20,7 @@ from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 
 from .conftest import SAMPLES
+from .forge import edit_json, members_of, rebuild
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -34,43 +35,10 @@ def blob(compiled):
     return encode(compiled.artifact())
 
 
-def members_of(data: bytes) -> dict[str, bytes]:
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        return {i.filename: z.read(i.filename) for i in z.infolist()}
-
-
-def rebuild(data: bytes, changes: dict, manifest_edit=None, fix_hashes: bool = True) -> bytes:
-    """A copy of the artifact with members replaced (None drops one), hashes fixed up unless told."""
-    members = members_of(data)
-    manifest = json.loads(members.pop("manifest.json"))
-    for name, new in changes.items():
-        if new is None:
-            members.pop(name)
-        else:
-            members[name] = new
-    if fix_hashes:
-        for name, content in members.items():
-            manifest["members"][name] = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
-    if manifest_edit:
-        manifest_edit(manifest)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        z.writestr("manifest.json", json.dumps(manifest))
-        for name, content in members.items():
-            z.writestr(name, content)
-    return out.getvalue()
-
-
 def read_bytes(tmp_path, data: bytes):
     path = tmp_path / "a.nimble"
     path.write_bytes(data)
     return read_artifact(path)
-
-
-def edit_json(data: bytes, member: str, edit) -> bytes:
-    doc = json.loads(members_of(data)[member])
-    edit(doc)
-    return rebuild(data, {member: json.dumps(doc).encode()})
 
 
 def test_round_trip(compiled, tmp_path):
@@ -251,19 +219,37 @@ def mutate(doc, rng: random.Random):
 
 
 @FUZZ
-@given(member=st.sampled_from(["graph.json", "schedule.json", "memory.json", "manifest.json"]),
+@given(member=st.sampled_from(["graph.json", "schedule.json", "memory.json", "manifest.json", "weights.safetensors"]),
        seed=st.integers(0, 2**32))
-def test_hostile_json_fields(blob, compiled, tmp_path, member, seed):
+def test_hostile_members_end_in_one_clear_error(blob, compiled, tmp_path, member, seed):
+    """Mutate one member, re-seal it, then read, preflight and run on the CPU: every outcome is a
+    result or a NimbleError; never another exception, a hang or runaway memory."""
+    import resource
+    import time
+
+    from nimble.errors import NimbleError
+    from nimble.runtime.executable import Executable
+
     rng = random.Random(seed)
     if member == "manifest.json":
         data = rebuild(blob, {}, manifest_edit=lambda m: mutate(m, rng))
-    else:
+    elif member.endswith(".json"):
         data = edit_json(blob, member, lambda d: mutate(d, rng))
+    else:
+        raw = bytearray(members_of(blob)[member])
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(min(len(raw), 400))  # mostly the header
+            raw[i] = rng.randrange(256)
+        data = rebuild(blob, {member: bytes(raw)})
+    start = time.monotonic()
     try:
         art = read_bytes(tmp_path, data)
-    except ArtifactError:
-        return
-    art.graph.lint()  # whatever passed is still a consistent artifact
+        art.graph.lint()  # whatever passed is still a consistent artifact
+        Executable(art, "cpu")(*art.sample_inputs)
+    except NimbleError:
+        pass
+    assert time.monotonic() - start < 60, "a forged artifact kept nimble busy for a minute"
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20, "peak RSS above 4 GiB"
 
 
 def test_cli_reports_artifact_errors_in_one_line(blob, tmp_path):

@@ -228,3 +228,11 @@ def test_the_loader_check_agrees_with_the_independent_checker(n, streams, seed, 
     except ValueError:
         accepted = False
     assert accepted == safe
+
+
+def test_a_graph_whose_only_results_are_views_needs_no_arena():
+    values = (Value(0, INPUT, TensorSpec((1, 4), "float32"), "x"),
+              Value(1, ACTIVATION, TensorSpec((4,), "float32"), "v", 0, 0))
+    graph = Graph(values, (Op(0, "aten::view.default", (Ref(0), (4,)), (), (1,)),), (0,), (1,))
+    memory = plan(graph, assign_streams(graph, 1))
+    assert memory.arena_bytes == 0 and memory.offset == (None, None)

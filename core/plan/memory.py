@@ -142,6 +142,8 @@ def _search(roots, size, conflicts, producer, span, bound) -> dict[int, int]:
     squeaky-wheel search over bottom-left placements: the buffers that end above the bound move
     up the order by a random amount, and the order is placed again. It starts once from each of
     four orders, and is seeded, so the same graph always gets the same plan."""
+    if not roots:
+        return {}
     keys = (lambda r: (-size[r], producer[r], r), lambda r: (-size[r] * span[r], producer[r], r),
             lambda r: (producer[r], -size[r], r), lambda r: (-span[r], -size[r], r))
     starts = [sorted(roots, key=k) for k in keys]
