@@ -8,6 +8,7 @@ tuples of these.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -34,7 +35,7 @@ class TensorSpec:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of storage the tensor spans (a strided view may span more than numel elements)."""
         if self.numel == 0:
@@ -43,7 +44,7 @@ class TensorSpec:
         span = 1 + sum((n - 1) * s for n, s in zip(self.shape, strides) if n > 0)
         return span * ITEMSIZE[self.dtype]
 
-    @property
+    @functools.cached_property
     def storage_nbytes(self) -> int:
         """Bytes of storage from its start to the tensor's last element."""
         return self.offset * ITEMSIZE[self.dtype] + self.nbytes

@@ -28,7 +28,7 @@ from nimble.fileio import atomic_file
 from nimble.ir import WEIGHT, Graph
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
-from nimble.plan.verify import check_memory, check_schedule
+from nimble.plan.verify import check_plan
 
 from . import codec, tensors
 from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_MANIFEST_BYTES, MAX_STRING, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
@@ -51,7 +51,7 @@ class Artifact:
 
 
 def _json(obj) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=False, allow_nan=False) + "\n").encode()
+    return (json.dumps(obj, separators=(",", ":"), sort_keys=False, allow_nan=False) + "\n").encode()
 
 
 def _io_specs(graph: Graph, ids) -> list[dict]:
@@ -161,7 +161,7 @@ def _read(path: Path) -> Artifact:
     memory = codec.decode_memory(_parse_json(data[MEMORY], MEMORY, name), len(graph.values))
     _check_ops(graph, name)
     try:
-        check_memory(graph, schedule, memory, check_schedule(graph, schedule))
+        check_plan(graph, schedule, memory)
     except ValueError as e:
         raise ArtifactError(f"{name}: unsafe plan: {e}") from None
     _check_io(manifest, graph, name)
@@ -194,10 +194,11 @@ def _check_json_size(z: zipfile.ZipFile, member: str, name: str) -> None:
 def _parse_json(data: bytes, member: str, name: str):
     """Strict JSON: duplicate keys, NaN and Infinity are refused, not silently resolved."""
     def unique(pairs):
-        keys = [k for k, _ in pairs]
-        if len(keys) != len(set(keys)):
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            keys = [k for k, _ in pairs]
             raise _Refused(f"a duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
-        return dict(pairs)
+        return obj
 
     def constant(text):
         raise _Refused(f"a bare {text}")

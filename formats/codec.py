@@ -63,24 +63,27 @@ def encode_memory(m: MemoryPlan) -> dict:
 
 # ---------------------------------------------------------------------------------- decoding
 def _get(obj: dict, key: str, kind, where: str):
-    if not isinstance(obj, dict) or key not in obj:
-        raise ArtifactError(f"{where}: missing field '{key}'")
-    value = obj[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ArtifactError(f"{where}.{key} must be an integer")
-    if kind is not int and not isinstance(value, kind):
-        raise ArtifactError(f"{where}.{key} has the wrong type ({type(value).__name__})")
+    try:
+        value = obj[key]
+    except (KeyError, TypeError):
+        raise ArtifactError(f"{where}: missing field '{key}'") from None
+    if type(value) is not kind:  # exact: a bool is not an int here
+        if kind is int or not isinstance(value, kind):
+            raise ArtifactError(f"{where}.{key} has the wrong type ({type(value).__name__})")
     if kind is str and len(value) > MAX_STRING:
         raise ArtifactError(f"{where}.{key} is longer than {MAX_STRING} characters")
     return value
 
 
 def _ints(values, where: str, lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
-    if not isinstance(values, list):
+    if type(values) is not list:
         raise ArtifactError(f"{where} must be a list")
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x >= hi):
-            raise ArtifactError(f"{where} holds {x!r}, outside [{lo}, {hi if hi is not None else 'inf'})")
+    if not values:
+        return ()
+    if not (all(type(x) is int for x in values) and min(values) >= lo
+                       and (hi is None or max(values) < hi)):
+        bad = next(x for x in values if type(x) is not int or x < lo or (hi is not None and x >= hi))
+        raise ArtifactError(f"{where} holds {bad!r}, outside [{lo}, {hi if hi is not None else 'inf'})")
     return tuple(values)
 
 
@@ -111,7 +114,7 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
     raise ArtifactError(f"{where}: malformed argument {a!r}")
 
 
-def decode_spec(obj: dict, where: str) -> TensorSpec:
+def decode_spec(obj: dict, where: str, cap: int | None = None) -> TensorSpec:
     if len(_get(obj, "shape", list, where)) > MAX_DIMS:
         raise ArtifactError(f"{where}.shape has more than {MAX_DIMS} dimensions")
     shape = _ints(_get(obj, "shape", list, where), f"{where}.shape")
@@ -122,7 +125,7 @@ def decode_spec(obj: dict, where: str) -> TensorSpec:
     if strides and len(strides) != len(shape):
         raise ArtifactError(f"{where}: {len(strides)} strides for {len(shape)} dimensions")
     spec = TensorSpec(shape, dtype, strides, _get(obj, "offset", int, where))
-    cap = limit("MAX_TENSOR_BYTES")
+    cap = limit("MAX_TENSOR_BYTES") if cap is None else cap
     if spec.offset < 0 or spec.storage_nbytes > cap:
         raise ArtifactError(f"{where} spans {spec.storage_nbytes} bytes, over the cap of {cap} "
                             "(raise it with NIMBLE_MAX_TENSOR_BYTES if the model really needs it)")
@@ -133,6 +136,7 @@ def decode_graph(doc: dict) -> Graph:
     raw_values = _get(doc, "values", list, "graph")
     raw_ops = _get(doc, "ops", list, "graph")
     nv, no = len(raw_values), len(raw_ops)
+    cap = limit("MAX_TENSOR_BYTES")
     values = []
     for i, v in enumerate(raw_values):
         where = f"graph.values[{i}]"
@@ -141,7 +145,7 @@ def decode_graph(doc: dict) -> Graph:
         kind = _get(v, "kind", str, where)
         if kind not in (INPUT, WEIGHT, ACTIVATION):
             raise ArtifactError(f"{where}.kind {kind!r} is not input, weight or activation")
-        values.append(Value(i, kind, decode_spec(v, where), _get(v, "name", str, where),
+        values.append(Value(i, kind, decode_spec(v, where, cap), _get(v, "name", str, where),
                             _optional_id(v.get("producer"), f"{where}.producer", no),
                             _optional_id(v.get("alias_of"), f"{where}.alias_of", nv)))
     ops = []

@@ -210,7 +210,7 @@ def test_the_loader_check_agrees_with_the_independent_checker(n, streams, seed, 
     brute-force pairwise check does, on plans as made and with offsets scrambled."""
     import dataclasses
 
-    from nimble.plan.verify import check_memory, check_schedule
+    from nimble.plan.verify import check_plan
 
     rng = random.Random(seed)
     graph = random_graph(rng, n)
@@ -223,7 +223,7 @@ def test_the_loader_check_agrees_with_the_independent_checker(n, streams, seed, 
                                      lower_bound_bytes=min(memory.lower_bound_bytes, arena))
     safe = unsafe_overlap(graph, schedule, memory) is None
     try:
-        check_memory(graph, schedule, memory, check_schedule(graph, schedule))
+        check_plan(graph, schedule, memory)
         accepted = True
     except ValueError:
         accepted = False

@@ -1,7 +1,7 @@
 """Structural checks of a schedule and a memory plan against their graph, for plans read from
-disk: a plan that passes cannot race. Each check raises ValueError naming the first breach.
+disk: a plan that passes cannot race. `check_plan` raises ValueError naming the first breach.
 
-Both run in O(n log n) time and O(n + streams^2) memory, so a stranger's file cannot turn
+It runs in O(n log n) time and O(n + streams^2) memory, so a stranger's file cannot turn
 validation into a denial of service:
 
 - happens-before comes from vector clocks (one entry per stream) computed in issue order, and
@@ -46,21 +46,29 @@ class Clocks:
 
     def walk(self):
         """For each op v in issue order, yield (v, before(v)). Only the clocks later ops still
-        read are kept: each stream's last op, and waited-on ops until their last waiter."""
+        read are kept: each stream's last op, and waited-on ops until their last waiter. Clocks
+        are lists for a few streams and numpy arrays for many."""
         s = self.schedule
+        wide = self.streams > 32
         pending = defaultdict(int)
         for ws in s.waits:
             for u in ws:
                 pending[u] += 1
-        after: dict[int, np.ndarray] = {}  # clocks kept: last op per stream, and waited-on ops
+        after: dict = {}  # clocks kept: last op per stream, and waited-on ops
         last_on: dict[int, int] = {}
+        empty = np.full(self.streams, -1, dtype=np.int64) if wide else [-1] * self.streams
         for v in s.order:
-            clock = np.full(self.streams, -1, dtype=np.int64)
             stream = s.stream[v]
-            if stream in last_on:
-                np.maximum(clock, after[last_on[stream]], out=clock)
+            sources = ([after[last_on[stream]]] if stream in last_on else []) + [after[u] for u in s.waits[v]]
+            if not sources:
+                clock = empty.copy()
+            elif len(sources) == 1:
+                clock = sources[0].copy()
+            elif wide:
+                clock = np.maximum.reduce(sources)
+            else:
+                clock = list(map(max, *sources))
             for u in s.waits[v]:
-                np.maximum(clock, after[u], out=clock)
                 pending[u] -= 1
             yield v, clock
             done = clock.copy()
@@ -74,30 +82,17 @@ class Clocks:
                 if pending[u] == 0 and last_on.get(s.stream[u]) != u:
                     after.pop(u, None)
 
-    def complete(self, clock: np.ndarray, u: int) -> bool:
-        """True when op u is guaranteed complete under `clock`."""
-        return clock[self.schedule.stream[u]] >= self.seq[u]
 
-
-def check_schedule(graph: Graph, schedule: Schedule) -> Clocks:
-    """Every dependency is issued first and enforced by stream order or waits. Returns the
-    clocks, which check_memory reuses."""
+def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
+    """The schedule enforces every dependency, and the memory plan is safe under it: every
+    activation buffer is placed and exactly as large as its tensor needs (aligned); nothing else
+    has a buffer; overlapping buffers are ordered (every use of one happens-before the other's
+    producer); graph outputs overlap nothing. One pass over the issue order checks both."""
     for v in range(len(graph.ops)):
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:
                 raise ValueError(f"op {v} waits on op {u}, which is issued after it")
     clocks = Clocks(schedule)
-    for v, clock in clocks.walk():
-        for u in graph.deps(graph.ops[v]):
-            if not clocks.complete(clock, u):
-                raise ValueError(f"op {v} may start before op {u}, which it depends on")
-    return clocks
-
-
-def check_memory(graph: Graph, schedule: Schedule, memory: MemoryPlan, clocks: Clocks) -> None:
-    """Every activation buffer is placed and exactly as large as its tensor needs (aligned);
-    nothing else has a buffer; overlapping buffers are ordered (every use of one happens-before
-    the other's producer); graph outputs overlap nothing."""
     roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
     is_root = set(roots)
     for v in graph.values:
@@ -110,25 +105,23 @@ def check_memory(graph: Graph, schedule: Schedule, memory: MemoryPlan, clocks: C
     outputs = {graph.root(o) for o in graph.outputs}
     position = {r: schedule.position[graph.values[r].producer] for r in roots}
     pairs = _neighbours(roots, memory, position, outputs)
-    uses: dict[int, list[int]] = {r: [graph.values[r].producer] for r in roots}
+    last_use: dict[int, dict[int, int]] = {r: {} for r in roots}  # buffer -> stream -> highest sequence used
     for op in graph.ops:
-        for ref in op.refs():
-            root = graph.root(ref)
-            if root in uses:
-                uses[root].append(op.id)
-    last_use: dict[int, dict[int, int]] = {}  # buffer -> stream -> highest sequence number used
-    for r in roots:
-        per_stream: dict[int, int] = {}
-        for u in uses[r]:
-            s = schedule.stream[u]
-            per_stream[s] = max(per_stream.get(s, -1), clocks.seq[u])
-        last_use[r] = per_stream
+        s, q = schedule.stream[op.id], clocks.seq[op.id]
+        for ref in (*op.refs(), *op.outputs):
+            per_stream = last_use.get(graph.root(ref))
+            if per_stream is not None and per_stream.get(s, -1) < q:
+                per_stream[s] = q
     by_later = defaultdict(list)  # producer of the later buffer -> the earlier buffers to check
     for a, b in pairs:
-        by_later[graph.values[b].producer].append((a, b))
+        by_later[graph.values[b].producer].append(a)
     for v, clock in clocks.walk():
-        for a, b in by_later.get(v, ()):
+        for u in graph.deps(graph.ops[v]):
+            if clock[schedule.stream[u]] < clocks.seq[u]:
+                raise ValueError(f"op {v} may start before op {u}, which it depends on")
+        for a in by_later.get(v, ()):
             if any(clock[s] < q for s, q in last_use[a].items()):
+                b = next(b for x, b in pairs if x == a and graph.values[b].producer == v)
                 raise ValueError(f"buffers of values {a} and {b} overlap but may be live at once")
 
 
