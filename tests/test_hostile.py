@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -155,15 +156,15 @@ def test_too_many_dimensions(tmp_path):
 # ------------------------------------------------------------------ 5. parsing
 def test_duplicate_keys_cannot_hide_a_target(tmp_path):
     data = edit_text(relu_model(), "graph.json",
-                     lambda t: t.replace('"target": "aten::relu.default"',
-                                         '"target": "aten::save", "target": "aten::relu.default"', 1))
+                     lambda t: re.sub(r'"target":\s*"aten::relu.default"',
+                                      '"target": "aten::save", "target": "aten::relu.default"', t, count=1))
     refused_on_read(tmp_path, data, "duplicate key 'target'")
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_bare_non_finite_numbers_are_refused(tmp_path, constant):
-    data = edit_text(relu_model(), "memory.json", lambda t: t.replace('"lower_bound_bytes": ', f'"x": {constant}, '
-                                                                     '"lower_bound_bytes": ', 1))
+    data = edit_text(relu_model(), "memory.json",
+                     lambda t: re.sub(r'"lower_bound_bytes":', f'"x": {constant}, "lower_bound_bytes":', t, count=1))
     refused_on_read(tmp_path, data, f"bare {constant}")
 
 
