@@ -9,6 +9,16 @@ Layout (every member stored, uncompressed, with fixed timestamps, in this order)
     weights.safetensors         weights, by value name
     sample/inputs.safetensors   a reference input ...
     sample/outputs.safetensors  ... and the source model's outputs for it
+
+Threat model: an artifact may come from anyone. It can make nimble compute its declared graph, on
+its declared shapes, inside its declared arena and weights, and nothing else. `read_artifact`
+checks, in order, before allocating any tensor: the zip and its members; sizes, hashes and strict
+JSON (no duplicate keys, NaN or Infinity) under the caps in `spec.py`; every field's type and range
+(`codec`), the graph's invariants (`Graph.lint`, which raises rather than asserts); exact
+allowlisted overloads, never `out=` ones (`nimble.ops.bridge.device_ops`); the schedule and the
+memory plan (`nimble.plan.verify`, O(n log n)); the safetensors headers. Before any data moves,
+loading for execution also runs the op list on the meta device against every declared spec and
+buffer (`nimble.runtime.preflight`). Every refusal is one ArtifactError line.
 """
 
 from __future__ import annotations

@@ -31,10 +31,15 @@ def cases(target, rng):
         other = t(b, rng.choice([dtype, torch.float32])) if rng.random() < 0.8 else rng.choice([2, 0.5])
         if "maximum" in target or "minimum" in target:
             other = other if isinstance(other, torch.Tensor) else t(b, dtype)
-        return [t(a, dtype, rng.random() < 0.2), other], ({"alpha": 1} if name in ("add", "sub") else {})
+        first = t(a, dtype, rng.random() < 0.2)
+        if isinstance(other, torch.Tensor) and rng.random() < 0.3:
+            first, other = other, first  # the smaller operand first
+        return [first, other], ({"alpha": 1} if name in ("add", "sub") else {})
     if target in ("aten::linear.default",):
         k = rng.randint(1, 6)
         x = t(shape(rng, rng.randint(1, 3)) + [k if rng.random() < 0.9 else k + 1], dtype)
+        if rng.random() < 0.3 and x.dim() >= 3:
+            x = t([x.shape[0], x.shape[2], x.shape[1], *x.shape[3:]], dtype).transpose(1, 2)  # a permuted view
         w = t([rng.randint(1, 6), k], dtype)
         return [x, w, t([w.shape[0]], dtype) if rng.random() < 0.5 else None], {}
     if target == "aten::addmm.default":
@@ -77,8 +82,12 @@ def cases(target, rng):
     if target == "aten::_softmax.default":
         x = t(shape(rng, rng.randint(1, 4)), dtype)
         return [x, rng.randrange(x.dim()), False], {}
+    if name == "batch_norm":
+        x = t(shape(rng, rng.randint(2, 4)), dtype)
+        c = x.shape[1] if rng.random() < 0.9 else x.shape[1] + 1
+        return [x, t([c], dtype), t([c], dtype), t([c], dtype), t([c], dtype), rng.random() < 0.2, 0.1, 1e-5, True], {}
     if name == "layer_norm":
-        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        x = t(shape(rng, rng.randint(1, 4)), dtype, rng.random() < 0.3)
         norm = list(x.shape[-rng.randint(1, x.dim()):])
         w = t(norm if rng.random() < 0.9 else [n + 1 for n in norm], dtype)
         return [x, norm, w, t(norm, dtype), 1e-5, False], {}

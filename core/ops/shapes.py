@@ -62,14 +62,11 @@ def _binary(x, y, *args, **kwargs):
         return None
     if not isinstance(y, torch.Tensor) and not isinstance(y, (int, float)):
         return None  # a complex or bool scalar can change the dtype
-    shape = _broadcast(*(tuple(t.shape) for t in tensors))
-    if tuple(x.shape) != tuple(shape):
-        return None  # broadcasting into the first operand's shape only: its layout decides
-    return _empty(shape, x.dtype)
+    return _empty(_broadcast(*(tuple(t.shape) for t in tensors)), x.dtype)
 
 
 def _linear(x, w, b=None):
-    if not _plain(x, w, *([b] if b is not None else [])) or x.dim() < 1 or w.dim() != 2:
+    if not _floats(x, w, *([b] if b is not None else [])) or x.dim() < 1 or w.dim() != 2:
         return None
     if x.shape[-1] != w.shape[1] or (b is not None and tuple(b.shape) not in ((w.shape[0],), ())):
         raise ValueError(f"linear of {list(x.shape)} with a weight of {list(w.shape)}")
@@ -171,11 +168,19 @@ def _internal_softmax(x, dim, half_to_float):
 
 def _layer_norm(x, shape, weight=None, bias=None, eps=1e-5, cudnn=True):
     shape = list(shape)
-    if not _plain(x) or not shape or list(x.shape[-len(shape):]) != shape:
+    if not _floats(x) or not shape or list(x.shape[-len(shape):]) != shape:
         return None
     for t in (weight, bias):
-        if t is not None and (not _plain(x, t) or list(t.shape) != shape):
+        if t is not None and (not _plain(t) or not _floats(x, t) or list(t.shape) != shape):
             return None
+    return _empty(x.shape, x.dtype)
+
+
+def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn=True):
+    """Inference-mode batch norm (frozen models keep it where no convolution precedes it)."""
+    params = [t for t in (weight, bias, mean, var) if t is not None]
+    if training or not _plain(x, *params) or x.dim() < 2 or any(tuple(t.shape) != (x.shape[1],) for t in params):
+        return None
     return _empty(x.shape, x.dtype)
 
 
@@ -248,6 +253,7 @@ RULES: dict[str, Callable] = {
     "aten::softmax.int": _softmax,
     "aten::_softmax.default": _internal_softmax,
     "aten::layer_norm.default": _layer_norm,
+    "aten::batch_norm.default": _batch_norm,
     "aten::convolution.default": _conv,
     "aten::conv1d.default": _conv_nd,
     "aten::conv2d.default": _conv_nd,
