@@ -62,6 +62,18 @@ def encode_memory(m: MemoryPlan) -> dict:
 
 
 # ---------------------------------------------------------------------------------- decoding
+class _At:
+    """'graph.values[12]', formatted only when an error names it."""
+
+    __slots__ = ("base", "index")
+
+    def __init__(self, base: str, index: int):
+        self.base, self.index = base, index
+
+    def __str__(self) -> str:
+        return f"{self.base}[{self.index}]"
+
+
 def _get(obj: dict, key: str, kind, where: str):
     try:
         value = obj[key]
@@ -75,15 +87,17 @@ def _get(obj: dict, key: str, kind, where: str):
     return value
 
 
-def _ints(values, where: str, lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
+def _ints(values, where, lo: int = 0, hi: int | None = None, key: str = "") -> tuple[int, ...]:
+    """A list of ints in [lo, hi). `where` and `key` name it in an error; they are formatted only
+    then, since a large graph has hundreds of thousands of these lists."""
     if type(values) is not list:
-        raise ArtifactError(f"{where} must be a list")
+        raise ArtifactError(f"{where}{key} must be a list")
     if not values:
         return ()
     if not (all(type(x) is int for x in values) and min(values) >= lo
                        and (hi is None or max(values) < hi)):
         bad = next(x for x in values if type(x) is not int or x < lo or (hi is not None and x >= hi))
-        raise ArtifactError(f"{where} holds {bad!r}, outside [{lo}, {hi if hi is not None else 'inf'})")
+        raise ArtifactError(f"{where}{key} holds {bad!r}, outside [{lo}, {hi if hi is not None else 'inf'})")
     return tuple(values)
 
 
@@ -99,7 +113,9 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
             raise ArtifactError(f"{where}: malformed argument {a!r}")
         (kind, value), = a.items()
         if kind == "ref":
-            return Ref(_ints([value], f"{where} ref", 0, n_values)[0])
+            if type(value) is not int or not 0 <= value < n_values:
+                raise ArtifactError(f"{where}: ref {value!r} is not a value id")
+            return Ref(value)
         if kind == "float" and value in ("inf", "-inf", "nan"):
             return float(value)
         if kind in _SPECIAL_KINDS and isinstance(value, str) and len(value) <= MAX_STRING:
@@ -117,11 +133,11 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
 def decode_spec(obj: dict, where: str, cap: int | None = None) -> TensorSpec:
     if len(_get(obj, "shape", list, where)) > MAX_DIMS:
         raise ArtifactError(f"{where}.shape has more than {MAX_DIMS} dimensions")
-    shape = _ints(_get(obj, "shape", list, where), f"{where}.shape")
+    shape = _ints(_get(obj, "shape", list, where), where, key=".shape")
     dtype = _get(obj, "dtype", str, where)
     if dtype not in ITEMSIZE:
         raise ArtifactError(f"{where}.dtype {dtype!r} is not a known dtype")
-    strides = _ints(_get(obj, "strides", list, where), f"{where}.strides")
+    strides = _ints(_get(obj, "strides", list, where), where, key=".strides")
     if strides and len(strides) != len(shape):
         raise ArtifactError(f"{where}: {len(strides)} strides for {len(shape)} dimensions")
     spec = TensorSpec(shape, dtype, strides, _get(obj, "offset", int, where))
@@ -139,7 +155,7 @@ def decode_graph(doc: dict) -> Graph:
     cap = limit("MAX_TENSOR_BYTES")
     values = []
     for i, v in enumerate(raw_values):
-        where = f"graph.values[{i}]"
+        where = _At("graph.values", i)
         if _get(v, "id", int, where) != i:
             raise ArtifactError(f"{where}.id is not {i}")
         kind = _get(v, "kind", str, where)
@@ -150,7 +166,7 @@ def decode_graph(doc: dict) -> Graph:
                             _optional_id(v.get("alias_of"), f"{where}.alias_of", nv)))
     ops = []
     for i, op in enumerate(raw_ops):
-        where = f"graph.ops[{i}]"
+        where = _At("graph.ops", i)
         if _get(op, "id", int, where) != i:
             raise ArtifactError(f"{where}.id is not {i}")
         kwargs = []
@@ -159,9 +175,9 @@ def decode_graph(doc: dict) -> Graph:
                 raise ArtifactError(f"{where}.kwargs holds a malformed entry")
             kwargs.append((pair[0], decode_arg(pair[1], nv, where)))
         ops.append(Op(i, _get(op, "target", str, where), decode_arg(_get(op, "args", list, where), nv, where),
-                      tuple(kwargs), _ints(_get(op, "outputs", list, where), f"{where}.outputs", 0, nv),
-                      _ints(_get(op, "mutates", list, where), f"{where}.mutates", 0, nv),
-                      _ints(_get(op, "after", list, where), f"{where}.after", 0, no),
+                      tuple(kwargs), _ints(_get(op, "outputs", list, where), where, 0, nv, key=".outputs"),
+                      _ints(_get(op, "mutates", list, where), where, 0, nv, key=".mutates"),
+                      _ints(_get(op, "after", list, where), where, 0, no, key=".after"),
                       _get(op, "source", str, where)))
     graph = Graph(tuple(values), tuple(ops), _ints(_get(doc, "inputs", list, "graph"), "graph.inputs", 0, nv),
                   _ints(_get(doc, "outputs", list, "graph"), "graph.outputs", 0, nv))
@@ -178,7 +194,7 @@ def decode_schedule(doc: dict, n_ops: int) -> Schedule:
     raw_waits = _get(doc, "waits", list, "schedule")
     if len(stream) != n_ops or len(raw_waits) != n_ops or sorted(order) != list(range(n_ops)):
         raise ArtifactError(f"schedule does not cover the graph's {n_ops} ops exactly once")
-    waits = tuple(_ints(w, f"schedule.waits[{i}]", 0, n_ops) for i, w in enumerate(raw_waits))
+    waits = tuple(_ints(w, "schedule.waits", 0, n_ops) for w in raw_waits)
     position = [0] * n_ops
     for i, v in enumerate(order):
         position[v] = i
