@@ -166,9 +166,14 @@ def _read(path: Path) -> Artifact:
             data[member] = bytearray(z.read(member))  # writable, so tensors can view it
             if hashlib.sha256(data[member]).hexdigest() != want["sha256"]:
                 raise ArtifactError(f"{name}: {member} does not match its sha256 in the manifest")
-    graph = codec.decode_graph(_parse_json(data[GRAPH], GRAPH, name))
-    schedule = codec.decode_schedule(_parse_json(data[SCHEDULE], SCHEDULE, name), len(graph.ops))
-    memory = codec.decode_memory(_parse_json(data[MEMORY], MEMORY, name), len(graph.values))
+    try:  # the decoders name the field; the message gets the file's name too
+        graph = codec.decode_graph(_parse_json(data[GRAPH], GRAPH, name))
+        schedule = codec.decode_schedule(_parse_json(data[SCHEDULE], SCHEDULE, name), len(graph.ops))
+        memory = codec.decode_memory(_parse_json(data[MEMORY], MEMORY, name), len(graph.values))
+    except ArtifactError as e:
+        if str(e).startswith(f"{name}:"):
+            raise
+        raise ArtifactError(f"{name}: {e}") from None
     _check_ops(graph, name)
     try:
         check_plan(graph, schedule, memory)

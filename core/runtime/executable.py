@@ -43,10 +43,11 @@ class Executable:
     of your own."""
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
-                 graph_dump: str | None = None):
+                 graph_dump: str | None = None, name: str | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
-        `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging)."""
+        `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
+        `name` names the artifact in errors (its file's name; by default its model's)."""
         t0 = time.perf_counter()
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
@@ -60,7 +61,7 @@ class Executable:
         self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
         t = time.perf_counter()
-        preflight(self.graph, self.memory, artifact.model)  # before any op touches real memory
+        preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
         self.stats.seconds["preflight"] = time.perf_counter() - t
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0
@@ -179,7 +180,7 @@ def load(path: str | Path, device: str = "auto") -> Executable:
     t = time.perf_counter()
     art = read_artifact(path)
     read_s = time.perf_counter() - t
-    exe = Executable(art, device)
+    exe = Executable(art, device, name=Path(path).name)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     return exe
 
