@@ -105,7 +105,8 @@ def test_save_after_training_holds_the_trained_weights(tmp_path):
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         want = module.eval()(x)
-    torch.testing.assert_close(nimble.load(tmp_path / "trained.nimble")(x)[0], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(nimble.load(tmp_path / "trained.nimble", device="cpu")(x)[0], want, rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_a_scripted_module_is_accepted():
