@@ -23,6 +23,8 @@ buffer (`nimble.runtime.preflight`). Every refusal is one ArtifactError line.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -127,11 +129,25 @@ def read_artifact(path: str | Path) -> Artifact:
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")
     try:
-        return _read(path)
+        with paused_gc():
+            return _read(path)
     except NimbleError:
         raise
     except Exception as e:  # whatever a damaged zip or blob throws, it is the artifact's defect
         raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {first_line(e)}); recompile the model") from e
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector while a large graph is built: its objects hold no
+    cycles, and the collector's passes over them took a third of validating 30,000 ops."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _read(path: Path) -> Artifact:

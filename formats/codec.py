@@ -106,9 +106,12 @@ def _optional_id(value, where: str, hi: int) -> int | None:
 
 
 def decode_arg(a: Any, n_values: int, where: str) -> Any:
-    if isinstance(a, list):
-        return tuple(decode_arg(x, n_values, where) for x in a)
-    if isinstance(a, dict):
+    kind = type(a)
+    if kind is int or kind is bool or a is None:
+        return a
+    if kind is list:
+        return tuple([decode_arg(x, n_values, where) for x in a])
+    if kind is dict:
         if len(a) != 1:
             raise ArtifactError(f"{where}: malformed argument {a!r}")
         (kind, value), = a.items()
@@ -131,9 +134,10 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
 
 
 def decode_spec(obj: dict, where: str, cap: int | None = None) -> TensorSpec:
-    if len(_get(obj, "shape", list, where)) > MAX_DIMS:
+    shape = _get(obj, "shape", list, where)
+    if len(shape) > MAX_DIMS:
         raise ArtifactError(f"{where}.shape has more than {MAX_DIMS} dimensions")
-    shape = _ints(_get(obj, "shape", list, where), where, key=".shape")
+    shape = _ints(shape, where, key=".shape")
     dtype = _get(obj, "dtype", str, where)
     if dtype not in ITEMSIZE:
         raise ArtifactError(f"{where}.dtype {dtype!r} is not a known dtype")

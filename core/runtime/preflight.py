@@ -37,7 +37,9 @@ _META = torch.device("meta")
 
 def preflight(graph: Graph, memory: MemoryPlan, name: str = "artifact") -> None:
     """Raise ArtifactError on the first value that breaks its plan; see the module docstring."""
-    with _without_dynamo_import():
+    from nimble.formats.artifact import paused_gc
+
+    with _without_dynamo_import(), paused_gc():
         _check(graph, memory, name)
 
 
