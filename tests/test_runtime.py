@@ -190,3 +190,23 @@ def test_file_system_errors_are_one_line(artifacts, tmp_path, monkeypatch):
     result = runner.invoke(app, ["run", str(artifacts["two_io"][0]), "--device", "cpu", "-o", str(tmp_path / "o.st")])
     assert result.exit_code == 1 and "Traceback" not in result.stderr and "internal error" not in result.stderr
     assert "Permission denied" in result.stderr and "o.st" in result.stderr
+
+
+def test_the_preflight_leaves_no_dynamo_stand_in_behind():
+    """Python meta kernels marked `_disable_dynamo` find a stand-in torch._dynamo during the
+    preflight; afterwards it is gone, and torch.compile in the same process works."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from nimble.runtime.preflight import _without_dynamo_import\n"
+            "x = torch.empty(4, 8, device='meta')\n"
+            "with _without_dynamo_import():\n"
+            "    torch.ops.aten.native_layer_norm.default(x, [8], None, None, 1e-5)\n"
+            "    used = 'torch._dynamo' in sys.modules\n"
+            "print('used', used, 'gone', 'torch._dynamo' not in sys.modules and '_dynamo' not in vars(torch))\n"
+            "f = torch.compile(lambda t: t * 2 + 1, backend='eager')\n"
+            "print('compiled', f(torch.ones(3)).tolist(), 'real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "used True gone True" in out.stdout, out.stdout + out.stderr
+    assert "compiled [3.0, 3.0, 3.0] real True" in out.stdout, out.stdout + out.stderr
