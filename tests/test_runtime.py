@@ -210,3 +210,11 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "used True gone True" in out.stdout, out.stdout + out.stderr
     assert "compiled [3.0, 3.0, 3.0] real True" in out.stdout, out.stdout + out.stderr
+    other = ("import sys, torch\n"
+             "from nimble.runtime.preflight import _without_dynamo_import\n"
+             "with _without_dynamo_import():\n"
+             "    import torch._dynamo\n"
+             "    config = torch._dynamo.config  # an attribute the stand-in lacks: the real module\n"
+             "print('real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
+    out = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=300)
+    assert "real True" in out.stdout, out.stdout + out.stderr

@@ -22,6 +22,7 @@ their first call, only to mark themselves as not to be traced (seconds on a GPU 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import types
 
@@ -56,12 +57,22 @@ def _without_dynamo_import():
         return
     touched = []
 
-    def disable(fn, recursive=True, wrapping=True):
+    def disable(fn=None, *args, **kwargs):
+        if fn is None:  # used as @disable(...)
+            return disable
         touched.append(fn)
         return fn
 
+    def anything_else(name: str):
+        """Any other attribute: give way to the real torch._dynamo, imported now."""
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        vars(torch).pop("_dynamo", None)
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
     stand_in = types.ModuleType("torch._dynamo")
     stand_in.disable = disable
+    stand_in.__getattr__ = anything_else
     sys.modules["torch._dynamo"] = stand_in
     torch._dynamo = stand_in
     try:
