@@ -115,9 +115,12 @@ def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
     by_later = defaultdict(list)  # producer of the later buffer -> the earlier buffers to check
     for a, b in pairs:
         by_later[graph.values[b].producer].append(a)
+    producer = [v.producer for v in graph.values]
+    stream_of, seq = schedule.stream, clocks.seq
     for v, clock in clocks.walk():
-        for u in graph.deps(graph.ops[v]):
-            if clock[schedule.stream[u]] < clocks.seq[u]:
+        op = graph.ops[v]
+        for u in (*(producer[r] for r in op.refs()), *op.after):  # graph.deps, without building a set
+            if u is not None and clock[stream_of[u]] < seq[u]:
                 raise ValueError(f"op {v} may start before op {u}, which it depends on")
         for a in by_later.get(v, ()):
             if any(clock[s] < q for s, q in last_use[a].items()):
