@@ -199,9 +199,9 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
     import sys
 
     code = ("import sys, torch\n"
-            "from nimble.runtime.preflight import _without_dynamo_import\n"
+            "from nimble.ops.shapes import without_dynamo_import\n"
             "x = torch.empty(4, 8, device='meta')\n"
-            "with _without_dynamo_import():\n"
+            "with without_dynamo_import():\n"
             "    torch.ops.aten.native_layer_norm.default(x, [8], None, None, 1e-5)\n"
             "    used = 'torch._dynamo' in sys.modules\n"
             "print('used', used, 'gone', 'torch._dynamo' not in sys.modules and '_dynamo' not in vars(torch))\n"
@@ -211,8 +211,8 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
     assert "used True gone True" in out.stdout, out.stdout + out.stderr
     assert "compiled [3.0, 3.0, 3.0] real True" in out.stdout, out.stdout + out.stderr
     other = ("import sys, torch\n"
-             "from nimble.runtime.preflight import _without_dynamo_import\n"
-             "with _without_dynamo_import():\n"
+             "from nimble.ops.shapes import without_dynamo_import\n"
+             "with without_dynamo_import():\n"
              "    import torch._dynamo\n"
              "    config = torch._dynamo.config  # an attribute the stand-in lacks: the real module\n"
              "print('real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")

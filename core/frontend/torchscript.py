@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ModelError, UnsupportedError, first_line
 from ..ir import Graph, TensorSpec
+from ..ops import shapes
 from .finalize import finalize
 from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
@@ -90,6 +91,7 @@ def _walk(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, t
     if training:
         walker.bind_module(graph, module)
     walker.bind_inputs(graph, inputs)
-    walker.block(graph.block())
+    with shapes.without_dynamo_import():  # meta kernels without a shape rule, on their first call
+        walker.block(graph.block())
     outputs = walker.graph_outputs(graph)
     return finalize(walker.values, walker.ops, walker.inputs, outputs, walker.weights)

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
-from ..ops import bridge
+from ..ops import bridge, shapes
 from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
 from .hostops import host_op
 
@@ -304,7 +304,7 @@ class Walker:
         fn = bridge.resolve(target, self.training)
         refs = _refs_of(args + [v for _, v in kwargs])
         try:
-            results, used = self._call(fn, args, kwargs, refs, _META)
+            results, used = self._call(fn, args, kwargs, refs, _META, target)
         except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
             results, used = self._call(fn, args, kwargs, refs, torch.device("cpu"))
         except Exception as e:
@@ -339,8 +339,9 @@ class Walker:
         else:
             self._bind_host(outs, out_refs if len(outs) > 1 else out_refs[0])
 
-    def _call(self, fn, args, kwargs, refs, device):
-        """Run `fn` on stand-ins for its tensors: meta tensors, or on the CPU, weights and zeros.
+    def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
+        """Run `fn` on stand-ins for its tensors: meta tensors (through the op's shape rule where
+        it has one, which is much faster than its meta kernel), or on the CPU, weights and zeros.
         Returns the flat results and the stand-in of each value read."""
         if device == _META:
             tensors = self.meta
@@ -348,7 +349,8 @@ class Walker:
             tensors = {r: self._cpu_example(r) for r in refs}
         call_args = [bridge.to_torch(a, tensors, device) for a in args]
         call_kwargs = {k: bridge.to_torch(v, tensors, device) for k, v in kwargs}
-        results = bridge.flatten_result(fn(*call_args, **call_kwargs))
+        inferred = shapes.infer(target, call_args, call_kwargs) if device == _META and target else None
+        results = inferred if inferred is not None else bridge.flatten_result(fn(*call_args, **call_kwargs))
         return results, {r: tensors[r] for r in refs}
 
     def _cpu_example(self, vid: int) -> torch.Tensor:

@@ -5,17 +5,64 @@ second or more to import sympy and torch._dynamo the first time.
 `infer(target, args, kwargs)` returns the op's results as meta tensors, or None where no rule
 applies (an op without one, or inputs outside what a rule covers: non-contiguous or mixed-dtype
 tensors, integer inputs to ops that promote). The caller then runs the meta kernel. Each rule is
-checked against the meta kernel in tests/test_shapes.py.
+checked against the meta kernel in tests/test_shapes.py. `without_dynamo_import` makes the
+meta kernels that remain cheaper on their first call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
+import sys
+import types
 from typing import Callable
 
 import torch
 
 _META = torch.device("meta")
+
+
+@contextlib.contextmanager
+def without_dynamo_import():
+    """While the body runs, torch-internal functions marked `_disable_dynamo` (many Python meta
+    kernels) find a stand-in `torch._dynamo` whose `disable` returns the function itself, instead
+    of importing the real one. Outside compilation that is all `disable` means. Afterwards the
+    stand-in is gone and the functions it touched forget it, so a later torch.compile in the
+    same process imports and applies the real one. Where torch._dynamo is already imported, the
+    body runs as it is."""
+    if "torch._dynamo" in sys.modules or "_dynamo" in vars(torch):
+        yield
+        return
+    touched = []
+
+    def disable(fn=None, *args, **kwargs):
+        if fn is None:  # used as @disable(...)
+            return disable
+        touched.append(fn)
+        return fn
+
+    def anything_else(name: str):
+        """Any other attribute: give way to the real torch._dynamo, imported now."""
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        vars(torch).pop("_dynamo", None)
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
+    stand_in = types.ModuleType("torch._dynamo")
+    stand_in.disable = disable
+    stand_in.__getattr__ = anything_else
+    sys.modules["torch._dynamo"] = stand_in
+    torch._dynamo = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        if vars(torch).get("_dynamo") is stand_in:
+            del torch._dynamo
+        for fn in touched:
+            vars(fn).pop("__dynamo_disable", None)
 
 
 def infer(target: str, args: list, kwargs: dict) -> list[torch.Tensor] | None:

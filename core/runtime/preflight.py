@@ -16,15 +16,10 @@ An op that the runtime would then run can only compute its declared result, insi
 buffers. Common ops are typed by their shape rules (`ops/shapes.py`), since most meta kernels are
 Python and slow. The others run their meta kernels; some of those would import torch._dynamo on
 their first call, only to mark themselves as not to be traced (seconds on a GPU machine):
-`_without_dynamo_import` spares that for the length of the check and leaves no trace afterwards.
+`shapes.without_dynamo_import` spares that for the length of the check and leaves no trace afterwards.
 """
 
 from __future__ import annotations
-
-import contextlib
-import importlib
-import sys
-import types
 
 import torch
 
@@ -40,50 +35,8 @@ def preflight(graph: Graph, memory: MemoryPlan, name: str = "artifact") -> None:
     """Raise ArtifactError on the first value that breaks its plan; see the module docstring."""
     from nimble.formats.artifact import paused_gc
 
-    with _without_dynamo_import(), paused_gc():
+    with shapes.without_dynamo_import(), paused_gc():
         _check(graph, memory, name)
-
-
-@contextlib.contextmanager
-def _without_dynamo_import():
-    """While the body runs, torch-internal functions marked `_disable_dynamo` (many Python meta
-    kernels) find a stand-in `torch._dynamo` whose `disable` returns the function itself, instead
-    of importing the real one. Outside compilation that is all `disable` means. Afterwards the
-    stand-in is gone and the functions it touched forget it, so a later torch.compile in the
-    same process imports and applies the real one. Where torch._dynamo is already imported, the
-    body runs as it is."""
-    if "torch._dynamo" in sys.modules or "_dynamo" in vars(torch):
-        yield
-        return
-    touched = []
-
-    def disable(fn=None, *args, **kwargs):
-        if fn is None:  # used as @disable(...)
-            return disable
-        touched.append(fn)
-        return fn
-
-    def anything_else(name: str):
-        """Any other attribute: give way to the real torch._dynamo, imported now."""
-        if sys.modules.get("torch._dynamo") is stand_in:
-            del sys.modules["torch._dynamo"]
-        vars(torch).pop("_dynamo", None)
-        return getattr(importlib.import_module("torch._dynamo"), name)
-
-    stand_in = types.ModuleType("torch._dynamo")
-    stand_in.disable = disable
-    stand_in.__getattr__ = anything_else
-    sys.modules["torch._dynamo"] = stand_in
-    torch._dynamo = stand_in
-    try:
-        yield
-    finally:
-        if sys.modules.get("torch._dynamo") is stand_in:
-            del sys.modules["torch._dynamo"]
-        if vars(torch).get("_dynamo") is stand_in:
-            del torch._dynamo
-        for fn in touched:
-            vars(fn).pop("__dynamo_disable", None)
 
 
 def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
