@@ -101,8 +101,8 @@ def _ints(values, where, lo: int = 0, hi: int | None = None, key: str = "") -> t
     return tuple(values)
 
 
-def _optional_id(value, where: str, hi: int) -> int | None:
-    return None if value is None else _ints([value], where, 0, hi)[0]
+def _optional_id(value, where, hi: int, key: str = "") -> int | None:
+    return None if value is None else _ints([value], where, 0, hi, key)[0]
 
 
 def decode_arg(a: Any, n_values: int, where: str) -> Any:
@@ -166,8 +166,8 @@ def decode_graph(doc: dict) -> Graph:
         if kind not in (INPUT, WEIGHT, ACTIVATION):
             raise ArtifactError(f"{where}.kind {kind!r} is not input, weight or activation")
         values.append(Value(i, kind, decode_spec(v, where, cap), _get(v, "name", str, where),
-                            _optional_id(v.get("producer"), f"{where}.producer", no),
-                            _optional_id(v.get("alias_of"), f"{where}.alias_of", nv)))
+                            _optional_id(v.get("producer"), where, no, ".producer"),
+                            _optional_id(v.get("alias_of"), where, nv, ".alias_of")))
     ops = []
     for i, op in enumerate(raw_ops):
         where = _At("graph.ops", i)

@@ -1,6 +1,5 @@
 """The .nimble artifact: round trips, reproducible bytes, and fuzzing that must end in ArtifactError."""
 
-import hashlib
 import io
 import json
 import random

@@ -198,23 +198,23 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
     import subprocess
     import sys
 
-    code = ("import sys, torch\n"
-            "from nimble.ops.shapes import without_dynamo_import\n"
-            "x = torch.empty(4, 8, device='meta')\n"
+    def python(body: str) -> str:
+        """Run `body` in a fresh interpreter (where torch._dynamo is not imported yet); its stdout."""
+        code = "import sys, torch\nfrom nimble.ops.shapes import without_dynamo_import\n" + body
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return out.stdout + out.stderr
+
+    out = python("x = torch.empty(4, 8, device='meta')\n"
             "with without_dynamo_import():\n"
             "    torch.ops.aten.native_layer_norm.default(x, [8], None, None, 1e-5)\n"
             "    used = 'torch._dynamo' in sys.modules\n"
             "print('used', used, 'gone', 'torch._dynamo' not in sys.modules and '_dynamo' not in vars(torch))\n"
             "f = torch.compile(lambda t: t * 2 + 1, backend='eager')\n"
             "print('compiled', f(torch.ones(3)).tolist(), 'real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "used True gone True" in out.stdout, out.stdout + out.stderr
-    assert "compiled [3.0, 3.0, 3.0] real True" in out.stdout, out.stdout + out.stderr
-    other = ("import sys, torch\n"
-             "from nimble.ops.shapes import without_dynamo_import\n"
-             "with without_dynamo_import():\n"
-             "    import torch._dynamo\n"
-             "    config = torch._dynamo.config  # an attribute the stand-in lacks: the real module\n"
-             "print('real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
-    out = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=300)
-    assert "real True" in out.stdout, out.stdout + out.stderr
+    assert "used True gone True" in out, out
+    assert "compiled [3.0, 3.0, 3.0] real True" in out, out
+    out = python("with without_dynamo_import():\n"
+                 "    import torch._dynamo\n"
+                 "    config = torch._dynamo.config  # an attribute the stand-in lacks: the real module\n"
+                 "print('real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
+    assert "real True" in out, out

@@ -1,13 +1,15 @@
 """Loading an artifact for execution: `nimble.load(path) -> Executable`.
 
-On CUDA, loading moves the weights to the device, allocates one arena of the planned size and one
-static buffer per input, creates the planned streams, runs the op list once eagerly on those
-streams (which validates every op and creates each stream's cuBLAS and cuDNN handles and
-workspaces; the streams fork from the current stream, as in capture, so they follow the weight
-and input copies), then captures it once into a CUDA graph in issue order: each op on its stream, an
-event wait for each planned wait, every side stream forked from the capturing stream and joined
-back to it. A call copies the inputs into their buffers and replays the graph. Loading reads the
-schedule and the memory plan from the artifact; it never computes them.
+Loading first runs the preflight (`preflight.py`): every op on the meta device, checked against its
+declared spec and buffer, before any data moves. On CUDA, it then moves the weights to the device,
+allocates one arena of the planned size and one static buffer per input, creates the planned
+streams, runs the op list once eagerly on those streams (which validates every op and creates each
+stream's cuBLAS and cuDNN handles and workspaces; the streams fork from the current stream, as in
+capture, so they follow the weight and input copies), then captures it once into a CUDA graph in
+issue order: each op on its stream, an event wait for each planned wait, every side stream forked
+from the capturing stream and joined back to it. A call copies the inputs into their buffers and
+replays the graph. Loading reads the schedule and the memory plan from the artifact; it never
+computes them.
 
 On the CPU, the same placed op list runs serially in issue order on each call.
 """
@@ -64,7 +66,7 @@ class Executable:
         preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
         self.stats.seconds["preflight"] = time.perf_counter() - t
         self._allocate()
-        self.stats.seconds["allocate"] = time.perf_counter() - t0
+        self.stats.seconds["allocate"] = time.perf_counter() - t0 - self.stats.seconds["preflight"]
         if self.device.type == "cuda":
             self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
             t = time.perf_counter()
