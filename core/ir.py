@@ -3,7 +3,7 @@
 A `Graph` holds `Value`s (graph inputs, weights and activations, each with a `TensorSpec`) and
 `Op`s in program order. An op's arguments are IR constants: `Ref` for a tensor value, `Special`
 for a torch enum (dtype, device, layout, memory format), plain Python scalars, `None`, strings and
-tuples of these.
+tuples of these. A fused op's body (`ops/fusion.py`) also uses `Local` for a result inside it.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ class Ref:
     """An op argument that is the tensor value `id`."""
 
     id: int
+
+
+@dataclass(frozen=True)
+class Local:
+    """Inside a fused op's body (`ops/fusion.py`): the result of the body's node `index`."""
+
+    index: int
 
 
 @dataclass(frozen=True)

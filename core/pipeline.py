@@ -27,7 +27,7 @@ from .runtime import reference
 from .runtime.compare import Comparison, compare, default_tolerance
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/).
-PASSES: tuple = ()
+PASSES: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 TRAINING_PASSES: tuple = (passes.chain_loose_ops,)
 
 
@@ -48,6 +48,7 @@ class Compiled:
     memory: MemoryPlan
     options: dict
     seconds: dict[str, float] = field(default_factory=dict)
+    lowered_ops: int = 0  # ops before the passes ran
 
     def artifact(self):
         """The `.nimble` artifact of this compilation (nimble.formats.Artifact)."""
@@ -83,11 +84,13 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 
 
 def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "auto",
-                  streams: str | int = "auto", check: bool = True, progress=lambda stage: None) -> Compiled:
+                  streams: str | int = "auto", check: bool = True, progress=lambda stage: None,
+                  fuse: bool = True) -> Compiled:
     """Load a TorchScript model, lower it for `inputs`, check the op list against the model, and
     schedule it on `streams` ("auto", 1, or a cap).
 
-    `progress(stage)` is called as each stage starts. The check runs the op list on `device`
+    `progress(stage)` is called as each stage starts. `fuse` runs the fusion PASSES; without it
+    every op stays a single aten op. The check runs the op list on `device`
     and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
@@ -96,14 +99,14 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     module = frontend.load_module(path)
     digest = sha256_file(path)
     load_s = time.perf_counter() - t
-    compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress)
+    compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress, fuse)
     compiled.seconds = {"load": load_s, **compiled.seconds}
     return compiled
 
 
 def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
                    digest: str, device: str = "auto", streams: str | int = "auto", check: bool = True,
-                   progress=lambda stage: None) -> Compiled:
+                   progress=lambda stage: None, fuse: bool = True) -> Compiled:
     """`compile_model` for a module already in memory. `model` and `digest` name its source in
     the manifest. Its weights may live on any device; the check runs on `device`."""
     device = bridge.resolve_device(device)[0].type
@@ -112,7 +115,8 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     t = time.perf_counter()
     progress("lowering")
     lowered = frontend.lower(module, inputs, model)
-    lowered = dataclasses.replace(lowered, graph=run_passes(lowered.graph, PASSES))
+    lowered_ops = len(lowered.graph.ops)
+    lowered = dataclasses.replace(lowered, graph=run_passes(lowered.graph, PASSES if fuse else ()))
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -141,11 +145,11 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     memory = plan(lowered.graph, schedule)
     seconds["memory"] = time.perf_counter() - t
     options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
-               "dtypes": [s.dtype for s in inputs]}
+               "dtypes": [s.dtype for s in inputs], "fuse": fuse}
     weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
     return Compiled(name, model, digest, lowered.graph, weights, xs,
                     [e.detach().contiguous() for e in expected], result, device, schedule, memory,
-                    options, seconds)
+                    options, seconds, lowered_ops)
 
 
 @dataclass(frozen=True)

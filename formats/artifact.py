@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from nimble import __version__
-from nimble.errors import ArtifactError, NimbleError, first_line
+from nimble.errors import ArtifactError, GraphError, NimbleError, first_line
 from nimble.fileio import atomic_file
 from nimble.ir import WEIGHT, Graph
+from nimble.ops import fusion
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_plan
@@ -284,6 +285,17 @@ def _check_ops(graph: Graph, name: str) -> None:
 
     table = device_ops()
     for op in graph.ops:
+        if op.target == fusion.FUSED:
+            try:
+                fusion.check(op)
+            except GraphError as e:
+                raise ArtifactError(f"{name}: {e}") from None
+            missing = next((node[0] for node in fusion.body_of(op) if node[0] not in table), None)
+            if missing is not None:
+                raise ArtifactError(f"{name}: fused op {op.id} holds {missing!r}, which is not an allowlisted "
+                                    f"overload in torch {torch.__version__}; recompile the model with this nimble "
+                                    "and torch")
+            continue
         if op.target not in table:
             raise ArtifactError(f"{name}: op {op.id} has target {op.target!r}, which is not an allowlisted overload "
                                 f"in torch {torch.__version__} (out= overloads never are); recompile the model "

@@ -10,7 +10,8 @@ import math
 from typing import Any
 
 from nimble.errors import ArtifactError, GraphError
-from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Op, Ref, Special, TensorSpec, Value
+from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Local, Op, Ref, Special, TensorSpec, Value
+from nimble.ops.fusion import MAX_NODES as MAX_BODY
 from nimble.plan.memory import ALIGNMENT, MemoryPlan
 from nimble.plan.schedule import Schedule
 
@@ -25,6 +26,8 @@ def encode_arg(a: Any) -> Any:
         return {"ref": a.id}
     if isinstance(a, Special):
         return {a.kind: a.name}
+    if isinstance(a, Local):
+        return {"local": a.index}
     if isinstance(a, tuple):
         return [encode_arg(x) for x in a]
     if isinstance(a, float) and not math.isfinite(a):
@@ -119,6 +122,10 @@ def decode_arg(a: Any, n_values: int, where: str) -> Any:
             if type(value) is not int or not 0 <= value < n_values:
                 raise ArtifactError(f"{where}: ref {value!r} is not a value id")
             return Ref(value)
+        if kind == "local":  # a fused body's own result; _check_ops checks where it may appear
+            if type(value) is not int or not 0 <= value < MAX_BODY:
+                raise ArtifactError(f"{where}: local {value!r} is not a body node")
+            return Local(value)
         if kind == "float" and value in ("inf", "-inf", "nan"):
             return float(value)
         if kind in _SPECIAL_KINDS and isinstance(value, str) and len(value) <= MAX_STRING:

@@ -1,7 +1,7 @@
 """Every constant of the `.nimble` format, in one place. Bump FORMAT_VERSION on any change a
 reader of the previous version could misread."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fused ops (`nimble::fused`, with `local` arguments in their bodies)
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"

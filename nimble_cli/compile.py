@@ -26,6 +26,9 @@ def compile_command(
                                        "coloured by stream, waits dashed."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the artifact (a file, or "
                                           "a folder for <model>.nimble). Default: next to the model."),
+    fuse: bool = typer.Option(True, "--fuse/--no-fuse", help="Fuse each convolution with its bias, residual add "
+                              "and relu, and chains of elementwise ops, into fused ops that load as cuDNN fused "
+                              "convolutions and generated kernels on CUDA. --no-fuse keeps one aten op per op."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
@@ -47,7 +50,7 @@ def compile_command(
 
         with console.status("compiling", spinner="dots") as status:
             compiled = compile_model(model, specs, device=device, streams=streams,
-                                     progress=lambda stage: status.update(f"{model.name}: {stage}"))
+                                     progress=lambda stage: status.update(f"{model.name}: {stage}"), fuse=fuse)
             status.update(f"{model.name}: writing {target.name}")
             from nimble.formats import write_artifact
 
@@ -91,7 +94,10 @@ def _summary(c) -> None:
     weights = [v for v in vals if v.kind == "weight"]
     acts = [v for v in vals if v.kind == "activation"]
     own = [v for v in acts if v.alias_of is None]
+    fused = sum(1 for op in g.ops if op.target == "nimble::fused")
     console.print(f"[bold]{literal(c.name)}[/]: {len(g.ops)} ops, {len(g.inputs)} input(s), {len(g.outputs)} output(s)")
+    if fused:
+        console.print(f"  fusion: {c.lowered_ops} lowered ops became {len(g.ops)}, {fused} of them fused")
     for label, ids in (("input", g.inputs), ("output", g.outputs)):
         for i in ids:
             console.print(f"  {label} {literal(vals[i].name)}: {vals[i].spec.dtype}{list(vals[i].spec.shape)}")

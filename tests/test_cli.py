@@ -41,7 +41,8 @@ def test_compile_prints_a_summary_and_writes_the_artifact(tmp_path):
     out = tmp_path / "inception.nimble"
     result = invoke("compile", SAMPLES / "inception.pt", "--shape", "1x3x224x224", "--device", "cpu", "-o", out)
     assert result.exit_code == 0, result.stderr
-    assert "71 ops" in result.stderr and "largest activations" in result.stderr
+    assert "42 ops" in result.stderr and "largest activations" in result.stderr
+    assert "71 lowered ops became 42, 29 of them fused" in result.stderr
     assert "check on cpu: ok" in result.stderr and "arena" in result.stderr
     assert f"wrote {out}" in result.stderr.replace("\n", "")
     assert out.is_file() and result.stdout == ""

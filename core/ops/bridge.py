@@ -11,7 +11,8 @@ import functools
 import torch
 
 from ..errors import UnsupportedError
-from ..ir import Ref, Special
+from ..ir import Local, Ref, Special
+from . import fusion, shapes
 from .allowlist import SUPPORTED_ATEN, TRAINING_ONLY
 
 DTYPES: dict[str, torch.dtype] = {
@@ -60,6 +61,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def resolve(target: str, training: bool = False) -> torch._ops.OpOverload:
     """`aten::add.Tensor` -> torch.ops.aten.add.Tensor, looked up in the table of allowlisted
     overloads (never through getattr on the string): UnsupportedError for anything else."""
+    if target == fusion.FUSED:
+        return run_fused
     op = device_ops(training).get(target)
     if op is None:
         if target in device_ops(True):
@@ -71,6 +74,26 @@ def resolve(target: str, training: bool = False) -> torch._ops.OpOverload:
 def is_allowed(target: str, training: bool = False) -> bool:
     """True for an exact allowlisted overload, as `aten::name.overload`."""
     return target in device_ops(training)
+
+
+def run_fused(body) -> torch.Tensor:
+    """A fused op's body (`ops/fusion.py`), interpreted node by node with its aten overloads.
+    `body` is as `to_torch` gives it: its Refs are tensors already, its Locals still Locals. On
+    the meta device, nodes with a shape rule are typed by it."""
+    results: list[torch.Tensor] = []
+
+    def local(a):
+        if isinstance(a, Local):
+            return results[a.index]
+        return [local(x) for x in a] if isinstance(a, list) else a
+
+    for target, args, kwargs in body:
+        args, kwargs = [local(a) for a in args], {k: local(v) for k, v in kwargs}
+        found = None
+        if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+            found = shapes.infer(target, args, kwargs)
+        results.append(found[0] if found is not None else resolve(target)(*args, **kwargs))
+    return results[-1]
 
 
 @functools.cache

@@ -5,5 +5,7 @@ imports no runtime, and runs on a builder with no GPU. Fusion and precision pass
 """
 
 from .chain_loose_ops import chain_loose_ops
+from .fuse_conv import fuse_conv
+from .fuse_pointwise import fuse_pointwise
 
-__all__ = ["chain_loose_ops"]
+__all__ = ["chain_loose_ops", "fuse_conv", "fuse_pointwise"]

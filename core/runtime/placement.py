@@ -14,9 +14,10 @@ from typing import Callable
 
 import torch
 
-from ..ops import bridge
+from ..ops import bridge, fusion
 from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
+from .kernels import FusedKernel
 
 
 def out_overload(target: str):
@@ -36,13 +37,13 @@ def out_overload(target: str):
     return None
 
 
-def _conv(args: list, out: torch.Tensor) -> bool:
+def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """aten::convolution into `out` with the kernel eager PyTorch would pick, through that kernel's
     own out= overload: cuDNN (bias added in place, as eager does) or the CUDA depthwise kernel.
-    False where neither applies; the caller then computes and copies."""
+    None where neither applies; the caller then computes and copies."""
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
     if not x.is_cuda or x.dim() != 4 or transposed:
-        return False
+        return None
     backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed, output_padding,
                                             groups, None)
     if backend == torch._C._ConvBackend.Cudnn:
@@ -51,29 +52,30 @@ def _conv(args: list, out: torch.Tensor) -> bool:
                                              torch.backends.cudnn.allow_tf32, out=out)
         if bias is not None:
             out.add_(bias.reshape(1, -1, 1, 1))
-        return True
+        return out
     if backend == torch._C._ConvBackend.CudaDepthwise2d:
         torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), bias, stride, padding, dilation, out=out)
-        return True
-    return False
+        return out
+    return None
 
 
-def _global_avg_pool(args: list, out: torch.Tensor) -> bool:
+def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """adaptive_avg_pool2d to 1x1 as eager computes it, a mean over H and W; its out= overload
     would run the generic pooling kernel, which is far slower on large maps."""
     if list(args[1]) != [1, 1]:
-        return False
+        return None
     torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
-    return True
+    return out
 
 
-def _relu(args: list, out: torch.Tensor) -> bool:
+def _relu(args: list, out: torch.Tensor) -> torch.Tensor:
     torch.ops.aten.clamp_min.out(args[0], 0, out=out)
-    return True
+    return out
 
 
-# target -> writer(args, out) that fills `out` with a real out= kernel, or returns False
-SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], bool]] = {
+# target -> writer(args, out) that computes the op with a real out= kernel and returns the tensor
+# holding the result (`out`, or one a fused cuDNN kernel allocated), or None to compute and copy
+SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::convolution.default": _conv,
     "aten::relu.default": _relu,
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
@@ -96,6 +98,9 @@ def prepare(graph: Graph) -> list[PlacedOp]:
     """Resolve every op once: its function, out= overload and substitute."""
     placed = []
     for op in graph.ops:
+        if op.target == fusion.FUSED:
+            placed.append(PlacedOp(op, bridge.run_fused, None, [], FusedKernel(op)))
+            continue
         found = None if op.target in COPYING_OUT else out_overload(op.target)
         placed.append(PlacedOp(op, bridge.resolve(op.target), found[0] if found else None,
                                found[1] if found else [], SUBSTITUTES.get(op.target)))
@@ -122,8 +127,9 @@ def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Ten
     args, kwargs = bridge.op_arguments(op, env, device)
     planned = [views.get(o) for o in op.outputs]
     if planned and all(t is not None for t in planned):
-        if p.substitute is not None and len(planned) == 1 and p.substitute(args, planned[0]):
-            env[op.outputs[0]] = planned[0]
+        got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
+        if got is not None:
+            env[op.outputs[0]] = got
             return
         if p.out_fn is not None:
             p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))

@@ -1,0 +1,126 @@
+"""Fused ops: several aten ops stored as one op whose body is data, never code.
+
+A fused op is `Op(target=FUSED, args=(body,), outputs=(result,))`. The body is a tuple of nodes
+`(target, args, kwargs)`, each an aten call in the IR's own argument form: `Ref(v)` reads graph
+value `v`, and `Local(k)` reads the result of the body's node `k`, which must come earlier. The
+op's one result is the last node's. Because a body's `Ref`s are ordinary op arguments,
+`Op.refs()` lists them and the schedule, the memory plan and the plan checks see the fused op's
+true inputs.
+
+Two kinds of body exist, and `check` refuses anything else:
+- pointwise: every node is one of POINTWISE, elementwise over tensors that broadcast to the result;
+- convolution-led: node 0 is a 2-D convolution (CONVOLUTIONS) reading graph values only, and every
+  later node is pointwise.
+
+On any device nimble can interpret a body node by node with the same aten overloads
+(`bridge.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels.py`): a
+convolution-led body to cuDNN's fused convolutions where their pattern matches, and the
+pointwise part to one generated Triton kernel. This module is plain data and checks; it
+imports no torch.
+"""
+
+from __future__ import annotations
+
+from ..errors import GraphError
+from ..ir import Local, Op, Ref
+
+FUSED = "nimble::fused"
+MAX_NODES = 64  # nodes in one body
+
+CONVOLUTIONS = frozenset({"aten::conv2d.default", "aten::convolution.default", "aten::_convolution.default"})
+
+# Elementwise ops a body may hold: target -> the positions of its tensor operands. Every other
+# argument is a number (or None), so every op here is elementwise over broadcast operands.
+POINTWISE: dict[str, tuple[int, ...]] = {
+    "aten::relu.default": (0,), "aten::relu6.default": (0,), "aten::sigmoid.default": (0,),
+    "aten::silu.default": (0,), "aten::hardswish.default": (0,), "aten::hardsigmoid.default": (0,),
+    "aten::tanh.default": (0,), "aten::gelu.default": (0,), "aten::hardtanh.default": (0,),
+    "aten::leaky_relu.default": (0,), "aten::clamp.default": (0,), "aten::clamp_min.default": (0,),
+    "aten::clamp_max.default": (0,), "aten::neg.default": (0,), "aten::exp.default": (0,),
+    "aten::sqrt.default": (0,), "aten::rsqrt.default": (0,), "aten::reciprocal.default": (0,),
+    "aten::abs.default": (0,), "aten::erf.default": (0,),
+    "aten::add.Tensor": (0, 1), "aten::sub.Tensor": (0, 1), "aten::mul.Tensor": (0, 1),
+    "aten::div.Tensor": (0, 1), "aten::maximum.default": (0, 1), "aten::minimum.default": (0, 1),
+    "aten::add.Scalar": (0,), "aten::sub.Scalar": (0,), "aten::mul.Scalar": (0,), "aten::div.Scalar": (0,),
+}
+FLOATS = frozenset({"float32", "float16", "bfloat16"})  # the dtypes a fused body computes in
+
+
+def body_of(op: Op) -> tuple:
+    return op.args[0]
+
+
+def is_fused(op: Op) -> bool:
+    return op.target == FUSED
+
+
+def leads_with_convolution(body: tuple) -> bool:
+    return body[0][0] in CONVOLUTIONS
+
+
+def check(op: Op) -> None:
+    """Raise GraphError naming the first way `op`'s body breaks the rules above."""
+    if op.kwargs or len(op.args) != 1 or not isinstance(op.args[0], tuple) or len(op.outputs) != 1 or op.mutates:
+        raise GraphError(f"fused op {op.id} is malformed: it takes one body and has one result")
+    body = op.args[0]
+    if not 1 <= len(body) <= MAX_NODES:
+        raise GraphError(f"fused op {op.id} has {len(body)} body nodes; 1 to {MAX_NODES} are allowed")
+    for k, node in enumerate(body):
+        where = f"fused op {op.id}, body node {k}"
+        if not (isinstance(node, tuple) and len(node) == 3 and isinstance(node[0], str)
+                and isinstance(node[1], tuple) and isinstance(node[2], tuple)
+                and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in node[2])):
+            raise GraphError(f"{where} is not (target, args, kwargs)")
+        target = node[0]
+        if target in CONVOLUTIONS:
+            if k != 0:
+                raise GraphError(f"{where}: a convolution may only lead a body")
+        elif target not in POINTWISE:
+            raise GraphError(f"{where}: {target!r} is not an op a fused body may hold")
+        for a in _leaves((node[1], tuple(v for _, v in node[2]))):
+            if isinstance(a, Local) and not (0 <= a.index < k) or isinstance(a, Local) and target in CONVOLUTIONS:
+                raise GraphError(f"{where} reads local {a.index}, which is not an earlier node")
+    for a in _leaves((op.args,)):
+        if not isinstance(a, (Ref, Local, int, float, bool, str, type(None))):
+            raise GraphError(f"fused op {op.id} holds an argument of kind {type(a).__name__}")
+
+
+def _leaves(args: tuple):
+    for a in args:
+        if isinstance(a, tuple):
+            yield from _leaves(a)
+        else:
+            yield a
+
+
+def conv_params(target: str, args: tuple | list) -> dict | None:
+    """A convolution node's arguments by name, conv2d's defaults filled in; None for a transposed
+    or output-padded convolution, which no fused kernel takes."""
+    args = list(args)
+    if target == "aten::conv2d.default":
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        defaults = (None, None, None, (1, 1), (0, 0), (1, 1), 1)
+        p = dict(zip(names, args + list(defaults[len(args):])))
+        if isinstance(p["padding"], str):
+            return None  # padding="same"/"valid": its own overload, not this one
+        return p
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+    p = dict(zip(names, args))
+    if len(args) < len(names) or p["transposed"] or any(p["output_padding"]):
+        return None
+    return p
+
+
+def convolution_pattern(body: tuple) -> str | None:
+    """'relu' for conv -> relu, 'add_relu' for conv -> add(conv, z) -> relu (alpha 1), else None:
+    the bodies that map onto cuDNN's fused convolutions."""
+    if not leads_with_convolution(body):
+        return None
+    targets = [node[0] for node in body[1:]]
+    if targets == ["aten::relu.default"]:
+        return "relu"
+    if targets == ["aten::add.Tensor", "aten::relu.default"]:
+        alpha = dict(body[1][2]).get("alpha", 1)
+        if alpha == 1 and Local(0) in body[1][1][:2] and body[2][1][0] == Local(1):
+            return "add_relu"
+    return None

@@ -1,0 +1,82 @@
+"""Inference graphs: chains and trees of elementwise ops become one fused op, which the runtime
+runs as one generated kernel. A convolution whose one reader joins such a group leads it: the
+runtime then runs the convolution and the rest of the group (its bias included) as its epilogue."""
+
+from __future__ import annotations
+
+from ..ir import Graph, Op, Ref
+from ..ops import fusion
+from .fuse_conv import _leader
+from .rewrite import Facts, fuse
+
+MAX_OPERANDS = 16  # distinct graph values one group reads
+
+
+def fuse_pointwise(graph: Graph) -> Graph:
+    """Grow each group from its last op backwards: an elementwise op takes in the group of each
+    operand that it alone reads. Groups of one op stay as they are."""
+    facts = Facts(graph)
+    group: dict[int, list[int]] = {}  # op id -> the members of the group it ends
+    conv_of: dict[int, int | None] = {}  # op id -> the convolution leading its group, if any
+    for op in graph.ops:
+        result = _elementwise(graph, facts, op)
+        if result is None:
+            continue
+        members, conv = [op.id], None
+        for pos in fusion.POINTWISE[op.target]:
+            a = op.args[pos] if pos < len(op.args) else None
+            if not isinstance(a, Ref) or graph.values[a.id].producer is None:
+                continue
+            producer = graph.ops[graph.values[a.id].producer]
+            if facts.only_reader(a.id) != op.id or not facts.movable(producer) or producer.id in members:
+                continue
+            if producer.id in group:  # an elementwise group ending at the producer
+                theirs, their_conv = group[producer.id], conv_of[producer.id]
+            elif _leader(graph, facts, producer) is not None:
+                theirs, their_conv = [producer.id], producer.id
+            else:
+                continue
+            if their_conv is not None and (conv is not None or graph.values[graph.ops[their_conv].outputs[0]].spec.shape
+                                           != result.spec.shape):
+                continue  # one convolution per group, and it computes the group's whole result
+            if len(members) + len(theirs) > fusion.MAX_NODES \
+                    or len(_operands(graph, members + theirs)) > MAX_OPERANDS:
+                continue
+            members += theirs
+            conv = their_conv if their_conv is not None else conv
+            group.pop(producer.id, None)
+        group[op.id], conv_of[op.id] = members, conv
+    ordered = []
+    for last, members in group.items():
+        if len(members) > 1:
+            conv = conv_of[last]
+            ordered.append(([conv] if conv is not None else []) + sorted(m for m in members if m != conv))
+    return fuse(graph, ordered)
+
+
+def _elementwise(graph: Graph, facts: Facts, op: Op):
+    """`op`'s result if `op` may join a group: an elementwise op in the fused set whose operands
+    share its floating dtype and broadcast to its result."""
+    if op.target not in fusion.POINTWISE or not facts.movable(op):
+        return None
+    result = facts.plain_result(op)
+    if result is None or op.kwargs and op.target != "aten::gelu.default" and \
+            not all(k == "alpha" for k, _ in op.kwargs):
+        return None
+    tensors = set(fusion.POINTWISE[op.target])
+    for pos, a in enumerate(op.args):
+        if pos in tensors:
+            if not isinstance(a, Ref):
+                return None
+            spec = graph.values[a.id].spec
+            if spec.dtype != result.spec.dtype or len(spec.shape) > len(result.spec.shape) or any(
+                    n not in (1, m) for n, m in zip(reversed(spec.shape), reversed(result.spec.shape))):
+                return None
+        elif not (a is None or isinstance(a, (int, float, str)) and not isinstance(a, bool)):
+            return None
+    return result
+
+
+def _operands(graph: Graph, members: list[int]) -> set[int]:
+    inside = {graph.ops[m].outputs[0] for m in members}
+    return {r for m in members for r in graph.ops[m].refs() if r not in inside}

@@ -1,0 +1,119 @@
+"""What the fusion passes share: who reads a value, which ops may join a group, and the rewrite
+that replaces each group of ops with one fused op (`ops/fusion.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from ..ir import ACTIVATION, Graph, Local, Op, Ref, Value
+from ..ops import fusion
+
+
+class Facts:
+    """Per-graph facts the passes consult: readers of each value, mutated storage, ordering edges."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.readers: dict[int, set[int]] = defaultdict(set)
+        for op in graph.ops:
+            for r in op.refs():
+                self.readers[r].add(op.id)
+        self.outputs = set(graph.outputs)
+        self.mutated = {graph.root(m) for op in graph.ops for m in op.mutates}
+        self.ordered = {a for op in graph.ops for a in op.after}  # ops some other op must follow
+        self.aliased = {v.alias_of for v in graph.values if v.alias_of is not None}
+
+    def only_reader(self, value: int) -> int | None:
+        """The one op that reads `value`, if exactly one does and nothing else needs it: it is not a
+        graph output, no view shares its storage, and no op writes it."""
+        readers = self.readers.get(value, ())
+        if len(readers) != 1 or value in self.outputs or value in self.aliased or value in self.mutated:
+            return None
+        return next(iter(readers))
+
+    def movable(self, op: Op) -> bool:
+        """True if `op` may run later, at its group's last op: no ordering edge names it, and no op
+        writes the storage it reads (so reading later reads the same data)."""
+        return op.id not in self.ordered and not any(self.graph.root(r) in self.mutated for r in op.refs())
+
+    def plain_result(self, op: Op) -> Value | None:
+        """`op`'s one result, if it is a fresh floating-point activation (not a view, not in place)."""
+        if len(op.outputs) != 1 or op.mutates:
+            return None
+        v = self.graph.values[op.outputs[0]]
+        if v.kind != ACTIVATION or v.alias_of is not None or v.spec.dtype not in fusion.FLOATS:
+            return None
+        return v
+
+
+def body(graph: Graph, members: list[int]) -> tuple:
+    """The fused body of `members` (op ids, in the order the body runs them): a reference to a
+    member's result becomes a Local of that member's node."""
+    node_of = {graph.ops[m].outputs[0]: k for k, m in enumerate(members)}
+
+    def arg(a):
+        if isinstance(a, Ref) and a.id in node_of:
+            return Local(node_of[a.id])
+        return tuple(arg(x) for x in a) if isinstance(a, tuple) else a
+
+    return tuple((graph.ops[m].target, arg(graph.ops[m].args), tuple((k, arg(v)) for k, v in graph.ops[m].kwargs))
+                 for m in members)
+
+
+def fuse(graph: Graph, groups: list[list[int]]) -> Graph:
+    """Replace each group (op ids in body order, its last op's result the group's result) with one
+    fused op at the position of the group's last op in program order. The other members and their
+    results leave the graph; ids are renumbered densely."""
+    if not groups:
+        return graph
+    final_of = {}
+    removed_ops = set()
+    for members in groups:
+        last = max(members)
+        final_of[last] = members
+        removed_ops.update(m for m in members if m != last)
+    removed_values = {o for m in removed_ops for o in graph.ops[m].outputs}
+    new_value = {}
+    for v in graph.values:
+        if v.id not in removed_values:
+            new_value[v.id] = len(new_value)
+    new_op = {}
+    for op in graph.ops:
+        if op.id not in removed_ops:
+            new_op[op.id] = len(new_op)
+
+    def remap(a):
+        if isinstance(a, Ref):
+            return Ref(new_value[a.id])
+        return tuple(remap(x) for x in a) if isinstance(a, tuple) else a
+
+    ops = []
+    for op in graph.ops:
+        if op.id in removed_ops:
+            continue
+        members = final_of.get(op.id)
+        if members is None:
+            ops.append(dataclasses.replace(op, id=new_op[op.id], args=remap(op.args),
+                                           kwargs=tuple((k, remap(v)) for k, v in op.kwargs),
+                                           outputs=tuple(new_value[o] for o in op.outputs),
+                                           mutates=tuple(new_value[m] for m in op.mutates),
+                                           after=tuple(new_op[a] for a in op.after)))
+            continue
+        after = sorted({new_op[a] for m in members for a in graph.ops[m].after})
+        ops.append(Op(new_op[op.id], fusion.FUSED, (remap(body(graph, members)),), (),
+                      (new_value[op.outputs[0]],), (), tuple(after), op.source))
+    values = []
+    for v in graph.values:
+        if v.id in removed_values:
+            continue
+        values.append(dataclasses.replace(
+            v, id=new_value[v.id], producer=None if v.producer is None else new_op[v.producer],
+            alias_of=None if v.alias_of is None else new_value[v.alias_of]))
+    fused = Graph(tuple(values), tuple(ops), tuple(new_value[i] for i in graph.inputs),
+                  tuple(new_value[o] for o in graph.outputs))
+    fused.lint()
+    for op in fused.ops:
+        if op.target == fusion.FUSED:
+            fusion.check(op)
+    return fused

@@ -1,0 +1,297 @@
+"""Fused ops on CUDA: cuDNN's fused convolutions and generated Triton kernels.
+
+`FusedKernel(op)` is what the runtime calls for a fused op (`ops/fusion.py`) that has a planned
+buffer. Given the op's arguments (its body, tensors in place of Refs) and the buffer, it returns
+the tensor that holds the result:
+
+- a body that is conv -> relu or conv -> add -> relu, where PyTorch would run the convolution on
+  cuDNN, runs as `cudnn_convolution_relu` or `cudnn_convolution_add_relu`: one kernel, bias
+  included. cuDNN allocates that result (it has no out= form), so it is bound in place of the
+  planned buffer;
+- any other body runs as one generated Triton kernel that writes the planned buffer. A
+  convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
+  its bias; the kernel then adds the bias and applies the rest of the body in place.
+
+A kernel is specialised to its call: the body, the shapes, the strides of every operand (so the
+layout) and the dtypes. Its source is kept in the cache folder under the hash of that source
+(which names all of these and the torch and Triton versions), and Triton keeps the compiled
+binary in its own cache, keyed by the GPU's compute capability too. If Triton is missing or a
+kernel cannot be built, the body is interpreted op by op instead, and `STATS` counts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import first_line
+from ..ir import Local
+from ..ops import fusion
+
+BLOCK = 1024
+
+
+@dataclass
+class KernelStats:
+    generated: int = 0  # kernels built in this process
+    source_hits: int = 0  # of which the source was already in the cache folder
+    fallbacks: list[str] = field(default_factory=list)  # bodies interpreted instead, and why
+    seconds: float = 0.0
+
+
+STATS = KernelStats()
+
+
+def cache_dir() -> Path:
+    """nimble's cache folder: $NIMBLE_CACHE_DIR, else $XDG_CACHE_HOME/nimble, else ~/.cache/nimble."""
+    if os.environ.get("NIMBLE_CACHE_DIR"):
+        return Path(os.environ["NIMBLE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nimble"
+
+
+class FusedKernel:
+    """The CUDA lowering of one fused op; see the module docstring."""
+
+    def __init__(self, op):
+        self.op = op
+        self.body = fusion.body_of(op)
+        self.pattern = fusion.convolution_pattern(self.body)
+        self._built: dict[tuple, object] = {}  # call signature -> launcher, or None to interpret
+
+    def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
+        body = args[0]
+        if not out.is_cuda:
+            return None
+        if self.pattern is not None:
+            got = self._cudnn(body)
+            if got is not None:
+                return got
+        return self._generated(body, out)
+
+    # ---------------------------------------------------------------------------- cuDNN
+    def _cudnn(self, body) -> torch.Tensor | None:
+        target, args, _ = body[0]
+        p = fusion.conv_params(target, args)
+        x, w, bias = p["input"], p["weight"], p["bias"]
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 4 or not _on_cudnn(p):
+            return None
+        stride, padding, dilation = (list(p[k]) for k in ("stride", "padding", "dilation"))
+        if self.pattern == "relu":
+            return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
+        add_args = body[1][1]
+        z = add_args[1] if isinstance(add_args[0], Local) else add_args[0]
+        return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation, p["groups"])
+
+    # ---------------------------------------------------------------------------- Triton
+    def _generated(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        leads = fusion.leads_with_convolution(self.body)
+        conv = fusion.conv_params(body[0][0], body[0][1]) if leads else None
+        operands = _operands(body, skip_first=leads)
+        if conv is not None and conv["bias"] is not None:
+            operands.append(conv["bias"].reshape(1, -1, 1, 1))
+        key = (tuple(out.shape), tuple(out.stride()), out.dtype,
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+        launch = self._built.get(key, _UNBUILT)
+        if launch is None or conv is not None and not _conv_into(conv, out):
+            return None
+        if launch is _UNBUILT:
+            t = time.perf_counter()
+            try:  # the first launch compiles: a failure there falls back too
+                launch = _compile(_source(self.body, out, operands, conv is not None,
+                                          conv is not None and conv["bias"] is not None))
+                launch(out, operands)
+            except Exception as e:  # no Triton, or a body it cannot compile: interpret instead
+                STATS.fallbacks.append(f"op {self.op.id}: {type(e).__name__}: {first_line(e)}")
+                launch = None
+            STATS.seconds += time.perf_counter() - t
+            self._built[key] = launch
+            return out if launch is not None else None
+        launch(out, operands)
+        return out
+
+
+_UNBUILT = object()
+
+
+def _on_cudnn(p: dict) -> bool:
+    x, w = p["input"], p["weight"]
+    backend = torch._C._select_conv_backend(x, w, p["bias"], list(p["stride"]), list(p["padding"]),
+                                            list(p["dilation"]), False, [0, 0], p["groups"], None)
+    return backend == torch._C._ConvBackend.Cudnn
+
+
+def _conv_into(p: dict, out: torch.Tensor) -> bool:
+    """The convolution, without its bias, written into `out` by cuDNN's out= kernel."""
+    if not _on_cudnn(p):
+        return False
+    torch.ops.aten.cudnn_convolution.out(p["input"], p["weight"], list(p["padding"]), list(p["stride"]),
+                                         list(p["dilation"]), p["groups"], torch.backends.cudnn.benchmark,
+                                         torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+                                         out=out)
+    return True
+
+
+def _operands(body, skip_first: bool) -> list[torch.Tensor]:
+    """The distinct tensors the pointwise nodes read, in first-use order."""
+    seen: list[torch.Tensor] = []
+    for k, (target, args, _) in enumerate(body):
+        if k == 0 and skip_first:
+            continue
+        for pos in fusion.POINTWISE[target]:
+            a = args[pos]
+            if isinstance(a, torch.Tensor) and not any(a is s for s in seen):
+                seen.append(a)
+    return seen
+
+
+# -------------------------------------------------------------------------------- source
+def _num(x) -> str:
+    x = float(x)
+    return repr(x) if math.isfinite(x) else f"float('{x}')"
+
+
+def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
+    """One body node as a Triton expression over the fp32 values `a` (its tensor operands)."""
+    x = a[0]
+    extra = list(args)
+
+    def arg(i, name, default):
+        if name in kwargs:
+            return kwargs[name]
+        return extra[i] if i < len(extra) and extra[i] is not None else default
+
+    name = target.split("::")[1]
+    if name == "relu.default":
+        return f"tl.maximum({x}, 0.0)"
+    if name in ("relu6.default", "hardtanh.default"):
+        lo, hi = (0.0, 6.0) if name == "relu6.default" else (arg(1, "min_val", -1.0), arg(2, "max_val", 1.0))
+        return f"tl.minimum(tl.maximum({x}, {_num(lo)}), {_num(hi)})"
+    if name in ("clamp.default", "clamp_min.default", "clamp_max.default"):
+        lo = arg(1, "min", None) if name != "clamp_max.default" else None
+        hi = arg(2, "max", None) if name == "clamp.default" else arg(1, "max", None) if name == "clamp_max.default" \
+            else None
+        out = x if lo is None else f"tl.maximum({x}, {_num(lo)})"
+        return out if hi is None else f"tl.minimum({out}, {_num(hi)})"
+    if name == "leaky_relu.default":
+        return f"tl.where({x} > 0, {x}, {x} * {_num(arg(1, 'negative_slope', 0.01))})"
+    if name == "sigmoid.default":
+        return f"tl.sigmoid({x})"
+    if name == "silu.default":
+        return f"({x} * tl.sigmoid({x}))"
+    if name == "hardswish.default":
+        return f"({x} * tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
+    if name == "hardsigmoid.default":
+        return f"(tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
+    if name == "tanh.default":
+        return f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)"
+    if name == "gelu.default":
+        if arg(1, "approximate", "none") == "tanh":
+            inner = f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})"
+            return f"(0.5 * {x} * (1.0 + (2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)))"
+        return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
+    unary = {"neg.default": f"(-{x})", "exp.default": f"tl.exp({x})", "sqrt.default": f"tl.sqrt({x})",
+             "rsqrt.default": f"tl.rsqrt({x})", "reciprocal.default": f"(1.0 / {x})",
+             "abs.default": f"tl.abs({x})", "erf.default": f"tl.erf({x})"}
+    if name in unary:
+        return unary[name]
+    op, kind = name.split(".")
+    y = a[1] if kind == "Tensor" or kind == "default" else _num(extra[1])
+    alpha = arg(2, "alpha", 1)
+    if op in ("add", "sub"):
+        scaled = y if alpha == 1 else f"({y} * {_num(alpha)})"
+        return f"({x} {'+' if op == 'add' else '-'} {scaled})"
+    if op in ("mul", "div"):
+        return f"({x} {'*' if op == 'mul' else '/'} {y})"
+    if op in ("maximum", "minimum"):
+        return f"tl.{op}({x}, {y})"
+    raise NotImplementedError(f"no Triton expression for {target}")
+
+
+def _offset(shape, strides, order, dense: bool) -> str:
+    """The element offset of index `i` (counted in the output's memory order) in a tensor of
+    these strides; `order` lists the output's dims from outermost to innermost."""
+    if dense:
+        return "i"
+    terms, step = [], 1
+    for d in reversed(order):
+        n = shape[d]
+        if n > 1 and strides[d]:
+            coord = f"(i // {step})" if step > 1 else "i"
+            coord = f"({coord} % {n})" if step * n < math.prod(shape) else coord
+            terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
+        step *= n
+    return " + ".join(terms) or "0"
+
+
+def _source(body: tuple, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
+    shape = tuple(out.shape)
+    order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))  # outermost first
+    dense_strides, step = [0] * out.dim(), 1
+    for d in reversed(order):
+        dense_strides[d] = step
+        step *= shape[d]
+    out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
+    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
+    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+             f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
+             "BLOCK: tl.constexpr):",
+             "    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+             "    mask = i < N",
+             f"    o = {_offset(shape, out.stride(), order, out_dense)}"]
+    for k, t in enumerate(operands):
+        strides = t.expand(shape).stride()
+        dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
+        lines.append(f"    in{k} = tl.load(in{k}_ptr + ({_offset(shape, strides, order, dense)}), mask=mask)"
+                     ".to(tl.float32)")
+    start = 0
+    if leads:
+        first = "tl.load(out_ptr + o, mask=mask).to(tl.float32)"
+        lines.append(f"    v0 = {first} + in{len(operands) - 1}" if bias else f"    v0 = {first}")
+        start = 1
+    for k in range(start, len(body)):
+        target, args, kwargs = body[k]
+        tensors = []
+        for pos in fusion.POINTWISE[target]:
+            a = args[pos]
+            tensors.append(f"v{a.index}" if isinstance(a, Local) else names[id(a)])
+        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+    kind = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}[out.dtype]
+    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({kind}), mask=mask)")
+    lines.append(f"# torch {torch.__version__}")
+    return "\n".join(lines) + "\n"
+
+
+def _compile(source: str):
+    """A launcher for the generated source, imported from the cache folder (Triton needs a file)."""
+    import triton
+
+    digest = hashlib.sha256(f"{source}triton {triton.__version__}".encode()).hexdigest()[:32]
+    folder = cache_dir() / "kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"k{digest}.py"
+    if path.exists() and path.read_text() == source:
+        STATS.source_hits += 1
+    else:
+        tmp = folder / f".k{digest}.{os.getpid()}.tmp"
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"nimble_kernel_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = module.kernel
+    STATS.generated += 1
+
+    def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:
+        numel = out.numel()
+        kernel[(triton.cdiv(numel, BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
+
+    return launch
+
