@@ -1,14 +1,21 @@
-"""nimble against its peers on a GPU: latency at batch 1 and 8, fp32, every output checked.
+"""nimble against torch.compile on a GPU: two figures per variant, batch 1 and 8, fp32, every output checked.
 
     python benchmarks/peers.py --out DIR [--models resnet50 inception_v3 ...] [--batches 1 8]
     python benchmarks/peers.py --report DIR/peers_*.json --out benchmarks/results   # merge, no GPU
 
-Per model and batch it times: eager PyTorch; torch.jit.optimize_for_inference; a CUDA graph of
-the eager module; torch.compile(mode="reduce-overhead") with its compile time; and nimble with
---streams 1, auto, and caps 2/4/8 (the best cap is reported). Mean latency over --duration-s
-after a warm-up, measured as in `nimble bench`. nimble's load time (artifact open to the first
-inference finished) and, at batch 1, its arena against PyTorch's graph pool for the same
-multi-stream capture are recorded too. Outputs are compared with eager (TF32 tolerances).
+Per model and batch, in one process, it times: eager PyTorch; torch.compile(mode="reduce-overhead")
+with its compile time; nimble as it was before fused ops (`--no-fuse`, `--tune off`: one aten op
+per op, contiguous layout, the planned streams); and nimble (fused ops, layout and streams timed at
+load). Each variant gets two figures, as medians:
+
+- GPU-bound: 50 back-to-back calls between two CUDA events, per call (median of 15 such runs);
+- latency: copy the input in (nimble) or pass it (the others), run, synchronize (median of 200).
+
+Also recorded: kernels per inference (kernel nodes in nimble's captured CUDA graph), nimble's
+load-time choice and the timings behind it, its load breakdown, load to first inference with an
+empty and a warm kernel and tuning cache (in a fresh process, after `import torch`), and parity
+with eager of every variant and of nimble under every layout and stream choice forced (TF32
+tolerances).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TORCHVISION = {"resnet50": 224, "inception_v3": 299, "googlenet": 224, "mobilenet_v2": 224,
                "efficientnet_b0": 224, "squeezenet1_1": 224, "densenet121": 224}
-CAPS = (2, 4, 8)
+VARIANTS = ("eager", "torch_compile", "nimble_unfused", "nimble")
 
 
 def make_model(name: str):
@@ -46,19 +56,80 @@ def make_model(name: str):
     return build_module(name), [s[1:] for s in SAMPLES[name][1]]
 
 
-def time_it(fn, duration_s: float) -> float:
-    from nimble.runtime.timing import measure
-
-    return measure(fn, cuda=True, warmup_ms=150, duration_s=duration_s).summary()["mean_ms"]
-
-
-def bench_one(name: str, batch: int, duration_s: float, tmp: Path) -> dict:
+def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     import torch
 
-    from nimble.runtime.compare import compare
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(calls):
+            call()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop) / calls)
+    return statistics.median(samples)
+
+
+def latency_ms(call, n: int = 200) -> float:
+    import torch
+
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t) * 1000)
+    return statistics.median(samples)
+
+
+def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    dump = tmp / "graph.dot"
+    Executable(art, "cuda", choice=choice, graph_dump=str(dump), **kwargs)
+    return count_kernels(dump)
+
+
+PROBE = """
+import sys, time
+import torch
+from nimble.runtime.executable import load
+t = time.perf_counter()
+exe = load(sys.argv[1], "cuda")
+x = torch.randn(exe.input_buffers[0].shape, device="cuda")
+exe(x)
+torch.cuda.synchronize()
+print(time.perf_counter() - t, exe.stats.choice, exe.stats.tuning)
+"""
+
+
+def first_inference_s(path: Path, cache: Path) -> dict:
+    """Load to first inference in a fresh process (after import torch): empty caches, then warm."""
+    env = dict(os.environ, NIMBLE_CACHE_DIR=str(cache / "nimble"), TRITON_CACHE_DIR=str(cache / "triton"))
+    out = {}
+    for label in ("cold", "warm"):
+        text = subprocess.run([sys.executable, "-c", PROBE, str(path)], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()
+        out[label] = float(text[0])
+    return out
+
+
+def bench_one(name: str, batch: int, tmp: Path) -> dict:
+    import torch
+
     from nimble.formats import read_artifact, write_artifact
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
+    from nimble.runtime import tuning
+    from nimble.runtime.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 
@@ -66,38 +137,22 @@ def bench_one(name: str, batch: int, duration_s: float, tmp: Path) -> dict:
     torch.manual_seed(1)
     xs_cpu = [torch.randn(batch, *s) for s in shapes]
     xs = [x.cuda() for x in xs_cpu]
-    row: dict = {"model": name, "batch": batch, "ms": {}, "check": {}}
+    row: dict = {"model": name, "batch": batch, "gpu_bound_ms": {}, "latency_ms": {}, "check": {}}
+
+    def record(variant, call, sync_call=None):
+        row["gpu_bound_ms"][variant] = gpu_bound_ms(call)
+        row["latency_ms"][variant] = latency_ms(sync_call or call)
+
     with torch.no_grad():
         gpu_model = model.cuda()
         ref = gpu_model(*xs)
         ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
-        row["ms"]["eager"] = time_it(lambda: gpu_model(*xs), duration_s)
-
+        record("eager", lambda: gpu_model(*xs))
         with quiet_torchscript():
             traced = torch.jit.trace(model.cpu(), tuple(xs_cpu))
             pt = tmp / f"{name}_{batch}.pt"
             torch.jit.save(traced, str(pt))
-            ofi = torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.load(str(pt), map_location="cuda")
-                                                                    .eval()))
-            for _ in range(3):
-                ofi(*xs)
-        row["ms"]["optimize_for_inference"] = time_it(lambda: ofi(*xs), duration_s)
-
         gpu_model = model.cuda()
-        static = [x.clone() for x in xs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                gpu_model(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out = gpu_model(*static)
-        row["ms"]["cuda_graph"] = time_it(graph.replay, duration_s)
-        graph_out = [graph_out] if isinstance(graph_out, torch.Tensor) else list(graph_out)
-        row["check"]["cuda_graph"] = compare(graph_out, ref, 1e-2, 1e-3).max_rel
-
         torch._dynamo.reset()
         compiled = torch.compile(gpu_model, mode="reduce-overhead")
         t = time.perf_counter()
@@ -105,69 +160,70 @@ def bench_one(name: str, batch: int, duration_s: float, tmp: Path) -> dict:
             out = compiled(*xs)
         torch.cuda.synchronize()
         row["torch_compile_s"] = time.perf_counter() - t
-        row["ms"]["torch_compile"] = time_it(lambda: compiled(*xs), duration_s)
+        record("torch_compile", lambda: compiled(*xs))
         out = [out] if isinstance(out, torch.Tensor) else list(out)
         row["check"]["torch_compile"] = compare([o.clone() for o in out], ref, 1e-2, 1e-3).max_rel
+        del compiled
+        torch._dynamo.reset()
 
     specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu])
-    best = None
-    for streams in ("1", "auto", *map(str, CAPS)):
-        c = compile_model(pt, specs, device="cpu", streams=streams)
-        if streams in map(str, CAPS) and c.schedule.num_streams < int(streams):
-            continue  # the cap does not bind: the same schedule as auto
-        path = tmp / f"{name}_{batch}_{streams}.nimble"
+    for variant, fuse in (("nimble_unfused", False), ("nimble", True)):
+        c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
+        path = tmp / f"{name}_{batch}_{variant}.nimble"
         write_artifact(path, c.artifact())
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        exe = Executable(read_artifact(path), "cuda")
-        outs = exe(*xs)
-        torch.cuda.synchronize()
-        load_s = time.perf_counter() - t
-        row["check"][f"nimble_{streams}"] = compare([o.clone() for o in outs], ref, 1e-2, 1e-3).max_rel
-        ms = time_it(exe.replay, duration_s)
-        key = f"nimble_{streams}" if streams in ("1", "auto") else "nimble_cap"
-        if key != "nimble_cap" or best is None or ms < row["ms"]["nimble_cap"]:
-            row["ms"][key] = ms
-            if key == "nimble_cap":
-                best = streams
-        if streams == "auto":
-            row["nimble_streams"] = c.schedule.num_streams
-            row["nimble_load_s"] = load_s
-            row["nimble_compile_s"] = sum(c.seconds.values())
-            row["arena_bytes"] = exe.stats.arena_bytes
-            row["scratch_bytes"] = exe.stats.scratch_bytes
-            if batch == 1:
-                del exe
-                torch.cuda.empty_cache()
-                pool = Executable(read_artifact(path), "cuda", arena=False)
-                row["pytorch_pool_bytes"] = pool.stats.scratch_bytes
-                del pool
+        art = read_artifact(path)
+        exe = Executable(art, "cuda", tune="off" if not fuse else "full")
+        row["check"][variant] = compare([o.clone() for o in exe(*xs)], ref, 1e-2, 1e-3).max_rel
+        record(variant, exe.replay, lambda: exe(*xs))
+        row.setdefault("ops", {})[variant] = len(c.graph.ops)
+        row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
+        choice = exe.choice if fuse else tuning.Choice()
+        row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
+        if fuse:
+            row["choice"], row["tuning_ms"] = exe.stats.choice, exe.stats.tuning_ms
+            row["load_breakdown_s"] = exe.stats.seconds
+            row["kernel_fallbacks"] = exe.stats.kernel_fallbacks
+            row["streams"] = c.schedule.num_streams
+            for forced in tuning.candidates(art.graph, art.schedule.num_streams):
+                other = Executable(art, "cuda", choice=forced)
+                row["check"][f"nimble[{forced.describe()}]"] = compare([o.clone() for o in other(*xs)], ref,
+                                                                       1e-2, 1e-3).max_rel
+                del other
+            if name == "inception_v3" and batch == 1:
+                row["first_inference_s"] = first_inference_s(path, tmp / "probe-cache")
+        del exe
         torch.cuda.empty_cache()
-    row["best_cap"] = best
     print(json.dumps(row), flush=True)
     return row
 
 
 def report(rows: list[dict], meta: dict) -> str:
-    cols = ["eager", "optimize_for_inference", "cuda_graph", "torch_compile", "nimble_1", "nimble_auto", "nimble_cap"]
-    head = ["model", "batch", *cols, "best cap", "streams", "nimble / 1-stream graph", "nimble / torch.compile",
-            "eager / nimble", "nimble load s", "torch.compile s", "arena / pool", "max rel err"]
-    lines = [f"nimble against peers on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: "
-             f"`{meta['command']}`. fp32; mean latency in ms (lower is better); nimble = the best of its variants; "
-             "1-stream graph = a CUDA graph of the eager module; arena / pool = nimble's arena plus scratch against "
-             "PyTorch's graph pool for the same multi-stream capture (batch 1).", "",
+    head = ["model", "batch", "torch.compile GPU-bound", "nimble GPU-bound", "ratio", "torch.compile latency",
+            "nimble latency", "ratio", "eager GPU-bound", "unfused GPU-bound", "unfused latency", "kernels (unfused)",
+            "kernels", "choice", "max rel err"]
+    lines = [f"nimble against torch.compile on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: "
+             f"`{meta['command']}`. fp32 (TF32 convolutions, PyTorch's default). Milliseconds per inference, "
+             "medians, all variants in one process. GPU-bound: 50 back-to-back calls between CUDA events "
+             "(median of 15); latency: copy in, run, synchronize (median of 200). ratio = nimble / torch.compile "
+             "(targets: GPU-bound at most 0.9, latency at most 0.8). unfused = nimble before fused ops "
+             "(--no-fuse, --tune off). kernels = kernel nodes in nimble's captured CUDA graph. choice = the "
+             "layout and streams nimble's load-time tuning picked. max rel err = the worst output of every "
+             "variant and every forced nimble choice against eager.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in sorted(rows, key=lambda r: (r["model"], r["batch"])):
-        ms = r["ms"]
-        best = min(v for k, v in ms.items() if k.startswith("nimble"))
-        pool = r.get("pytorch_pool_bytes")
-        arena = (r["arena_bytes"] + r["scratch_bytes"]) / pool if pool else None
-        cells = [r["model"], str(r["batch"]), *(f"{ms[c]:.3f}" if c in ms else "-" for c in cols),
-                 str(r.get("best_cap") or "-"), str(r.get("nimble_streams", "-")),
-                 f"{best / ms['cuda_graph']:.2f}", f"{best / ms['torch_compile']:.2f}", f"{ms['eager'] / best:.1f}",
-                 f"{r.get('nimble_load_s', 0):.2f}", f"{r.get('torch_compile_s', 0):.1f}",
-                 "-" if arena is None else f"{arena:.2f}", f"{max(r['check'].values()):.1e}"]
+        g, lat = r["gpu_bound_ms"], r["latency_ms"]
+        cells = [r["model"], str(r["batch"]), f"{g['torch_compile']:.3f}", f"{g['nimble']:.3f}",
+                 f"{g['nimble'] / g['torch_compile']:.2f}", f"{lat['torch_compile']:.3f}", f"{lat['nimble']:.3f}",
+                 f"{lat['nimble'] / lat['torch_compile']:.2f}", f"{g['eager']:.3f}", f"{g['nimble_unfused']:.3f}",
+                 f"{lat['nimble_unfused']:.3f}", str(r["kernels"]["nimble_unfused"]), str(r["kernels"]["nimble"]),
+                 r.get("choice", "-"), f"{max(r['check'].values()):.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
+    extra = [r for r in rows if "first_inference_s" in r]
+    for r in extra:
+        f = r["first_inference_s"]
+        lines.append(f"\nLoad to first inference, {r['model']} batch {r['batch']}, fresh process after import torch: "
+                     f"{f['cold']:.2f} s with empty kernel and tuning caches, {f['warm']:.2f} s warm. "
+                     f"torch.compile's first three calls took {r['torch_compile_s']:.1f} s in the benchmark process.")
     return "\n".join(lines) + "\n"
 
 
@@ -176,7 +232,6 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", default=[*TORCHVISION, "inception", "nasnet", "resnet",
                                                         "mobilenet", "transformer"])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--duration-s", type=float, default=1.0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--report", type=Path, nargs="*", help="merge these JSON files into a markdown table")
@@ -203,7 +258,7 @@ def main() -> int:
         for name in args.models:
             for batch in args.batches:
                 try:
-                    rows.append(bench_one(name, batch, args.duration_s, Path(tmp)))
+                    rows.append(bench_one(name, batch, Path(tmp)))
                 except Exception as e:  # record and go on: one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 (args.out / f"peers_{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

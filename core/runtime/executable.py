@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ExecutionError, ShapeError, first_line
+from ..errors import ExecutionError, ShapeError, UsageError, first_line
 from ..ir import WEIGHT
 from ..ops import bridge
-from . import streams
+from . import kernels, streams, tuning
 from .placement import PlacedOp, arena_views, prepare, run_op
 from .preflight import preflight
 
@@ -36,6 +36,12 @@ class LoadStats:
     weight_bytes: int = 0
     arena_bytes: int = 0
     scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
+    choice: str = ""  # the layout and streams it runs with
+    tuning: str = ""  # how they were chosen: off, forced, cache hit, or timed
+    tuning_ms: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
+    kernels_generated: int = 0  # fused kernels built in this load
+    kernel_source_hits: int = 0  # of which the source was already in the cache folder
+    kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
 
 
 class Executable:
@@ -45,12 +51,17 @@ class Executable:
     of your own."""
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
-                 graph_dump: str | None = None, name: str | None = None):
+                 graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
+                 choice: tuning.Choice | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
-        `name` names the artifact in errors (its file's name; by default its model's)."""
+        `name` names the artifact in errors (its file's name; by default its model's).
+        On CUDA, `tune` (off, cached or full) says how the layout and stream setting are chosen
+        (`tuning.py`), and `choice` forces them."""
         t0 = time.perf_counter()
+        if tune not in tuning.TUNE_MODES:
+            raise UsageError(f"--tune {tune!r}: use off, cached or full")
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
         self.device, self.notice = bridge.resolve_device(device)
@@ -58,32 +69,96 @@ class Executable:
         self._placed: list[PlacedOp] = prepare(self.graph)
         self._cuda_graph = None
         self._with_arena = arena
-        self._order = list(range(len(self.graph.ops))) if single_stream else list(self.schedule.order)
-        self._stream_of = [0] * len(self.graph.ops) if single_stream else list(self.schedule.stream)
-        self._waits = [()] * len(self.graph.ops) if single_stream else list(self.schedule.waits)
+        self._single_stream = single_stream
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
+        self._set_order(tuning.Choice())
         t = time.perf_counter()
         preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
         self.stats.seconds["preflight"] = time.perf_counter() - t
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0 - self.stats.seconds["preflight"]
         if self.device.type == "cuda":
-            self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
-            t = time.perf_counter()
-            self._issue(validate=True)  # eager warm-up on every stream: handles and workspaces exist
-            torch.cuda.synchronize(self.device)
-            self.stats.seconds["warmup"] = time.perf_counter() - t
-            t = time.perf_counter()
-            self._capture(graph_dump)
-            self.stats.seconds["capture"] = time.perf_counter() - t
+            kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
+                              len(kernels.STATS.fallbacks))
+            self._choose(tune, choice, graph_dump)
+            self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
+            self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
+            self.stats.seconds["kernels"] = kernels.STATS.seconds - kernels_before[2]
+            self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
         self.stats.seconds["total"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ set-up
+    def _choose(self, tune: str, forced, graph_dump) -> None:
+        """Pick the layout and streams (forced, from the cache, or by timing each candidate), then
+        build the CUDA graph that runs them."""
+        options = tuning.candidates(self.graph, max(self._stream_of, default=0) + 1)
+        if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
+            options = [tuning.Choice()]
+        timed: dict[str, float] = {}
+        key = tuning.cache_key(self.artifact, self.device) if len(options) > 1 and forced is None else None
+        if forced is not None:
+            best, how = forced, "forced"
+        elif len(options) == 1 or tune == "off":
+            best, how = options[0], "off" if tune == "off" and len(options) > 1 else "only one candidate"
+        else:
+            best = tuning.cached(key) if tune == "cached" else None
+            how = "cache hit"
+            if best is None or best not in options:
+                t = time.perf_counter()
+                for c in options:
+                    self._build(c)
+                    timed[c.describe()] = tuning.gpu_ms(self._cuda_graph.replay, self.device)
+                best = min(options, key=lambda c: timed[c.describe()])
+                tuning.store(key, best, timed)
+                how = "timed"
+                self.stats.seconds["tuning"] = time.perf_counter() - t
+                if best == options[-1] and not graph_dump:
+                    self._record_choice(best, how, timed)
+                    return
+        self._build(best, graph_dump)
+        self._record_choice(best, how, timed)
+
+    def _record_choice(self, choice, how: str, timed: dict[str, float]) -> None:
+        self.choice = choice
+        self.stats.choice, self.stats.tuning, self.stats.tuning_ms = choice.describe(), how, timed
+
+    def _set_order(self, choice) -> None:
+        n = len(self.graph.ops)
+        if self._single_stream:
+            self._order, self._stream_of, self._waits = list(range(n)), [0] * n, [()] * n
+        elif choice.streams == "serial":
+            self._order, self._stream_of, self._waits = list(self.schedule.order), [0] * n, [()] * n
+        else:
+            self._order = list(self.schedule.order)
+            self._stream_of, self._waits = list(self.schedule.stream), list(self.schedule.waits)
+
+    def _build(self, choice, graph_dump: str | None = None) -> None:
+        """Lay out the buffers and weights for `choice`, warm up every stream, and capture."""
+        self._cuda_graph = self._tensors = None
+        self._set_order(choice)
+        channels_last = choice.layout == "channels_last"
+        self._views = arena_views(self.graph, self.memory, self.arena,
+                                  tuning.channels_last_values(self.graph) if channels_last else ()) \
+            if self._with_arena else {}
+        self._weights = dict(self._stored_weights)
+        if channels_last:
+            for vid in tuning.conv_weights(self.graph):
+                self._weights[vid] = self._weights[vid].contiguous(memory_format=torch.channels_last)
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
+        t = time.perf_counter()
+        self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
+        torch.cuda.synchronize(self.device)
+        self.stats.seconds["warmup"] = self.stats.seconds.get("warmup", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        self._capture(graph_dump)
+        self.stats.seconds["capture"] = self.stats.seconds.get("capture", 0.0) + time.perf_counter() - t
+
     def _allocate(self) -> None:
         g, dev = self.graph, self.device
         need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
         try:
-            self._weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values if v.kind == WEIGHT}
+            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values
+                                    if v.kind == WEIGHT}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
             self._inputs = [torch.empty(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
@@ -91,6 +166,7 @@ class Executable:
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
                                  f"and arena need {need} bytes "
                                  f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
+        self._weights = dict(self._stored_weights)
         self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
         self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
         self.stats.arena_bytes = self.memory.arena_bytes if self._with_arena else 0
@@ -170,19 +246,29 @@ class Executable:
     def input_buffers(self) -> list[torch.Tensor]:
         return list(self._inputs)
 
+    def outside_arena(self) -> list[int]:
+        """Planned values that the captured graph holds elsewhere than at their planned offset: the
+        results of fused ops that a cuDNN fused kernel computes (it allocates its own result)."""
+        if self._cuda_graph is None or not self._with_arena:
+            return []
+        base = self.arena.data_ptr()
+        return [vid for vid, t in self._tensors.items() if self.memory.offset[vid] is not None
+                and vid in self._views and t.data_ptr() - base != self.memory.offset[vid]]
+
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 
-def load(path: str | Path, device: str = "auto") -> Executable:
-    """Read and validate an artifact, then prepare it for execution on `device`."""
+def load(path: str | Path, device: str = "auto", tune: str = "cached") -> Executable:
+    """Read and validate an artifact, then prepare it for execution on `device`, choosing its
+    layout and streams as `tune` says (off, cached or full; see `tuning.py`)."""
     from nimble.formats import read_artifact
 
     t = time.perf_counter()
     art = read_artifact(path)
     read_s = time.perf_counter() - t
-    exe = Executable(art, device, name=Path(path).name)
+    exe = Executable(art, device, name=Path(path).name, tune=tune)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     return exe
 

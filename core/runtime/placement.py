@@ -107,8 +107,9 @@ def prepare(graph: Graph) -> list[PlacedOp]:
     return placed
 
 
-def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Value id -> a tensor over its planned bytes, for every planned (root) activation."""
+def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor, channels_last=()) -> dict[int, torch.Tensor]:
+    """Value id -> a tensor over its planned bytes, for every planned (root) activation. The values
+    in `channels_last` (dense 4-D buffers) get channels_last strides over the same bytes."""
     views = {}
     for v in graph.values:
         off = memory.offset[v.id]
@@ -116,8 +117,12 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor) -> dict[i
             continue
         dtype = bridge.DTYPES[v.spec.dtype]
         flat = arena[off: off + memory.size[v.id]].view(dtype)
-        views[v.id] = flat.as_strided(v.spec.shape, v.spec.strides or contiguous_strides(v.spec.shape),
-                                      flat.storage_offset() + v.spec.offset)  # as_strided offsets are absolute
+        if v.id in channels_last:
+            n, c, h, w = v.spec.shape
+            strides = (h * w * c, 1, w * c, c)
+        else:
+            strides = v.spec.strides or contiguous_strides(v.spec.shape)
+        views[v.id] = flat.as_strided(v.spec.shape, strides, flat.storage_offset() + v.spec.offset)  # absolute
     return views
 
 

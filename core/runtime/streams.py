@@ -84,3 +84,11 @@ def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
     graph.enable_debug_mode()
     return graph
+
+
+def count_kernels(dot_path) -> int:
+    """Kernel nodes in a CUDA graph written by `debug_dump` (Graphviz DOT): one per launch."""
+    import re
+    from pathlib import Path
+
+    return len(re.findall(r"\bKERNEL\b", Path(dot_path).read_text(errors="replace")))

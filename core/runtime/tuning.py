@@ -1,0 +1,148 @@
+"""Load-time choices, made by timing them on this GPU, and the cache that keeps them.
+
+An artifact fixes what is computed and where every activation lives. How it runs on one GPU is
+left to load time, where `Executable` times the candidates that `candidates` lists and keeps the
+fastest:
+
+- layout: 4-D activations contiguous (NCHW), or channels_last (NHWC) with the convolution
+  weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
+  bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares;
+- streams: the artifact's schedule as planned, or every op on one stream in the schedule's issue
+  order. The second is safe under the same memory plan: running the issue order serially only
+  adds ordering to what the plan already proved safe.
+
+The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
+GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
+timing, `cached` (the default) times only on a cache miss, and `full` always times and rewrites
+the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..ir import ACTIVATION, WEIGHT, Graph, Ref
+from ..ops import fusion
+from .kernels import cache_dir
+
+TUNE_MODES = ("off", "cached", "full")
+LAYOUTS = ("contiguous", "channels_last")
+STREAMS = ("planned", "serial")
+
+
+@dataclass(frozen=True)
+class Choice:
+    layout: str = "contiguous"
+    streams: str = "planned"
+
+    def describe(self) -> str:
+        return f"{self.layout}, {self.streams} streams"
+
+
+def candidates(graph: Graph, num_streams: int) -> list[Choice]:
+    """Every choice worth timing for this graph: channels_last only where a 4-D convolution
+    exists, one stream only where the schedule has several."""
+    layouts = LAYOUTS if conv_weights(graph) else LAYOUTS[:1]
+    streams = STREAMS if num_streams > 1 else STREAMS[:1]
+    return [Choice(layout, s) for layout in layouts for s in streams]
+
+
+def conv_weights(graph: Graph) -> set[int]:
+    """4-D weights that only convolutions read, as their weight operand."""
+    as_weight, elsewhere = set(), set()
+    for op in graph.ops:
+        nodes = fusion.body_of(op) if op.target == fusion.FUSED else ((op.target, op.args, op.kwargs),)
+        for target, args, kwargs in nodes:
+            params = fusion.conv_params(target, args) if target in fusion.CONVOLUTIONS else None
+            w = params["weight"] if params else None
+            for r in _refs((args, tuple(v for _, v in kwargs))):
+                if graph.values[r].kind == WEIGHT:
+                    (as_weight if w == Ref(r) and len(graph.values[r].spec.shape) == 4 else elsewhere).add(r)
+    return as_weight - elsewhere
+
+
+def channels_last_values(graph: Graph) -> set[int]:
+    """Planned 4-D buffers that no view shares: the ones channels_last re-strides."""
+    shared = {v.alias_of for v in graph.values if v.alias_of is not None}
+    return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
+            and len(v.spec.shape) == 4 and not v.spec.strides and not v.spec.offset}
+
+
+def _refs(args):
+    for a in args:
+        if isinstance(a, Ref):
+            yield a.id
+        elif isinstance(a, tuple):
+            yield from _refs(a)
+
+
+# ---------------------------------------------------------------------------------- timing
+def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5) -> float:
+    """Median time per replay over `repeats` runs of `replays` back-to-back replays."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            replay()
+        stop.record()
+        torch.cuda.synchronize(device)
+        samples.append(start.elapsed_time(stop) / replays)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------------- cache
+def cache_key(artifact, device: torch.device) -> str:
+    """The artifact's content hash, the GPU and the torch version."""
+    members = artifact.manifest.get("members") or {}
+    if members:
+        digest = hashlib.sha256(json.dumps(members, sort_keys=True).encode()).hexdigest()
+    else:  # an artifact built in memory (nimble.Nimble): hash what it runs
+        from nimble.formats import codec
+
+        h = hashlib.sha256()
+        for doc in (codec.encode_graph(artifact.graph), codec.encode_schedule(artifact.schedule),
+                    codec.encode_memory(artifact.memory)):
+            h.update(json.dumps(doc, sort_keys=True).encode())
+        digest = h.hexdigest()
+    props = torch.cuda.get_device_properties(device)
+    return f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}"
+
+
+def cache_path():
+    return cache_dir() / "tuning.json"
+
+
+def cached(key: str) -> Choice | None:
+    """The choice stored for `key`, or None (no entry, or an unreadable cache)."""
+    try:
+        entry = json.loads(cache_path().read_text()).get(key)
+        choice = Choice(**entry["choice"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return choice if choice.layout in LAYOUTS and choice.streams in STREAMS else None
+
+
+def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
+    """Record `choice` for `key`; a cache that cannot be written is skipped silently."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+            table = table if isinstance(table, dict) else {}
+        except (OSError, ValueError):
+            table = {}
+        table[key] = {"choice": asdict(choice), "gpu_ms": timings}
+        tmp = path.with_name(f".tuning.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,0 +1,88 @@
+"""Fused ops on CUDA (`runtime/kernels.py`) and the load-time choices (`runtime/tuning.py`):
+every choice forced each way reproduces the model, generated kernels match the interpreted body,
+and the tuning and kernel caches are used. Run with `pytest -m gpu`."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nimble
+from nimble.formats import read_artifact
+from nimble.ops import fusion
+from nimble.runtime import reference, tuning
+from nimble.runtime.compare import compare
+from nimble.runtime.executable import Executable
+
+from .conftest import MODELS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_forced_choice_reproduces_the_model(sample_artifacts, name):
+    art = read_artifact(sample_artifacts[name])
+    for choice in [tuning.Choice(layout, streams) for layout in tuning.LAYOUTS for streams in tuning.STREAMS]:
+        exe = Executable(art, "cuda", choice=choice)
+        assert exe.stats.tuning == "forced" and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
+        result = compare(exe(*art.sample_inputs, copy=True), art.sample_outputs, rtol=1e-2, atol=1e-3)
+        assert result.passed, f"{choice}: {result.describe()}"
+        fused = {op.outputs[0]: op for op in exe.graph.ops if op.target == fusion.FUSED}
+        for vid in exe.outside_arena():  # only cuDNN's fused convolutions allocate their own result
+            assert vid in fused and fusion.convolution_pattern(fusion.body_of(fused[vid])) is not None
+
+
+class Pointwise(nn.Module):
+    """Elementwise chains and trees after convolutions: SE-style per-channel scaling, every
+    activation the fused kernels know, scalars, and a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 16, 3, padding=1)
+        self.b = nn.Conv2d(16, 16, 1)
+        self.se = nn.Conv2d(16, 16, 1)
+        self.c = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+
+    def forward(self, x):
+        y = F.silu(self.a(x))
+        s = torch.sigmoid(self.se(y.mean((2, 3), keepdim=True)))
+        z = F.hardswish(self.b(y * s)) + y
+        w = F.gelu(self.c(z)) * 0.5 - F.hardsigmoid(z) / 3.0
+        u = F.relu6(w) + torch.tanh(z) * F.leaky_relu(w, 0.2)
+        return F.gelu(torch.clamp(u, -1.0, 2.0) + F.elu(z), approximate="tanh")
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 12, 12), (4, 8, 7, 9)])
+def test_generated_kernels_match_the_interpreted_body(shape):
+    torch.manual_seed(0)
+    module = Pointwise().eval()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want = module(x)
+    for layout in tuning.LAYOUTS:
+        runner = nimble.Nimble(module).prepare(x)
+        exe = runner._runner
+        assert any(op.target == fusion.FUSED for op in exe.graph.ops)
+        exe = Executable(exe.artifact, "cuda", choice=tuning.Choice(layout))
+        assert exe.stats.kernel_fallbacks == [] and exe.stats.kernels_generated > 0
+        got = exe(x.cuda(), copy=True)[0].cpu()
+        interpreted = reference.run(exe.graph, exe.artifact.weights, [x], "cpu")[0]
+        torch.testing.assert_close(got, interpreted, rtol=2e-3, atol=2e-4)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_tuning_is_timed_once_then_read_from_the_cache(sample_artifacts):
+    first = nimble.load(sample_artifacts["mobilenet"], device="cuda", tune="full")
+    options = tuning.candidates(first.graph, first.schedule.num_streams)
+    assert first.stats.tuning == "timed" and len(first.stats.tuning_ms) == len(options) > 1
+    assert tuning.cache_path().exists()
+    again = nimble.load(sample_artifacts["mobilenet"], device="cuda")
+    assert again.stats.tuning == "cache hit" and again.stats.choice == first.stats.choice
+    assert again.stats.kernel_source_hits == again.stats.kernels_generated > 0
+    off = nimble.load(sample_artifacts["mobilenet"], device="cuda", tune="off")
+    assert off.stats.tuning == "off" and off.stats.choice == tuning.Choice().describe()
