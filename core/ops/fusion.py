@@ -103,11 +103,25 @@ def conv_params(target: str, args: tuple | list) -> dict | None:
         p = dict(zip(names, args + list(defaults[len(args):])))
         if isinstance(p["padding"], str):
             return None  # padding="same"/"valid": its own overload, not this one
-        return p
+        return _pairs(p)
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
     p = dict(zip(names, args))
-    if len(args) < len(names) or p["transposed"] or any(p["output_padding"]):
+    if len(args) < len(names) or p["transposed"] or not isinstance(p["output_padding"], (tuple, list)) \
+            or any(p["output_padding"]):
         return None
+    return _pairs(p)
+
+
+def _pairs(p: dict) -> dict | None:
+    """stride, padding and dilation as pairs of ints (a single int stands for both)."""
+    for key in ("stride", "padding", "dilation"):
+        v = p[key]
+        v = (v,) if isinstance(v, int) else tuple(v) if isinstance(v, (tuple, list)) else ()
+        if len(v) == 1:
+            v = v * 2
+        if len(v) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+            return None
+        p[key] = v
     return p
 
 

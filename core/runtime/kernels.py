@@ -84,10 +84,14 @@ class FusedKernel:
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 4 or not _on_cudnn(p):
             return None
         stride, padding, dilation = (list(p[k]) for k in ("stride", "padding", "dilation"))
+        if w.dtype != x.dtype or (bias is not None and tuple(bias.shape) != (w.shape[0],)):
+            return None
         if self.pattern == "relu":
             return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
         add_args = body[1][1]
         z = add_args[1] if isinstance(add_args[0], Local) else add_args[0]
+        if not isinstance(z, torch.Tensor) or tuple(z.shape) != conv_shape(p) or z.dtype != x.dtype:
+            return None
         return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation, p["groups"])
 
     # ---------------------------------------------------------------------------- Triton
@@ -100,12 +104,16 @@ class FusedKernel:
         key = (tuple(out.shape), tuple(out.stride()), out.dtype,
                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
         launch = self._built.get(key, _UNBUILT)
-        if launch is None or conv is not None and not _conv_into(conv, out):
+        if launch is None:
             return None
+        if conv is not None:
+            if conv_shape(conv) != tuple(out.shape) or conv["input"].dtype != out.dtype:
+                return None  # the body broadcasts past its convolution: interpret it
+            _conv_into(conv, out)
         if launch is _UNBUILT:
             t = time.perf_counter()
             try:  # the first launch compiles: a failure there falls back too
-                launch = _compile(_source(self.body, out, operands, conv is not None,
+                launch = _compile(_source(body, out, operands, conv is not None,
                                           conv is not None and conv["bias"] is not None))
                 launch(out, operands)
             except Exception as e:  # no Triton, or a body it cannot compile: interpret instead
@@ -121,6 +129,16 @@ class FusedKernel:
 _UNBUILT = object()
 
 
+def conv_shape(p: dict) -> tuple[int, ...]:
+    """The shape a 2-D convolution with these arguments computes."""
+    x, w = p["input"], p["weight"]
+    dims = []
+    for d in range(2):
+        k = (w.shape[2 + d] - 1) * p["dilation"][d] + 1
+        dims.append((x.shape[2 + d] + 2 * p["padding"][d] - k) // p["stride"][d] + 1)
+    return (x.shape[0], w.shape[0], *dims)
+
+
 def _on_cudnn(p: dict) -> bool:
     x, w = p["input"], p["weight"]
     backend = torch._C._select_conv_backend(x, w, p["bias"], list(p["stride"]), list(p["padding"]),
@@ -129,13 +147,20 @@ def _on_cudnn(p: dict) -> bool:
 
 
 def _conv_into(p: dict, out: torch.Tensor) -> bool:
-    """The convolution, without its bias, written into `out` by cuDNN's out= kernel."""
-    if not _on_cudnn(p):
-        return False
-    torch.ops.aten.cudnn_convolution.out(p["input"], p["weight"], list(p["padding"]), list(p["stride"]),
-                                         list(p["dilation"]), p["groups"], torch.backends.cudnn.benchmark,
-                                         torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
-                                         out=out)
+    """The convolution, without its bias, written into `out`: through cuDNN's or the depthwise
+    kernel's out= overload where PyTorch would pick those, else computed and copied."""
+    x, w = p["input"], p["weight"]
+    stride, padding, dilation = list(p["stride"]), list(p["padding"]), list(p["dilation"])
+    backend = torch._C._select_conv_backend(x, w, p["bias"], stride, padding, dilation, False, [0, 0],
+                                            p["groups"], None)
+    if backend == torch._C._ConvBackend.Cudnn:
+        torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, p["groups"],
+                                             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                                             torch.backends.cudnn.allow_tf32, out=out)
+    elif backend == torch._C._ConvBackend.CudaDepthwise2d:
+        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), None, stride, padding, dilation, out=out)
+    else:
+        out.copy_(torch.ops.aten.convolution(x, w, None, stride, padding, dilation, False, [0, 0], p["groups"]))
     return True
 
 
@@ -231,7 +256,9 @@ def _offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "0"
 
 
-def _source(body: tuple, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
+def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
+    """The kernel's source. `body` is the op's body as the runtime passes it (tensors in place of
+    Refs), and `operands` the distinct tensors it reads."""
     shape = tuple(out.shape)
     order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))  # outermost first
     dense_strides, step = [0] * out.dim(), 1

@@ -1,0 +1,180 @@
+"""The fusion passes and fused ops on the CPU: what fuses, that fused graphs compute what the
+unfused ones do (hypothesis-generated elementwise chains included), that a fused body is checked
+when read, and that the generated kernels' index arithmetic addresses the right elements."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nimble.errors import ArtifactError
+from nimble.formats import read_artifact
+from nimble.formats.artifact import encode
+from nimble.frontend import quiet_torchscript
+from nimble.ir import Local
+from nimble.ops import fusion
+from nimble.pipeline import compile_model, compile_script
+from nimble.runtime import reference
+from nimble.runtime.kernels import _expr, _offset, _source
+from nimble.specs import input_specs
+
+from .conftest import SAMPLES
+from .forge import edit_json
+
+
+def targets(graph) -> list[str]:
+    return [op.target for op in graph.ops]
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return {fuse: compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu", fuse=fuse)
+            for fuse in (False, True)}
+
+
+def test_convolutions_fuse_with_bias_residual_add_and_relu(resnet):
+    plain, fused = resnet[False].graph, resnet[True].graph
+    patterns = sorted(str(fusion.convolution_pattern(fusion.body_of(op))) for op in fused.ops
+                      if op.target == fusion.FUSED)
+    assert patterns.count("add_relu") == 4 and patterns.count("relu") == 5
+    assert targets(fused).count("aten::relu.default") == 0 and targets(plain).count("aten::relu.default") == 9
+    assert len(fused.ops) == len(plain.ops) - 13
+    x = resnet[True].sample_inputs
+    for got, want in zip(reference.run(fused, resnet[True].weights, x), reference.run(plain, resnet[False].weights, x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_keeps_artifacts_byte_identical(tmp_path):
+    a = compile_model(SAMPLES / "mobilenet.pt", input_specs(["1x3x32x32"]), device="cpu")
+    b = compile_model(SAMPLES / "mobilenet.pt", input_specs(["1x3x32x32"]), device="cpu")
+    assert any(op.target == fusion.FUSED for op in a.graph.ops)
+    assert encode(a.artifact()) == encode(b.artifact())
+
+
+UNARY = {
+    "relu": F.relu, "relu6": F.relu6, "sigmoid": torch.sigmoid, "silu": F.silu, "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid, "tanh": torch.tanh, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "leaky": lambda x: F.leaky_relu(x, 0.1), "clamp": lambda x: torch.clamp(x, -0.5, 0.7), "neg": torch.neg,
+    "exp_small": lambda x: torch.exp(x * 0.1), "abs": torch.abs, "erf": torch.erf, "scale": lambda x: x * 1.5 - 0.25,
+}
+BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "max": torch.maximum,
+          "div": lambda a, b: a / (b.abs() + 1.0)}
+
+
+class Chain(nn.Module):
+    """A random tree of elementwise ops over a convolution's output, a per-channel tensor (SE-like
+    broadcast) and the input."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.scale = nn.Conv2d(4, 4, 1)
+        self.steps = steps
+
+    def forward(self, x):
+        y = self.conv(x)
+        s = self.scale(x.mean((2, 3), keepdim=True))
+        values = [y]
+        for kind, name, other in self.steps:
+            a = values[-1]
+            if kind == "unary":
+                values.append(UNARY[name](a))
+            else:
+                b = (x, s, values[0])[other]
+                values.append(BINARY[name](a, b))
+        return values[-1]
+
+
+step = st.one_of(st.tuples(st.just("unary"), st.sampled_from(sorted(UNARY)), st.just(0)),
+                 st.tuples(st.just("binary"), st.sampled_from(sorted(BINARY)), st.integers(0, 2)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(step, min_size=1, max_size=8))
+def test_generated_chains_match_the_unfused_reference(steps):
+    torch.manual_seed(0)
+    module = Chain(steps).eval()
+    x = torch.randn(2, 4, 6, 5)
+    with quiet_torchscript():
+        traced = torch.jit.trace(module, (x,))
+    runs = {fuse: compile_script(traced, input_specs(["2x4x6x5"]), "chain", "chain.pt", "0" * 64, device="cpu",
+                                 fuse=fuse) for fuse in (False, True)}
+    assert any(op.target == fusion.FUSED for op in runs[True].graph.ops)
+    got = reference.run(runs[True].graph, runs[True].weights, [x])
+    want = reference.run(runs[False].graph, runs[False].weights, [x])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_every_fusible_op_has_a_kernel_expression():
+    for target, tensors in fusion.POINTWISE.items():
+        args = [None] * 3
+        for pos in tensors:
+            args[pos] = "t"
+        if target.endswith(".Scalar"):
+            args[1] = 2.0
+        code = _expr(target, ["a", "b"], args, {})
+        ast.parse(code)  # a Python expression over a and b
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.randoms(use_true_random=False), st.booleans())
+def test_kernel_offsets_address_each_element(shape, rnd, broadcast):
+    """The offset expression of a kernel, evaluated for every index, lands on the element the
+    output's memory order puts there, for permuted outputs and broadcast operands."""
+    shape = tuple(shape)
+    perm = list(range(len(shape)))
+    rnd.shuffle(perm)
+    out = torch.empty([shape[p] for p in perm]).permute([perm.index(d) for d in range(len(shape))])
+    operand_shape = tuple(1 if broadcast and rnd.random() < 0.5 else n for n in shape)
+    operand = torch.empty(operand_shape).expand(shape)
+    order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))
+    for tensor in (out, operand):
+        expr = _offset(shape, tensor.stride(), order, dense=False)
+        coords = torch.stack(torch.meshgrid(*[torch.arange(n) for n in shape], indexing="ij"), -1).reshape(-1, len(shape))
+        for coord in coords.tolist():
+            i = sum(coord[d] * out.stride(d) for d in range(len(shape)))  # the out element's position
+            want = sum(coord[d] * tensor.stride(d) for d in range(len(shape)))
+            assert eval(expr, {"i": i}) == want
+
+
+def test_kernel_source_is_python_naming_each_operand():
+    out = torch.empty(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    bias, other = torch.empty(1, 3, 1, 1), torch.empty(2, 3, 4, 4)
+    body = [("aten::add.Tensor", (Local(0), other), ()), ("aten::silu.default", (Local(1),), ())]
+    source = _source([("aten::conv2d.default", (), ())] + body, out, [other, bias], leads=True, bias=True)
+    ast.parse(source)
+    assert "in1_ptr" in source and "v2 = (v1 * tl.sigmoid(v1))" in source
+
+
+@pytest.fixture(scope="module")
+def fused_blob():
+    c = compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu")
+    return encode(c.artifact())
+
+
+def first_fused(doc) -> dict:
+    return next(op for op in doc["ops"] if op["target"] == fusion.FUSED)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda op: op["args"][0][1].__setitem__(0, "aten::cat.default"), "not an op a fused body may hold"),
+    (lambda op: op["args"][0][1].__setitem__(0, "aten::convolution.default"), "may only lead"),
+    (lambda op: op["args"][0][1].__setitem__(1, [{"local": 3}]), "not an earlier node"),
+    (lambda op: op["args"][0].__setitem__(0, ["aten::relu.default", [{"local": 0}], []]), "not an earlier node"),
+    (lambda op: op["args"].append(1), "malformed"),
+    (lambda op: op["args"][0].clear(), "0 body nodes"),
+    (lambda op: op["args"][0][1].__setitem__(1, [{"local": 10**9}]), "not a body node"),
+])
+def test_a_forged_body_is_refused_in_one_line(fused_blob, tmp_path, edit, match):
+    path = tmp_path / "a.nimble"
+    path.write_bytes(edit_json(fused_blob, "graph.json", lambda doc: edit(first_fused(doc))))
+    with pytest.raises(ArtifactError, match=match) as info:
+        read_artifact(path)
+    assert "\n" not in str(info.value)
