@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, literal, print_json, user_errors, writable
+from .common import TUNE_HELP, console, human_bytes, literal, print_json, user_errors, writable
 
-BENCH_SCHEMA_VERSION = 1
+BENCH_SCHEMA_VERSION = 2
 VARIANTS = {
     "nimble": "nimble: planned streams, planned arena, one CUDA graph",
     "eager": "the same op list run eagerly, one op at a time, no graph",
@@ -32,6 +32,7 @@ def bench_command(
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
                                    "PyTorch-pool CUDA graphs in the same process."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA if present), cuda or cpu."),
+    tune: str = typer.Option("cached", "--tune", help=TUNE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON report on stdout."),
     export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
                                                 "times (latency, GPU, enqueue; ms) to this JSON file."),
@@ -69,8 +70,15 @@ def bench_command(
             raise UsageError("--duration-s must be positive and --warmup-ms not negative")
 
         with console.status(f"loading {artifact.name}", spinner="dots") as status:
+            import tempfile
+
+            from nimble.runtime.streams import count_kernels
+
             t0 = time.perf_counter()
-            exe = load(artifact, device)
+            with tempfile.TemporaryDirectory() as tmp:
+                dump = str(Path(tmp) / "graph.dot") if torch.cuda.is_available() and device != "cpu" else None
+                exe = load(artifact, device, tune=tune, graph_dump=dump)
+                kernels = count_kernels(dump) if exe.device.type == "cuda" else None
             cuda = exe.device.type == "cuda"
             for buf, x in zip(exe.input_buffers, exe.artifact.sample_inputs):
                 buf.copy_(x)
@@ -108,6 +116,11 @@ def bench_command(
             "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
             "load_seconds": exe.stats.seconds["total"], "first_inference_seconds": first,
             "load_breakdown_seconds": exe.stats.seconds, "memory": memory,
+            "tuning": {"choice": exe.stats.choice or None, "how": exe.stats.tuning or None,
+                       "candidates_gpu_ms": exe.stats.tuning_ms},
+            "kernels": {"per_inference": kernels, "generated": exe.stats.kernels_generated,
+                        "source_cache_hits": exe.stats.kernel_source_hits,
+                        "interpreted_fused_ops": exe.stats.kernel_fallbacks},
             "settings": {"warmup_ms": warmup_ms, "duration_s": None if iterations else duration_s,
                          "iterations": iterations, "percentiles": list(pcts)},
             "results": summaries,
@@ -129,6 +142,16 @@ def bench_command(
 def _print(r: dict, pcts) -> None:
     console.print(f"[bold]{literal(Path(r['artifact']).name)}[/] on {r['gpu'] or r['device']} (torch {r['torch']}): "
                   f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
+    load = ", ".join(f"{k} {v:.2f}" for k, v in r["load_breakdown_seconds"].items() if k != "total")
+    console.print(f"  load breakdown, s: {load}")
+    t, k = r["tuning"], r["kernels"]
+    if t["choice"]:
+        console.print(f"  runs as: {t['choice']} ({t['how']})")
+    if k["per_inference"] is not None:
+        console.print(f"  kernels per inference: {k['per_inference']}; fused kernels generated {k['generated']} "
+                      f"({k['source_cache_hits']} from the cache folder)"
+                      + (f", {len(k['interpreted_fused_ops'])} fused ops interpreted" if k["interpreted_fused_ops"]
+                         else ""))
     names = list(r["results"])
     table = Table(show_edge=False, pad_edge=False, title="latency per inference, ms", title_justify="left")
     table.add_column("")

@@ -80,3 +80,9 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+TUNE_HELP = ("How to choose the layout (NCHW or channels_last), the streams (as planned, or one) and cuDNN's "
+             "convolution algorithms on CUDA: cached (default) times the candidates once per artifact, GPU "
+             "and torch version and keeps the choice in ~/.cache/nimble/tuning.json (or $NIMBLE_CACHE_DIR); "
+             "full times them again; off takes NCHW, the planned streams and cuDNN's heuristics.")

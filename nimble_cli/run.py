@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import console, literal, print_json, user_errors, writable
+from .common import TUNE_HELP, console, literal, print_json, user_errors, writable
 
 RUN_SCHEMA_VERSION = 1
 
@@ -26,6 +26,7 @@ def run_command(
                                          "CUDA, where convolutions run in TF32; 1e-4 on the CPU)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
                                          "CUDA, 1e-5 on the CPU)."),
+    tune: str = typer.Option("cached", "--tune", help=TUNE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
@@ -47,7 +48,7 @@ def run_command(
             raise UsageError("give --input files or --random, not both")
         with console.status(f"loading {artifact.name}", spinner="dots"):
             t = time.perf_counter()
-            exe = load(artifact, device)
+            exe = load(artifact, device, tune=tune)
         if exe.notice:
             console.print(f"[yellow]note:[/] {exe.notice}")
         g = exe.graph

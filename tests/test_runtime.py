@@ -150,7 +150,8 @@ def test_bench_json_report(artifacts, tmp_path):
                                  "--json", "--export-times", str(times)])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["schema_version"] == 1 and set(report["results"]) == {"nimble", "eager"}
+    assert report["schema_version"] == 2 and set(report["results"]) == {"nimble", "eager"}
+    assert report["kernels"]["per_inference"] is None and report["tuning"]["choice"] is None  # the CPU: no tuning
     nimble_row = report["results"]["nimble"]
     assert nimble_row["iterations"] == 5 and nimble_row["min_ms"] <= nimble_row["median_ms"] <= nimble_row["max_ms"]
     assert {"p90_ms", "p95_ms", "p99_ms", "cv_percent", "throughput_per_s"} <= set(nimble_row)

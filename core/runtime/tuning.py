@@ -9,7 +9,12 @@ fastest:
   bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares;
 - streams: the artifact's schedule as planned, or every op on one stream in the schedule's issue
   order. The second is safe under the same memory plan: running the issue order serially only
-  adds ordering to what the plan already proved safe.
+  adds ordering to what the plan already proved safe;
+- convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
+  convolution during the warm-up (what `torch.backends.cudnn.benchmark` does).
+
+Timing is greedy: every layout and algorithm setting on the planned streams, then the best of
+those on one stream.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -34,23 +39,30 @@ from .kernels import cache_dir
 TUNE_MODES = ("off", "cached", "full")
 LAYOUTS = ("contiguous", "channels_last")
 STREAMS = ("planned", "serial")
+ALGORITHMS = ("heuristic", "benchmark")
 
 
 @dataclass(frozen=True)
 class Choice:
     layout: str = "contiguous"
     streams: str = "planned"
+    algorithms: str = "heuristic"
 
     def describe(self) -> str:
-        return f"{self.layout}, {self.streams} streams"
+        return f"{self.layout}, {self.streams} streams, {self.algorithms} convolution algorithms"
 
 
 def candidates(graph: Graph, num_streams: int) -> list[Choice]:
-    """Every choice worth timing for this graph: channels_last only where a 4-D convolution
-    exists, one stream only where the schedule has several."""
-    layouts = LAYOUTS if conv_weights(graph) else LAYOUTS[:1]
+    """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
+    convolution exists, one stream only where the schedule has several."""
+    convs = bool(conv_weights(graph))
+    layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
     streams = STREAMS if num_streams > 1 else STREAMS[:1]
-    return [Choice(layout, s) for layout in layouts for s in streams]
+    return [Choice(layout, s, a) for layout in layouts for s in streams for a in algorithms]
+
+
+def every_choice() -> list[Choice]:
+    return [Choice(layout, s, a) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS]
 
 
 def conv_weights(graph: Graph) -> set[int]:
@@ -127,7 +139,7 @@ def cached(key: str) -> Choice | None:
         choice = Choice(**entry["choice"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    return choice if choice.layout in LAYOUTS and choice.streams in STREAMS else None
+    return choice if choice in every_choice() else None
 
 
 def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
