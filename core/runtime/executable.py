@@ -106,11 +106,8 @@ class Executable:
             if best is None or best not in options:
                 t = time.perf_counter()
                 last = None
-                for stage in ([c for c in options if c.streams == "planned"], "serial"):
-                    if stage == "serial":  # the best so far, on one stream
-                        stage = [c for c in options if c.streams == "serial" and c.layout == best.layout
-                                 and c.algorithms == best.algorithms]
-                    for c in stage:
+                for stage in tuning.stages(options):
+                    for c in stage if isinstance(stage, list) else stage(best):
                         self._build(c)
                         timed[c.describe()] = tuning.gpu_ms(self._cuda_graph.replay, self.device)
                         last = c
@@ -151,6 +148,9 @@ class Executable:
             for vid in tuning.conv_weights(self.graph):
                 self._weights[vid] = self._weights[vid].contiguous(memory_format=torch.channels_last)
         self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
+        for p in self._placed:
+            if isinstance(p.substitute, kernels.FusedKernel):
+                p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:

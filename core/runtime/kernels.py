@@ -64,13 +64,14 @@ class FusedKernel:
         self.op = op
         self.body = fusion.body_of(op)
         self.pattern = fusion.convolution_pattern(self.body)
+        self.cudnn_fusion = True  # False: a cuDNN-fusible body runs as convolution plus generated epilogue
         self._built: dict[tuple, object] = {}  # call signature -> launcher, or None to interpret
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
         if not out.is_cuda:
             return None
-        if self.pattern is not None:
+        if self.pattern is not None and self.cudnn_fusion:
             got = self._cudnn(body)
             if got is not None:
                 return got

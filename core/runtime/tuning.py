@@ -11,10 +11,12 @@ fastest:
   order. The second is safe under the same memory plan: running the issue order serially only
   adds ordering to what the plan already proved safe;
 - convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
-  convolution during the warm-up (what `torch.backends.cudnn.benchmark` does).
+  convolution during the warm-up (what `torch.backends.cudnn.benchmark` does);
+- convolution fusion: conv -> relu and conv -> add -> relu bodies as cuDNN's fused kernels, or
+  split into cuDNN's plain convolution and a generated epilogue kernel. Neither wins everywhere.
 
-Timing is greedy: every layout and algorithm setting on the planned streams, then the best of
-those on one stream.
+Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
+convolutions, then the best of those split, then the best so far on one stream.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -40,6 +42,7 @@ TUNE_MODES = ("off", "cached", "full")
 LAYOUTS = ("contiguous", "channels_last")
 STREAMS = ("planned", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
+CONVOLUTIONS = ("cudnn-fused", "split")
 
 
 @dataclass(frozen=True)
@@ -47,22 +50,34 @@ class Choice:
     layout: str = "contiguous"
     streams: str = "planned"
     algorithms: str = "heuristic"
+    convolutions: str = "cudnn-fused"
 
     def describe(self) -> str:
-        return f"{self.layout}, {self.streams} streams, {self.algorithms} convolution algorithms"
+        return f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}"
 
 
 def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
-    convolution exists, one stream only where the schedule has several."""
+    convolution exists, split convolutions only where cuDNN's fused ones could run, one stream
+    only where the schedule has several."""
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
     streams = STREAMS if num_streams > 1 else STREAMS[:1]
-    return [Choice(layout, s, a) for layout in layouts for s in streams for a in algorithms]
+    fused = any(op.target == fusion.FUSED and fusion.convolution_pattern(fusion.body_of(op)) for op in graph.ops)
+    kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
+    return [Choice(layout, s, a, k) for layout in layouts for s in streams for a in algorithms for k in kinds]
 
 
 def every_choice() -> list[Choice]:
-    return [Choice(layout, s, a) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS]
+    return [Choice(layout, s, a, k) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS for k in CONVOLUTIONS]
+
+
+def stages(options: list[Choice]):
+    """The greedy order of timing: a list of candidates, then functions from the best so far to
+    the next candidates."""
+    yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]]
+    yield lambda best: [c for c in options if c == Choice(best.layout, best.streams, best.algorithms, "split")]
+    yield lambda best: [c for c in options if c == Choice(best.layout, "serial", best.algorithms, best.convolutions)]
 
 
 def conv_weights(graph: Graph) -> set[int]:
