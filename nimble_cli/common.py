@@ -82,7 +82,8 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-TUNE_HELP = ("How to choose the layout (NCHW or channels_last), the streams (as planned, or one) and cuDNN's "
-             "convolution algorithms on CUDA: cached (default) times the candidates once per artifact, GPU "
-             "and torch version and keeps the choice in ~/.cache/nimble/tuning.json (or $NIMBLE_CACHE_DIR); "
-             "full times them again; off takes NCHW, the planned streams and cuDNN's heuristics.")
+TUNE_HELP = ("How to choose, on CUDA, the layout (NCHW or channels_last), the streams (as planned, or one), "
+             "cuDNN's convolution algorithms and whether convolutions use cuDNN's fused kernels: cached "
+             "(default) times the candidates once per artifact, GPU and torch version and keeps the choice in "
+             "~/.cache/nimble/tuning.json (or $NIMBLE_CACHE_DIR); full times them again; off takes NCHW, the "
+             "planned streams, cuDNN's heuristics and its fused kernels.")
