@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nimble.errors import ArtifactError
@@ -91,12 +91,14 @@ class Chain(nn.Module):
         return values[-1]
 
 
+SE_LIKE = [("unary", "silu", 0), ("binary", "mul", 1), ("unary", "hardswish", 0), ("binary", "add", 2)]
 step = st.one_of(st.tuples(st.just("unary"), st.sampled_from(sorted(UNARY)), st.just(0)),
                  st.tuples(st.just("binary"), st.sampled_from(sorted(BINARY)), st.integers(0, 2)))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(step, min_size=1, max_size=8))
+@example(SE_LIKE)
 def test_generated_chains_match_the_unfused_reference(steps):
     torch.manual_seed(0)
     module = Chain(steps).eval()
@@ -105,7 +107,9 @@ def test_generated_chains_match_the_unfused_reference(steps):
         traced = torch.jit.trace(module, (x,))
     runs = {fuse: compile_script(traced, input_specs(["2x4x6x5"]), "chain", "chain.pt", "0" * 64, device="cpu",
                                  fuse=fuse) for fuse in (False, True)}
-    assert any(op.target == fusion.FUSED for op in runs[True].graph.ops)
+    assert len(runs[True].graph.ops) <= len(runs[False].graph.ops)
+    if steps == SE_LIKE:
+        assert any(op.target == fusion.FUSED for op in runs[True].graph.ops)
     got = reference.run(runs[True].graph, runs[True].weights, [x])
     want = reference.run(runs[False].graph, runs[False].weights, [x])
     for g, w in zip(got, want):
