@@ -62,28 +62,8 @@ def check(name: str, batch: int, tmp: Path) -> dict:
     return row
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*", default=[*TORCHVISION, "inception", "nasnet", "resnet",
-                                                        "mobilenet", "transformer"])
-    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    import torch
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
-            "command": "python benchmarks/parity_choices.py " + " ".join(sys.argv[1:])}
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            for batch in args.batches:
-                try:
-                    rows.append(check(name, batch, Path(tmp)))
-                except Exception as e:  # one model's failure is a result too
-                    rows.append({"model": name, "batch": batch, "passed": False, "error": f"{type(e).__name__}: {e}"})
-                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "parity_choices.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+def write(out: Path, meta: dict, rows: list[dict]) -> None:
+    (out / "parity_choices.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"Parity of fused artifacts under every load-time choice forced, on {meta['gpu']}, torch "
              f"{meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Each choice's outputs against eager "
              "PyTorch on the GPU, rtol 1e-2, atol 1e-3 (TF32).", "",
@@ -97,8 +77,31 @@ def main() -> int:
         lines.append(f"| {r['model']} | {r['batch']} | {r['fused_ops']} | {len(r['choices'])} | "
                      f"{'yes' if r['passed'] else 'NO'} | {max(x['max_rel'] for x in c):.1e} | "
                      f"{max(x['interpreted'] for x in c)} |")
-    (args.out / "parity_choices.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "parity_choices.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", default=[*TORCHVISION, "inception", "nasnet", "resnet",
+                                                        "mobilenet", "transformer"])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    import torch
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
+            "command": "python benchmarks/parity_choices.py " + " ".join(sys.argv[1:])}
+    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            for batch in args.batches:
+                try:
+                    rows.append(check(name, batch, Path(tmp)))
+                except Exception as e:  # one model's failure is a result too
+                    rows.append({"model": name, "batch": batch, "passed": False, "error": f"{type(e).__name__}: {e}"})
+                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                write(args.out, meta, rows)  # after every row: a run cut short keeps what it measured
     return 0 if all(r["passed"] for r in rows) else 1
 
 
