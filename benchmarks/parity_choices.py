@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import TORCHVISION, make_model  # noqa: E402
+from peers import MODELS, make_model  # noqa: E402
 
 
 def check(name: str, batch: int, tmp: Path) -> dict:
@@ -82,8 +82,7 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*", default=[*TORCHVISION, "inception", "nasnet", "resnet",
-                                                        "mobilenet", "transformer"])
+    parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

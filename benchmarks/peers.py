@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 TORCHVISION = {"resnet50": 224, "inception_v3": 299, "googlenet": 224, "mobilenet_v2": 224,
                "efficientnet_b0": 224, "squeezenet1_1": 224, "densenet121": 224}
 VARIANTS = ("eager", "torch_compile", "nimble_unfused", "nimble")
+MODELS = [*TORCHVISION, "inception", "nasnet", "resnet", "mobilenet", "transformer"]  # the default sweep
 
 
 def make_model(name: str):
@@ -59,19 +60,9 @@ def make_model(name: str):
 def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     import torch
 
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(calls):
-            call()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) / calls)
-    return statistics.median(samples)
+    from nimble.runtime.tuning import gpu_ms
+
+    return gpu_ms(call, torch.device("cuda"), calls, repeats, warmup=10)
 
 
 def latency_ms(call, n: int = 200) -> float:
@@ -229,8 +220,7 @@ def report(rows: list[dict], meta: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*", default=[*TORCHVISION, "inception", "nasnet", "resnet",
-                                                        "mobilenet", "transformer"])
+    parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="run")

@@ -110,10 +110,13 @@ def _refs(args):
 
 
 # ---------------------------------------------------------------------------------- timing
-def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5) -> float:
-    """Median time per replay over `repeats` runs of `replays` back-to-back replays."""
+def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, warmup: int = 1) -> float:
+    """Median time per replay over `repeats` runs of `replays` back-to-back replays, after
+    `warmup` replays."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay()
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize(device)
     samples = []
     for _ in range(repeats):
         start.record()
