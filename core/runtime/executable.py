@@ -9,7 +9,10 @@ capture, so they follow the weight and input copies), then captures it once into
 issue order: each op on its stream, an event wait for each planned wait, every side stream forked
 from the capturing stream and joined back to it. A call copies the inputs into their buffers and
 replays the graph. Loading reads the schedule and the memory plan from the artifact; it never
-computes them.
+computes them. What it does choose is how they run on this GPU (`tuning.py`): the layout, the
+planned streams or one, cuDNN's convolution algorithms and its fused convolutions, by building
+and timing a few candidates, or by reading the choice from the tuning cache. Fused ops run as
+cuDNN fused convolutions or generated kernels (`kernels.py`).
 
 On the CPU, the same placed op list runs serially in issue order on each call.
 """
@@ -36,7 +39,7 @@ class LoadStats:
     weight_bytes: int = 0
     arena_bytes: int = 0
     scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
-    choice: str = ""  # the layout and streams it runs with
+    choice: str = ""  # the layout, streams, algorithms and convolution fusion it runs with (CUDA)
     tuning: str = ""  # how they were chosen: off, forced, cache hit, or timed
     tuning_ms: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
     kernels_generated: int = 0  # fused kernels built in this load
@@ -57,8 +60,8 @@ class Executable:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
         `name` names the artifact in errors (its file's name; by default its model's).
-        On CUDA, `tune` (off, cached or full) says how the layout and stream setting are chosen
-        (`tuning.py`), and `choice` forces them."""
+        On CUDA, `tune` (off, cached or full) says how the layout, streams, convolution algorithms
+        and convolution fusion are chosen (`tuning.py`), and `choice` forces them."""
         t0 = time.perf_counter()
         if tune not in tuning.TUNE_MODES:
             raise UsageError(f"--tune {tune!r}: use off, cached or full")
@@ -71,7 +74,8 @@ class Executable:
         self._with_arena = arena
         self._single_stream = single_stream
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
-        self._set_order(tuning.Choice())
+        self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
+        self._set_order(self.choice)
         t = time.perf_counter()
         preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
         self.stats.seconds["preflight"] = time.perf_counter() - t
@@ -89,9 +93,9 @@ class Executable:
 
     # ------------------------------------------------------------------------------ set-up
     def _choose(self, tune: str, forced, graph_dump) -> None:
-        """Pick the layout and streams (forced, from the cache, or by timing each candidate), then
-        build the CUDA graph that runs them."""
-        options = tuning.candidates(self.graph, max(self._stream_of, default=0) + 1)
+        """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
+        then build the CUDA graph that runs it."""
+        options = tuning.candidates(self.graph, self.schedule.num_streams)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
         timed: dict[str, float] = {}
