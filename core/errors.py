@@ -55,3 +55,13 @@ def first_line(e: BaseException) -> str:
     quotes an error from torch inside its own one-line messages."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for the ways torch reports running out of memory: MemoryError, torch's
+    OutOfMemoryError, or a RuntimeError from an allocator (the TorchScript interpreter wraps it)."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text
+                                            or "DefaultCPUAllocator" in text)

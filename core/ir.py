@@ -13,15 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .dtypes import STORABLE
 from .errors import GraphError
 
 INPUT, WEIGHT, ACTIVATION = "input", "weight", "activation"
 
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16,
-}
+ITEMSIZE = {d.name: d.itemsize for d in STORABLE}  # the dtypes a value may have (dtypes.py)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ is the training-mode order that `nimble.Nimble(...).prepare(training=True)` runs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from . import frontend, passes
-from .errors import MismatchError, UsageError
+from . import dtypes, frontend, passes
+from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
 from .ir import Graph, TensorSpec
 from .ops import bridge
@@ -59,6 +60,18 @@ class Compiled:
                         self.sample_inputs, self.sample_outputs)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one CPU thread: reductions then add up in one order, so the sample outputs
+    stored in an artifact, and so its bytes, do not depend on the machine's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def parse_streams(streams: str | int) -> str | int:
     if streams == "auto":
         return streams
@@ -69,13 +82,16 @@ def parse_streams(streams: str | int) -> str | int:
 
 
 def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
-    """Deterministic random inputs: normal floats, small non-negative ints, random bools."""
+    """Deterministic random inputs: normal floats (and complex numbers), small non-negative ints,
+    random bools."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
         dtype = bridge.DTYPES[spec.dtype]
         if dtype.is_floating_point:
             out.append(torch.randn(spec.shape, generator=gen).to(dtype))
+        elif dtype.is_complex:
+            out.append(torch.randn(spec.shape, generator=gen, dtype=dtype))
         elif dtype == torch.bool:
             out.append(torch.rand(spec.shape, generator=gen) > 0.5)
         else:
@@ -111,6 +127,9 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     the manifest. Its weights may live on any device; the check runs on `device`."""
     device = bridge.resolve_device(device)[0].type
     streams = parse_streams(streams)
+    for key, tensor in module.state_dict().items():  # before any work: the artifact must hold every weight
+        if tensor.dtype not in bridge.DTYPE_NAMES:
+            raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(str(tensor.dtype).removeprefix('torch.'))}")
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("lowering")
@@ -121,13 +140,21 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
 
     t = time.perf_counter()
     progress("running the reference")
-    xs = sample_inputs(inputs)
-    home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
-    with frontend.quiet_torchscript(), torch.no_grad():
-        expected = [e.cpu() for e in bridge.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
-    result = None
+    try:
+        xs = sample_inputs(inputs)
+        home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
+        with frontend.quiet_torchscript(), torch.no_grad(), one_thread():  # stored: the same at any thread count
+            expected = [e.cpu() for e in bridge.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
+        result = None
+        if check:
+            got = reference.run(lowered.graph, lowered.weights, xs, device)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise ExecutionError(f"{model}: ran out of {'GPU ' if device == 'cuda' else ''}memory running the model on "
+                             f"its sample input ({first_line(e)}); use a smaller batch in --shape"
+                             + ("" if device == "cpu" else ", or --device cpu")) from None
     if check:
-        got = reference.run(lowered.graph, lowered.weights, xs, device)
         rtol, atol = default_tolerance(device)
         result = compare(got, expected, rtol, atol)
         if not result.passed:

@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+from .dtypes import refusal
 from .errors import UsageError
 from .ir import ITEMSIZE, TensorSpec
 
 
+MAX_INPUT_BYTES = 2**32  # one input's bytes (4 GiB); raise it with NIMBLE_MAX_INPUT_BYTES
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
-    """'1x3x224x224' -> (1, 3, 224, 224). A 0-d tensor is written 'scalar'."""
+    """'1x3x224x224' -> (1, 3, 224, 224). A 0-d tensor is written 'scalar'. Each dimension is a
+    plain ASCII integer of at least 1."""
     text = text.strip()
     if text == "scalar":
         return ()
     dims = text.lower().split("x")
-    if not all(d.isdigit() for d in dims):
+    if not all(d.isascii() and d.isdigit() for d in dims):
         raise UsageError(f"--shape {text!r} is not a shape; write dimensions joined by 'x', "
                          "e.g. --shape 1x3x224x224")
-    return tuple(int(d) for d in dims)
+    shape = tuple(int(d) for d in dims)
+    if min(shape) < 1:
+        raise UsageError(f"--shape {text!r} has a dimension of 0; every dimension is at least 1")
+    return shape
+
+
+def max_input_bytes() -> int:
+    import os
+
+    text = os.environ.get("NIMBLE_MAX_INPUT_BYTES", "")
+    return int(text) if text.isascii() and text.isdecimal() else MAX_INPUT_BYTES
 
 
 def input_specs(shapes: list[str], dtypes: list[str] | None = None) -> list[TensorSpec]:
@@ -32,6 +47,12 @@ def input_specs(shapes: list[str], dtypes: list[str] | None = None) -> list[Tens
     for shape, dtype in zip(shapes, dtypes):
         dtype = dtype.removeprefix("torch.")
         if dtype not in ITEMSIZE:
-            raise UsageError(f"--dtype {dtype!r} is not a dtype; use one of {', '.join(ITEMSIZE)}")
-        specs.append(TensorSpec(parse_shape(shape), dtype))
+            raise UsageError(f"--dtype {dtype!r}: {refusal(dtype).removeprefix(f'dtype {dtype} ')}")
+        spec = TensorSpec(parse_shape(shape), dtype)
+        cap = max_input_bytes()
+        if spec.numel * ITEMSIZE[dtype] > cap:
+            raise UsageError(f"--shape {shape.strip()} ({dtype}) needs {spec.numel * ITEMSIZE[dtype]:,} bytes, over the "
+                             f"limit of {cap:,} per input; use a smaller shape, or raise the limit with "
+                             "NIMBLE_MAX_INPUT_BYTES")
+        specs.append(spec)
     return specs

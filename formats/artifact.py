@@ -127,6 +127,8 @@ def _digest(chunks) -> dict:
 def read_artifact(path: str | Path) -> Artifact:
     """Read and validate an artifact. Any defect raises ArtifactError with one line naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a folder; pass a .nimble artifact written by nimble compile")
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")
     try:
@@ -154,6 +156,9 @@ def paused_gc():
 def _read(path: Path) -> Artifact:
     name = path.name
     if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # a zip's start without its end: cut short in a copy
+                raise ArtifactError(f"{name} is truncated (a zip archive without its end); copy or compile it again")
         raise ArtifactError(f"{name} is not a .nimble artifact (not a zip file)")
     size = path.stat().st_size
     with zipfile.ZipFile(path) as z:

@@ -12,17 +12,14 @@ import struct
 
 import torch
 
-from nimble.errors import ArtifactError
+from nimble.dtypes import STORABLE, refusal
+from nimble.errors import ArtifactError, UnsupportedError
 
 from .spec import MAX_SAFETENSORS_HEADER
 
-# safetensors dtype codes -> (nimble dtype name, bytes per element)
-DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-          "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-          "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8)}
-DTYPES_TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-                "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool, "complex64": torch.complex64}
+# safetensors dtype codes -> (nimble dtype name, bytes per element), from nimble's one dtype table
+DTYPES = {d.safetensors: (d.name, d.itemsize) for d in STORABLE}
+DTYPES_TORCH = {d.name: getattr(torch, d.name) for d in STORABLE}
 _CODES = {DTYPES_TORCH[name]: code for code, (name, _) in DTYPES.items()}
 
 
@@ -91,7 +88,9 @@ def serialize(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
     flats = {k: tensors[k].detach().contiguous().reshape(-1).view(torch.uint8) for k in names}
     header, offset = {}, 0
     for k in names:
-        code = _CODES[tensors[k].dtype]
+        code = _CODES.get(tensors[k].dtype)
+        if code is None:
+            raise UnsupportedError(f"tensor '{k}': {refusal(str(tensors[k].dtype).removeprefix('torch.'))}")
         header[k] = {"dtype": code, "shape": list(tensors[k].shape), "data_offsets": [offset, offset + flats[k].numel()]}
         offset += flats[k].numel()
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()

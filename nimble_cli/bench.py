@@ -23,7 +23,7 @@ SHORT = {"nimble": "nimble", "eager": "eager", "pytorch_graph_1stream": "pt grap
 
 
 def bench_command(
-    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .nimble artifact written by nimble compile."),
     warmup_ms: float = typer.Option(200, "--warmup-ms", help="Warm-up time before measuring, per variant."),
     duration_s: float = typer.Option(3.0, "--duration-s", help="Measuring time per variant."),
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Measure exactly N inferences per "
@@ -63,7 +63,7 @@ def bench_command(
             raise UsageError(f"--percentiles {percentiles!r}: give numbers such as 90,95,99") from None
         if not all(0 < p <= 100 for p in pcts):
             raise UsageError("--percentiles must lie in (0, 100]")
-        writable(export_times, "--export-times")
+        writable(export_times, "--export-times", {"the artifact": artifact})
         if iterations is not None and iterations < 1:
             raise UsageError("--iterations must be at least 1")
         if duration_s <= 0 or warmup_ms < 0:

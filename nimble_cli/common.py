@@ -12,8 +12,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-# Human-readable output goes to stderr (rich honours NO_COLOR); stdout is for --json alone.
-console = Console(stderr=True, highlight=False)
+# Human-readable output goes to stderr (rich honours NO_COLOR); stdout is for --json alone. When
+# stderr is not a terminal (a CI log, a pipe), each message stays on one line, so grep finds it.
+console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 # C0 and C1 controls, DEL, and the Unicode format characters that reorder or hide text
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
@@ -58,14 +59,30 @@ def user_errors(debug: bool):
         raise typer.Exit(1) from None
 
 
-def writable(path, option: str):
-    """Fail fast, before any work, when an output path's folder does not exist."""
+def writable(path, option: str, inputs: dict | None = None):
+    """Fail fast, before any work, with a usage error (exit 2): when an output's folder does not
+    exist or cannot be written, when the output is a folder, or when it is one of the command's own
+    `inputs` (label -> path), reached by the same path or another (a link, `..`)."""
+    import os
     from pathlib import Path
 
     from nimble.errors import UsageError
+    from nimble.fileio import same_file
 
-    if path is not None and not Path(path).parent.is_dir():
-        raise UsageError(f"{option} {path}: folder {Path(path).parent} does not exist")
+    if path is None:
+        return path
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: folder {folder} is not writable")
+    for label, other in (inputs or {}).items():
+        if other is not None and same_file(path, other):
+            raise UsageError(f"{option} {path} is {label} itself; writing it would destroy the input, so "
+                             "choose another path")
     return path
 
 

@@ -13,7 +13,7 @@ from .common import console, human_bytes, literal, print_json, user_errors, writ
 
 
 def compile_command(
-    model: Path = typer.Argument(..., help="TorchScript model saved with torch.jit.save (.pt)."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="TorchScript model saved with torch.jit.save (.pt)."),
     shape: list[str] = typer.Option(..., "--shape", "-s", help="Static shape of an input, e.g. 1x3x224x224. "
                                     "Repeat once per model input, in order."),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32). Give one "
@@ -25,7 +25,7 @@ def compile_command(
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
                                        "coloured by stream, waits dashed."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the artifact (a file, or "
-                                          "a folder for <model>.nimble). Default: next to the model."),
+                                          "a folder for MODEL-NAME.nimble). Default: next to the model."),
     fuse: bool = typer.Option(True, "--fuse/--no-fuse", help="Fuse each convolution with its bias, residual add "
                               "and relu, and chains of elementwise ops, into fused ops that load as cuDNN fused "
                               "convolutions and generated kernels on CUDA. --no-fuse keeps one aten op per op."),
@@ -44,7 +44,8 @@ def compile_command(
 
         specs = input_specs(shape, dtype)
         target = artifact_path(model, output)
-        writable(dot, "--dot")
+        writable(target, "-o" if output is not None else "the default output", {"the model": model})
+        writable(dot, "--dot", {"the model": model, "the artifact": target})
         from nimble.plan.document import plan_document
         from nimble.pipeline import compile_model
 

@@ -12,7 +12,7 @@ from .common import console, human_bytes, literal, print_json, user_errors, writ
 
 
 def inspect_command(
-    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .nimble artifact written by nimble compile."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan document (the same as compile --json)."),
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here."),
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
@@ -28,7 +28,7 @@ def inspect_command(
         from nimble.plan.document import plan_document
         from nimble.formats import read_artifact
 
-        writable(dot, "--dot")
+        writable(dot, "--dot", {"the artifact": artifact})
         art = read_artifact(artifact)
         if dot is not None:
             from .compile import write_dot

@@ -11,7 +11,25 @@ from .inspect import inspect_command
 from .run import run_command
 from .bench import bench_command
 
+def _flags_without_type() -> None:
+    """Typer 0.2x prints `<bool>` beside every on/off flag (--json <bool>), which reads as if the
+    flag took a value. Show no type for flags; other options keep theirs."""
+    option = getattr(getattr(typer, "core", None), "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "nimble", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and not getattr(self, "metavar", None) else shown(self, ctx)
+
+    display_type_rich.nimble = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_type()
+
 app = typer.Typer(
+    rich_markup_mode="markdown",  # help paragraphs reflow to the terminal's width
     name="nimble",
     help="Ahead-of-time multi-stream scheduling and packaging for static PyTorch models.\n\n"
          "Start with: nimble compile MODEL.pt --shape 1x3x224x224",
@@ -24,13 +42,19 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"nimble {__version__}")
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            torch = version("torch")  # without importing torch, which takes seconds
+        except PackageNotFoundError:
+            torch = "not installed"
+        typer.echo(f"nimble {__version__} (torch {torch})")
         raise typer.Exit()
 
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+                                       help="Print the nimble and torch versions and exit.")) -> None:
     """Ahead-of-time multi-stream scheduling and packaging for static PyTorch models."""
 
 
@@ -41,4 +65,6 @@ app.command("bench")(bench_command)
 
 
 def main() -> None:
-    app()
+    from .entry import main as entry  # the console script's entry point, which handles interrupts
+
+    entry()

@@ -14,7 +14,7 @@ RUN_SCHEMA_VERSION = 1
 
 
 def run_command(
-    artifact: Path = typer.Argument(..., help="A .nimble artifact written by nimble compile."),
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .nimble artifact written by nimble compile."),
     inputs: Optional[list[str]] = typer.Option(None, "--input", "-i", help="NAME=FILE.npy or NAME=FILE.safetensors "
                                                "(or just FILE for a one-input model). Repeat per input."),
     random: bool = typer.Option(False, "--random", help="Run on random inputs of the right shapes."),
@@ -41,7 +41,12 @@ def run_command(
         from nimble.errors import UsageError
         from nimble.runtime.executable import load
 
-        writable(output, "--output")
+        given = {"the artifact": artifact}
+        given.update({f"--input {item}": item.partition("=")[2] or item for item in inputs or []})
+        writable(output, "--output", given)
+        for name, value in (("--rtol", rtol), ("--atol", atol)):
+            if value is not None and not value >= 0:
+                raise UsageError(f"{name} {value}: a tolerance is a number of at least 0")
         if check and (inputs or random):
             raise UsageError("--check runs the stored sample input; leave out --input and --random")
         if inputs and random:
@@ -72,7 +77,7 @@ def run_command(
                              atol if atol is not None else at)
             report["check"] = {"passed": result.passed, "max_abs": result.max_abs, "max_rel": result.max_rel,
                                "rtol": result.rtol, "atol": result.atol}
-        if output is not None:
+        if output is not None and (result is None or result.passed):  # a failed check writes nothing
             from nimble.fileio import write_atomic
             from nimble.formats.tensors import save
 
@@ -84,13 +89,14 @@ def run_command(
         for o in report["outputs"]:
             console.print(f"  {literal(o['name'])}: {o['dtype']}{o['shape']} min {o['min']:.4g} max {o['max']:.4g} "
                           f"mean {o['mean']:.4g}")
-        if output is not None:
+        if output is not None and (result is None or result.passed):
             console.print(f"  wrote {literal(output)}")
         if result is not None:
             console.print(f"  check: {result.describe()}")
             if not result.passed:
                 raise MismatchError(f"outputs differ from the stored reference beyond the tolerance; "
-                                    f"--rtol {result.passing_rtol} would accept them")
+                                    f"--rtol {result.passing_rtol} would accept them"
+                                    + (f" ({output} was not written)" if output is not None else ""))
 
 
 def _describe(name: str, t) -> dict:

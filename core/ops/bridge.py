@@ -10,23 +10,18 @@ import functools
 
 import torch
 
+from .. import dtypes
+from ..dtypes import STORABLE
 from ..errors import UnsupportedError
 from ..ir import Local, Ref, Special
 from . import fusion, shapes
 from .allowlist import SUPPORTED_ATEN, TRAINING_ONLY
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-    "complex64": torch.complex64, "complex128": torch.complex128,
-}
+DTYPES: dict[str, torch.dtype] = {d.name: getattr(torch, d.name) for d in STORABLE}  # from dtypes.py
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # TorchScript passes these enums as plain ints; c10's numbering.
-SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16",
-                6: "float32", 7: "float64", 9: "complex64", 10: "complex128", 11: "bool",
-                15: "bfloat16"}
+SCALAR_TYPES = {d.scalar_type: d.name for d in STORABLE}
 LAYOUTS = {0: torch.strided}
 MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format,
                   2: torch.channels_last, 3: torch.channels_last_3d}
@@ -55,7 +50,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise UnsupportedError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}") from None
+        raise UnsupportedError(dtypes.refusal(str(dtype).removeprefix("torch."))) from None
 
 
 def resolve(target: str, training: bool = False) -> torch._ops.OpOverload:
@@ -161,6 +156,9 @@ def from_ivalue(value, type_str: str):
     if isinstance(value, torch.dtype):
         return Special("dtype", dtype_name(value))
     if base == "ScalarType" and isinstance(value, int):
+        if value not in SCALAR_TYPES:
+            raise UnsupportedError(f"dtype number {value} (c10 ScalarType) is not one an artifact can store; use one "
+                                   f"of {', '.join(DTYPES)}")
         return Special("dtype", SCALAR_TYPES[value])
     if isinstance(value, torch.device):
         return Special("device", value.type)

@@ -1,0 +1,20 @@
+"""The console script's entry point. It stays this small, and imports typer, rich and the commands
+(main.py) only inside `main`, so that an interrupt that arrives while they load still ends in one
+line."""
+
+
+def main() -> None:
+    import signal
+    import sys
+
+    def terminate(signum, frame):  # SIGTERM ends the command the way Ctrl-C does
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, terminate)
+        from .main import app
+
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
