@@ -66,17 +66,19 @@ def test_installed_package_has_no_generic_top_level_modules(tmp_path):
     assert out.stdout.split() == ["None", "None", "None"]
 
 
-def test_pyproject_lists_every_package_folder():
-    import tomllib
+def test_a_built_wheel_holds_every_module(tmp_path):
+    """A wheel (what `pip install .` and pipelines install) carries every module of the tree under
+    its import name; `pip install -e .` would hide a missing package."""
+    import zipfile
 
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {name: ROOT / path for name, path in config["package-dir"].items()}
-    found = set()
-    for top, folder in folders.items():
-        for init in folder.rglob("__init__.py"):
-            parts = init.parent.relative_to(folder).parts
-            found.add(".".join((top, *parts)))
-    assert sorted(config["packages"]) == sorted(found)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                   check=True, capture_output=True)
+    wheel, = tmp_path.glob("*.whl")
+    held = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    want = set()
+    for name, folder in {"nimble": "core", "nimble/formats": "formats", "nimble/cli": "nimble_cli"}.items():
+        want |= {f"{name}/{p.relative_to(ROOT / folder).as_posix()}" for p in (ROOT / folder).rglob("*.py")}
+    assert want and want <= held, sorted(want - held)[:5]
 
 
 def test_console_script_is_installed(tmp_path):

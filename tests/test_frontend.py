@@ -131,11 +131,13 @@ def test_frontend_silences_torchscript_deprecation_warnings():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lower_file(SAMPLES / "two_io.pt", [(1, 3, 64, 64), (1, 8)])
-    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert not [w for w in caught if "jit" in str(w.message) or "TorchScript" in str(w.message)
+                or issubclass(w.category, (DeprecationWarning, FutureWarning))]
     with warnings.catch_warnings(record=True) as caught:  # and only inside the frontend
         warnings.simplefilter("always")
         torch.jit.load(str(SAMPLES / "two_io.pt"))
-    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    # torch 2.13 warns with a DeprecationWarning, 2.14 with a FutureWarning
+    assert any(issubclass(w.category, (DeprecationWarning, FutureWarning)) for w in caught)
 
 
 @pytest.mark.parametrize("name", ["inception", "transformer", "two_io"])

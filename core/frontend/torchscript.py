@@ -33,11 +33,12 @@ class Lowered:
 
 @contextlib.contextmanager
 def quiet_torchscript():
-    """TorchScript is deprecated and warns on every call; silence that here and only here."""
+    """TorchScript is deprecated and warns on every call (a DeprecationWarning up to torch 2.13, a
+    FutureWarning in 2.14); silence that, whatever its category, here and only here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*TorchScript.*")
+        warnings.filterwarnings("ignore", message=r".*(TorchScript|torch\.jit).*")
         yield
 
 

@@ -49,6 +49,9 @@ def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: flo
     for out, ref in zip(outputs, expected):
         if tuple(out.shape) != tuple(ref.shape):
             raise MismatchError(f"output shape {list(out.shape)} differs from the reference's {list(ref.shape)}")
+        if out.is_complex() or ref.is_complex():  # compare real and imaginary parts alike
+            out, ref = torch.view_as_real(out.detach().cpu().to(torch.complex128)), \
+                torch.view_as_real(ref.detach().cpu().to(torch.complex128))
         out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
         diff = (out - ref).abs()
         diff = torch.where(torch.isfinite(ref) & ~torch.isfinite(out), torch.inf, diff)
