@@ -28,7 +28,7 @@ BY_NAME = {d.name: d for d in STORABLE}
 
 # Every other dtype of torch 2.11 to 2.14, and why an artifact cannot hold it.
 UNSTORABLE: dict[str, str] = {
-    **{name: "safetensors has no code for it" for name in ("complex128", "complex32")},
+    **{name: "safetensors has no code for it" for name in ("complex128", "complex32", "bcomplex32")},
     **{name: "nimble does not compute in 8-bit or 4-bit floats yet" for name in (
         "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
         "float4_e2m1fn_x2")},

@@ -100,7 +100,7 @@ def run_command(
 
 
 def _describe(name: str, t) -> dict:
-    f = t.detach().float()
+    f = (t.abs() if t.is_complex() else t).detach().float()  # complex outputs: their magnitudes
     return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "min": f.min().item() if f.numel() else 0.0, "max": f.max().item() if f.numel() else 0.0,
             "mean": f.mean().item() if f.numel() else 0.0}
