@@ -1,4 +1,5 @@
-"""The `nimble` command. Each subcommand lives in its own module; torch is imported lazily."""
+"""The `nimble` command. Each subcommand lives in its own module; torch is imported lazily. The
+console script enters through entry.py, which handles interrupts."""
 
 from __future__ import annotations
 
@@ -62,9 +63,3 @@ app.command("compile")(compile_command)
 app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("bench")(bench_command)
-
-
-def main() -> None:
-    from .entry import main as entry  # the console script's entry point, which handles interrupts
-
-    entry()

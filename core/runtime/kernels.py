@@ -184,6 +184,18 @@ def _num(x) -> str:
     return repr(x) if math.isfinite(x) else f"float('{x}')"
 
 
+_HARD_SIGMOID = "tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0"
+# Ops of one operand and no other arguments: their Triton expression over {x}.
+_UNARY = {
+    "relu.default": "tl.maximum({x}, 0.0)", "sigmoid.default": "tl.sigmoid({x})",
+    "silu.default": "({x} * tl.sigmoid({x}))", "hardswish.default": f"({{x}} * {_HARD_SIGMOID})",
+    "hardsigmoid.default": f"({_HARD_SIGMOID})", "tanh.default": "(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
+    "neg.default": "(-{x})", "exp.default": "tl.exp({x})", "sqrt.default": "tl.sqrt({x})",
+    "rsqrt.default": "tl.rsqrt({x})", "reciprocal.default": "(1.0 / {x})", "abs.default": "tl.abs({x})",
+    "erf.default": "tl.erf({x})",
+}
+
+
 def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
     """One body node as a Triton expression over the fp32 values `a` (its tensor operands)."""
     x = a[0]
@@ -195,8 +207,6 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
         return extra[i] if i < len(extra) and extra[i] is not None else default
 
     name = target.split("::")[1]
-    if name == "relu.default":
-        return f"tl.maximum({x}, 0.0)"
     if name in ("relu6.default", "hardtanh.default"):
         lo, hi = (0.0, 6.0) if name == "relu6.default" else (arg(1, "min_val", -1.0), arg(2, "max_val", 1.0))
         return f"tl.minimum(tl.maximum({x}, {_num(lo)}), {_num(hi)})"
@@ -208,26 +218,13 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
         return out if hi is None else f"tl.minimum({out}, {_num(hi)})"
     if name == "leaky_relu.default":
         return f"tl.where({x} > 0, {x}, {x} * {_num(arg(1, 'negative_slope', 0.01))})"
-    if name == "sigmoid.default":
-        return f"tl.sigmoid({x})"
-    if name == "silu.default":
-        return f"({x} * tl.sigmoid({x}))"
-    if name == "hardswish.default":
-        return f"({x} * tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
-    if name == "hardsigmoid.default":
-        return f"(tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
-    if name == "tanh.default":
-        return f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)"
     if name == "gelu.default":
         if arg(1, "approximate", "none") == "tanh":
             inner = f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})"
             return f"(0.5 * {x} * (1.0 + (2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)))"
         return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
-    unary = {"neg.default": f"(-{x})", "exp.default": f"tl.exp({x})", "sqrt.default": f"tl.sqrt({x})",
-             "rsqrt.default": f"tl.rsqrt({x})", "reciprocal.default": f"(1.0 / {x})",
-             "abs.default": f"tl.abs({x})", "erf.default": f"tl.erf({x})"}
-    if name in unary:
-        return unary[name]
+    if name in _UNARY:
+        return _UNARY[name].format(x=x)
     op, kind = name.split(".")
     y = a[1] if kind == "Tensor" or kind == "default" else _num(extra[1])
     alpha = arg(2, "alpha", 1)
