@@ -143,7 +143,9 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     try:
         xs = sample_inputs(inputs)
         home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
-        with frontend.quiet_torchscript(), torch.no_grad(), one_thread():  # stored: the same at any thread count
+        # one thread: the stored outputs are the same at any thread count; no graph-executor
+        # optimization: on a first run it costs time that grows faster than the op count
+        with frontend.quiet_torchscript(), torch.no_grad(), one_thread(), torch.jit.optimized_execution(False):
             expected = [e.cpu() for e in bridge.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
         result = None
         if check:

@@ -31,10 +31,15 @@ def cases(target, rng):
         other = t(b, rng.choice([dtype, torch.float32])) if rng.random() < 0.8 else rng.choice([2, 0.5])
         if "maximum" in target or "minimum" in target:
             other = other if isinstance(other, torch.Tensor) else t(b, dtype)
+        if rng.random() < 0.2:  # a traced Python number: a 0-d tensor of another dtype
+            other = t([], rng.choice([torch.float64, torch.float32, torch.int64]))
         first = t(a, dtype, rng.random() < 0.2)
         if isinstance(other, torch.Tensor) and rng.random() < 0.3:
             first, other = other, first  # the smaller operand first
         return [first, other], ({"alpha": 1} if name in ("add", "sub") else {})
+    if target in ("aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar"):
+        x = t(shape(rng, rng.randint(0, 4), 1, 4), dtype, rng.random() < 0.2)
+        return [x, rng.choice([2, 0.5, -3, True])], {}
     if target in ("aten::linear.default",):
         k = rng.randint(1, 6)
         x = t(shape(rng, rng.randint(1, 3)) + [k if rng.random() < 0.9 else k + 1], dtype)

@@ -68,6 +68,7 @@ class Walker:
         self.meta: dict[int, torch.Tensor] = {}  # value id -> meta tensor
         self.root_of: dict[int, int] = {}  # id(meta tensor) -> value id that owns its storage
         self.weights: dict[str, torch.Tensor] = {}
+        self._suffix: dict[str, int] = {}  # base name -> the next suffix to try
         self.weight_of: dict[int, int] = {}  # id(host tensor) -> weight value id
         self.hold: list[torch.Tensor] = []  # keeps host tensors alive so their ids stay unique
         self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object
@@ -149,9 +150,10 @@ class Walker:
         base = hint.removeprefix("self.")
         if not base or base.replace(".", "").isdigit():
             base = "const"
-        name, n = base, 1
-        while name in self.weights:
+        name, n = base, self._suffix.get(base, 1)
+        while name in self.weights:  # one try per name taken, not one per earlier weight
             name, n = f"{base}_{n}", n + 1
+        self._suffix[base] = n
         return name
 
     # walking ----------------------------------------------------------------------------------

@@ -104,12 +104,21 @@ def _unary(x, *args, **kwargs):
 
 
 def _binary(x, y, *args, **kwargs):
-    tensors = [t for t in (x, y) if isinstance(t, torch.Tensor)]
-    if not _plain(*tensors) or not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor):
         return None
-    if not isinstance(y, torch.Tensor) and not isinstance(y, (int, float)):
-        return None  # a complex or bool scalar can change the dtype
-    return _empty(_broadcast(*(tuple(t.shape) for t in tensors)), x.dtype)
+    if not isinstance(y, torch.Tensor):
+        if type(y) not in (int, float) or not _plain(x):
+            return None  # a complex or bool scalar can change the dtype
+        return _empty(x.shape, x.dtype)
+    if not (x.is_contiguous() and y.is_contiguous() and x.is_floating_point() and y.is_floating_point()):
+        return None
+    if x.dtype != y.dtype:  # a 0-d tensor (a traced Python number) defers to a dimensioned one
+        if (x.dim() == 0) == (y.dim() == 0):
+            return None
+        dtype = x.dtype if y.dim() == 0 else y.dtype
+    else:
+        dtype = x.dtype
+    return _empty(_broadcast(tuple(x.shape), tuple(y.shape)), dtype)
 
 
 def _linear(x, w, b=None):
@@ -284,7 +293,7 @@ _UNARY = ("relu", "relu6", "hardtanh", "sigmoid", "tanh", "silu", "gelu", "hards
           "exp", "log", "sqrt", "rsqrt", "erf", "reciprocal")
 RULES: dict[str, Callable] = {
     **{f"aten::{name}.default": _unary for name in _UNARY},
-    **{f"aten::{name}.Tensor": _binary for name in ("add", "sub", "mul", "div")},
+    **{f"aten::{name}.{kind}": _binary for name in ("add", "sub", "mul", "div") for kind in ("Tensor", "Scalar")},
     "aten::maximum.default": _binary,
     "aten::minimum.default": _binary,
     "aten::linear.default": _linear,
