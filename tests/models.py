@@ -64,3 +64,21 @@ class StochasticNet(nn.Module):
         else:
             x = x + self.branch(x)
         return self.fc(self.drop(x.mean([2, 3])))
+
+
+class SamePadding(nn.Module):
+    """TensorFlow-style "same" padding computed from the input size in Python, as ported models
+    do: traced, the size arithmetic becomes aten ops on tensors, with kwarg-only alpha on sub."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, 2)
+
+    def forward(self, x):
+        import math
+
+        ih, iw = x.shape[-2:]
+        ph = max((math.ceil(ih / 2) - 1) * 2 + 3 - ih, 0)
+        pw = max((math.ceil(iw / 2) - 1) * 2 + 3 - iw, 0)
+        x = nn.functional.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
+        return self.conv(x)

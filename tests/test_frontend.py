@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -173,3 +175,20 @@ def test_views_alias_their_base_even_through_ops_that_return_views():
         out = graph.values[op.outputs[0]]
         base = graph.values[out.alias_of]
         assert out.alias_of is not None and base.alias_of is None and base.kind == "activation", op
+
+
+@pytest.mark.parametrize("size", [16, 17])
+def test_traced_size_arithmetic_with_kwarg_only_arguments_folds(tmp_path, size):
+    """Host arithmetic on traced sizes calls aten::sub.Tensor(a, b, *, alpha): kwarg-only
+    arguments must reach torch by name (this failed on a NASNet-style zoo model)."""
+    module = models.SamePadding().eval()
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = tmp_path / "same.pt"
+        torch.jit.save(torch.jit.trace(module, x), str(path))
+    lowered = lower_file(path, [(1, 3, size, size)])
+    assert [op.target for op in lowered.graph.ops][-1].startswith("aten::")
+    got = reference.run(lowered.graph, lowered.weights, [x])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-6)

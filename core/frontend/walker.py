@@ -272,14 +272,14 @@ class Walker:
                 raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
                                        "uninitialized memory; nimble runs deterministic graphs only")
             python = host_op(schema.name) if not tensor_out else None
-            result = python(*ins) if python else bridge.schema_op(target)(*ins)
+            result = python(*ins) if python else _call_schema(schema, target, ins)
             self._bind_host(outs, result)
         elif not tensor_out:
             if schema.name not in METADATA_OPS:
                 self._data_dependent(node)
             args = [self._tensor(a) if isinstance(a, Ref) else a for a in ins]
             python = host_op(schema.name)
-            self._bind_host(outs, python(*args) if python else bridge.schema_op(target)(*args))
+            self._bind_host(outs, python(*args) if python else _call_schema(schema, target, args))
         elif schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         else:
@@ -411,3 +411,15 @@ def _written_args(schema, args, kwargs) -> list[int]:
             arg = by_name[spec.name] if spec.kwarg_only else args[positional.index(spec)]
             written.extend(_refs_of([arg]))
     return written
+
+
+def _call_schema(schema, target: str, ins: list):
+    """Run an op on the host with the node's inputs, which come in schema order: kwarg-only
+    arguments (sub.Tensor's alpha, say) are passed by name, as torch.ops requires."""
+    args, kwargs = [], {}
+    for spec, value in zip(schema.arguments, ins):
+        if spec.kwarg_only:
+            kwargs[spec.name] = value
+        else:
+            args.append(value)
+    return bridge.schema_op(target)(*args, **kwargs)
