@@ -192,3 +192,13 @@ def test_traced_size_arithmetic_with_kwarg_only_arguments_folds(tmp_path, size):
     got = reference.run(lowered.graph, lowered.weights, [x])[0]
     with torch.no_grad():
         torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_new_zeros_ones_and_full_lower_and_match(tmp_path):
+    """torchvision's Swin models build masks with new_zeros (the zoo sweep found it unsupported)."""
+    module = models.NewZeros().eval()
+    x = torch.randn(2, 5)
+    path = save_script(tmp_path, module, "new_zeros")
+    lowered = lower_file(path, [(2, 5)])
+    assert "aten::new_zeros.default" in {op.target for op in lowered.graph.ops}
+    torch.testing.assert_close(reference.run(lowered.graph, lowered.weights, [x])[0], module(x))

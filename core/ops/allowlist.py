@@ -45,7 +45,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
         "slice", "narrow", "chunk", "split", "split_with_sizes", "unbind", "cat", "concat", "stack",
         "flip", "roll", "index_select", "gather", "embedding", "to", "_to_copy", "type_as",
         "clone", "detach", "alias", "pad", "constant_pad_nd", "reflection_pad2d",
-        "replication_pad2d", "zeros_like", "ones_like", "full_like", "copy", "channel_shuffle",
+        "replication_pad2d", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "copy", "channel_shuffle",
         "native_channel_shuffle", "tril", "triu", "index",
     ),
     "in-place variants kept after mutation removal": (

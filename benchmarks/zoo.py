@@ -1,0 +1,175 @@
+"""A coverage sweep of torchvision's classification models on the CPU (TorchScript frontend).
+
+    python benchmarks/zoo.py [--models resnet18 ...] [--timeout 300] [--out benchmarks/results]
+
+torchvision on a CPU-only machine: the registry's wheels are CUDA builds, and pairing one with a
+CPU torch fails at import on its C++ op registrations. Install the version that pairs with your
+torch without dependencies, so pip keeps your torch (torch 2.13 pairs with torchvision 0.28):
+
+    pip install --no-deps torchvision==0.28.0 pillow
+
+This script then declares the missing `torchvision::` operators before importing it (no
+classification model calls them).
+
+Per model (random weights, eval mode, batch 1, its usual resolution): trace it to TorchScript,
+then in subprocesses with a timeout run `nimble compile --device cpu` and `nimble run --check
+--device cpu`. Each model is classified as ok, clean error (exit 1 to 3 with one line), mismatch
+(exit 3), crash (a traceback or a signal) or timeout, with compile seconds and op counts. Models
+too large for a 2-core CPU are listed as skipped. Writes zoo.md and zoo.json (rows are written
+after every model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = {  # too large for a 2-core CPU builder (hundreds of millions of parameters, or minutes per run)
+    "vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf", "regnet_y_32gf", "regnet_y_16gf",
+    "efficientnet_v2_l", "efficientnet_b7", "efficientnet_b6", "convnext_large", "swin_v2_b", "swin_b",
+    "regnet_x_32gf",
+}
+RESOLUTION = {"inception_v3": 299}
+NIMBLE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
+
+
+def import_torchvision():
+    """torchvision beside a CPU torch: declare each C++ operator it registers fakes for."""
+    import torch
+
+    lib = torch.library.Library("torchvision", "DEF")
+    for _ in range(100):
+        try:
+            import torchvision
+
+            import_torchvision.lib = lib  # the declarations live as long as the library object
+            return torchvision
+        except RuntimeError as e:
+            m = re.search(r"torchvision::(\w+) does not exist", str(e))
+            if m is None:
+                raise
+            for name in [k for k in sys.modules if k.startswith("torchvision")]:
+                del sys.modules[name]
+            lib.define(f"{m.group(1)}(Tensor[] args) -> Tensor")
+    raise RuntimeError("could not import torchvision")
+
+
+def outcome(proc: subprocess.CompletedProcess | None, timeout: bool) -> tuple[str, str]:
+    if timeout:
+        return "timeout", ""
+    err = proc.stderr.strip()
+    last = err.splitlines()[-1] if err else ""
+    if proc.returncode == 0:
+        return "ok", ""
+    if "Traceback" in err or proc.returncode < 0 or "internal error" in err:
+        return "crash", last[:300]
+    if proc.returncode == 3:
+        return "mismatch", last[:300]
+    return "clean error", last[:300]
+
+
+def sweep_one(torchvision, name: str, timeout: float, tmp: Path) -> dict:
+    import torch
+
+    row: dict = {"model": name}
+    if name in SKIP:
+        row["status"] = "skipped (too large for a 2-core CPU)"
+        return row
+    size = RESOLUTION.get(name, 224)
+    try:
+        kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
+        torch.manual_seed(0)
+        model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+        x = torch.randn(1, 3, size, size)
+        with torch.no_grad():
+            traced = torch.jit.trace(model, x, check_trace=False)
+        path = tmp / f"{name}.pt"
+        torch.jit.save(traced, str(path))
+    except Exception as e:  # the model itself does not trace: not nimble's failure, but recorded
+        row["status"] = f"not traceable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return row
+    art = tmp / f"{name}.nimble"
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([*NIMBLE, "compile", str(path), "--shape", f"1x3x{size}x{size}", "--device", "cpu",
+                               "-o", str(art)], capture_output=True, text=True, timeout=timeout)
+        status, line = outcome(proc, False)
+    except subprocess.TimeoutExpired:
+        proc, (status, line) = None, outcome(None, True)
+    row["compile_wall_s"] = round(time.perf_counter() - t, 2)
+    if proc is not None:
+        m = re.search(r": (\d+) ops,", proc.stderr)
+        row["ops"] = int(m.group(1)) if m else None
+        m = re.search(r"fusion: (\d+) lowered ops", proc.stderr)
+        row["lowered_ops"] = int(m.group(1)) if m else row.get("ops")
+        m = re.search(r"time: (.*?); total ([\d.]+) s", proc.stderr)
+        row["compile_stages"] = m.group(1) if m else None
+    row["status"], row["message"] = ("compile " + status, line) if status != "ok" else ("compiled", "")
+    if status == "ok":
+        try:
+            proc = subprocess.run([*NIMBLE, "run", str(art), "--check", "--device", "cpu"], capture_output=True,
+                                  text=True, timeout=timeout)
+            status, line = outcome(proc, False)
+        except subprocess.TimeoutExpired:
+            status, line = outcome(None, True)
+        row["status"], row["message"] = ("ok", "") if status == "ok" else ("run --check " + status, line)
+    return row
+
+
+def write(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    counts: dict[str, int] = {}
+    for r in rows:
+        key = r["status"].split(":")[0].split(" (")[0]
+        counts[key] = counts.get(key, 0) + 1
+    lines = [f"torchvision {meta['torchvision']} classification models on the CPU builder, TorchScript frontend, "
+             f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Batch 1, random weights; "
+             "compile --device cpu, then run --check --device cpu, each in a subprocess with a "
+             f"{meta['timeout']:.0f} s timeout.", "",
+             "Summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
+             "| model | status | lowered ops | ops after fusion | compile wall s | stages | message |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['status']} | {r.get('lowered_ops') or '-'} | {r.get('ops') or '-'} | "
+                     f"{r.get('compile_wall_s', '-')} | {r.get('compile_stages') or '-'} | "
+                     f"{(r.get('message') or '').replace('|', '/')} |")
+    (out / "zoo.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch
+
+    torchvision = import_torchvision()
+    names = args.models or sorted(torchvision.models.list_models(module=torchvision.models))
+    meta = {"torch": torch.__version__, "torchvision": torchvision.__version__, "date": str(datetime.date.today()),
+            "timeout": args.timeout, "command": "python benchmarks/zoo.py " + " ".join(sys.argv[1:])}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            rows.append(sweep_one(torchvision, name, args.timeout, Path(tmp)))
+            print(json.dumps(rows[-1]), flush=True)
+            write(args.out, meta, rows)
+            for p in Path(tmp).iterdir():
+                p.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
