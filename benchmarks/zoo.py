@@ -1,6 +1,8 @@
-"""A coverage sweep of torchvision's classification models on the CPU (TorchScript frontend).
+"""A coverage sweep of torchvision's models on the CPU (TorchScript frontend): every
+classification model, the segmentation models and the video models.
 
-    python benchmarks/zoo.py [--models resnet18 ...] [--timeout 300] [--out benchmarks/results]
+    python benchmarks/zoo.py [--groups classification segmentation video] [--models resnet18 ...]
+                             [--timeout 300] [--out benchmarks/results]
 
 torchvision on a CPU-only machine: the registry's wheels are CUDA builds, and pairing one with a
 CPU torch fails at import on its C++ op registrations. Install the version that pairs with your
@@ -11,7 +13,8 @@ torch without dependencies, so pip keeps your torch (torch 2.13 pairs with torch
 This script then declares the missing `torchvision::` operators before importing it (no
 classification model calls them).
 
-Per model (random weights, eval mode, batch 1, its usual resolution): trace it to TorchScript,
+Per model (random weights, eval mode, batch 1, 224x224 images, 8x112x112 clips for video; a
+segmentation model returns a dict, so it is traced with strict=False): trace it to TorchScript,
 then in subprocesses with a timeout run `nimble compile --device cpu` and `nimble run --check
 --device cpu`. Each model is classified as ok, clean error (exit 1 to 3 with one line), mismatch
 (exit 3), crash (a traceback or a signal) or timeout, with compile seconds and op counts. Models
@@ -35,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = {  # too large for a 2-core CPU builder (hundreds of millions of parameters, or minutes per run)
     "vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf", "regnet_y_32gf", "regnet_y_16gf",
     "efficientnet_v2_l", "efficientnet_b7", "efficientnet_b6", "convnext_large", "swin_v2_b", "swin_b",
-    "regnet_x_32gf",
+    "regnet_x_32gf", "swin3d_b", "swin3d_s", "mvit_v1_b", "mvit_v2_s",
 }
+SHAPES = {"classification": (1, 3, 224, 224), "segmentation": (1, 3, 224, 224), "video": (1, 3, 8, 112, 112)}
 RESOLUTION = {"inception_v3": 299}
 NIMBLE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
 
@@ -76,21 +80,25 @@ def outcome(proc: subprocess.CompletedProcess | None, timeout: bool) -> tuple[st
     return "clean error", last[:300]
 
 
-def sweep_one(torchvision, name: str, timeout: float, tmp: Path) -> dict:
+def sweep_one(torchvision, group: str, name: str, timeout: float, tmp: Path) -> dict:
     import torch
 
-    row: dict = {"model": name}
+    row: dict = {"model": name, "group": group}
     if name in SKIP:
         row["status"] = "skipped (too large for a 2-core CPU)"
         return row
-    size = RESOLUTION.get(name, 224)
+    shape = list(SHAPES[group])
+    if name in RESOLUTION:
+        shape[-2:] = [RESOLUTION[name]] * 2
     try:
         kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
+        if group == "segmentation":
+            kwargs = {"weights_backbone": None, "aux_loss": False}
         torch.manual_seed(0)
         model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
-        x = torch.randn(1, 3, size, size)
+        x = torch.randn(*shape)
         with torch.no_grad():
-            traced = torch.jit.trace(model, x, check_trace=False)
+            traced = torch.jit.trace(model, x, check_trace=False, strict=group != "segmentation")
         path = tmp / f"{name}.pt"
         torch.jit.save(traced, str(path))
     except Exception as e:  # the model itself does not trace: not nimble's failure, but recorded
@@ -99,7 +107,7 @@ def sweep_one(torchvision, name: str, timeout: float, tmp: Path) -> dict:
     art = tmp / f"{name}.nimble"
     t = time.perf_counter()
     try:
-        proc = subprocess.run([*NIMBLE, "compile", str(path), "--shape", f"1x3x{size}x{size}", "--device", "cpu",
+        proc = subprocess.run([*NIMBLE, "compile", str(path), "--shape", "x".join(map(str, shape)), "--device", "cpu",
                                "-o", str(art)], capture_output=True, text=True, timeout=timeout)
         status, line = outcome(proc, False)
     except subprocess.TimeoutExpired:
@@ -131,15 +139,15 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     for r in rows:
         key = r["status"].split(":")[0].split(" (")[0]
         counts[key] = counts.get(key, 0) + 1
-    lines = [f"torchvision {meta['torchvision']} classification models on the CPU builder, TorchScript frontend, "
+    lines = [f"torchvision {meta['torchvision']} models ({', '.join(meta['groups'])}) on the CPU builder, TorchScript frontend, "
              f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Batch 1, random weights; "
              "compile --device cpu, then run --check --device cpu, each in a subprocess with a "
              f"{meta['timeout']:.0f} s timeout.", "",
              "Summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
-             "| model | status | lowered ops | ops after fusion | compile wall s | stages | message |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| group | model | status | lowered ops | ops after fusion | compile wall s | stages | message |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['status']} | {r.get('lowered_ops') or '-'} | {r.get('ops') or '-'} | "
+        lines.append(f"| {r.get('group', '')} | {r['model']} | {r['status']} | {r.get('lowered_ops') or '-'} | {r.get('ops') or '-'} | "
                      f"{r.get('compile_wall_s', '-')} | {r.get('compile_stages') or '-'} | "
                      f"{(r.get('message') or '').replace('|', '/')} |")
     (out / "zoo.md").write_text("\n".join(lines) + "\n")
@@ -147,7 +155,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--groups", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--models", nargs="*", help="only these models (of the chosen groups)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -157,13 +166,17 @@ def main() -> int:
     import torch
 
     torchvision = import_torchvision()
-    names = args.models or sorted(torchvision.models.list_models(module=torchvision.models))
+    modules = {"classification": torchvision.models, "segmentation": torchvision.models.segmentation,
+               "video": torchvision.models.video}
+    work = [(g, n) for g in args.groups for n in sorted(torchvision.models.list_models(module=modules[g]))
+            if not args.models or n in args.models]
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__, "date": str(datetime.date.today()),
-            "timeout": args.timeout, "command": "python benchmarks/zoo.py " + " ".join(sys.argv[1:])}
+            "timeout": args.timeout, "groups": args.groups,
+            "command": "python benchmarks/zoo.py " + " ".join(sys.argv[1:])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            rows.append(sweep_one(torchvision, name, args.timeout, Path(tmp)))
+        for group, name in work:
+            rows.append(sweep_one(torchvision, group, name, args.timeout, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
             write(args.out, meta, rows)
             for p in Path(tmp).iterdir():

@@ -91,3 +91,17 @@ class NewZeros(nn.Module):
         mask = x.new_zeros((1, x.shape[1]))
         mask[:, 1:] = 1.0
         return x * mask + x.new_ones((1, 1)) + x.new_full((1, 1), 2.0)
+
+
+class DictAndPool3d(nn.Module):
+    """A dict of outputs, as torchvision's segmentation models return, and 3-D pooling, as its
+    video models use."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        pooled = nn.functional.max_pool3d(y, 2) + nn.functional.avg_pool3d(y, 2)
+        return {"out": nn.functional.adaptive_avg_pool3d(pooled, 1).flatten(1), "aux": pooled}

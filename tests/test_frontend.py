@@ -202,3 +202,21 @@ def test_new_zeros_ones_and_full_lower_and_match(tmp_path):
     lowered = lower_file(path, [(2, 5)])
     assert "aten::new_zeros.default" in {op.target for op in lowered.graph.ops}
     torch.testing.assert_close(reference.run(lowered.graph, lowered.weights, [x])[0], module(x))
+
+
+def test_dict_outputs_and_3d_pooling_lower_and_match(tmp_path):
+    """Segmentation models return a dict (its values become the outputs, in order); video models
+    pool in 3-D."""
+    module = models.DictAndPool3d().eval()
+    x = torch.randn(1, 2, 4, 6, 6)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = tmp_path / "dict.pt"
+        torch.jit.save(torch.jit.trace(module, x, strict=False), str(path))
+    lowered = lower_file(path, [(1, 2, 4, 6, 6)])
+    got = reference.run(lowered.graph, lowered.weights, [x])
+    with torch.no_grad():
+        want = module(x)
+    assert len(got) == 2
+    torch.testing.assert_close(got[0], want["out"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want["aux"], rtol=1e-5, atol=1e-6)

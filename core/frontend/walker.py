@@ -184,6 +184,8 @@ class Walker:
             self.env[outs[0].unique()] = list(ins)
         elif kind == "prim::TupleConstruct":
             self.env[outs[0].unique()] = tuple(ins)
+        elif kind == "prim::DictConstruct":  # keys and values alternate, as segmentation models return
+            self.env[outs[0].unique()] = dict(zip(ins[0::2], ins[1::2]))
         elif kind in ("prim::ListUnpack", "prim::TupleUnpack"):
             if len(ins[0]) != len(outs):
                 raise ShapeError(f"{self.name}: unpacking {len(ins[0])} values into {len(outs)} "
@@ -373,7 +375,7 @@ class Walker:
                 obj = self._as_ref(obj)
             if not isinstance(obj, Ref):
                 raise UnsupportedError(f"{self.name} returns a {type(obj).__name__}; nimble needs "
-                                       "models that return tensors (or tuples and lists of them)")
+                                       "models that return tensors (or tuples, lists and dicts of them)")
             out.append(obj.id)
         return out
 
@@ -391,7 +393,9 @@ def _is_tensor_type(t) -> bool:
 
 def _flat(objs):
     for o in objs:
-        if isinstance(o, (list, tuple)):
+        if isinstance(o, dict):
+            yield from _flat(list(o.values()))  # in insertion order, as the model built it
+        elif isinstance(o, (list, tuple)):
             yield from _flat(o)
         else:
             yield o

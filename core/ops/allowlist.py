@@ -27,6 +27,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "pooling and resizing": (
         "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool1d", "avg_pool2d",
         "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_max_pool2d",
+        "max_pool3d", "avg_pool3d", "adaptive_avg_pool3d",
         "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
     ),
     "pointwise arithmetic": (

@@ -181,9 +181,12 @@ def from_ivalue(value, type_str: str):
 
 
 def flatten_result(result) -> list:
-    """An op's return value as a flat list of tensors (tuples and Tensor[] lists flattened)."""
+    """An op's or a model's return value as a flat list of tensors (tuples, Tensor[] lists and
+    dicts flattened; a dict by its values, in order)."""
     if isinstance(result, torch.Tensor):
         return [result]
+    if isinstance(result, dict):
+        result = list(result.values())
     out = []
     for r in result:
         out.extend(flatten_result(r))
