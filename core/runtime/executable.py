@@ -99,12 +99,12 @@ class Executable:
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
         timed: dict[str, float] = {}
-        key = tuning.cache_key(self.artifact, self.device) if len(options) > 1 and forced is None else None
         if forced is not None:
             best, how = forced, "forced"
         elif len(options) == 1 or tune == "off":
             best, how = options[0], "off" if tune == "off" and len(options) > 1 else "only one candidate"
         else:
+            key = tuning.cache_key(self.artifact, self.device)  # hashing: only where the cache is used
             best = tuning.cached(key) if tune == "cached" else None
             how = "cache hit"
             if best is None or best not in options:
