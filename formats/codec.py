@@ -12,7 +12,7 @@ from typing import Any
 from nimble.errors import ArtifactError, GraphError
 from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Local, Op, Ref, Special, TensorSpec, Value
 from nimble.ops.fusion import MAX_NODES as MAX_BODY
-from nimble.plan.memory import ALIGNMENT, MemoryPlan
+from nimble.plan.memory import ALIGNMENT, EXACT, LIVE_SET, MemoryPlan
 from nimble.plan.schedule import Schedule
 
 from .spec import MAX_DIMS, MAX_STRING, limit
@@ -60,7 +60,7 @@ def encode_schedule(s: Schedule) -> dict:
 
 def encode_memory(m: MemoryPlan) -> dict:
     return {"alignment": m.alignment, "arena_bytes": m.arena_bytes, "lower_bound_bytes": m.lower_bound_bytes,
-            "no_reuse_bytes": m.no_reuse_bytes,
+            "lower_bound": m.lower_bound, "no_reuse_bytes": m.no_reuse_bytes,
             "buffers": [[v, off, m.size[v]] for v, off in enumerate(m.offset) if off is not None]}
 
 
@@ -237,4 +237,7 @@ def decode_memory(doc: dict, n_values: int) -> MemoryPlan:
     lower, no_reuse = (_get(doc, k, int, "memory") for k in ("lower_bound_bytes", "no_reuse_bytes"))
     if not 0 <= lower <= arena or no_reuse != sum(sizes):
         raise ArtifactError("memory: lower_bound_bytes or no_reuse_bytes is inconsistent with the buffers")
-    return MemoryPlan(tuple(offsets), tuple(sizes), arena, lower, no_reuse, ALIGNMENT)
+    kind = doc.get("lower_bound", EXACT)  # absent in artifacts written before it was recorded
+    if kind not in (EXACT, LIVE_SET):
+        raise ArtifactError(f"memory.lower_bound is {str(kind)[:40]!r}, not {EXACT!r} or {LIVE_SET!r}")
+    return MemoryPlan(tuple(offsets), tuple(sizes), arena, lower, no_reuse, ALIGNMENT, kind)

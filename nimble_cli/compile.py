@@ -19,7 +19,8 @@ def compile_command(
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32). Give one "
                                               "for all inputs or one per --shape."),
     streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
-                                "(maximum concurrency, minimum syncs); 1: a single stream; N: at most N streams."),
+                                "(maximum concurrency, minimum syncs), up to 64, else the widest level's op count; "
+                                "1: a single stream; N: at most N streams."),
     device: str = typer.Option("auto", "--device", help="Where to check the lowered op list against the "
                                "model: auto (CUDA if present), cpu or cuda. The result is portable either way."),
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
@@ -115,7 +116,7 @@ def _summary(c) -> None:
                   f"{s.reduction_edges} reduction edges, critical path {s.critical_path} ops, "
                   f"widest level {s.max_width} ops")
     m = c.memory
-    console.print(f"  memory: arena {human_bytes(m.arena_bytes)}, lower bound {human_bytes(m.lower_bound_bytes)} "
+    console.print(f"  memory: arena {human_bytes(m.arena_bytes)}, {m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)} "
                   f"({m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x), without reuse {human_bytes(m.no_reuse_bytes)}")
     table = Table(title="largest activations", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("value", "op", "shape", "dtype", "bytes"):

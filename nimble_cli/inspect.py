@@ -52,7 +52,7 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     table.add_row("model", f"{literal(man['model'])} (sha256 {literal(man['source_sha256'][:12])})")
     table.add_row("ops", str(len(g.ops)))
     table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}")
-    table.add_row("arena", f"{human_bytes(m.arena_bytes)} (lower bound {human_bytes(m.lower_bound_bytes)}, "
+    table.add_row("arena", f"{human_bytes(m.arena_bytes)} ({m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)}, "
                            f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "
                            f"{human_bytes(m.no_reuse_bytes)})")
     table.add_row("weights", f"{len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")

@@ -236,3 +236,92 @@ def test_a_graph_whose_only_results_are_views_needs_no_arena():
     graph = Graph(values, (Op(0, "aten::view.default", (Ref(0), (4,)), (), (1,)),), (0,), (1,))
     memory = plan(graph, assign_streams(graph, 1))
     assert memory.arena_bytes == 0 and memory.offset == (None, None)
+
+
+def brute_force_order(graph: Graph, schedule: Schedule):
+    """Buffers, their sizes, and the pairs (a, b) where every use of a happens-before b's
+    producer, from the networkx closure of the schedule's sync edges."""
+    from nimble.plan.memory import _align
+
+    hb = nx.transitive_closure_dag(sync_graph(schedule))
+    hb.add_nodes_from(range(len(graph.ops)))
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    uses = {r: {graph.values[r].producer} for r in roots}
+    for op in graph.ops:
+        for r in op.refs():
+            if graph.root(r) in uses:
+                uses[graph.root(r)].add(op.id)
+    outputs = {graph.root(o) for o in graph.outputs}
+    ordered = {(a, b) for a in roots for b in roots if a != b and a not in outputs and b not in outputs
+               and all(hb.has_edge(u, graph.values[b].producer) for u in uses[a])}
+    size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
+    return roots, size, ordered
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(0, 2**32))
+def test_the_sweep_finds_exactly_the_conflicting_pairs(n, streams, seed):
+    """Conflicts come from one clock sweep; they must be exactly the pairs that neither order
+    allows, neither more (arena wasted) nor fewer (a race)."""
+    from nimble.plan.memory import _sweep
+
+    rng = random.Random(seed)
+    graph = random_graph(rng, n)
+    schedule = random_schedule(rng, graph, streams)
+    roots, size, ordered = brute_force_order(graph, schedule)
+    outputs = {graph.root(o) for o in graph.outputs} & set(roots)
+    sweep = _sweep(graph, schedule, roots, size, outputs)
+    expected = {r: {x for x in roots if x != r and (r, x) not in ordered and (x, r) not in ordered} for r in roots}
+    assert {r: set(c) for r, c in sweep.conflicts.items()} == expected
+    assert all(len(c) == len(set(c)) for c in sweep.conflicts.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 14), st.integers(1, 4), st.integers(0, 2**32))
+def test_the_lower_bounds_against_every_antichain(n, streams, seed):
+    """The exact bound is the heaviest set of pairwise unordered buffers, found here by trying
+    every subset; the live-set bound never exceeds it."""
+    import itertools
+
+    from nimble.plan.memory import _sweep
+
+    rng = random.Random(seed)
+    graph = random_graph(rng, n)
+    schedule = random_schedule(rng, graph, streams)
+    roots, size, ordered = brute_force_order(graph, schedule)
+    best = 0
+    for k in range(len(roots) + 1):
+        for group in itertools.combinations(roots, k):
+            if all((a, b) not in ordered and (b, a) not in ordered for a, b in itertools.combinations(group, 2)):
+                best = max(best, sum(size[r] for r in group))
+    memory = plan(graph, schedule)
+    assert memory.lower_bound == "exact" and memory.lower_bound_bytes == best
+    outputs = {graph.root(o) for o in graph.outputs} & set(roots)
+    assert _sweep(graph, schedule, roots, size, outputs).live_bound <= best
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 120), st.integers(0, 2**32))
+def test_on_one_stream_the_live_set_bound_is_exact(n, seed):
+    from nimble.plan.memory import _align, _sweep
+
+    graph = random_graph(random.Random(seed), n)
+    schedule = assign_streams(graph, 1)
+    roots = sorted((v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None),
+                   key=lambda r: (schedule.position[graph.values[r].producer], r))
+    size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
+    outputs = {graph.root(o) for o in graph.outputs} & set(roots)
+    assert _sweep(graph, schedule, roots, size, outputs).live_bound == plan(graph, schedule).lower_bound_bytes
+
+
+def test_large_graphs_say_their_bound_is_the_live_set_bound(monkeypatch):
+    from nimble.plan import memory
+
+    graph = random_graph(random.Random(3), 80)
+    schedule = assign_streams(graph, 2)
+    exact = plan(graph, schedule)
+    monkeypatch.setattr(memory, "EXACT_BUFFERS", 10)
+    live = plan(graph, schedule)
+    assert (exact.lower_bound, live.lower_bound) == ("exact", "live-set")
+    assert live.lower_bound_bytes <= exact.lower_bound_bytes <= live.arena_bytes
+    check_plan(graph, schedule, live)

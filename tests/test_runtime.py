@@ -52,7 +52,7 @@ def test_loading_never_schedules_or_plans(artifacts, monkeypatch):
         raise AssertionError("loading must not schedule or plan")
 
     for module, names in ((nimble.plan.schedule, ("assign_streams", "schedule_dag", "_merge_chains")),
-                          (nimble.plan.memory, ("plan", "_lower_bound", "_place"))):
+                          (nimble.plan.memory, ("plan", "_exact_bound", "_sweep", "_place"))):
         for n in names:
             monkeypatch.setattr(module, n, forbidden)
     path, c = artifacts["nasnet"]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nimble.frontend import load_module, lower
 from nimble.ir import TensorSpec
 from nimble.plan.matching import hopcroft_karp
-from nimble.plan.schedule import assign_streams, schedule_dag, transitive_reduction
+from nimble.plan.schedule import AUTO_STREAMS, assign_streams, schedule_dag, transitive_reduction
 
 from .conftest import SAMPLES
 
@@ -77,6 +77,11 @@ def test_auto_schedule_guarantees(preds):
     s = schedule_dag(preds, "auto")
     g = nx_graph(preds)
     closure = nx.transitive_closure_dag(g)
+    chains = len(preds) - s.matching
+    if chains > AUTO_STREAMS:  # auto merges the chains onto the widest level's count of streams
+        assert s.num_streams <= min(s.max_width, AUTO_STREAMS)
+        assert_enforced(preds, s)
+        return
     # (a) ops on one stream are pairwise ordered by a path: checking issue-order neighbours suffices
     last: dict[int, int] = {}
     for v in s.order:
@@ -161,3 +166,17 @@ def test_a_pure_chain_needs_one_stream_and_no_waits():
     graph = lower(load_module(SAMPLES / "mobilenet.pt"), [TensorSpec((1, 3, 224, 224), "float32")]).graph
     s = assign_streams(graph)
     assert s.num_streams == 1 and s.num_waits == 0
+
+
+def test_auto_caps_a_long_chain_of_forks_by_its_width():
+    """200 three-way forks and joins: hundreds of chains, but never more than 3 ops ready at
+    one level, so auto gives 3 streams, and every dependency still holds."""
+    preds: list[list[int]] = [[]]
+    for _ in range(200):
+        join = len(preds) - 1
+        preds += [[join], [join], [join]]
+        preds.append([len(preds) - 3, len(preds) - 2, len(preds) - 1])
+    s = schedule_dag(preds, "auto")
+    assert len(preds) - s.matching > AUTO_STREAMS
+    assert s.max_width == 3 and s.num_streams == 3
+    assert_enforced(preds, s)

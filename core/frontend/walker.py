@@ -1,4 +1,4 @@
-"""The walk that lowers a frozen TorchScript graph to IR values and ops, node by node.
+"""The walk that lowers an inlined TorchScript graph to IR values and ops, node by node.
 
 Host-side nodes (constants, lists, tuples, sizes, ints, `prim::If` on known conditions, loops
 with known trip counts) are evaluated on the spot; every other node is a device op, typed by
@@ -53,8 +53,9 @@ class ModuleAttr:
 class Walker:
     """One pass over a TorchScript graph, building IR values and ops as it goes.
 
-    For inference the graph is frozen: weights are constants. With `training=True` it is not:
-    parameters and buffers are read through `prim::GetAttr` and become weights named by their
+    For inference the graph is frozen (`torchscript.frozen_graph`): weights are constants, and
+    an attribute read that remains is a host value like any other. With `training=True` it is
+    not: parameters and buffers are read through `prim::GetAttr` and become weights named by their
     qualified names ('layer1.0.bn1.running_mean'), random ops stay device ops, and training-mode
     batch norm counts as writing its running statistics."""
 
@@ -108,7 +109,8 @@ class Walker:
         if isinstance(value, torch.Tensor):
             if qualified not in self.attrs:  # one tensor object per attribute, so one weight value
                 self.attrs[qualified] = value
-                self.attr_ids.add(id(value))
+                if self.training:  # a device value, never folded; in inference, a constant
+                    self.attr_ids.add(id(value))
                 self.hints[id(value)] = qualified
                 self.hold.append(value)
             return self.attrs[qualified]
@@ -213,11 +215,11 @@ class Walker:
             self._if(node, ins[0])
         elif kind == "prim::Loop":
             self._loop(node, ins)
-        elif kind == "prim::GetAttr" and self.training:
+        elif kind == "prim::GetAttr":
             self.env[outs[0].unique()] = self._get_attr(ins[0], node.s("name"), node)
-        elif kind in ("prim::GetAttr", "prim::CallMethod", "prim::CallFunction", "prim::PythonOp"):
-            raise UnsupportedError(f"{self.name}: {kind} survived freezing at {source_of(node)}; "
-                                   "nimble needs a module whose forward freezes to plain ops")
+        elif kind in ("prim::CallMethod", "prim::CallFunction", "prim::PythonOp"):
+            raise UnsupportedError(f"{self.name}: {kind} survived inlining at {source_of(node)}; "
+                                   "nimble needs a module whose forward inlines to plain ops")
         else:
             self._schema_node(node, ins, outs)
 

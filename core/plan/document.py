@@ -55,6 +55,7 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> di
         },
         "arena_bytes": None if memory is None else memory.arena_bytes,
         "lower_bound_bytes": None if memory is None else memory.lower_bound_bytes,
+        "lower_bound": None if memory is None else memory.lower_bound,
         "no_reuse_bytes": None if memory is None else memory.no_reuse_bytes,
         "ops": ops,
     }

@@ -7,10 +7,16 @@ happens-before the producer of the other, where happens-before is what the GPU g
 order on one stream plus event waits, transitively. Independence in the DAG is not enough.
 Graph outputs get regions of their own for the whole replay.
 
-The lower bound is the largest total of buffers that pairwise must be live at once (see
-`_lower_bound`); no valid plan can use less. Placement (see `_search`) tries best fit in the
-manner of TFLite's greedy-by-size first, then, while the arena is above the bound, a bounded,
-seeded squeaky-wheel search over bottom-left placements.
+Which buffers conflict (may be live at once) comes from one sweep over the issue order with
+vector clocks (`clocks.py`); see `_sweep`. It costs O(ops x streams + conflicting pairs): no
+buffers-by-ops matrices.
+
+The lower bound is the largest total of buffers that pairwise must be live at once; no valid
+plan can use less. It is exact (`_exact_bound`, a max flow) up to EXACT_BUFFERS buffers; beyond,
+it is the proven `live-set` bound of `_sweep`, which is exact on one stream. `MemoryPlan.lower_bound`
+says which. Placement (see `_search`) tries best fit in the manner of TFLite's greedy-by-size
+first, then, while the arena is above the bound, a bounded, seeded squeaky-wheel search over
+bottom-left placements.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import heapq
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..ir import ACTIVATION, ITEMSIZE, Graph
+from .clocks import Clocks
 from .flow import FlowNetwork
-from .schedule import Schedule, transitive_reduction
+from .schedule import Schedule
 
 ALIGNMENT = 256
+EXACT_BUFFERS = 20_000  # above this many buffers, the lower bound is the live-set bound
+EXACT, LIVE_SET = "exact", "live-set"
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class MemoryPlan:
     lower_bound_bytes: int
     no_reuse_bytes: int  # every buffer in a region of its own
     alignment: int = ALIGNMENT
+    lower_bound: str = EXACT  # how lower_bound_bytes was computed: EXACT or LIVE_SET
 
     def offset_of(self, graph: Graph, value: int) -> int | None:
         """Arena offset of a value's first byte: its root's offset plus a view's storage offset.
@@ -54,74 +62,136 @@ def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
                    key=lambda r: (schedule.position[graph.values[r].producer], r))
     size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
     producer = {r: graph.values[r].producer for r in roots}
-    uses = buffer_uses(graph, roots)
     outputs = {graph.root(o) for o in graph.outputs} & set(roots)
-    ordered = _order(roots, uses, producer, outputs, happens_before(graph, schedule), len(graph.ops))
-    free = ordered | ordered.T
-    conflicts = {r: [roots[j] for j in np.flatnonzero(~free[i]) if j != i] for i, r in enumerate(roots)}
-    span = {r: (uses[r].bit_length() - producer[r]) for r in roots}  # rough lifetime, in op ids
-    bound = _lower_bound([size[r] for r in roots], ordered)
-    offset = _search(roots, size, conflicts, producer, span, bound)
+    sweep = _sweep(graph, schedule, roots, size, outputs)
+    span = {r: sweep.last_user[r] + 1 - producer[r] for r in roots}  # rough lifetime, in op ids
+    if len(roots) <= EXACT_BUFFERS:
+        bound, kind = _exact_bound(schedule, roots, size, producer, outputs, sweep.first_after), EXACT
+    else:
+        bound, kind = sweep.live_bound, LIVE_SET
+    offset = _search(roots, size, sweep.conflicts, producer, span, bound)
     arena = _top(offset, size)
 
     offsets: list[int | None] = [None] * len(graph.values)
     sizes = [0] * len(graph.values)
     for r in roots:
         offsets[r], sizes[r] = offset[r], size[r]
-    return MemoryPlan(tuple(offsets), tuple(sizes), arena, bound, sum(size.values()))
+    return MemoryPlan(tuple(offsets), tuple(sizes), arena, bound, sum(size.values()), ALIGNMENT, kind)
 
 
-def _order(roots, uses, producer, outputs, before, n_ops) -> np.ndarray:
-    """ordered[i, j]: every use of buffer i happens-before buffer j's producer, so j may take
-    i's bytes. Graph outputs are ordered with nothing. One matrix product over op bitsets."""
-    def rows(masks: list[int]) -> np.ndarray:
-        width = (n_ops + 7) // 8
-        packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), np.uint8)
-        bits = np.unpackbits(packed.reshape(len(masks), width), axis=1, bitorder="little")
-        return bits[:, :n_ops].astype(np.float32)
-
-    if not roots:
-        return np.zeros((0, 0), dtype=bool)
-    used = rows([uses[r] for r in roots])
-    not_before = 1.0 - rows([before[producer[r]] for r in roots])
-    ordered = (used @ not_before.T) == 0  # counts stay exact in float32 below 2**24 ops
-    is_output = np.array([r in outputs for r in roots])
-    ordered[is_output, :] = False
-    ordered[:, is_output] = False
-    np.fill_diagonal(ordered, False)
-    return ordered
+@dataclass
+class _Sweep:
+    conflicts: dict[int, list[int]]  # buffer -> the buffers that may be live at the same time
+    last_user: dict[int, int]  # buffer -> the highest op id that touches it
+    first_after: dict[int, list[int]]  # buffer -> per stream, the first producer after all its uses
+    live_bound: int  # the live-set lower bound
 
 
-def happens_before(graph: Graph, schedule: Schedule) -> list[int]:
-    """before[v]: bitset of the ops guaranteed complete when op v starts (stream order + waits)."""
-    before = [0] * len(graph.ops)
-    preds = _sync_preds(schedule)
-    for v in schedule.order:
-        for u in preds[v]:
-            before[v] |= before[u] | 1 << u
-    return before
+def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, int], outputs: set[int]) -> _Sweep:
+    """Conflicts between buffers, in one pass over the issue order.
+
+    Buffer i "retires" on stream t at the first producer on t whose clock has seen every use of
+    i; from then on, every buffer produced on t may take i's bytes. Clocks only grow along a
+    stream, so retiring is for good. At each producer v on stream t, the buffers produced before
+    v that have not retired on t are exactly those that conflict with v's outputs (a buffer
+    produced later can never be ordered before one produced earlier). Graph outputs never
+    retire: they conflict with every buffer and are added at the end.
+
+    The live-set bound: at producer v, v's outputs plus the conflicting buffers whose producers
+    happen-before v pairwise conflict (each has a use that v has not seen), and the graph outputs
+    conflict with all; the heaviest such set over every v is a lower bound. On one stream it is
+    the classic peak of live bytes, which is exact."""
+    clocks = Clocks(schedule)
+    seq, stream_of = clocks.seq, schedule.stream
+    is_root = set(roots)
+    last_use: dict[int, dict[int, int]] = {r: {} for r in roots}  # buffer -> stream -> last sequence used
+    last_user = {r: graph.values[r].producer for r in roots}
+    for op in graph.ops:
+        s, q = stream_of[op.id], seq[op.id]
+        for ref in (*op.refs(), *op.outputs):
+            r = graph.root(ref)
+            if r in is_root:
+                uses = last_use[r]
+                if uses.get(s, -1) < q:
+                    uses[s] = q
+                if last_user[r] < op.id:
+                    last_user[r] = op.id
+    made: dict[int, list[int]] = {}  # producer op -> the non-output buffers it makes
+    for r in roots:
+        if r not in outputs:
+            made.setdefault(graph.values[r].producer, []).append(r)
+    produced: list[int] = []  # non-output buffers, in issue order of their producers
+    seen_upto = [0] * clocks.streams  # per stream: how much of `produced` its active list has taken in
+    active: list[list[int]] = [[] for _ in range(clocks.streams)]
+    conflicts: dict[int, list[int]] = {r: [] for r in roots}
+    first_after: dict[int, list[int]] = {r: [] for r in roots}
+    live = 0
+    for v, clock in clocks.walk():
+        mine = made.get(v)
+        if mine is None:
+            continue
+        t = stream_of[v]
+        pending = active[t]
+        pending.extend(produced[seen_upto[t]:])
+        seen_upto[t] = len(produced)
+        kept, weight = [], 0
+        for i in pending:
+            if all(clock[s] >= q for s, q in last_use[i].items()):
+                first_after[i].append(v)
+            else:
+                kept.append(i)
+                p = graph.values[i].producer
+                if clock[stream_of[p]] >= seq[p]:
+                    weight += size[i]
+        active[t] = kept
+        for j in mine:
+            conflicts[j].extend(kept)
+            conflicts[j].extend(k for k in mine if k != j)
+            weight += size[j]
+        for i in kept:
+            conflicts[i].extend(mine)
+        live = max(live, weight)
+        produced.extend(mine)
+    for o in outputs:
+        conflicts[o] = [r for r in roots if r != o]
+        for r in roots:
+            if r not in outputs:
+                conflicts[r].append(o)
+    return _Sweep(conflicts, last_user, first_after, live + sum(size[o] for o in outputs))
 
 
-def _sync_preds(schedule: Schedule) -> list[tuple[int, ...]]:
-    """Per op, the ops it directly waits for: its stream predecessor and its event waits."""
-    preds: list[tuple[int, ...]] = [()] * len(schedule.stream)
+def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after) -> int:
+    """The heaviest set of buffers that pairwise must be live at once: the maximum-weight
+    antichain of the order "every use of i happens-before j's producer". By weighted Dilworth it
+    is the total size minus the most bytes that chains of that order can share, a max flow from
+    each buffer's end to any later buffer's start.
+
+    The network stays sparse: buffer i's end leads to the first producer on each stream after
+    all of i's uses (`first_after`), the ops lead to each other along the schedule's sync edges
+    (stream order and event waits, whose closure is happens-before), and each producer leads to
+    its buffers' starts. So i's end reaches j's start exactly when i is ordered before j."""
+    n_ops = len(schedule.stream)
+    index = {r: k for k, r in enumerate(roots)}
+    n = len(roots)
+    src, sink = 2 * n + n_ops, 2 * n + n_ops + 1  # node 2k: buffer k's end; 2k + 1: its start; 2n + v: op v
+    net = FlowNetwork(2 * n + n_ops + 2)
+    infinite = sum(size.values()) + 1
+    for k, r in enumerate(roots):
+        net.add_edge(src, 2 * k, size[r])
+        net.add_edge(2 * k + 1, sink, size[r])
+        if r in outputs:
+            continue  # ordered with nothing
+        net.add_edge(2 * k + 1, 2 * k, infinite)  # a chain may pass through buffer k
+        net.add_edge(2 * n + producer[r], 2 * k + 1, infinite)
+        for v in first_after[r]:
+            net.add_edge(2 * k, 2 * n + v, infinite)
     last_on: dict[int, int] = {}
     for v in schedule.order:
         s = schedule.stream[v]
-        preds[v] = schedule.waits[v] + ((last_on[s],) if s in last_on else ())
+        for u in schedule.waits[v] + ((last_on[s],) if s in last_on else ()):
+            net.add_edge(2 * n + u, 2 * n + v, infinite)
         last_on[s] = v
-    return preds
-
-
-def buffer_uses(graph: Graph, roots) -> dict[int, int]:
-    """Bitset of the ops that touch each buffer: its producer and every reader of it or its views."""
-    uses = {r: 1 << graph.values[r].producer for r in roots}
-    for op in graph.ops:
-        for ref in op.refs():
-            root = graph.root(ref)
-            if root in uses:
-                uses[root] |= 1 << op.id
-    return uses
+    return sum(size.values()) - net.max_flow(src, sink)
 
 
 def _align(n: int) -> int:
@@ -210,22 +280,3 @@ def _bottom_left(order: list[int], size: dict[int, int], conflicts: dict[int, li
                 floor[c] = top
                 heapq.heappush(heap, (top, rank[c], c))
     return offset
-
-
-def _lower_bound(sizes: list[int], ordered: np.ndarray) -> int:
-    """The heaviest set of buffers that pairwise must be live at once, i.e. the maximum-weight
-    antichain of the buffer order. By weighted Dilworth it is the total size minus the most bytes
-    that chains of that order can share: a max flow from each buffer's end to any later buffer's
-    start, through the order's transitive reduction. Buffers come in a topological order."""
-    n = len(sizes)
-    reduced = transitive_reduction([tuple(np.flatnonzero(ordered[:k, k]).tolist()) for k in range(n)])
-    src, sink = 2 * n, 2 * n + 1  # node 2k: buffer k's end; node 2k + 1: its start
-    net = FlowNetwork(2 * n + 2)
-    infinite = sum(sizes) + 1
-    for k in range(n):
-        net.add_edge(src, 2 * k, sizes[k])
-        net.add_edge(2 * k + 1, sink, sizes[k])
-        net.add_edge(2 * k + 1, 2 * k, infinite)  # a chain may pass through buffer k
-        for i in reduced[k]:
-            net.add_edge(2 * i, 2 * k + 1, infinite)
-    return sum(sizes) - net.max_flow(src, sink)

@@ -10,7 +10,11 @@ Two ops on one chain are always connected by a path, so independent ops never sh
 and every unmatched reduction edge crosses streams, so the waits number |E_red| - |matching|, the
 minimum for any assignment with maximum concurrency (Kwon et al., NeurIPS 2020, section 4).
 
-With a stream cap (`streams=N`), chains are merged; see `_merge_chains` for the rule. Ops are
+With a stream cap (`streams=N`), chains are merged; see `_merge_chains` for the rule. "auto" is
+the paper's one stream per chain while that is at most AUTO_STREAMS streams; a graph with more
+chains (a long chain of small forks has thousands) has them merged onto as many streams as its
+widest level holds ops, at most AUTO_STREAMS: more streams than ops that can ever be ready at
+one level only add waits. Ops are
 issued in ASAP-level order (ties by op id), which is topological, so any merge stays correct;
 waits are then pruned with vector clocks to those not already implied.
 """
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 
 from ..ir import Graph
 from .matching import hopcroft_karp
+
+AUTO_STREAMS = 64  # auto's limit; CUDA runs at most 32 hardware queues at once
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,12 @@ def schedule_dag(preds: list[tuple[int, ...]] | list[list[int]], streams: str | 
     position = [0] * n
     for i, v in enumerate(order):
         position[v] = i
+    width: dict[int, int] = {}
+    for lv in level:
+        width[lv] = width.get(lv, 0) + 1
+    max_width = max(width.values(), default=0)
+    if cap is None and len(chains) > AUTO_STREAMS:
+        cap = min(max_width, AUTO_STREAMS)
 
     if cap is None or cap >= len(chains):
         chain_of = [0] * n
@@ -77,13 +89,10 @@ def schedule_dag(preds: list[tuple[int, ...]] | list[list[int]], streams: str | 
         stream = _number_streams(_merge_chains(chains, reduced, succ, level, cap), order)
         waits = _pruned_waits(reduced, stream, order, position)
 
-    width: dict[int, int] = {}
-    for lv in level:
-        width[lv] = width.get(lv, 0) + 1
     return Schedule(
         stream=tuple(stream), order=order, position=tuple(position), waits=waits,
         reduction_edges=sum(len(ps) for ps in reduced), matching=sum(m >= 0 for m in match),
-        critical_path=max(level, default=-1) + 1, max_width=max(width.values(), default=0),
+        critical_path=max(level, default=-1) + 1, max_width=max_width,
         requested=str(streams))
 
 

@@ -18,69 +18,12 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-import numpy as np
-
 from ..ir import ACTIVATION, Graph
+from .clocks import Clocks
 from .memory import ALIGNMENT, MemoryPlan
 from .schedule import Schedule
 
 MAX_STREAMS = 4096  # vector clocks cost streams^2 entries at worst
-
-
-class Clocks:
-    """Answers "does op u complete before op v starts?" for queries grouped by v, in one pass
-    over the issue order. `before(v)[s]` is the highest per-stream sequence number on stream `s`
-    that is guaranteed complete when `v` starts (-1: none)."""
-
-    def __init__(self, schedule: Schedule):
-        self.schedule = schedule
-        n = len(schedule.order)
-        self.streams = max(schedule.stream, default=-1) + 1
-        if self.streams > MAX_STREAMS:
-            raise ValueError(f"the schedule uses {self.streams} streams, more than {MAX_STREAMS}")
-        self.seq = [0] * n
-        counts = [0] * self.streams
-        for v in schedule.order:
-            self.seq[v] = counts[schedule.stream[v]]
-            counts[schedule.stream[v]] += 1
-
-    def walk(self):
-        """For each op v in issue order, yield (v, before(v)). Only the clocks later ops still
-        read are kept: each stream's last op, and waited-on ops until their last waiter. Clocks
-        are lists for a few streams and numpy arrays for many."""
-        s = self.schedule
-        wide = self.streams > 32
-        pending = defaultdict(int)
-        for ws in s.waits:
-            for u in ws:
-                pending[u] += 1
-        after: dict = {}  # clocks kept: last op per stream, and waited-on ops
-        last_on: dict[int, int] = {}
-        empty = np.full(self.streams, -1, dtype=np.int64) if wide else [-1] * self.streams
-        for v in s.order:
-            stream = s.stream[v]
-            sources = ([after[last_on[stream]]] if stream in last_on else []) + [after[u] for u in s.waits[v]]
-            if not sources:
-                clock = empty.copy()
-            elif len(sources) == 1:
-                clock = sources[0].copy()
-            elif wide:
-                clock = np.maximum.reduce(sources)
-            else:
-                clock = list(map(max, *sources))
-            for u in s.waits[v]:
-                pending[u] -= 1
-            yield v, clock
-            done = clock.copy()
-            done[stream] = self.seq[v]
-            previous = last_on.get(stream)
-            last_on[stream] = v
-            after[v] = done
-            if previous is not None and pending.get(previous, 0) == 0:
-                after.pop(previous, None)
-            for u in s.waits[v]:
-                if pending[u] == 0 and last_on.get(s.stream[u]) != u:
-                    after.pop(u, None)
 
 
 def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
@@ -92,7 +35,7 @@ def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:
                 raise ValueError(f"op {v} waits on op {u}, which is issued after it")
-    clocks = Clocks(schedule)
+    clocks = Clocks(schedule, MAX_STREAMS)
     roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
     is_root = set(roots)
     for v in graph.values:
