@@ -36,6 +36,10 @@ def cases(target, rng):
         first = t(a, dtype, rng.random() < 0.2)
         if isinstance(other, torch.Tensor) and rng.random() < 0.3:
             first, other = other, first  # the smaller operand first
+        elif isinstance(other, torch.Tensor) and other.dim() > 0 and rng.random() < 0.3:
+            other = other.expand(first.shape) if rng.random() < 0.5 and other.dim() <= first.dim() \
+                and all(o in (1, f) for o, f in zip(other.shape[::-1], first.shape[::-1])) \
+                else other.transpose(0, -1)  # strided: expand_as (F.normalize), or a transposed view
         return [first, other], ({"alpha": 1} if name in ("add", "sub") else {})
     if target in ("aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar"):
         x = t(shape(rng, rng.randint(0, 4), 1, 4), dtype, rng.random() < 0.2)
@@ -69,6 +73,12 @@ def cases(target, rng):
         x = t(shape(rng, rng.randint(1, 4)), dtype)
         return [x, rng.sample(range(-x.dim(), x.dim()), rng.randint(1, x.dim())) if rng.random() < 0.9 else [0, 0],
                 rng.random() < 0.5], {}
+    if target in ("aten::norm.ScalarOpt_dim", "aten::linalg_vector_norm.default"):
+        x = t(shape(rng, rng.randint(1, 4)), dtype)
+        dims = rng.sample(range(-x.dim(), x.dim()), rng.randint(1, x.dim())) if rng.random() < 0.9 else [0, 0]
+        if "linalg" in target and rng.random() < 0.3:
+            dims = None
+        return [x, rng.choice([2, 1, 3.0]), dims, rng.random() < 0.5], {}
     if name == "cat":
         dims = rng.randint(1, 4)
         base = shape(rng, dims)

@@ -14,6 +14,7 @@ def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: lis
     """Drop dead ops and values, add ordering edges for in-place writes, renumber densely."""
     state = {v.id for v in values if v.kind == WEIGHT}  # a write to a weight is model state
     live_ops = _live_ops(values, ops, outputs, state)
+    every_op = len(live_ops) == len(ops)
     ops = [op for op in ops if op.id in live_ops]
     used = set(inputs) | set(outputs)
     for op in ops:
@@ -24,15 +25,19 @@ def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: lis
     vmap = {v.id: i for i, v in enumerate(kept)}
     omap = {op.id: i for i, op in enumerate(ops)}
 
-    new_values = tuple(dataclasses.replace(
-        v, id=vmap[v.id],
-        producer=None if v.producer is None else omap[v.producer],
-        alias_of=None if v.alias_of is None else vmap[v.alias_of]) for v in kept)
-    new_ops = [dataclasses.replace(
-        op, id=omap[op.id], args=_remap(op.args, vmap),
-        kwargs=tuple((k, _remap(a, vmap)) for k, a in op.kwargs),
-        outputs=tuple(vmap[o] for o in op.outputs),
-        mutates=tuple(vmap[m] for m in op.mutates)) for op in ops]
+    if every_op and len(kept) == len(values) and all(v.id == i for i, v in enumerate(values)) \
+            and all(op.id == i for i, op in enumerate(ops)):
+        new_values, new_ops = tuple(values), list(ops)  # nothing dropped, ids dense already
+    else:
+        new_values = tuple(dataclasses.replace(
+            v, id=vmap[v.id],
+            producer=None if v.producer is None else omap[v.producer],
+            alias_of=None if v.alias_of is None else vmap[v.alias_of]) for v in kept)
+        new_ops = [dataclasses.replace(
+            op, id=omap[op.id], args=_remap(op.args, vmap),
+            kwargs=tuple((k, _remap(a, vmap)) for k, a in op.kwargs),
+            outputs=tuple(vmap[o] for o in op.outputs),
+            mutates=tuple(vmap[m] for m in op.mutates)) for op in ops]
     graph = Graph(new_values, (), tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))
     graph = dataclasses.replace(graph, ops=tuple(_with_ordering_edges(graph, new_ops)))
     graph.lint()

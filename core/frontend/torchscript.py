@@ -101,8 +101,9 @@ def frozen_graph(module: torch.jit.ScriptModule) -> torch._C.Graph:
     _attributes_to_constants(graph, module, tensors=True)
     torch._C._jit_pass_constant_propagation(graph)
     torch._C._jit_pass_dce(graph)
-    torch._C._jit_pass_optimize_frozen_graph(graph, True)
-    _name_folded_biases(graph)
+    if any(graph.findNode(kind) is not None for kind in _FOLDS_INTO):  # else nothing to fold
+        torch._C._jit_pass_optimize_frozen_graph(graph, True)
+        _name_folded_biases(graph)
     return graph
 
 
@@ -133,12 +134,15 @@ def _attributes_to_constants(graph: torch._C.Graph, module: torch.jit.ScriptModu
         node.output().replaceAllUsesWith(constants[name])
 
 
+# The layers that torch's frozen-graph optimizations fold batch norm and arithmetic into.
+_FOLDS_INTO = ("aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::_convolution", "aten::linear")
+
+
 def _name_folded_biases(graph: torch._C.Graph) -> None:
     """A bias that folding created where the layer had none takes its name from the layer's
     weight ('conv1.bias_fused_bn' beside 'conv1.weight_fused_bn'), as under torch.jit.freeze."""
     for node in graph.nodes():
-        if node.kind() not in ("aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::_convolution",
-                               "aten::linear"):
+        if node.kind() not in _FOLDS_INTO:
             continue
         inputs = list(node.inputs())
         weight, bias = inputs[1], inputs[2]

@@ -32,15 +32,19 @@ _CANONICAL = {"aten::_convolution.default": ("aten::convolution.default", 9)}
 
 def source_of(node: torch._C.Node) -> str:
     """'file.py:12' of the model code behind a node: the first frame outside torch itself."""
-    text = node.sourceRange()
-    frames = [(m.group(1) or m.group(3), m.group(2) or m.group(4))
-              for m in _FRAME.finditer(text)]  # both script and trace frame formats, in order
-    torch_dir = os.path.dirname(torch.__file__)
-    for file, line in frames:
-        in_torch = file.startswith(torch_dir + os.sep) or _TORCH_FILE.search(file)  # not torchvision/  # traced elsewhere too
-        if not in_torch and not file.startswith("code/"):
+    return _first_model_frame(node.sourceRange())
+
+
+def _first_model_frame(text: str) -> str:
+    """Frames are read lazily: the model's own frame usually comes within the first few."""
+    first = None
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for m in _FRAME.finditer(text):  # both script and trace frame formats, in order
+        file, line = m.group(1) or m.group(3), m.group(2) or m.group(4)
+        first = first or f"{file}:{line}"
+        if not (file.startswith(torch_dir) or _TORCH_FILE.search(file) or file.startswith("code/")):
             return f"{file}:{line}"
-    return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown source>"
+    return first or "<unknown source>"
 
 
 class ModuleAttr:

@@ -89,13 +89,18 @@ def _floats(*tensors) -> bool:
 
 def _broadcast(*shapes) -> tuple[int, ...]:
     """torch.broadcast_shapes without its import of sympy."""
-    ndim = max((len(s) for s in shapes), default=0)
-    out = []
-    for i in range(-ndim, 0):
-        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
-        if len(sizes) > 1:
-            raise ValueError(f"shapes {[list(s) for s in shapes]} do not broadcast")
-        out.append(sizes.pop() if sizes else 1)
+    first = shapes[0]
+    if all(s == first for s in shapes[1:]):
+        return tuple(first)
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        skip = ndim - len(s)
+        for i, n in enumerate(s, skip):
+            if n != 1 and out[i] != n:
+                if out[i] != 1:
+                    raise ValueError(f"shapes {[list(s) for s in shapes]} do not broadcast")
+                out[i] = n
     return tuple(out)
 
 
@@ -110,8 +115,10 @@ def _binary(x, y, *args, **kwargs):
         if type(y) not in (int, float) or not _plain(x):
             return None  # a complex or bool scalar can change the dtype
         return _empty(x.shape, x.dtype)
-    if not (x.is_contiguous() and y.is_contiguous() and x.is_floating_point() and y.is_floating_point()):
+    if not (x.is_contiguous() and x.is_floating_point() and y.is_floating_point()):
         return None
+    if not y.is_contiguous() and tuple(_broadcast(tuple(x.shape), tuple(y.shape))) != tuple(x.shape):
+        return None  # a strided y (expand_as, say) only where x, contiguous and full-sized, sets the layout
     if x.dtype != y.dtype:  # a 0-d tensor (a traced Python number) defers to a dimensioned one
         if (x.dim() == 0) == (y.dim() == 0):
             return None
@@ -200,6 +207,23 @@ def _mean_dim(x, dims, keepdim=False, dtype=None):
         raise ValueError(f"mean over dimensions {listed} of a {x.dim()}-d tensor")
     shape = [1 if i in axes else n for i, n in enumerate(x.shape) if keepdim or i not in axes]
     return _empty(shape, x.dtype)
+
+
+def _norm_dim(x, p, dims, keepdim=False, dtype=None):
+    """aten::norm over dimensions (F.normalize): shaped as mean over them. Its meta kernel would
+    import sympy through torch._refs.linalg."""
+    if not (p is None or type(p) in (int, float)) or dims is None or x.dim() == 0:
+        return None
+    listed = [dims] if isinstance(dims, int) else list(dims)
+    if any(not -x.dim() <= d < x.dim() for d in listed) or len({d % x.dim() for d in listed}) != len(listed):
+        return None  # the meta kernel decides (it takes some repeated dimensions, not others)
+    return _mean_dim(x, listed, keepdim, dtype)
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
+    if type(ord) not in (int, float):
+        return None
+    return _mean_dim(x, list(range(x.dim())) if dim is None else dim, keepdim, dtype)
 
 
 def _cat(tensors, dim=0):
@@ -303,6 +327,8 @@ RULES: dict[str, Callable] = {
     "aten::avg_pool2d.default": _avg_pool2d,
     "aten::adaptive_avg_pool2d.default": _adaptive_avg_pool2d,
     "aten::mean.dim": _mean_dim,
+    "aten::norm.ScalarOpt_dim": _norm_dim,
+    "aten::linalg_vector_norm.default": _vector_norm,
     "aten::cat.default": _cat,
     "aten::softmax.int": _softmax,
     "aten::_softmax.default": _internal_softmax,

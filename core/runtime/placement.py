@@ -9,6 +9,7 @@ in-place results are whatever the op returns: views of the arena, of inputs or o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,9 +21,10 @@ from ..plan.memory import MemoryPlan
 from .kernels import FusedKernel
 
 
+@functools.lru_cache(maxsize=None)
 def out_overload(target: str):
     """The `out=` overload that matches a functional overload argument for argument, or None.
-    Returns (overload, names of its out arguments)."""
+    Returns (overload, names of its out arguments). Cached: a graph repeats few targets."""
     fn = bridge.resolve(target)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
     packet = fn.overloadpacket
@@ -33,7 +35,7 @@ def out_overload(target: str):
         outs = [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
         rest = [(a.name, str(a.type)) for a in schema.arguments if a not in outs]
         if rest == functional and len(outs) == len(fn._schema.returns):
-            return getattr(packet, name), [a.name for a in outs]
+            return getattr(packet, name), tuple(a.name for a in outs)
     return None
 
 
