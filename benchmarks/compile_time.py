@@ -92,13 +92,13 @@ def time_zoo(device: str) -> list[dict]:
 
     from nimble.pipeline import compile_model
     from nimble.specs import input_specs
-    from zoo import RESOLUTION, SKIPPED, import_torchvision
+    from zoo import RESOLUTION, SKIP, import_torchvision
 
     tv = import_torchvision()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in sorted(tv.models.list_models(module=tv.models)):
-            if name in SKIPPED:
+            if name in SKIP:
                 continue
             size = RESOLUTION.get(name, 224)
             torch.manual_seed(0)

@@ -46,8 +46,12 @@ NIMBLE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
 
 
 def import_torchvision():
-    """torchvision beside a CPU torch: declare each C++ operator it registers fakes for."""
+    """torchvision beside a CPU torch: declare each C++ operator it registers fakes for. Once per
+    process: a later call returns the module already imported."""
     import torch
+
+    if "torchvision.models" in sys.modules:
+        return sys.modules["torchvision"]
 
     lib = torch.library.Library("torchvision", "DEF")
     for _ in range(100):
