@@ -113,25 +113,27 @@ def _attributes_to_constants(graph: torch._C.Graph, module: torch.jit.ScriptModu
     owners = {next(graph.inputs()).unique(): module._c}
     constants: dict[str, torch._C.Value] = {}
     top = next(iter(graph.nodes()), None)
-    for node in graph.findAllNodes("prim::GetAttr", True):  # in program order, blocks included
-        if top is None or node.input().unique() not in owners:
-            continue
-        value = owners[node.input().unique()].getattr(node.s("name"))
-        if isinstance(value, torch._C.ScriptModule):
-            owners[node.output().unique()] = value
-            continue
-        if isinstance(value, torch.Tensor) != tensors:
-            continue
-        name = _attribute_name(node)
-        if name not in constants:
-            try:
-                with graph.insert_point_guard(top):
-                    constants[name] = graph.insertConstant(value.detach() if tensors else value)
-            except RuntimeError:  # not a constant kind: the walker reads it
+    if top is None:
+        return
+    with graph.insert_point_guard(top):  # once: entering the guard costs time that grows with the graph
+        for node in graph.findAllNodes("prim::GetAttr", True):  # in program order, blocks included
+            if node.input().unique() not in owners:
                 continue
-            if tensors:
-                constants[name].setDebugName(name)
-        node.output().replaceAllUsesWith(constants[name])
+            value = owners[node.input().unique()].getattr(node.s("name"))
+            if isinstance(value, torch._C.ScriptModule):
+                owners[node.output().unique()] = value
+                continue
+            if isinstance(value, torch.Tensor) != tensors:
+                continue
+            name = _attribute_name(node)
+            if name not in constants:
+                try:
+                    constants[name] = graph.insertConstant(value.detach() if tensors else value)
+                except RuntimeError:  # not a constant kind: the walker reads it
+                    continue
+                if tensors:
+                    constants[name].setDebugName(name)
+            node.output().replaceAllUsesWith(constants[name])
 
 
 # The layers that torch's frozen-graph optimizations fold batch norm and arithmetic into.

@@ -1,4 +1,5 @@
-"""Dinic's maximum flow on a small directed graph with integer capacities; iterative."""
+"""Dinic's maximum flow on a directed graph with integer capacities; iterative, with an optional
+budget of edge visits after which it gives up (returns None)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ class FlowNetwork:
         self.to.append(u)
         self.cap.append(0)
 
-    def max_flow(self, s: int, t: int) -> int:
+    def max_flow(self, s: int, t: int, budget: int | None = None) -> int | None:
+        """The maximum flow from s to t; None if it would take more than `budget` edge visits."""
         total = 0
+        self.visits = 0
         while True:
             level = self._levels(s, t)
             if level is None:
@@ -31,11 +34,14 @@ class FlowNetwork:
                 if not pushed:
                     break
                 total += pushed
+            if budget is not None and self.visits > budget:
+                return None
 
     def _levels(self, s: int, t: int) -> list[int] | None:
         level = [-1] * self.n
         level[s] = 0
         queue, i = [s], 0
+        self.visits += len(self.to)  # a phase walks each edge about once in the search, once in the pushes
         while i < len(queue):
             u = queue[i]
             i += 1

@@ -12,9 +12,9 @@ vector clocks (`clocks.py`); see `_sweep`. It costs O(ops x streams + conflictin
 buffers-by-ops matrices.
 
 The lower bound is the largest total of buffers that pairwise must be live at once; no valid
-plan can use less. It is exact (`_exact_bound`, a max flow) up to EXACT_BUFFERS buffers; beyond,
-it is the proven `live-set` bound of `_sweep`, which is exact on one stream. `MemoryPlan.lower_bound`
-says which. Placement (see `_search`) tries best fit in the manner of TFLite's greedy-by-size
+plan can use less. It is exact (`_exact_bound`, a max flow) wherever that max flow finishes within
+EXACT_WORK edge visits (50,000-op chains take a few million); otherwise it is the proven `live-set`
+bound of `_sweep`, which is exact on one stream. `MemoryPlan.lower_bound` says which. Placement (see `_search`) tries best fit in the manner of TFLite's greedy-by-size
 first, then, while the arena is above the bound, a bounded, seeded squeaky-wheel search over
 bottom-left placements.
 """
@@ -31,7 +31,7 @@ from .flow import FlowNetwork
 from .schedule import Schedule
 
 ALIGNMENT = 256
-EXACT_BUFFERS = 20_000  # above this many buffers, the lower bound is the live-set bound
+EXACT_WORK = 40_000_000  # edge visits the exact bound's max flow may spend before the live-set bound stands in
 EXACT, LIVE_SET = "exact", "live-set"
 
 
@@ -65,9 +65,8 @@ def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
     outputs = {graph.root(o) for o in graph.outputs} & set(roots)
     sweep = _sweep(graph, schedule, roots, size, outputs)
     span = {r: sweep.last_user[r] + 1 - producer[r] for r in roots}  # rough lifetime, in op ids
-    if len(roots) <= EXACT_BUFFERS:
-        bound, kind = _exact_bound(schedule, roots, size, producer, outputs, sweep.first_after), EXACT
-    else:
+    bound, kind = _exact_bound(schedule, roots, size, producer, outputs, sweep.first_after), EXACT
+    if bound is None:  # the max flow ran out of its budget
         bound, kind = sweep.live_bound, LIVE_SET
     offset = _search(roots, size, sweep.conflicts, producer, span, bound)
     arena = _top(offset, size)
@@ -160,7 +159,7 @@ def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, i
     return _Sweep(conflicts, last_user, first_after, live + sum(size[o] for o in outputs))
 
 
-def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after) -> int:
+def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after) -> int | None:
     """The heaviest set of buffers that pairwise must be live at once: the maximum-weight
     antichain of the order "every use of i happens-before j's producer". By weighted Dilworth it
     is the total size minus the most bytes that chains of that order can share, a max flow from
@@ -191,7 +190,8 @@ def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after
         for u in schedule.waits[v] + ((last_on[s],) if s in last_on else ()):
             net.add_edge(2 * n + u, 2 * n + v, infinite)
         last_on[s] = v
-    return sum(size.values()) - net.max_flow(src, sink)
+    flow = net.max_flow(src, sink, EXACT_WORK)
+    return None if flow is None else sum(size.values()) - flow
 
 
 def _align(n: int) -> int:
