@@ -112,12 +112,31 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
     path = Path(path)
     t = time.perf_counter()
     progress("loading")
-    module = frontend.load_module(path)
+    program = frontend.is_program(path)
+    module = frontend.load_program(path) if program else frontend.load_module(path)
     digest = sha256_file(path)
     load_s = time.perf_counter() - t
-    compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress, fuse)
+    if program:
+        compiled = compile_program(module, inputs, path.stem, path.name, digest, device, streams, check, progress,
+                                   fuse)
+    else:
+        if inputs is None:
+            raise UsageError("give each model input a shape with --shape, e.g. --shape 1x3x224x224")
+        compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress,
+                                  fuse)
     compiled.seconds = {"load": load_s, **compiled.seconds}
     return compiled
+
+
+def compile_program(program, inputs: list[TensorSpec] | None, name: str, model: str, digest: str,
+                    device: str = "auto", streams: str | int = "auto", check: bool = True,
+                    progress=lambda stage: None, fuse: bool = True) -> Compiled:
+    """`compile_script` for a torch.export ExportedProgram. `inputs` may be None: the program's
+    own input shapes, which must then be static."""
+    _check_weight_dtypes({**program.state_dict, **program.constants}, model)
+    specs = frontend.export.input_specs_for(program, inputs, model)
+    return _compile(lambda: frontend.lower_program(program, specs, model), specs, name, model, digest, device,
+                    streams, check, progress, fuse, frontend_name="torch.export")
 
 
 def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
@@ -125,15 +144,27 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
                    progress=lambda stage: None, fuse: bool = True) -> Compiled:
     """`compile_model` for a module already in memory. `model` and `digest` name its source in
     the manifest. Its weights may live on any device; the check runs on `device`."""
+    _check_weight_dtypes(module.state_dict(), model)
+    return _compile(lambda: frontend.lower(module, inputs, model), inputs, name, model, digest, device, streams,
+                    check, progress, fuse, frontend_name="torchscript")
+
+
+def _check_weight_dtypes(state: dict, model: str) -> None:
+    """Before any work: the artifact must be able to hold every weight."""
+    for key, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in bridge.DTYPE_NAMES:
+            raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(str(tensor.dtype).removeprefix('torch.'))}")
+
+
+def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str, device: str,
+             streams: str | int, check: bool, progress, fuse: bool, frontend_name: str) -> Compiled:
+    """The stages after loading, shared by both frontends; `lower()` runs the frontend."""
     device = bridge.resolve_device(device)[0].type
     streams = parse_streams(streams)
-    for key, tensor in module.state_dict().items():  # before any work: the artifact must hold every weight
-        if tensor.dtype not in bridge.DTYPE_NAMES:
-            raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(str(tensor.dtype).removeprefix('torch.'))}")
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     progress("lowering")
-    lowered = frontend.lower(module, inputs, model)
+    lowered = lower()
     lowered_ops = len(lowered.graph.ops)
     lowered = dataclasses.replace(lowered, graph=run_passes(lowered.graph, PASSES if fuse else ()))
     seconds["lower"] = time.perf_counter() - t
@@ -174,7 +205,7 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
     memory = plan(lowered.graph, schedule)
     seconds["memory"] = time.perf_counter() - t
     options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
-               "dtypes": [s.dtype for s in inputs], "fuse": fuse}
+               "dtypes": [s.dtype for s in inputs], "fuse": fuse, "frontend": frontend_name}
     weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
     return Compiled(name, model, digest, lowered.graph, weights, xs,
                     [e.detach().contiguous() for e in expected], result, device, schedule, memory,

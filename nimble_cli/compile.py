@@ -1,4 +1,4 @@
-"""`nimble compile`: TorchScript model -> op graph (and, as the stages land, the .nimble artifact)."""
+"""`nimble compile`: TorchScript model or torch.export program -> the .nimble artifact."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from .common import console, human_bytes, literal, print_json, user_errors, writ
 
 
 def compile_command(
-    model: Path = typer.Argument(..., metavar="MODEL", help="TorchScript model saved with torch.jit.save (.pt)."),
-    shape: list[str] = typer.Option(..., "--shape", "-s", help="Static shape of an input, e.g. 1x3x224x224. "
-                                    "Repeat once per model input, in order."),
-    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32). Give one "
-                                              "for all inputs or one per --shape."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="TorchScript model saved with torch.jit.save (.pt), "
+                                 "or a program saved with torch.export.save (.pt2)."),
+    shape: Optional[list[str]] = typer.Option(None, "--shape", "-s", help="Static shape of an input, e.g. "
+                                              "1x3x224x224. Repeat once per model input, in order. Required "
+                                              "for TorchScript; a .pt2 program brings its own shapes."),
+    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32; a .pt2 "
+                                              "program's own). Give one for all inputs or one per --shape."),
     streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
                                 "(maximum concurrency, minimum syncs), up to 64, else the widest level's op count; "
                                 "1: a single stream; N: at most N streams."),
@@ -33,17 +35,22 @@ def compile_command(
     json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
 ) -> None:
-    """Compile a TorchScript model into a .nimble artifact.
+    """Compile a TorchScript model or a torch.export program into a .nimble artifact.
 
     The artifact holds the op graph, the multi-stream schedule, the memory plan, the weights, and a
     reference input and output. Compiling needs no GPU.
 
-    Example: nimble compile sample_models/inception.pt --shape 1x3x224x224
+    Examples: nimble compile sample_models/inception.pt --shape 1x3x224x224;
+    nimble compile model.pt2 (its shapes come from the program's example inputs).
     """
     with user_errors(debug):
         from nimble.specs import input_specs
 
-        specs = input_specs(shape, dtype)
+        specs = input_specs(shape, dtype) if shape else None  # the pipeline asks for them where needed
+        if dtype and not shape:
+            from nimble.errors import UsageError
+
+            raise UsageError("--dtype goes with --shape; a .pt2 program brings its own input dtypes")
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
         writable(dot, "--dot", {"the model": model, "the artifact": target})

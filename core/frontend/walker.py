@@ -130,10 +130,13 @@ class Walker:
             if not param.type().isSubtypeOf(torch._C.TensorType.get()):
                 raise UnsupportedError(f"{self.name} input '{name}' is a {param.type()}, not a "
                                        "Tensor; nimble takes models whose inputs are all tensors")
-            t = torch.empty(spec.shape, dtype=bridge.DTYPES[spec.dtype], device=_META)
-            ref = self._new_value(INPUT, t, name)
-            self.inputs.append(ref.id)
-            self.env[param.unique()] = ref
+            self.env[param.unique()] = self.add_input(name, spec)
+
+    def add_input(self, name: str, spec: TensorSpec) -> Ref:
+        """The next graph input."""
+        ref = self._new_value(INPUT, torch.empty(spec.shape, dtype=bridge.DTYPES[spec.dtype], device=_META), name)
+        self.inputs.append(ref.id)
+        return ref
 
     def _as_ref(self, obj):
         """A host tensor used by a device op becomes a weight; other objects pass through."""
@@ -304,6 +307,19 @@ class Walker:
                 self.env[o.unique()] = r
 
     def _device_op(self, node, schema, target, ins, outs, source) -> None:
+        result = self.emit(schema, target, ins, source)
+        if isinstance(result, Ref):
+            self.env[outs[0].unique()] = result
+        elif len(outs) == 1 and len(result) != 1 and outs[0].type().kind() == "ListType":
+            self.env[outs[0].unique()] = result  # Tensor[] result (split, chunk, unbind)
+        else:
+            self._bind_host(outs, result if len(outs) > 1 else result[0])
+
+    def emit(self, schema, target: str, ins: list, source: str) -> Ref | list[Ref]:
+        """Append the device op `target` applied to `ins` (in schema order: Refs, host tensors,
+        which become weights, and plain values), typed on the meta device. Returns its results'
+        Refs, or the input's own Ref where the op would hand back its input unchanged. Every
+        frontend lowers its device ops through here."""
         if not bridge.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
@@ -328,8 +344,7 @@ class Walker:
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
-            self.env[outs[0].unique()] = Ref(passed[id(results[0])])
-            return
+            return Ref(passed[id(results[0])])
         op_id = len(self.ops)
         out_refs = []
         for t in results:
@@ -344,10 +359,7 @@ class Walker:
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
-        if len(outs) == 1 and len(out_refs) != 1 and outs[0].type().kind() == "ListType":
-            self.env[outs[0].unique()] = out_refs  # Tensor[] result (split, chunk, unbind)
-        else:
-            self._bind_host(outs, out_refs if len(outs) > 1 else out_refs[0])
+        return out_refs
 
     def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
         """Run `fn` on stand-ins for its tensors: meta tensors (through the op's shape rule where

@@ -1,0 +1,365 @@
+"""torch.export archive (`.pt2`: an ExportedProgram saved with `torch.export.save`) + input specs
+-> IR `Graph` plus its weights, through the same walker as TorchScript (`Walker.emit`).
+
+The program's graph is lowered as exported, in its default op set, which keeps convolution,
+linear and batch norm whole. Parameters, buffers and lifted constants are host tensors, so ops on
+them alone fold on the host, as under freezing; a convolution whose only reader is an inference
+batch norm gets the norm folded into its weight and bias, as `torch.jit.freeze` does (named
+`<conv>.weight_fused_bn`, `<conv>.bias_fused_bn`). Input shapes and dtypes come from the
+program's example inputs; specs are needed only for dimensions the program left dynamic.
+
+Loading: `torch.export.load` reads the graph from JSON, but it reads the weights, constants and
+example inputs with `torch.load(weights_only=False)`, which can run code that a crafted archive
+carries. `load_program` forces weights-only unpickling (TORCH_FORCE_WEIGHTS_ONLY_LOAD) for the
+whole load, so a pickle that holds anything but tensors and plain containers is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import re
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError, NimbleError, ShapeError, UnsupportedError, first_line
+from ..ir import ACTIVATION, Ref, TensorSpec
+from ..ops import bridge
+from .finalize import finalize
+from .torchscript import Lowered
+from .walker import Walker, _refs_of
+
+HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
+_IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
+                               "aten::feature_alpha_dropout"}
+_CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def is_program(path: str | os.PathLike) -> bool:
+    """A zip that holds an exported program (the PT2 archive of torch.export.save)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("archive_format") or n.endswith("serialized_exported_program.json")
+                       for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+@contextlib.contextmanager
+def _weights_only():
+    """Every torch.load inside, whatever it asks for, unpickles tensors and plain containers only."""
+    old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
+
+
+def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
+    """Load a `.pt2` archive on the CPU; one-line ModelError on any defect."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: {'not a file' if path.exists() else 'no such file'}; pass a program saved "
+                         "with torch.export.save")
+    if not is_program(path):
+        raise ModelError(f"{path} is not a torch.export archive; {HINT}")
+    try:
+        with _weights_only():
+            return torch.export.load(str(path))
+    except Exception as e:  # a refused pickle, a malformed graph, an unknown op...
+        if "Weights only load failed" in str(e):
+            raise ModelError(f"{path} holds a pickle with objects other than tensors; nimble refuses it, since "
+                             f"unpickling it could run code. {HINT}") from e
+        raise ModelError(f"{path} could not be loaded as an exported program ({first_line(e)}); {HINT}") from e
+
+
+def program_inputs(program: torch.export.ExportedProgram) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, shape, dtype) of each user input; a dynamic dimension is None in its shape."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    out = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
+            continue
+        val = nodes[spec.arg.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise UnsupportedError(f"input '{spec.arg.name}' is a {type(val).__name__}, not a tensor; "
+                                   "nimble takes models whose inputs are all tensors")
+        shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+        out.append((spec.arg.name, shape, val.dtype))
+    return out
+
+
+def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpec] | None,
+                    name: str) -> list[TensorSpec]:
+    """The program's own input specs, or `given` checked against them (needed for dynamic dims)."""
+    inputs = program_inputs(program)
+    if given is None:
+        dynamic = [(n, i) for n, shape, _ in inputs for i, d in enumerate(shape) if d is None]
+        if dynamic:
+            n, i = dynamic[0]
+            raise ShapeError(f"{name}: dimension {i} of input '{n}' is dynamic in the program; give every "
+                             "input a static shape with --shape")
+        return [TensorSpec(shape, bridge.dtype_name(dtype)) for _, shape, dtype in inputs]
+    if len(given) != len(inputs):
+        raise ShapeError(f"{name} takes {len(inputs)} input(s) ({', '.join(n for n, _, _ in inputs)}) but "
+                         f"{len(given)} shape(s) were given; pass one --shape per input, or none")
+    specs = []
+    for (n, shape, dtype), spec in zip(inputs, given):
+        fixed = len(spec.shape) == len(shape) and all(d is None or d == g for d, g in zip(shape, spec.shape))
+        if not fixed:
+            want = "x".join("?" if d is None else str(d) for d in shape) or "scalar"
+            raise ShapeError(f"{name}: input '{n}' was exported as {want}, not "
+                             f"{'x'.join(map(str, spec.shape)) or 'scalar'}; a program only takes other sizes "
+                             "for the dimensions it exported as dynamic")
+        program_dtype = bridge.dtype_name(dtype)
+        if spec.dtype not in (program_dtype, "float32"):  # float32 is --dtype's default
+            raise ShapeError(f"{name}: input '{n}' is {program_dtype} in the program, not {spec.dtype}")
+        specs.append(TensorSpec(spec.shape, program_dtype))
+    return specs
+
+
+def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec] | None,
+                  name: str = "model") -> Lowered:
+    """Lower an ExportedProgram's graph for these input specs (None: the program's own)."""
+    specs = input_specs_for(program, inputs, name)
+    with torch.no_grad():
+        graph, weights = _Lowering(program, name).run(specs)
+    return Lowered(graph, weights, _reference(program))
+
+
+def _reference(program: torch.export.ExportedProgram):
+    """The program as a function of its user inputs, for reference outputs: its graph module with
+    the lifted parameters, buffers and constants passed in (`ExportedProgram.module()` can fail to
+    re-attach them after a reload)."""
+    state = {**program.state_dict, **program.constants}
+    specs = program.graph_signature.input_specs
+    user = torch.export.graph_signature.InputKind.USER_INPUT
+
+    def run(*inputs):
+        given = iter(inputs)
+        args = [next(given) if s.kind == user else state[s.target] for s in specs]
+        return program.graph_module(*args)
+
+    return run
+
+
+class _Lowering:
+    def __init__(self, program: torch.export.ExportedProgram, name: str):
+        self.program, self.name = program, name
+        self.walker = Walker(name, training=False)
+        self.env: dict[torch.fx.Node, object] = {}
+        self.renamed: dict[int, Ref] = {}  # value written in place -> the functional op's result
+
+    def run(self, specs: list[TensorSpec]):
+        sig = self.program.graph_signature
+        kinds = {s.arg.name: s for s in sig.input_specs}
+        state = {**self.program.state_dict, **self.program.constants}
+        folds, skipped = self._conv_batch_norm_folds(kinds, state)
+        user = iter(specs)
+        w = self.walker
+        for node in self.program.graph.nodes:
+            try:
+                if node.op == "placeholder":
+                    spec = kinds[node.name]
+                    if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
+                        self.env[node] = w.add_input(node.name, next(user))
+                    elif spec.target in state and isinstance(state[spec.target], torch.Tensor):
+                        tensor = state[spec.target].detach()
+                        w.hints[id(tensor)] = spec.target
+                        w.hold.append(tensor)
+                        self.env[node] = tensor
+                    else:
+                        raise UnsupportedError(f"{self.name}: input '{node.name}' is a {spec.kind.name.lower()}, "
+                                               "which nimble does not take")
+                elif node.op == "call_function":
+                    self.env[node] = self._call(node, folds, skipped)
+                elif node.op == "output":
+                    outputs = self._outputs(node)
+                else:
+                    raise UnsupportedError(f"{self.name}: graph node {node.op} '{node.name}' is not supported")
+            except NimbleError:
+                raise
+            except Exception as e:
+                raise UnsupportedError(f"{self.name}: could not lower {node.target} at {_source(node)}: "
+                                       f"{first_line(e)}") from e
+        return finalize(w.values, w.ops, w.inputs, outputs, w.weights)
+
+    def _value(self, arg):
+        if isinstance(arg, torch.fx.Node):
+            value = self.env[arg]
+            return self.renamed.get(value.id, value) if isinstance(value, Ref) else value
+        if isinstance(arg, tuple):
+            return tuple(self._value(a) for a in arg)
+        if isinstance(arg, list):
+            return [self._value(a) for a in arg]
+        return arg
+
+    def _call(self, node, folds, skipped):
+        if node.target is operator.getitem:
+            return self._value(node.args[0])[node.args[1]]
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)} "
+                                   "is not an aten op; nimble needs a program whose graph holds aten ops only")
+        if node in skipped:  # a batch norm folded into the convolution before it
+            return self.env[skipped[node]]
+        schema = node.target._schema
+        target = bridge.target_of(schema)
+        ins = _schema_order(schema, [self._value(a) for a in node.args],
+                            {k: self._value(v) for k, v in node.kwargs.items()})
+        if node in folds:
+            ins[1], ins[2] = folds[node]
+        if schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
+            return ins[0]
+        if not _refs_of(ins):  # weights and constants alone: fold on the host, as freezing does
+            return bridge.schema_op(target)(*ins[:_positional(schema)],
+                                            **{a.name: v for a, v in zip(schema.arguments, ins) if a.kwarg_only})
+        functional = self._functional(schema, target, ins)
+        if functional is not None:  # x.relu_() -> relu(x), as TorchScript's remove_mutation does
+            written, (schema, target) = ins[0], functional
+            result = self.walker.emit(schema, target, ins, _source(node))[0]
+            self.renamed[written.id] = result
+            return result
+        result = self.walker.emit(schema, target, ins, _source(node))
+        if not isinstance(result, list):  # the op hands back its input
+            return result
+        if len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor[]":
+            return result[0]
+        return result if len(schema.returns) == 1 else tuple(result)
+
+    def _functional(self, schema, target: str, ins: list):
+        """The out-of-place twin of an in-place op, where writing a fresh value instead is safe: the
+        written value is an activation that owns its storage and has no views."""
+        twin = _functional_of(schema, target)
+        written = ins[0] if ins else None
+        if twin is None or not isinstance(written, Ref):
+            return None
+        values = self.walker.values
+        if values[written.id].kind != ACTIVATION or values[written.id].alias_of is not None \
+                or any(v.alias_of == written.id for v in values[written.id + 1:]):
+            return None
+        return twin
+
+    def _outputs(self, node) -> list[int]:
+        kinds = [s.kind for s in self.program.graph_signature.output_specs]
+        if any(k != torch.export.graph_signature.OutputKind.USER_OUTPUT for k in kinds):
+            raise UnsupportedError(f"{self.name}: the program writes its buffers or inputs in place; nimble "
+                                   "takes programs exported in eval mode that only return results")
+        out = []
+        for obj in _leaves(self._value(node.args[0])):
+            if isinstance(obj, torch.Tensor):
+                obj = self.walker._as_ref(obj)
+            if not hasattr(obj, "id"):
+                raise UnsupportedError(f"{self.name} returns a {type(obj).__name__}; nimble needs programs "
+                                       "that return tensors")
+            out.append(obj.id)
+        return out
+
+    def _conv_batch_norm_folds(self, kinds, state):
+        """{conv node: (weight, bias)} and {batch norm node: conv node} for each inference batch
+        norm whose input is a convolution that nothing else reads, all of whose parameters are
+        the program's own tensors. Folded as torch's FoldFrozenConvBatchnorm does."""
+        def tensor(arg):
+            if arg is None:
+                return None
+            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder" and arg.name in kinds:
+                value = state.get(kinds[arg.name].target)
+                return value.detach() if isinstance(value, torch.Tensor) else False
+            return False
+
+        folds, skipped = {}, {}
+        for bn in self.program.graph.nodes:
+            if bn.op != "call_function" or getattr(bn.target, "_schema", None) is None \
+                    or bn.target._schema.name != "aten::batch_norm":
+                continue
+            args = _schema_order(bn.target._schema, list(bn.args), dict(bn.kwargs))
+            conv = args[0]
+            if args[5] is not False or not isinstance(conv, torch.fx.Node) or len(conv.users) != 1 \
+                    or getattr(conv.target, "_schema", None) is None or conv.target._schema.name not in _CONVOLUTIONS:
+                continue
+            cargs = _schema_order(conv.target._schema, list(conv.args), dict(conv.kwargs))
+            if conv.target._schema.name == "aten::convolution" and cargs[6]:
+                continue  # transposed
+            w, b = tensor(cargs[1]), tensor(cargs[2])
+            gamma, beta, mean, var = (tensor(a) for a in args[1:5])
+            if any(t is False for t in (w, b, gamma, beta, mean, var)) or mean is None or var is None \
+                    or not w.is_floating_point():
+                continue
+            scale = torch.rsqrt(var + args[7])
+            scale = scale * gamma if gamma is not None else scale
+            bias = (b if b is not None else torch.zeros_like(mean)) - mean
+            bias = bias * scale + (beta if beta is not None else 0)
+            weight = (w * scale.reshape(-1, *[1] * (w.dim() - 1))).to(w.dtype)
+            bias = bias.to(w.dtype)
+            base = kinds[cargs[1].name].target.removesuffix(".weight")
+            self.walker.hints[id(weight)] = f"{base}.weight_fused_bn"
+            self.walker.hints[id(bias)] = f"{base}.bias_fused_bn"
+            self.walker.hold += [weight, bias]  # their ids stay unique while the hints are read
+            folds[conv] = (weight, bias)
+            skipped[bn] = conv
+        return folds, skipped
+
+
+def _functional_of(schema, target: str):
+    """The out-of-place twin of an in-place overload ('aten::relu_.default' -> 'aten::relu.default'),
+    with the same arguments, or None."""
+    name = schema.name
+    if not name.endswith("_") or name.endswith("__") or not schema.arguments \
+            or schema.arguments[0].alias_info is None or not schema.arguments[0].alias_info.is_write:
+        return None
+    twin = target.replace(name, name[:-1], 1)
+    try:
+        fn = bridge.schema_op(twin)
+    except Exception:
+        return None
+    same = [(a.name, str(a.type)) for a in fn._schema.arguments] == [(a.name, str(a.type)) for a in schema.arguments]
+    return (fn._schema, twin) if same and bridge.is_allowed(twin) else None
+
+
+def _positional(schema) -> int:
+    return sum(1 for a in schema.arguments if not a.kwarg_only)
+
+
+def _schema_order(schema, args: list, kwargs: dict) -> list:
+    """The node's arguments in schema order, defaults filled in."""
+    out = []
+    positional = list(args)
+    for i, a in enumerate(schema.arguments):
+        if not a.kwarg_only and i < len(positional):
+            out.append(positional[i])
+        elif a.name in kwargs:
+            out.append(kwargs[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise UnsupportedError(f"{schema.name}: argument '{a.name}' is missing")
+    return out
+
+
+def _leaves(obj):
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _leaves(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _leaves(o)
+    else:
+        yield obj
+
+
+def _source(node) -> str:
+    """'file.py:12' of the model code behind a node: the innermost frame outside torch."""
+    trace = node.meta.get("stack_trace") or ""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = _FRAME.findall(trace)
+    for file, line in reversed(frames):
+        if not file.startswith(torch_dir) and "/site-packages/torch/" not in file:
+            return f"{file}:{line}"
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else f"<graph node {node.name}>"
