@@ -28,6 +28,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 # Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
 # _convolution's extra flags only pick cuDNN settings; convolution reads the same from globals.
 _CANONICAL = {"aten::_convolution.default": ("aten::convolution.default", 9)}
+_SCHEMAS: dict[str, tuple] = {}  # a node's schema text -> (parsed schema, target): a model repeats few
 
 
 def source_of(node: torch._C.Node) -> str:
@@ -269,12 +270,16 @@ class Walker:
 
     def _schema_node(self, node, ins, outs) -> None:
         source = source_of(node)
-        try:
-            schema = torch._C.parse_schema(node.schema())
-        except RuntimeError:
-            raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
-                                   "(it has no aten schema)") from None
-        target = bridge.target_of(schema)
+        text = node.schema()
+        parsed = _SCHEMAS.get(text)
+        if parsed is None:
+            try:
+                schema = torch._C.parse_schema(text)
+            except RuntimeError:
+                raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
+                                       "(it has no aten schema)") from None
+            parsed = _SCHEMAS[text] = (schema, bridge.target_of(schema))
+        schema, target = parsed
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]

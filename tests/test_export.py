@@ -1,0 +1,149 @@
+"""The torch.export frontend: `.pt2` programs compile to the same op graphs as TorchScript, bring
+their own shapes, and a crafted archive cannot run code."""
+
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+from nimble.pipeline import compile_model
+from nimble.specs import input_specs
+
+from . import models
+from .conftest import MODELS, SAMPLES
+from .test_cli import invoke, one_line_error
+
+
+def export(tmp_path, module: nn.Module, example: tuple, name: str = "model", **kwargs):
+    path = tmp_path / f"{name}.pt2"
+    torch.export.save(torch.export.export(module.eval(), example, **kwargs), str(path))
+    return path
+
+
+def op_kinds(graph) -> dict[str, int]:
+    """Ops by kind up to naming (zoo.py's rule): traced TorchScript says `convolution`, an exported
+    program `conv2d`; `norm` is `linalg_vector_norm` in an exported graph."""
+    same = {"_convolution": "conv", "convolution": "conv", "conv2d": "conv", "linalg_vector_norm": "norm"}
+    counts: dict[str, int] = {}
+    for op in graph.ops:
+        short = op.target.split("::")[1].split(".")[0].rstrip("_")
+        counts[same.get(short, short)] = counts.get(same.get(short, short), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_samples_compile_from_pt2_to_the_graph_torchscript_gives(sample, fuse, tmp_path):
+    from sample_models.build import build_module
+
+    name, path, shapes = sample
+    program = export(tmp_path, build_module(name), tuple(torch.randn(s) for s in shapes), name)
+    script = compile_model(path, input_specs(["x".join(map(str, s)) for s in shapes]), device="cpu", fuse=fuse)
+    exported = compile_model(program, None, device="cpu", fuse=fuse)
+    assert exported.check.passed
+    assert op_kinds(exported.graph) == op_kinds(script.graph)
+    assert exported.memory.arena_bytes == script.memory.arena_bytes
+    assert exported.options["frontend"] == "torch.export" and script.options["frontend"] == "torchscript"
+
+
+def test_batch_norm_folds_into_the_convolution_and_in_place_relu_becomes_functional(tmp_path):
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True))
+    with torch.no_grad():
+        module[1].running_mean.uniform_(-1, 1)
+        module[1].running_var.uniform_(0.5, 2)
+    path = export(tmp_path, module, (torch.randn(1, 3, 8, 8),))
+    c = compile_model(path, None, device="cpu", fuse=False)
+    assert [op.target for op in c.graph.ops] == ["aten::conv2d.default", "aten::relu.default"]
+    assert sorted(c.weights) == ["0.bias_fused_bn", "0.weight_fused_bn"]
+    assert c.check.passed
+
+
+def test_cli_compiles_and_runs_a_pt2_without_shapes(tmp_path):
+    from sample_models.build import build_module
+
+    path = export(tmp_path, build_module("two_io"), (torch.randn(1, 3, 64, 64), torch.randn(1, 8)))
+    result = invoke("compile", path, "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "model.nimble").is_file()
+    assert invoke("run", tmp_path / "model.nimble", "--check", "--device", "cpu").exit_code == 0
+
+
+def evil_pickle() -> bytes:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {MARK}",))
+
+    buf = io.BytesIO()
+    torch.save({"x": Evil()}, buf)
+    return buf.getvalue()
+
+
+MARK = "/tmp/nimble-test-export-pwned"
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_run(tmp_path):
+    path = export(tmp_path, nn.Linear(4, 2), (torch.randn(1, 4),))
+    evil = tmp_path / "evil.pt2"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(evil, "w", zipfile.ZIP_STORED) as out:
+        pickles = [n for n in src.namelist() if n.endswith("sample_inputs/model.pt")]
+        assert pickles, src.namelist()
+        for name in src.namelist():
+            out.writestr(name, evil_pickle() if name in pickles else src.read(name))
+    if os.path.exists(MARK):
+        os.remove(MARK)
+    line = one_line_error(invoke("compile", evil, "--device", "cpu"), 1)
+    assert "holds a pickle with objects other than tensors" in line
+    assert not os.path.exists(MARK)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.pt2", "model.pt2"]
+
+
+def test_dynamic_dimensions_need_a_shape_and_static_ones_must_match(tmp_path):
+    batch = torch.export.Dim("batch", min=2, max=16)
+    path = export(tmp_path, nn.Linear(4, 2), (torch.randn(3, 4),), dynamic_shapes={"input": {0: batch}})
+    line = one_line_error(invoke("compile", path, "--device", "cpu"), 1)
+    assert "dimension 0 of input" in line and "dynamic" in line and "--shape" in line
+    assert invoke("compile", path, "--device", "cpu", "--shape", "8x4").exit_code == 0
+    line = one_line_error(invoke("compile", path, "--device", "cpu", "--shape", "8x5"), 1)
+    assert "exported as ?x4" in line
+
+
+def test_an_unsupported_op_names_the_op_and_the_model_line(tmp_path):
+    path = export(tmp_path, models.UnsupportedOp(), (torch.randn(3, 3),))
+    line = one_line_error(invoke("compile", path, "--device", "cpu"), 1)
+    assert "aten::linalg_inv" in line and "models.py:" in line
+
+
+def test_dtype_without_shape_is_a_usage_error(tmp_path):
+    path = export(tmp_path, nn.Linear(4, 2), (torch.randn(1, 4),))
+    line = one_line_error(invoke("compile", path, "--dtype", "float16"), 2)
+    assert "--dtype goes with --shape" in line
+
+
+def test_torchscript_still_needs_shapes():
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "--device", "cpu"), 2)
+    assert "--shape" in line
+
+
+def test_a_zip_that_is_not_a_program_is_not_taken_for_one(tmp_path):
+    path = tmp_path / "other.pt2"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("hello.txt", "hi")
+    line = one_line_error(invoke("compile", path, "--shape", "1x3"), 1)
+    assert "not a TorchScript archive" in line or "torch.save checkpoint" in line or "torch.export" in line
+
+
+def test_int64_inputs_keep_their_dtype(tmp_path):
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            return self.table(ids).sum(1)
+
+    path = export(tmp_path, Embed(), (torch.randint(0, 10, (2, 5)),))
+    c = compile_model(path, None, device="cpu")
+    assert c.graph.values[c.graph.inputs[0]].spec.dtype == "int64" and c.check.passed
+    assert len(MODELS) >= 6  # the samples above are all of them
