@@ -5,9 +5,12 @@
     loss.backward()        # gradients land in net's own .grad tensors
     optimizer.step()       # any torch.optim optimizer over net.parameters()
 
-`prepare` traces the module (a TorchScript module is used as it is) through the same frontend
-and stream schedule as `nimble compile`. For inference it also plans the arena and loads the
-result as `nimble.load` would; for training it captures the forward and the backward as CUDA
+`prepare` lowers the module through the same frontends and stream schedule as `nimble compile`.
+For inference it exports the module with torch.export first and, where that or its lowering
+fails, traces it to TorchScript instead; `Nimble.frontend` says which ("torch.export",
+"torchscript (traced)", or "torchscript" for a TorchScript module, used as it is) and
+`Nimble.fallback` why export was not used. It then plans the arena and loads the result as
+`nimble.load` would. Training always traces: it captures the forward and the backward as CUDA
 graphs bound to the module's own tensors (see `training.py`).
 """
 
@@ -42,12 +45,15 @@ class Nimble:
         self._specs: list[TensorSpec] = []
         self._device = torch.device("cpu")
         self._streams: str | int = "auto"
+        self.frontend: str | None = None  # "torch.export", "torchscript (traced)" or "torchscript"
+        self.fallback: str | None = None  # why torch.export was not used, where it was tried
 
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto") -> Nimble:
-        """Trace, schedule and capture the module for inputs shaped like `example_inputs` (a tensor,
-        or a tuple or list of them). `training=True` prepares forward and backward, and puts the
-        module in training mode; `training=False` puts it in eval mode. `streams` is "auto" (one
+        """Lower (torch.export first, else a trace; see `frontend`), schedule and capture the module
+        for inputs shaped like `example_inputs` (a tensor, or a tuple or list of them).
+        `training=True` prepares forward and backward (traced), and puts the module in training
+        mode; `training=False` puts it in eval mode. `streams` is "auto" (one
         stream per chain of the schedule), 1, or a cap. Returns self."""
         from .pipeline import compile_script, compile_training, parse_streams
         from .runtime.executable import Executable
@@ -66,17 +72,46 @@ class Nimble:
         self._specs = [TensorSpec(tuple(x.shape), bridge.dtype_name(x.dtype)) for x in xs]
         self._device, self._training = device, bool(training)
         self.module.train(self._training)
-        script = self._script(xs)
         name = type(self.module).__name__
+        self.frontend = self.fallback = None
+        if not self._training and not isinstance(self.module, torch.jit.ScriptModule):
+            self._compiled = self._exported(xs, name, device, streams)
         if self._training:
+            script = self._script(xs)
             planned = compile_training(script, self._specs, name, streams)
             self._runner = TrainingGraph(self.module, planned.graph, planned.constants, planned.schedule, device)
         else:
-            self._compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
-                                            device.type, streams, check=False)
+            if self._compiled is None:
+                script = self._script(xs)
+                self._compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
+                                                device.type, streams, check=False)
             self._runner = Executable(self._compiled.artifact(), device.type)
+        if self.frontend is None:
+            traced = not isinstance(self.module, torch.jit.ScriptModule)
+            self.frontend = "torchscript (traced)" if traced else "torchscript"
         self._guard = _Guard(self.module, versions=not self._training)
         return self
+
+    def _exported(self, xs: list[torch.Tensor], name: str, device: torch.device, streams):
+        """The module compiled through torch.export, or None (with `fallback` saying why)."""
+        from .errors import NimbleError
+        from .pipeline import compile_program
+
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(self.module, tuple(xs))
+        except Exception as e:  # data-dependent control flow, untraceable Python...
+            self.fallback = f"torch.export failed ({first_line(e)})"
+            return None
+        try:
+            compiled = compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
+                                       device.type, streams, check=False)
+        except NimbleError as e:
+            self.fallback = f"the exported program did not lower ({first_line(e)})"
+            return None
+        self.frontend = "torch.export"
+        return compiled
 
     def _script(self, xs: list[torch.Tensor]) -> torch.jit.ScriptModule:
         """The module as TorchScript: itself, or traced on `xs` with its buffers and the RNG left as
@@ -148,10 +183,13 @@ class Nimble:
             self.module.eval()
             try:
                 xs = [torch.zeros(s.shape, dtype=bridge.DTYPES[s.dtype], device=self._device) for s in self._specs]
-                script = self._script(xs)
                 name = type(self.module).__name__
-                compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
-                                          self._device.type, self._streams, check=False)
+                scripted = isinstance(self.module, torch.jit.ScriptModule)
+                compiled = None if scripted else self._exported(xs, name, self._device, self._streams)
+                if compiled is None:
+                    script = self._script(xs)
+                    compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
+                                              self._device.type, self._streams, check=False)
             finally:
                 self.module.train(was_training)
         write_artifact(path, compiled.artifact())
@@ -204,6 +242,16 @@ def _as_inputs(example, what: str) -> list[torch.Tensor]:
 def _home_device(module: torch.nn.Module) -> torch.device | None:
     t = next(itertools.chain(module.parameters(), module.buffers()), None)
     return None if t is None else t.device
+
+
+def _program_digest(program) -> str:
+    """A hash of an exported program's graph and weights, for the manifest."""
+    h = hashlib.sha256(str(program.graph).encode())
+    for key, t in sorted({**program.state_dict, **program.constants}.items()):
+        if isinstance(t, torch.Tensor):
+            h.update(key.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _digest(script: torch.jit.ScriptModule) -> str:

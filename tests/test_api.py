@@ -109,10 +109,34 @@ def test_save_after_training_holds_the_trained_weights(tmp_path):
                                atol=1e-5)
 
 
+def test_inference_exports_first_and_says_so():
+    model = nimble.Nimble(build_module("inception").eval()).prepare(torch.randn(1, 3, 32, 32))
+    assert model.frontend == "torch.export" and model.fallback is None
+    assert model._compiled.options["frontend"] == "torch.export"
+
+
+def test_a_module_that_does_not_export_is_traced_and_says_why():
+    class ItemBranch(nn.Module):  # control flow on a tensor's value: export refuses, a trace follows one branch
+        def forward(self, x):
+            return x * 2 if x.sum().item() > 0 else x * 3
+
+    x = torch.ones(2, 3)
+    model = nimble.Nimble(ItemBranch()).prepare(x)
+    assert model.frontend == "torchscript (traced)" and model.fallback.startswith("torch.export failed")
+    torch.testing.assert_close(model(x), x * 2)
+
+
+def test_training_traces():
+    model = nimble.Nimble(build_module("resnet")).prepare(torch.randn(2, 3, 32, 32), training=True)
+    assert model.frontend == "torchscript (traced)"
+
+
 def test_a_scripted_module_is_accepted():
     module = torch.jit.script(build_module("inception").eval())
     x = torch.randn(1, 3, 32, 32)
-    torch.testing.assert_close(nimble.Nimble(module).prepare(x)(x), module(x), rtol=1e-4, atol=1e-5)
+    model = nimble.Nimble(module).prepare(x)
+    torch.testing.assert_close(model(x), module(x), rtol=1e-4, atol=1e-5)
+    assert model.frontend == "torchscript"
 
 
 # ---------------------------------------------------------------------------------- errors
