@@ -93,17 +93,19 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
     shape = list(SHAPES[group])
     if name in RESOLUTION:
         shape[-2:] = [RESOLUTION[name]] * 2
+    dtypes = None
     if group == "samples":
-        from build import MODELS, build_module
+        from build import TOKEN_MODELS, build_module, example_inputs
 
-        model, shapes = build_module(name), [list(s) for s in MODELS[name][1]]
+        model, xs = build_module(name), example_inputs(name)
+        shapes, dtypes = [list(x.shape) for x in xs], (TOKEN_MODELS[name][2] if name in TOKEN_MODELS else None)
     else:
         kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
         if group == "segmentation":
             kwargs = {"weights_backbone": None, "aux_loss": False}
         torch.manual_seed(0)
         model, shapes = torchvision.models.get_model(name, weights=None, **kwargs).eval(), [shape]
-    xs = tuple(torch.randn(*s) for s in shapes)
+        xs = tuple(torch.randn(*s) for s in shapes)
     files: dict = {}
     if "torchscript" in frontends:
         try:
@@ -122,16 +124,19 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
             files["export_seconds"] = round(time.perf_counter() - t, 2)
         except Exception as e:
             files["export"] = f"not exportable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    files["dtypes"] = dtypes
     return files, shapes
 
 
-def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path) -> dict:
+def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes: list | None = None) -> dict:
     """compile (--json, for the op list) then run --check, each in a subprocess."""
     row: dict = {}
     art = tmp / f"{path.name}.nimble"
     cmd = [*NIMBLE, "compile", str(path), "--device", "cpu", "-o", str(art), "--json"]
     for s in shapes or []:
         cmd += ["--shape", "x".join(map(str, s))]
+    for d in (dtypes or []) if shapes else []:
+        cmd += ["--dtype", d]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -187,7 +192,7 @@ def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout:
         if isinstance(path, str):
             row[frontend] = {"status": path.split(":")[0], "message": path.split(": ", 1)[1]}
             continue
-        row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp)
+        row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp, files["dtypes"])
         if frontend == "export":
             row[frontend]["export_seconds"] = files.get("export_seconds")
     done = [row[f] for f in frontends if "targets" in row[f]]
@@ -253,9 +258,9 @@ def main() -> int:
 
     if args.groups == ["samples"]:
         sys.path.insert(0, str(ROOT / "sample_models"))
-        from build import MODELS
+        from build import MODELS, TOKEN_MODELS
 
-        torchvision, work = None, [("samples", n) for n in MODELS if not args.models or n in args.models]
+        torchvision, work = None, [("samples", n) for n in [*MODELS, *TOKEN_MODELS] if not args.models or n in args.models]
     else:
         torchvision = import_torchvision()
         modules = {"classification": torchvision.models, "segmentation": torchvision.models.segmentation,

@@ -3,8 +3,9 @@
     python sample_models/build.py          # rewrites every sample_models/*.pt
 
 Each model is small (under 2 MB of weights) but has the structure that matters for scheduling:
-residual joins, wide multi-branch blocks, long depthwise chains, attention, several inputs and
-outputs. Weights come from a fixed seed, and batch norm statistics are randomized so that freezing
+residual joins, wide multi-branch blocks, long depthwise chains, attention (a hand-written
+encoder block, a ViT on nn.MultiheadAttention, a BERT-style encoder on int64 token ids and a
+mask), several inputs and outputs. Weights come from a fixed seed, and batch norm statistics are randomized so that freezing
 has something real to fold.
 """
 
@@ -212,7 +213,86 @@ class TwoInTwoOut(nn.Module):
         return self.head(joint), F.normalize(self.embed(joint), dim=1)
 
 
-# name -> (constructor, example input shapes, how it is converted to TorchScript)
+class ViT(nn.Module):
+    """A ViT-style image transformer: 8x8 patches, a class token, learned positions, pre-norm blocks
+    on nn.MultiheadAttention (whose traced inference fast path nimble lowers to its ops)."""
+
+    def __init__(self, image: int = 32, patch: int = 8, dim: int = 64, depth: int = 2, heads: int = 4,
+                 mlp: int = 128, classes: int = 10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.ModuleList(ViTBlock(dim, heads, mlp) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.patch(image).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Bert(nn.Module):
+    """A BERT-style encoder from code, small and randomly initialized: int64 token ids and an
+    attention mask (1 for tokens, 0 for padding) in; the last hidden states and the pooled [CLS]
+    vector out."""
+
+    def __init__(self, vocab: int = 100, dim: int = 64, depth: int = 2, heads: int = 4, mlp: int = 128,
+                 positions: int = 64):
+        super().__init__()
+        self.words, self.positions, self.types = nn.Embedding(vocab, dim), nn.Embedding(positions, dim), nn.Embedding(2, dim)
+        self.register_buffer("position_ids", torch.arange(positions).unsqueeze(0), persistent=False)
+        self.norm = nn.LayerNorm(dim, eps=1e-12)
+        self.layers = nn.ModuleList(BertLayer(dim, heads, mlp) for _ in range(depth))
+        self.pool = nn.Linear(dim, dim)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = input_ids.shape[1]
+        x = self.words(input_ids) + self.positions(self.position_ids[:, :n]) + self.types(torch.zeros_like(input_ids))
+        x = self.norm(x)
+        bias = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * -10000.0  # 0 for tokens, -1e4 for padding
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x, torch.tanh(self.pool(x[:, 0]))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-12), nn.LayerNorm(dim, eps=1e-12)
+        self.up, self.down = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.heads, d // self.heads).permute(0, 2, 1, 3)
+
+        scores = torch.matmul(split(self.q(x)), split(self.k(x)).transpose(-1, -2)) / (d // self.heads) ** 0.5
+        context = torch.matmul(torch.softmax(scores + bias, dim=-1), split(self.v(x)))
+        x = self.norm1(x + self.out(context.permute(0, 2, 1, 3).reshape(b, n, d)))
+        return self.norm2(x + self.down(F.gelu(self.up(x))))
+
+
+# name -> (constructor, example input shapes, how it is converted to TorchScript); float32 inputs
 MODELS = {
     "resnet": (ResidualCNN, [(1, 3, 224, 224)], "script"),
     "inception": (InceptionNet, [(1, 3, 224, 224)], "trace"),
@@ -220,13 +300,30 @@ MODELS = {
     "mobilenet": (MobileNet, [(1, 3, 224, 224)], "script"),
     "transformer": (EncoderBlock, [(1, 64, 128)], "trace"),
     "two_io": (TwoInTwoOut, [(1, 3, 64, 64), (1, 8)], "script"),
+    "vit": (ViT, [(1, 3, 32, 32)], "trace"),
 }
+# Models with integer inputs: name -> (constructor, input shapes, input dtypes, how).
+TOKEN_MODELS = {
+    "bert": (Bert, [(1, 16), (1, 16)], ["int64", "int64"], "trace"),
+}
+
+
+def example_inputs(name: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs a sample model takes: normal floats, or for `bert` token ids and a mask that pads
+    the last quarter of the sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    if name == "bert":
+        (b, n), _ = TOKEN_MODELS[name][1]
+        mask = torch.ones(b, n, dtype=torch.int64)
+        mask[:, n - n // 4:] = 0
+        return torch.randint(0, 100, (b, n), generator=gen), mask
+    return tuple(torch.randn(s, generator=gen) for s in MODELS[name][1])
 
 
 def build_module(name: str) -> nn.Module:
     """The sample model `name` as a plain module: seeded, in eval mode, batch norm randomized."""
     torch.manual_seed(0)
-    model = MODELS[name][0]().eval()
+    model = (MODELS[name][0] if name in MODELS else TOKEN_MODELS[name][0])().eval()
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -239,16 +336,16 @@ def build_module(name: str) -> nn.Module:
 
 def build(name: str) -> torch.jit.ScriptModule:
     """The sample model `name` converted to TorchScript, as its MODELS entry says."""
-    _, shapes, how = MODELS[name]
+    how = MODELS[name][2] if name in MODELS else TOKEN_MODELS[name][3]
     model = build_module(name)
     if how == "script":
         return torch.jit.script(model)
-    example = tuple(torch.randn(s) for s in shapes)
-    return torch.jit.trace(model, example)
+    with torch.no_grad():
+        return torch.jit.trace(model, example_inputs(name))
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(MODELS)
+    names = argv or [*MODELS, *TOKEN_MODELS]
     for name in names:
         module = build(name)
         path = HERE / f"{name}.pt"

@@ -216,6 +216,12 @@ class _Lowering:
                             {k: self._value(v) for k, v in node.kwargs.items()})
         if node in folds:
             ins[1], ins[2] = folds[node]
+        if schema.name == "aten::_assert_tensor_metadata":  # export's dtype guard: static here, so check it now
+            x, dtype = ins[0], dict(zip((a.name for a in schema.arguments), ins)).get("dtype")
+            actual = self.walker._tensor(x).dtype if isinstance(x, (Ref, torch.Tensor)) else None
+            if dtype is not None and actual is not None and actual != dtype:
+                raise ShapeError(f"{self.name}: at {_source(node)} the program expects {dtype}, not {actual}")
+            return None
         if schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             return ins[0]
         if not _refs_of(ins):  # weights and constants alone: fold on the host, as freezing does

@@ -1,0 +1,51 @@
+"""Transformers from code: a BERT-style encoder on int64 token ids with an attention mask, and a
+ViT on nn.MultiheadAttention, through both frontends."""
+
+import torch
+
+from nimble.pipeline import compile_model
+from nimble.specs import input_specs
+from sample_models.build import build_module, example_inputs
+
+from .conftest import SAMPLES
+from .test_cli import invoke
+
+
+def test_bert_compiles_with_int64_ids_and_a_mask_and_matches_the_module():
+    c = compile_model(SAMPLES / "bert.pt", input_specs(["1x16", "1x16"], ["int64"]), device="cpu")
+    assert c.check.passed
+    assert [c.graph.values[i].spec.dtype for i in c.graph.inputs] == ["int64", "int64"]
+    module = build_module("bert")
+    ids, mask = example_inputs("bert", seed=3)
+    from nimble.runtime import reference
+
+    got = reference.run(c.graph, c.weights, [ids, mask], "cpu")
+    with torch.no_grad():
+        want = module(ids, mask)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    padded = mask.clone()
+    padded[:, 4:] = 0  # the mask matters: other padding, other states
+    assert not torch.allclose(reference.run(c.graph, c.weights, [ids, padded], "cpu")[0], got[0])
+
+
+def test_bert_and_vit_export_and_compile_from_pt2(tmp_path):
+    for name in ("bert", "vit"):
+        path = tmp_path / f"{name}.pt2"
+        torch.export.save(torch.export.export(build_module(name), example_inputs(name)), str(path))
+        c = compile_model(path, None, device="cpu")
+        assert c.check.passed, (name, c.check.describe())
+
+
+def test_vit_lowers_the_traced_attention_fast_path():
+    c = compile_model(SAMPLES / "vit.pt", input_specs(["1x3x32x32"]), device="cpu")
+    targets = {op.target for op in c.graph.ops}
+    assert "aten::scaled_dot_product_attention.default" in targets and c.check.passed
+    assert not any("multi_head" in t for t in targets)
+
+
+def test_bert_from_the_command_line(tmp_path):
+    result = invoke("compile", SAMPLES / "bert.pt", "-s", "1x16", "-s", "1x16", "--dtype", "int64", "--device", "cpu",
+                    "-o", tmp_path / "bert.nimble")
+    assert result.exit_code == 0, result.stderr
+    assert invoke("run", tmp_path / "bert.nimble", "--check", "--device", "cpu").exit_code == 0
