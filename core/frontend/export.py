@@ -34,7 +34,8 @@ from .walker import Walker, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
-                               "aten::feature_alpha_dropout"}
+                               "aten::feature_alpha_dropout", "aten::dropout_", "aten::feature_dropout_",
+                               "aten::alpha_dropout_", "aten::feature_alpha_dropout_"}  # (input, p, train)
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
@@ -234,9 +235,9 @@ class _Lowering:
             self.renamed[written.id] = result
             return result
         result = self.walker.emit(schema, target, ins, _source(node))
-        if not isinstance(result, list):  # the op hands back its input
-            return result
-        if len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor[]":
+        if not isinstance(result, list):  # the op hands back its input (a split into one piece, say)
+            return [result] if _returns_list(schema) else result
+        if len(schema.returns) == 1 and not _returns_list(schema):
             return result[0]
         return result if len(schema.returns) == 1 else tuple(result)
 
@@ -327,6 +328,11 @@ def _functional_of(schema, target: str):
         return None
     same = [(a.name, str(a.type)) for a in fn._schema.arguments] == [(a.name, str(a.type)) for a in schema.arguments]
     return (fn._schema, twin) if same and bridge.is_allowed(twin) else None
+
+
+def _returns_list(schema) -> bool:
+    """The op returns Tensor[] (split, chunk, unbind), whatever its alias annotation."""
+    return len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
 
 
 def _positional(schema) -> int:

@@ -42,7 +42,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     ),
     "shape, views and copies": (
         "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
-        "permute", "transpose", "t", "contiguous", "expand", "expand_as", "repeat", "select",
+        "permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t", "contiguous", "expand",
+        "expand_as", "repeat", "select",
         "slice", "narrow", "chunk", "split", "split_with_sizes", "unbind", "cat", "concat", "stack",
         "flip", "roll", "index_select", "gather", "embedding", "to", "_to_copy", "type_as",
         "clone", "detach", "alias", "pad", "constant_pad_nd", "reflection_pad2d",
