@@ -149,3 +149,25 @@ def test_int64_inputs_keep_their_dtype(tmp_path):
     c = compile_model(path, None, device="cpu")
     assert c.graph.values[c.graph.inputs[0]].spec.dtype == "int64" and c.check.passed
     assert len(MODELS) >= 6  # the samples above are all of them
+
+
+def test_a_concatenation_read_only_by_another_along_the_same_dimension_joins_it():
+    class Nested(nn.Module):  # inception_v3's InceptionE: cat([cat([a, b]), cat([c, d]), e])
+        def forward(self, x):
+            a, b = torch.relu(x), torch.sigmoid(x)
+            inner = torch.cat([a, b], 1)
+            other = torch.cat([a, b], 0)  # another dimension: stays
+            return torch.cat([inner, torch.tanh(x)], 1), other
+
+    c = compile_model(export_to(Nested(), (torch.randn(2, 3),)), None, device="cpu", fuse=False)
+    cats = [op for op in c.graph.ops if op.target == "aten::cat.default"]
+    assert len(cats) == 2 and len(cats[0].args[0]) + len(cats[1].args[0]) == 5 and c.check.passed
+
+
+def export_to(module, example):
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    path = os.path.join(folder, "model.pt2")
+    torch.export.save(torch.export.export(module.eval(), example), path)
+    return path

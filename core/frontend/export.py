@@ -164,6 +164,7 @@ class _Lowering:
         kinds = {s.arg.name: s for s in sig.input_specs}
         state = {**self.program.state_dict, **self.program.constants}
         folds, skipped = self._conv_batch_norm_folds(kinds, state)
+        self.absorbed = _nested_concats(self.program.graph)
         user = iter(specs)
         w = self.walker
         for node in self.program.graph.nodes:
@@ -211,6 +212,10 @@ class _Lowering:
                                    "is not an aten op; nimble needs a program whose graph holds aten ops only")
         if node in skipped:  # a batch norm folded into the convolution before it
             return self.env[skipped[node]]
+        if node in self.absorbed:  # a concatenation that the one after it takes in whole
+            return None
+        if node.target is torch.ops.aten.cat.default and any(a in self.absorbed for a in node.args[0]):
+            node = _flat_concat(node, self.absorbed)
         schema = node.target._schema
         target = bridge.target_of(schema)
         ins = _schema_order(schema, [self._value(a) for a in node.args],
@@ -328,6 +333,44 @@ def _functional_of(schema, target: str):
         return None
     same = [(a.name, str(a.type)) for a in fn._schema.arguments] == [(a.name, str(a.type)) for a in schema.arguments]
     return (fn._schema, twin) if same and bridge.is_allowed(twin) else None
+
+
+def _concat_dim(node) -> int | None:
+    """The dimension an aten.cat node joins along, made non-negative, or None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    rank = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else None
+    return None if rank is None else dim % rank
+
+
+def _nested_concats(graph) -> set:
+    """The cat nodes whose one reader is a cat along the same dimension: that cat takes their
+    parts directly, as TorchScript's optimizations do (inception_v3's InceptionE blocks)."""
+    absorbed = set()
+    for node in graph.nodes:
+        dim = _concat_dim(node)
+        if dim is None:
+            continue
+        for part in node.args[0]:
+            if isinstance(part, torch.fx.Node) and len(part.users) == 1 and _concat_dim(part) == dim:
+                absorbed.add(part)
+    return absorbed
+
+
+class _Flat:
+    """A stand-in for a cat node whose absorbed parts are replaced by their own parts."""
+
+    def __init__(self, node, parts):
+        self.target, self.meta, self.name = node.target, node.meta, node.name
+        self.args, self.kwargs = (parts, *node.args[1:]), node.kwargs
+
+
+def _flat_concat(node, absorbed):
+    def parts(n):
+        return [p for a in n.args[0] for p in (parts(a) if a in absorbed else [a])]
+
+    return _Flat(node, parts(node))
 
 
 def _returns_list(schema) -> bool:
