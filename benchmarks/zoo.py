@@ -243,7 +243,7 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--groups", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--groups", nargs="*", default=["classification", "segmentation", "video"], choices=list(SHAPES))
     parser.add_argument("--models", nargs="*", help="only these models (of the chosen groups)")
     parser.add_argument("--frontends", nargs="*", default=["torchscript", "export"], choices=["torchscript", "export"])
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
