@@ -169,7 +169,8 @@ def op_kinds(targets: list[str]) -> dict[str, int]:
     """Op counts by kind, up to naming: the frontends spell a few ops differently (TorchScript's
     traced `_convolution` is `convolution`, a scripted or exported one `conv2d`; `norm` is
     `linalg_vector_norm` in an exported graph)."""
-    same = {"_convolution": "conv", "convolution": "conv", "conv2d": "conv", "linalg_vector_norm": "norm"}
+    same = {"_convolution": "conv", "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
+            "linalg_vector_norm": "norm"}
     counts: dict[str, int] = {}
     for t in targets:
         short = t.split("::")[1].split(".")[0].rstrip("_")

@@ -220,3 +220,21 @@ def test_dict_outputs_and_3d_pooling_lower_and_match(tmp_path):
     assert len(got) == 2
     torch.testing.assert_close(got[0], want["out"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want["aux"], rtol=1e-5, atol=1e-6)
+
+
+def test_views_that_change_nothing_or_repeat_are_not_ops(tmp_path):
+    """x[:, :] is x; the same view of the same value taken twice is one op (swin's window slices);
+    a copy with its input's geometry (.to(copy=True)) stays a copy."""
+    from .conftest import save_script
+
+    class Views(torch.nn.Module):
+        def forward(self, x):
+            a = x[:, :] + 1
+            b = x[:, 1:] * x[:, 1:]
+            c = x.to(torch.float32, copy=True)
+            x.add_(1)
+            return a, b, c
+
+    graph = lower_file(save_script(tmp_path, Views(), "views"), [(2, 4)]).graph
+    targets = [op.target for op in graph.ops]
+    assert targets.count("aten::slice.Tensor") == 1 and "aten::to.dtype" in targets

@@ -80,6 +80,7 @@ class Walker:
         self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object
         self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
         self.inputs: list[int] = []
+        self.views: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each view op made -> its results
 
     # values -----------------------------------------------------------------------------------
     def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
@@ -373,6 +374,9 @@ class Walker:
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
         fn = bridge.resolve(target, self.training)
         refs = _refs_of(args + [v for _, v in kwargs])
+        view_key = _view_key(schema, target, args, kwargs)
+        if view_key in self.views:  # the same view of the same value, made again: one op serves
+            return self.views[view_key]
         try:
             results, used = self._call(fn, args, kwargs, refs, _META, target)
         except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
@@ -389,6 +393,9 @@ class Walker:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
             return Ref(passed[id(results[0])])
+        same = _same_view(schema, args, results, used)
+        if not writes and same is not None:  # a view with its input's exact geometry (x[:, :]): nothing to run
+            return Ref(same)
         op_id = len(self.ops)
         out_refs = []
         for t in results:
@@ -403,6 +410,8 @@ class Walker:
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
+        if view_key is not None and not writes and all(self.values[r.id].alias_of is not None for r in out_refs):
+            self.views[view_key] = out_refs  # real views only: `to`, `reshape` and `contiguous` may copy
         return out_refs
 
     def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
@@ -465,6 +474,34 @@ def _flat(objs):
 
 def _refs_of(args):
     return [a.id for a in _flat(args) if isinstance(a, Ref)]
+
+
+def _view_key(schema, target: str, args, kwargs) -> tuple | None:
+    """A key for a view op (every result aliases its input, nothing is written): two views of one
+    value with the same arguments are the same tensor, whatever ran between them."""
+    if not schema.returns or any(r.alias_info is None or r.alias_info.is_write for r in schema.returns) \
+            or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return None
+    try:
+        key = (target, tuple(args), tuple(kwargs))
+        hash(key)
+    except TypeError:  # a list argument: no key
+        return None
+    return key
+
+
+def _same_view(schema, args, results, used) -> int | None:
+    """The input's value id where a view op (its result aliases its first argument) returns a
+    tensor of the very same shape, strides, offset and dtype as that input; else None."""
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    if ret is None or ret.is_write or len(results) != 1 or not args or not isinstance(args[0], Ref):
+        return None
+    x, y = used.get(args[0].id), results[0]
+    if x is None or not isinstance(y, torch.Tensor) or not y._is_view():  # a copy (`.to(copy=True)`) is no view
+        return None
+    if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
+        return args[0].id
+    return None
 
 
 def _written_args(schema, args, kwargs) -> list[int]:
