@@ -41,7 +41,7 @@ def cases(target, rng):
                 and all(o in (1, f) for o, f in zip(other.shape[::-1], first.shape[::-1])) \
                 else other.transpose(0, -1)  # strided: expand_as (F.normalize), or a transposed view
         return [first, other], ({"alpha": 1} if name in ("add", "sub") else {})
-    if target in ("aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar"):
+    if target in ("aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar", "aten::rsub.Scalar"):
         x = t(shape(rng, rng.randint(0, 4), 1, 4), dtype, rng.random() < 0.2)
         return [x, rng.choice([2, 0.5, -3, True])], {}
     if target in ("aten::linear.default",):
@@ -79,6 +79,22 @@ def cases(target, rng):
         if "linalg" in target and rng.random() < 0.3:
             dims = None
         return [x, rng.choice([2, 1, 3.0]), dims, rng.random() < 0.5], {}
+    if target == "aten::scaled_dot_product_attention.default":
+        batch, (n, s, e, ev) = shape(rng, rng.randint(1, 2), 1, 4), shape(rng, 4, 1, 9)
+        q = t(batch + [n, e], dtype, rng.random() < 0.3)
+        k = t(batch + [s, e if rng.random() < 0.9 else e + 1], dtype, rng.random() < 0.3)
+        v = t(batch + [s, ev], dtype, rng.random() < 0.3)
+        return [q, k, v], ({"scale": 0.5} if rng.random() < 0.3 else {})
+    if target == "aten::embedding.default":
+        ids = torch.randint(0, 10, shape(rng, rng.randint(1, 3)), dtype=rng.choice([torch.int64, torch.int32]),
+                            device="meta")
+        return [t([10, rng.randint(1, 8)], dtype), ids], {}
+    if name in ("zeros_like", "ones_like", "full_like"):
+        x = t(shape(rng, rng.randint(0, 4)), rng.choice([dtype, torch.int64]), rng.random() < 0.2)
+        kwargs = {"dtype": rng.choice([None, torch.float16, torch.int32])}
+        if rng.random() < 0.2:
+            kwargs["memory_format"] = torch.contiguous_format
+        return ([x, 1.5] if name == "full_like" else [x]), kwargs
     if name == "cat":
         dims = rng.randint(1, 4)
         base = shape(rng, dims)
@@ -89,7 +105,11 @@ def cases(target, rng):
             s[d] = rng.randint(1, 5)
             if rng.random() < 0.1:
                 s[(d + 1) % dims] += 1
-            parts.append(t(s, dtype))
+            part = t(s, dtype)
+            if rng.random() < 0.2 and dims > 1:  # a strided part: transposed or expanded (ViT's class token)
+                part = t([s[1], s[0], *s[2:]], dtype).transpose(0, 1) if rng.random() < 0.5 \
+                    else t([1, *s[1:]], dtype).expand(*s)
+            parts.append(part)
         return [parts, d - dims if rng.random() < 0.5 else d], {}
     if target == "aten::softmax.int":
         x = t(shape(rng, rng.randint(1, 4)), dtype)

@@ -226,11 +226,38 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     return _mean_dim(x, list(range(x.dim())) if dim is None else dim, keepdim, dtype)
 
 
+def _attention(q, k, v, mask=None, dropout=0.0, causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention without a mask: (..., L, E) x (..., S, E) x (..., S, Ev) ->
+    a fresh contiguous (..., L, Ev). Anything else (masks, broadcast batch dims, grouped
+    heads, mismatches) goes to the meta kernel."""
+    if mask is not None or enable_gqa or dropout or not _floats(q, k, v) or q.dim() < 3 \
+            or not (q.dim() == k.dim() == v.dim()) or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2] \
+            or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        return None
+    return _empty((*q.shape[:-1], v.shape[-1]), q.dtype)
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if weight.dim() != 2 or indices.dtype not in (torch.int64, torch.int32) or not weight.is_floating_point():
+        return None
+    return _empty((*indices.shape, weight.shape[1]), weight.dtype)
+
+
+def _like(x, *args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """zeros_like, ones_like, full_like of a contiguous tensor: the same shape, contiguous."""
+    if layout not in (None, torch.strided) or memory_format not in (None, torch.preserve_format) \
+            or not x.is_contiguous():
+        return None
+    return _empty(x.shape, dtype or x.dtype)
+
+
 def _cat(tensors, dim=0):
     tensors = list(tensors)
-    if not tensors or not _plain(*tensors) or any(t.dim() != tensors[0].dim() for t in tensors) \
+    if not tensors or not _floats(*tensors) or any(t.dim() != tensors[0].dim() for t in tensors) \
             or tensors[0].dim() == 0:
         return None
+    if tensors[0].dim() in (4, 5) and not all(t.is_contiguous() for t in tensors):
+        return None  # the result may follow its inputs into channels_last; below 4-D it is contiguous
     d = dim % tensors[0].dim()
     first = tensors[0].shape
     if any(t.shape[:d] != first[:d] or t.shape[d + 1:] != first[d + 1:] for t in tensors):
@@ -318,6 +345,7 @@ _UNARY = ("relu", "relu6", "hardtanh", "sigmoid", "tanh", "silu", "gelu", "hards
 RULES: dict[str, Callable] = {
     **{f"aten::{name}.default": _unary for name in _UNARY},
     **{f"aten::{name}.{kind}": _binary for name in ("add", "sub", "mul", "div") for kind in ("Tensor", "Scalar")},
+    "aten::rsub.Scalar": _binary,
     "aten::maximum.default": _binary,
     "aten::minimum.default": _binary,
     "aten::linear.default": _linear,
@@ -330,6 +358,11 @@ RULES: dict[str, Callable] = {
     "aten::norm.ScalarOpt_dim": _norm_dim,
     "aten::linalg_vector_norm.default": _vector_norm,
     "aten::cat.default": _cat,
+    "aten::scaled_dot_product_attention.default": _attention,
+    "aten::embedding.default": _embedding,
+    "aten::zeros_like.default": _like,
+    "aten::ones_like.default": _like,
+    "aten::full_like.default": _like,
     "aten::softmax.int": _softmax,
     "aten::_softmax.default": _internal_softmax,
     "aten::layer_norm.default": _layer_norm,
