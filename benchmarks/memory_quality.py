@@ -42,7 +42,9 @@ def graphs(tmp: Path):
         specs = [TensorSpec(tuple(s), "float32") for s in shapes]
         yield name, frontend.lower(frontend.load_module(ROOT / "sample_models" / f"{name}.pt"), specs, name).graph
     try:
-        import torchvision
+        from zoo import import_torchvision  # beside a CPU torch too (see zoo.py)
+
+        torchvision = import_torchvision()
     except ImportError:
         print("torchvision is not installed: sample models only", file=sys.stderr)
         return
