@@ -30,7 +30,7 @@ from ..ir import ACTIVATION, Ref, TensorSpec
 from ..ops import bridge
 from .finalize import finalize
 from .torchscript import Lowered
-from .walker import Walker, _refs_of
+from .walker import Walker, _call_schema, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
@@ -158,6 +158,8 @@ class _Lowering:
         self.walker = Walker(name, training=False)
         self.env: dict[torch.fx.Node, object] = {}
         self.renamed: dict[int, Ref] = {}  # value written in place -> the functional op's result
+        self.viewed: set[int] = set()  # values that have views, among the first `scanned` values
+        self.scanned = 0
 
     def run(self, specs: list[TensorSpec]):
         sig = self.program.graph_signature
@@ -231,8 +233,7 @@ class _Lowering:
         if schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             return ins[0]
         if not _refs_of(ins):  # weights and constants alone: fold on the host, as freezing does
-            return bridge.schema_op(target)(*ins[:_positional(schema)],
-                                            **{a.name: v for a, v in zip(schema.arguments, ins) if a.kwarg_only})
+            return _call_schema(schema, target, ins)
         functional = self._functional(schema, target, ins)
         if functional is not None:  # x.relu_() -> relu(x), as TorchScript's remove_mutation does
             written, (schema, target) = ins[0], functional
@@ -254,8 +255,12 @@ class _Lowering:
         if twin is None or not isinstance(written, Ref):
             return None
         values = self.walker.values
+        for v in values[self.scanned:]:  # values with views, kept up to date as values are added
+            if v.alias_of is not None:
+                self.viewed.add(v.alias_of)
+        self.scanned = len(values)
         if values[written.id].kind != ACTIVATION or values[written.id].alias_of is not None \
-                or any(v.alias_of == written.id for v in values[written.id + 1:]):
+                or written.id in self.viewed:
             return None
         return twin
 
@@ -376,10 +381,6 @@ def _flat_concat(node, absorbed):
 def _returns_list(schema) -> bool:
     """The op returns Tensor[] (split, chunk, unbind), whatever its alias annotation."""
     return len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
-
-
-def _positional(schema) -> int:
-    return sum(1 for a in schema.arguments if not a.kwarg_only)
 
 
 def _schema_order(schema, args: list, kwargs: dict) -> list:
