@@ -168,9 +168,9 @@ def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes
 def op_kinds(targets: list[str]) -> dict[str, int]:
     """Op counts by kind, up to naming: the frontends spell a few ops differently (TorchScript's
     traced `_convolution` is `convolution`, a scripted or exported one `conv2d`; `norm` is
-    `linalg_vector_norm` in an exported graph)."""
+    `linalg_vector_norm` and `transpose` can be `swapaxes` in an exported graph)."""
     same = {"_convolution": "conv", "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
-            "linalg_vector_norm": "norm"}
+            "swapaxes": "transpose", "swapdims": "transpose", "linalg_vector_norm": "norm"}
     counts: dict[str, int] = {}
     for t in targets:
         short = t.split("::")[1].split(".")[0].rstrip("_")

@@ -27,7 +27,7 @@ def op_kinds(graph) -> dict[str, int]:
     """Ops by kind up to naming (zoo.py's rule): traced TorchScript says `convolution`, an exported
     program `conv2d`; `norm` is `linalg_vector_norm` in an exported graph."""
     same = {"_convolution": "conv", "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
-            "linalg_vector_norm": "norm"}
+            "swapaxes": "transpose", "swapdims": "transpose", "linalg_vector_norm": "norm"}
     counts: dict[str, int] = {}
     for op in graph.ops:
         short = op.target.split("::")[1].split(".")[0].rstrip("_")
