@@ -15,11 +15,13 @@ from .common import console, human_bytes, literal, print_json, user_errors, writ
 def compile_command(
     model: Path = typer.Argument(..., metavar="MODEL", help="TorchScript model saved with torch.jit.save (.pt), "
                                  "or a program saved with torch.export.save (.pt2)."),
-    shape: Optional[list[str]] = typer.Option(None, "--shape", "-s", help="Static shape of an input, e.g. "
-                                              "1x3x224x224. Repeat once per model input, in order. Required "
-                                              "for TorchScript; a .pt2 program brings its own shapes."),
-    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Input dtype (default float32; a .pt2 "
-                                              "program's own). Give one for all inputs or one per --shape."),
+    shape: Optional[list[str]] = typer.Option(None, "--shape", "-s", metavar="SHAPE",
+                                              help="Static shape of an input, e.g. 1x3x224x224. Repeat "
+                                              "once per model input, in order. Required for TorchScript; "
+                                              "a .pt2 program brings its own shapes."),
+    dtype: Optional[list[str]] = typer.Option(None, "--dtype", metavar="DTYPE",
+                                              help="Input dtype (default float32; a .pt2 program's own). "
+                                              "Give one for all inputs or one per --shape."),
     streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
                                 "(maximum concurrency, minimum syncs), up to 64, else the widest level's op count; "
                                 "1: a single stream; N: at most N streams."),

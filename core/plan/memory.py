@@ -13,10 +13,11 @@ buffers-by-ops matrices.
 
 The lower bound is the largest total of buffers that pairwise must be live at once; no valid
 plan can use less. It is exact (`_exact_bound`, a max flow) wherever that max flow finishes within
-EXACT_WORK edge visits (50,000-op chains take a few million); otherwise it is the proven `live-set`
-bound of `_sweep`, which is exact on one stream. `MemoryPlan.lower_bound` says which. Placement (see `_search`) tries best fit in the manner of TFLite's greedy-by-size
-first, then, while the arena is above the bound, a bounded, seeded squeaky-wheel search over
-bottom-left placements.
+EXACT_WORK edge visits (50,000-op chains take a few million); otherwise it is the proven
+`live-set` bound of `_sweep`, which is exact on one stream. `MemoryPlan.lower_bound` says which.
+Placement (see `_search`) tries best fit in the manner of TFLite's greedy-by-size first, then,
+while the arena is above the bound, a bounded, seeded squeaky-wheel search over bottom-left
+placements.
 """
 
 from __future__ import annotations
