@@ -55,7 +55,7 @@ class Nimble:
         `training=True` prepares forward and backward (traced), and puts the module in training
         mode; `training=False` puts it in eval mode. `streams` is "auto" (one
         stream per chain of the schedule), 1, or a cap. Returns self."""
-        from .pipeline import compile_script, compile_training, parse_streams
+        from .pipeline import compile_training, parse_streams
         from .runtime.executable import Executable
         from .runtime.training import TrainingGraph
 
@@ -72,46 +72,42 @@ class Nimble:
         self._specs = [TensorSpec(tuple(x.shape), bridge.dtype_name(x.dtype)) for x in xs]
         self._device, self._training = device, bool(training)
         self.module.train(self._training)
-        name = type(self.module).__name__
-        self.frontend = self.fallback = None
-        if not self._training and not isinstance(self.module, torch.jit.ScriptModule):
-            self._compiled = self._exported(xs, name, device, streams)
         if self._training:
-            script = self._script(xs)
-            planned = compile_training(script, self._specs, name, streams)
+            planned = compile_training(self._script(xs), self._specs, type(self.module).__name__, streams)
             self._runner = TrainingGraph(self.module, planned.graph, planned.constants, planned.schedule, device)
+            self.frontend, self.fallback = self._script_kind(), None
         else:
-            if self._compiled is None:
-                script = self._script(xs)
-                self._compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
-                                                device.type, streams, check=False)
+            self._compiled, self.frontend, self.fallback = self._compile_inference(xs)
             self._runner = Executable(self._compiled.artifact(), device.type)
-        if self.frontend is None:
-            traced = not isinstance(self.module, torch.jit.ScriptModule)
-            self.frontend = "torchscript (traced)" if traced else "torchscript"
         self._guard = _Guard(self.module, versions=not self._training)
         return self
 
-    def _exported(self, xs: list[torch.Tensor], name: str, device: torch.device, streams):
-        """The module compiled through torch.export, or None (with `fallback` saying why)."""
+    def _compile_inference(self, xs: list[torch.Tensor]):
+        """(compiled, frontend, fallback): the module compiled for inference through torch.export,
+        or where that fails (fallback says why) through TorchScript."""
         from .errors import NimbleError
-        from .pipeline import compile_program
+        from .pipeline import compile_program, compile_script
 
-        try:
-            with warnings.catch_warnings(), torch.no_grad():
-                warnings.simplefilter("ignore")
-                program = torch.export.export(self.module, tuple(xs))
-        except Exception as e:  # data-dependent control flow, untraceable Python...
-            self.fallback = f"torch.export failed ({first_line(e)})"
-            return None
-        try:
-            compiled = compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
-                                       device.type, streams, check=False)
-        except NimbleError as e:
-            self.fallback = f"the exported program did not lower ({first_line(e)})"
-            return None
-        self.frontend = "torch.export"
-        return compiled
+        name, device = type(self.module).__name__, self._device.type
+        fallback = None
+        if not isinstance(self.module, torch.jit.ScriptModule):
+            try:
+                with warnings.catch_warnings(), torch.no_grad():
+                    warnings.simplefilter("ignore")
+                    program = torch.export.export(self.module, tuple(xs))
+                return (compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
+                                        device, self._streams, check=False), "torch.export", None)
+            except NimbleError as e:
+                fallback = f"the exported program did not lower ({first_line(e)})"
+            except Exception as e:  # data-dependent control flow, untraceable Python...
+                fallback = f"torch.export failed ({first_line(e)})"
+        script = self._script(xs)
+        compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script), device,
+                                  self._streams, check=False)
+        return compiled, self._script_kind(), fallback
+
+    def _script_kind(self) -> str:
+        return "torchscript" if isinstance(self.module, torch.jit.ScriptModule) else "torchscript (traced)"
 
     def _script(self, xs: list[torch.Tensor]) -> torch.jit.ScriptModule:
         """The module as TorchScript: itself, or traced on `xs` with its buffers and the RNG left as
@@ -173,8 +169,6 @@ class Nimble:
         (in eval mode) and the prepared input shapes."""
         from nimble.formats import write_artifact
 
-        from .pipeline import compile_script
-
         if self._runner is None:
             raise UsageError("call prepare(example_inputs) before save()")
         compiled = self._compiled
@@ -183,13 +177,7 @@ class Nimble:
             self.module.eval()
             try:
                 xs = [torch.zeros(s.shape, dtype=bridge.DTYPES[s.dtype], device=self._device) for s in self._specs]
-                name = type(self.module).__name__
-                scripted = isinstance(self.module, torch.jit.ScriptModule)
-                compiled = None if scripted else self._exported(xs, name, self._device, self._streams)
-                if compiled is None:
-                    script = self._script(xs)
-                    compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script),
-                                              self._device.type, self._streams, check=False)
+                compiled = self._compile_inference(xs)[0]
             finally:
                 self.module.train(was_training)
         write_artifact(path, compiled.artifact())

@@ -21,6 +21,7 @@ from . import dtypes, frontend, passes
 from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
 from .ir import Graph, TensorSpec
+from .specs import NEED_SHAPES
 from .ops import bridge
 from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
@@ -99,15 +100,16 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "auto",
+def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
                   streams: str | int = "auto", check: bool = True, progress=lambda stage: None,
                   fuse: bool = True) -> Compiled:
-    """Load a TorchScript model, lower it for `inputs`, check the op list against the model, and
-    schedule it on `streams` ("auto", 1, or a cap).
+    """Load a TorchScript model or a torch.export `.pt2` program, lower it for `inputs` (None: a
+    program's own input specs), check the op list against the model, and schedule it on
+    `streams` ("auto", 1, or a cap).
 
     `progress(stage)` is called as each stage starts. `fuse` runs the fusion PASSES; without it
     every op stays a single aten op. The check runs the op list on `device`
-    and compares it with the TorchScript module run on the CPU; a mismatch raises MismatchError.
+    and compares it with the model run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
     t = time.perf_counter()
@@ -121,7 +123,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec], device: str = "aut
                                    fuse)
     else:
         if inputs is None:
-            raise UsageError("give each model input a shape with --shape, e.g. --shape 1x3x224x224")
+            raise UsageError(NEED_SHAPES)
         compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress,
                                   fuse)
     compiled.seconds = {"load": load_s, **compiled.seconds}

@@ -33,10 +33,13 @@ def max_input_bytes() -> int:
     return int(text) if text.isascii() and text.isdecimal() else MAX_INPUT_BYTES
 
 
+NEED_SHAPES = "give each model input a shape with --shape, e.g. --shape 1x3x224x224"
+
+
 def input_specs(shapes: list[str], dtypes: list[str] | None = None) -> list[TensorSpec]:
     """One TensorSpec per --shape. Give no --dtype (float32), one for all inputs, or one per input."""
     if not shapes:
-        raise UsageError("give each model input a shape with --shape, e.g. --shape 1x3x224x224")
+        raise UsageError(NEED_SHAPES)
     dtypes = list(dtypes or ["float32"])
     if len(dtypes) == 1:
         dtypes *= len(shapes)

@@ -24,15 +24,10 @@ def export(tmp_path, module: nn.Module, example: tuple, name: str = "model", **k
 
 
 def op_kinds(graph) -> dict[str, int]:
-    """Ops by kind up to naming (zoo.py's rule): traced TorchScript says `convolution`, an exported
-    program `conv2d`; `norm` is `linalg_vector_norm` in an exported graph."""
-    same = {"_convolution": "conv", "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
-            "swapaxes": "transpose", "swapdims": "transpose", "linalg_vector_norm": "norm"}
-    counts: dict[str, int] = {}
-    for op in graph.ops:
-        short = op.target.split("::")[1].split(".")[0].rstrip("_")
-        counts[same.get(short, short)] = counts.get(same.get(short, short), 0) + 1
-    return counts
+    """Ops by kind up to naming, by the sweep's own rule (benchmarks/zoo.py)."""
+    from benchmarks.zoo import op_kinds as by_kind
+
+    return by_kind([op.target for op in graph.ops])
 
 
 @pytest.mark.parametrize("fuse", [False, True])

@@ -30,12 +30,9 @@ from ..ir import ACTIVATION, Ref, TensorSpec
 from ..ops import bridge
 from .finalize import finalize
 from .torchscript import Lowered
-from .walker import Walker, _call_schema, _refs_of
+from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, Walker, _call_schema, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
-_IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
-                               "aten::feature_alpha_dropout", "aten::dropout_", "aten::feature_dropout_",
-                               "aten::alpha_dropout_", "aten::feature_alpha_dropout_"}  # (input, p, train)
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
@@ -416,6 +413,6 @@ def _source(node) -> str:
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     frames = _FRAME.findall(trace)
     for file, line in reversed(frames):
-        if not file.startswith(torch_dir) and "/site-packages/torch/" not in file:
+        if not file.startswith(torch_dir) and not _TORCH_FILE.search(file):
             return f"{file}:{line}"
     return f"{frames[-1][0]}:{frames[-1][1]}" if frames else f"<graph node {node.name}>"

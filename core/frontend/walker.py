@@ -20,7 +20,8 @@ from .hostops import host_op
 
 _META = torch.device("meta")
 _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
-                               "aten::feature_alpha_dropout"}
+                               "aten::feature_alpha_dropout", "aten::dropout_", "aten::feature_dropout_",
+                               "aten::alpha_dropout_", "aten::feature_alpha_dropout_"}  # (input, p, train)
 _UPDATES_RUNNING_STATS = {"aten::batch_norm", "aten::instance_norm"}  # (input, w, b, mean, var, training, ...)
 _MAX_UNROLL = 100_000
 _TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
