@@ -1,8 +1,10 @@
-"""A coverage sweep of torchvision's models on the CPU (TorchScript frontend): every
-classification model, the segmentation models and the video models.
+"""A coverage sweep of torchvision's models on the CPU, through both frontends (a trace to
+TorchScript, and torch.export to `.pt2`): every classification model, the segmentation, video and
+detection models, and (`--groups samples`) the bundled sample models.
 
-    python benchmarks/zoo.py [--groups classification segmentation video] [--models resnet18 ...]
-                             [--timeout 300] [--out benchmarks/results]
+    python benchmarks/zoo.py [--groups classification segmentation video detection samples]
+                             [--models resnet18 ...] [--frontends torchscript export]
+                             [--timeout 300] [--require-ok] [--out benchmarks/results]
 
 torchvision on a CPU-only machine: the registry's wheels are CUDA builds, and pairing one with a
 CPU torch fails at import on its C++ op registrations. Install the version that pairs with your
@@ -10,14 +12,17 @@ torch without dependencies, so pip keeps your torch (torch 2.13 pairs with torch
 
     pip install --no-deps torchvision==0.28.0 pillow
 
-This script then declares the missing `torchvision::` operators before importing it (no
-classification model calls them).
+This script then declares the operators that torchvision could not load before importing it:
+nms and roi_align with their real schemas and Python CPU implementations (detection models call
+them), the others as placeholders that no model here calls. The nimble subprocesses do the same.
 
-Per model (random weights, eval mode, batch 1, 224x224 images, 8x112x112 clips for video; a
-segmentation model returns a dict, so it is traced with strict=False): trace it to TorchScript,
-then in subprocesses with a timeout run `nimble compile --device cpu` and `nimble run --check
---device cpu`. Each model is classified as ok, clean error (exit 1 to 3 with one line), mismatch
-(exit 3), crash (a traceback or a signal) or timeout, with compile seconds and op counts. Models
+Per model (random weights, eval mode, batch 1, 224x224 images, 8x112x112 clips for video, larger
+where a model needs it): write it both ways, then in subprocesses with a timeout run `nimble
+compile --device cpu` and `nimble run --check --device cpu`. A segmentation model returns a dict
+and is traced with strict=False; a detection model is wrapped to take one image batch and return
+the first image's boxes, labels and scores. Each model is classified as ok, clean error (exit 1 to
+3 with one line), mismatch (exit 3), crash (a traceback or a signal) or timeout, with compile
+seconds and op counts, and whether the two frontends lowered the same op kinds and counts. Models
 too large for a 2-core CPU are listed as skipped. Writes zoo.md and zoo.json (rows are written
 after every model).
 """
@@ -27,12 +32,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {  # too large for a 2-core CPU builder (hundreds of millions of parameters, or minutes per run)
@@ -41,26 +49,63 @@ SKIP = {  # too large for a 2-core CPU builder (hundreds of millions of paramete
     "regnet_x_32gf", "swin3d_b", "swin3d_s", "mvit_v1_b", "mvit_v2_s",
 }
 SHAPES = {"classification": (1, 3, 224, 224), "segmentation": (1, 3, 224, 224), "video": (1, 3, 8, 112, 112),
-          "samples": ()}  # the bundled sample models, at their own shapes
+          "detection": (1, 3, 224, 224), "samples": ()}  # the bundled sample models, at their own shapes
+SHAPE = {"inception_v3": (1, 3, 299, 299), "s3d": (1, 3, 16, 224, 224)}  # models that need a larger input
 LABEL = {"torchscript": "TorchScript", "export": ".pt2"}
-RESOLUTION = {"inception_v3": 299}
-NIMBLE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
+# nimble in a subprocess; where torchvision cannot load its operators (a CPU torch), declared first
+NIMBLE = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import zoo; "
+          "zoo.import_torchvision(); from nimble.cli.entry import main; main()"]
+NIMBLE_ALONE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]  # for the bundled samples
+
+
+_DETECTION_OPS = {  # the torchvision operators detection models call, with their real schemas
+    "nms": "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "roi_align": "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+                 "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
+}
+
+
+def _nms(dets, scores, iou_threshold: float):
+    """torchvision's greedy non-maximum suppression, on the CPU in Python."""
+    x1, y1, x2, y2 = dets.unbind(1)
+    areas = (x2 - x1) * (y2 - y1)
+    order, keep = scores.argsort(descending=True), []
+    alive = torch.ones(len(dets), dtype=torch.bool)
+    for i in order.tolist():
+        if not alive[i]:
+            continue
+        keep.append(i)
+        w = (torch.minimum(x2, x2[i]) - torch.maximum(x1, x1[i])).clamp(min=0)
+        h = (torch.minimum(y2, y2[i]) - torch.maximum(y1, y1[i])).clamp(min=0)
+        inter = w * h
+        alive &= inter / (areas + areas[i] - inter) <= iou_threshold
+    return torch.tensor(keep, dtype=torch.long)
+
+
+def _has_ops() -> bool:
+    return True
 
 
 def import_torchvision():
-    """torchvision beside a CPU torch: declare each C++ operator it registers fakes for. Once per
-    process: a later call returns the module already imported."""
-    import torch
-
+    """torchvision; beside a CPU torch, whose C++ operators it cannot load, first declare each
+    operator it registers fakes for: nms and roi_align (what detection models call) with their real
+    schemas and CPU implementations in Python, so that detection models trace, and their
+    TorchScript files load in any process that called this first. Once per process."""
     if "torchvision.models" in sys.modules:
         return sys.modules["torchvision"]
-
-    lib = torch.library.Library("torchvision", "DEF")
+    lib = None
     for _ in range(100):
         try:
             import torchvision
 
-            import_torchvision.lib = lib  # the declarations live as long as the library object
+            if lib is not None:
+                from torchvision.ops.roi_align import _roi_align
+
+                lib.impl("roi_align", _roi_align, "CPU")
+                for name, module in list(sys.modules.items()):  # the two operators are there now
+                    if name.startswith("torchvision") and hasattr(module, "_has_ops"):
+                        module._has_ops = _has_ops
+                import_torchvision.lib = lib  # the declarations live as long as the library object
             return torchvision
         except RuntimeError as e:
             m = re.search(r"torchvision::(\w+) does not exist", str(e))
@@ -68,7 +113,13 @@ def import_torchvision():
                 raise
             for name in [k for k in sys.modules if k.startswith("torchvision")]:
                 del sys.modules[name]
-            lib.define(f"{m.group(1)}(Tensor[] args) -> Tensor")
+            if lib is None:
+                lib = torch.library.Library("torchvision", "DEF")
+                for schema in _DETECTION_OPS.values():
+                    lib.define(schema)
+                lib.impl("nms", _nms, "CPU")
+            if m.group(1) not in _DETECTION_OPS:
+                lib.define(f"{m.group(1)}(Tensor[] args) -> Tensor")
     raise RuntimeError("could not import torchvision")
 
 
@@ -76,7 +127,7 @@ def outcome(proc: subprocess.CompletedProcess | None, timeout: bool) -> tuple[st
     if timeout:
         return "timeout", ""
     err = proc.stderr.strip()
-    last = err.splitlines()[-1] if err else ""
+    last = re.sub(r"\S*/site-packages/", "", err.splitlines()[-1]) if err else ""  # torchvision/...py:12
     if proc.returncode == 0:
         return "ok", ""
     if "Traceback" in err or proc.returncode < 0 or "internal error" in err:
@@ -88,11 +139,7 @@ def outcome(proc: subprocess.CompletedProcess | None, timeout: bool) -> tuple[st
 
 def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -> tuple[dict, list[int]]:
     """The model written once per frontend: {frontend: path or 'not traceable/exportable: ...'}."""
-    import torch
-
-    shape = list(SHAPES[group])
-    if name in RESOLUTION:
-        shape[-2:] = [RESOLUTION[name]] * 2
+    shape = list(SHAPE.get(name, SHAPES[group]))
     dtypes = None
     if group == "samples":
         from build import TOKEN_MODELS, build_module, example_inputs
@@ -103,14 +150,18 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
         kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
         if group == "segmentation":
             kwargs = {"weights_backbone": None, "aux_loss": False}
+        if group == "detection":
+            kwargs = {"weights_backbone": None}
         torch.manual_seed(0)
         model, shapes = torchvision.models.get_model(name, weights=None, **kwargs).eval(), [shape]
+        if group == "detection":
+            model = Detections(model)
         xs = tuple(torch.randn(*s) for s in shapes)
     files: dict = {}
     if "torchscript" in frontends:
         try:
             with torch.no_grad():
-                traced = torch.jit.trace(model, xs, check_trace=False, strict=group != "segmentation")
+                traced = torch.jit.trace(model, xs, check_trace=False, strict=group not in ("segmentation", "detection"))
             torch.jit.save(traced, str(tmp / f"{name}.pt"))
             files["torchscript"] = tmp / f"{name}.pt"
         except Exception as e:  # the model itself does not trace: not nimble's failure, but recorded
@@ -123,16 +174,31 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
             files["export"] = tmp / f"{name}.pt2"
             files["export_seconds"] = round(time.perf_counter() - t, 2)
         except Exception as e:
-            files["export"] = f"not exportable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            files["export"] = f"not exportable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     files["dtypes"] = dtypes
     return files, shapes
 
 
-def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes: list | None = None) -> dict:
+class Detections(torch.nn.Module):
+    """A detection model as deployed from a trace: a batch of one image in, its boxes, labels and
+    scores (and masks or keypoints) out. (torchvision's own interface, lists of images in and of
+    dicts out, does not trace.)"""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images):
+        return tuple(self.model(list(images))[0].values())
+
+
+def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes: list | None = None,
+              nimble: list | None = None) -> dict:
     """compile (--json, for the op list) then run --check, each in a subprocess."""
     row: dict = {}
     art = tmp / f"{path.name}.nimble"
-    cmd = [*NIMBLE, "compile", str(path), "--device", "cpu", "-o", str(art), "--json"]
+    nimble = nimble or NIMBLE
+    cmd = [*nimble, "compile", str(path), "--device", "cpu", "-o", str(art), "--json"]
     for s in shapes or []:
         cmd += ["--shape", "x".join(map(str, s))]
     for d in (dtypes or []) if shapes else []:
@@ -156,7 +222,7 @@ def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes
     row["status"], row["message"] = ("compile " + status, line) if status != "ok" else ("compiled", "")
     if status == "ok":
         try:
-            proc = subprocess.run([*NIMBLE, "run", str(art), "--check", "--device", "cpu"], capture_output=True,
+            proc = subprocess.run([*nimble, "run", str(art), "--check", "--device", "cpu"], capture_output=True,
                                   text=True, timeout=timeout)
             status, line = outcome(proc, False)
         except subprocess.TimeoutExpired:
@@ -193,7 +259,8 @@ def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout:
         if isinstance(path, str):
             row[frontend] = {"status": path.split(":")[0], "message": path.split(": ", 1)[1]}
             continue
-        row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp, files["dtypes"])
+        row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp, files["dtypes"],
+                                  NIMBLE_ALONE if group == "samples" else NIMBLE)
         if frontend == "export":
             row[frontend]["export_seconds"] = files.get("export_seconds")
     done = [row[f] for f in frontends if "targets" in row[f]]
@@ -244,7 +311,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--groups", nargs="*", default=["classification", "segmentation", "video"], choices=list(SHAPES))
+    parser.add_argument("--groups", nargs="*", default=["classification", "segmentation", "video", "detection"],
+                        choices=list(SHAPES))
     parser.add_argument("--models", nargs="*", help="only these models (of the chosen groups)")
     parser.add_argument("--frontends", nargs="*", default=["torchscript", "export"], choices=["torchscript", "export"])
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
@@ -255,7 +323,7 @@ def main() -> int:
     import warnings
 
     warnings.simplefilter("ignore")
-    import torch
+    logging.disable(logging.CRITICAL)  # a model that fails to export logs its whole graph
 
     if args.groups == ["samples"]:
         sys.path.insert(0, str(ROOT / "sample_models"))
@@ -265,7 +333,7 @@ def main() -> int:
     else:
         torchvision = import_torchvision()
         modules = {"classification": torchvision.models, "segmentation": torchvision.models.segmentation,
-                   "video": torchvision.models.video}
+                   "video": torchvision.models.video, "detection": torchvision.models.detection}
         work = [(g, n) for g in args.groups if g != "samples"
                 for n in sorted(torchvision.models.list_models(module=modules[g])) if not args.models or n in args.models]
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__ if torchvision else "-",

@@ -238,3 +238,102 @@ def test_views_that_change_nothing_or_repeat_are_not_ops(tmp_path):
     graph = lower_file(save_script(tmp_path, Views(), "views"), [(2, 4)]).graph
     targets = [op.target for op in graph.ops]
     assert targets.count("aten::slice.Tensor") == 1 and "aten::to.dtype" in targets
+
+
+def _trace(tmp_path, module, x, name):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = tmp_path / f"{name}.pt"
+        torch.jit.save(torch.jit.trace(module.eval(), x, check_trace=False, strict=False), str(path))
+    return path
+
+
+class _Anchors(torch.nn.Module):
+    """Detection-model preprocessing: traced shapes as tensors, torch.empty(()).fill_(v), a top-k of
+    scores, boxes kept where two conditions hold, and unbind of a batch of one."""
+
+    def forward(self, images):
+        (image,) = images.unbind(0)
+        size = torch._shape_as_tensor(image)[-2:]
+        stride = torch.empty((), dtype=torch.int64).fill_(int(image.shape[-1]) // 4)
+        scores = image.mean(0).flatten()
+        top, index = scores.topk(5)
+        both = (scores > 0) & (scores < 1)
+        return top * (size[0] // stride), index, both
+
+
+def test_detection_preprocessing_lowers_and_matches(tmp_path):
+    module, x = _Anchors(), torch.randn(1, 3, 8, 8)
+    lowered = lower_file(_trace(tmp_path, module, x, "anchors"), [(1, 3, 8, 8)])
+    targets = {op.target.split(".")[0] for op in lowered.graph.ops}
+    assert {"aten::topk", "aten::__and__"} <= targets and "aten::empty" not in targets
+    got = reference.run(lowered.graph, lowered.weights, [x])
+    for g, w in zip(got, module(x)):
+        torch.testing.assert_close(g, w)
+
+
+class _ReadsEmpty(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.empty(x.shape[-1])
+
+
+@pytest.mark.parametrize("step, op", [(lambda x: x[x > 0], "aten::index"), (lambda x: torch.where(x > 0)[0], "aten::where"),
+                                      (lambda x: x.nonzero(), "aten::nonzero"),
+                                      (lambda x: x.masked_select(x > 0), "aten::masked_select")])
+def test_an_op_whose_shape_depends_on_values_is_named_as_such(tmp_path, step, op):
+    """Detection post-processing (boxes kept by score, then NMS): the result's shape comes from the
+    data, which a static graph cannot hold; the op is named, with the model line."""
+
+    class Keep(torch.nn.Module):
+        def forward(self, x):
+            return step(x * 2)
+
+    path = _trace(tmp_path, Keep(), torch.randn(4, 4), "keep")
+    with pytest.raises(UnsupportedError, match=rf"{op}\S* at .*test_frontend.py:\d+ returns a tensor whose shape "
+                                               "depends on the values of its input"):
+        lower_file(path, [(4, 4)])
+
+
+def test_uninitialized_memory_that_is_read_is_refused(tmp_path):
+    path = _trace(tmp_path, _ReadsEmpty(), torch.randn(2, 3), "empty")
+    with pytest.raises(UnsupportedError, match=r"reads uninitialized memory \(from torch.empty\)"):
+        lower_file(path, [(2, 3)])
+
+
+@pytest.mark.parametrize("namespace, match", [
+    ("nosuchlib", r"calls nosuchlib::nms, an operator that no library nimble knows defines"),
+    ("torchvision", r"calls torchvision::nms, which torchvision defines, but torchvision could not be imported "
+                    r"\(broken\); install the torchvision that pairs with torch"),
+])
+def test_a_model_calling_a_library_operator_loads_it_or_says_why_in_one_line(monkeypatch, namespace, match):
+    """A traced detection model calls torchvision::nms, which only loads once torchvision is
+    imported: nimble imports it, and where it cannot, says so in one line."""
+    from nimble.frontend import torchscript
+
+    def load(*args, **kwargs):
+        raise RuntimeError(f"Unknown builtin op: {namespace}::nms.\nCould not find any similar ops")
+
+    def import_module(name):
+        raise ImportError("broken")
+
+    monkeypatch.setattr(torch.jit, "load", load)
+    monkeypatch.setattr(torchscript.importlib, "import_module", import_module)
+    with pytest.raises(ModelError, match=match):
+        frontend.load_module(SAMPLES / "resnet.pt")
+
+
+def test_a_library_that_imports_fine_is_imported_and_the_load_retried(monkeypatch):
+    from nimble.frontend import torchscript
+
+    calls, imported, real = [], [], torch.jit.load
+
+    def load(*args, **kwargs):
+        calls.append(1)
+        if not imported:
+            raise RuntimeError("Unknown builtin op: torchvision::roi_align.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.jit, "load", load)
+    monkeypatch.setattr(torchscript.importlib, "import_module", imported.append)
+    assert frontend.load_module(SAMPLES / "resnet.pt") is not None
+    assert imported == ["torchvision"] and len(calls) == 2

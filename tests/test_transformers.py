@@ -49,3 +49,29 @@ def test_bert_from_the_command_line(tmp_path):
                     "-o", tmp_path / "bert.nimble")
     assert result.exit_code == 0, result.stderr
     assert invoke("run", tmp_path / "bert.nimble", "--check", "--device", "cpu").exit_code == 0
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, batch_first=True, masked=False):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(32, 4, batch_first=batch_first)
+        self.masked = masked
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1) if self.masked else None
+        return self.attention(x, x, x, attn_mask=mask, need_weights=False)[0] + 1
+
+
+def test_exported_multi_head_attention_lowers_as_the_fast_path_and_other_forms_op_by_op(tmp_path):
+    """torch.export records nn.MultiheadAttention's general path (unflatten, contiguous, selects,
+    views...). A batch-first self-attention without a mask lowers whole, to the fast path's ops, as
+    a trace gives; a sequence-first one or a masked one lowers op by op. All match the module."""
+    x = torch.randn(2, 6, 32)
+    for kwargs, whole in (({}, True), ({"batch_first": False}, False), ({"masked": True}, False)):
+        torch.manual_seed(0)
+        path = tmp_path / "attention.pt2"
+        torch.export.save(torch.export.export(_Attention(**kwargs).eval(), (x,)), str(path))
+        c = compile_model(path, None, device="cpu")
+        assert c.check.passed, (kwargs, c.check.describe())
+        kinds = {op.target.split("::")[1].split(".")[0] for op in c.graph.ops}
+        assert ("split" in kinds and "contiguous" not in kinds and "unflatten" not in kinds) == whole, (kwargs, kinds)

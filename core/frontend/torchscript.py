@@ -11,7 +11,9 @@ on the meta device.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import re
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -59,12 +61,35 @@ def load_module(path: str | os.PathLike) -> torch.jit.ScriptModule:
     if not any("/code/" in n or n.startswith("code/") for n in names):
         raise ModelError(f"{path} is a torch.save checkpoint (state_dict or pickled module), "
                          f"not TorchScript; {hint}")
+    for attempt in range(2):
+        try:
+            with quiet_torchscript():
+                module = torch.jit.load(str(path), map_location="cpu")
+            return module.eval()
+        except Exception as e:  # torch raises RuntimeError, ValueError, pickle errors...
+            op = _UNKNOWN_OP.search(str(e))
+            if op is None or attempt:
+                raise ModelError(f"{path} could not be loaded as TorchScript ({first_line(e)}); {hint}") from e
+            _import_operator_library(path, op.group(1), op.group(0).split(": ")[-1])
+
+
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: (\w+)::\w+")
+_OPERATOR_LIBRARIES = {"torchvision": "torchvision", "torchaudio": "torchaudio"}  # op namespace -> package
+
+
+def _import_operator_library(path: Path, namespace: str, op: str) -> None:
+    """A model that calls a library's operators (torchvision::nms in a traced detection model)
+    loads once that library is imported, as it is in the process that saved the model."""
+    package = _OPERATOR_LIBRARIES.get(namespace)
+    if package is None:
+        raise ModelError(f"{path} calls {op}, an operator that no library nimble knows defines; nimble "
+                         "supports aten operators (and loads torchvision's and torchaudio's)")
     try:
-        with quiet_torchscript():
-            module = torch.jit.load(str(path), map_location="cpu")
-    except Exception as e:  # torch raises RuntimeError, ValueError, pickle errors...
-        raise ModelError(f"{path} could not be loaded as TorchScript ({first_line(e)}); {hint}") from e
-    return module.eval()
+        importlib.import_module(package)
+    except Exception as e:
+        raise ModelError(f"{path} calls {op}, which {package} defines, but {package} could not be imported "
+                         f"({first_line(e)}); install the {package} that pairs with torch "
+                         f"{torch.__version__.split('+')[0]}") from None
 
 
 def lower(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str = "model") -> Lowered:

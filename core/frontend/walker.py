@@ -15,7 +15,7 @@ import torch
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import bridge, shapes
-from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
+from ..ops.allowlist import DATA_DEPENDENT, METADATA_OPS, NONDETERMINISTIC
 from .hostops import host_op
 
 _META = torch.device("meta")
@@ -78,6 +78,7 @@ class Walker:
         self._suffix: dict[str, int] = {}  # base name -> the next suffix to try
         self.weight_of: dict[int, int] = {}  # id(host tensor) -> weight value id
         self.hold: list[torch.Tensor] = []  # keeps host tensors alive so their ids stay unique
+        self.unset: set[int] = set()  # ids of host tensors from torch.empty not yet filled
         self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object
         self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
         self.inputs: list[int] = []
@@ -285,13 +286,25 @@ class Walker:
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]
+        if self.unset and any(id(a) in self.unset for a in _flat(ins)):
+            if schema.name not in _OVERWRITES or any(id(a) in self.unset for a in _flat(ins[1:])):
+                raise UnsupportedError(f"{self.name}: {target} at {source} reads uninitialized memory (from "
+                                       "torch.empty); nimble runs deterministic graphs only")
+            if schema.name.endswith("_"):  # torch.empty(...).fill_(v): set in whole before any read
+                self.unset.discard(id(ins[0]))
         if not refs and not (self.training and short in NONDETERMINISTIC):
-            if short in NONDETERMINISTIC:
-                raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers or "
-                                       "uninitialized memory; nimble runs deterministic graphs only")
+            if short in NONDETERMINISTIC and short not in _UNINITIALIZED:
+                raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
+                                       "deterministic graphs only")
             python = host_op(schema.name) if not tensor_out else None
             result = python(*ins) if python else _call_schema(schema, target, ins)
+            if short in _UNINITIALIZED and result.numel():  # allowed only until something reads it (above)
+                self.unset.add(id(result))
+                self.hold.append(result)
             self._bind_host(outs, result)
+        elif schema.name == "aten::_shape_as_tensor":  # a traced x.shape: static here, so a host tensor
+            shape = self.meta[ins[0].id].shape if isinstance(ins[0], Ref) else ins[0].shape
+            self._bind_host(outs, torch.tensor(shape, dtype=torch.long))
         elif not tensor_out:
             if schema.name not in METADATA_OPS:
                 self._data_dependent(node)
@@ -354,10 +367,11 @@ class Walker:
 
     def _device_op(self, node, schema, target, ins, outs, source) -> None:
         result = self.emit(schema, target, ins, source)
-        if isinstance(result, Ref):
+        listed = len(outs) == 1 and outs[0].type().kind() == "ListType"  # Tensor[] (split, chunk, unbind)
+        if isinstance(result, Ref):  # one result, or a split that hands back its input
+            self.env[outs[0].unique()] = [result] if listed else result
+        elif listed:  # even of one piece (unbind of a size-1 dimension)
             self.env[outs[0].unique()] = result
-        elif len(outs) == 1 and len(result) != 1 and outs[0].type().kind() == "ListType":
-            self.env[outs[0].unique()] = result  # Tensor[] result (split, chunk, unbind)
         else:
             self._bind_host(outs, result if len(outs) > 1 else result[0])
 
@@ -366,6 +380,10 @@ class Walker:
         which become weights, and plain values), typed on the meta device. Returns its results'
         Refs, or the input's own Ref where the op would hand back its input unchanged. Every
         frontend lowers its device ops through here."""
+        if _shape_from_values(schema, ins, self.meta):
+            raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
+                                   "the values of its input; nimble compiles graphs whose shapes follow from the "
+                                   "input shapes alone (run such steps, detection post-processing say, in PyTorch)")
         if not bridge.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
@@ -461,6 +479,23 @@ def _is_tensor_type(t) -> bool:
     if t.isSubtypeOf(tensor):
         return True
     return any(_is_tensor_type(c) for c in t.containedTypes())
+
+
+def _shape_from_values(schema, ins: list, meta: dict) -> bool:
+    """The op's result shape depends on the values of a device tensor: a DATA_DEPENDENT op,
+    `where(condition)`, or indexing with a boolean mask that the model computed."""
+    if schema.name in DATA_DEPENDENT or (schema.name == "aten::where" and len(schema.arguments) == 1):
+        return True
+    if schema.name in ("aten::index", "aten::index_put", "aten::index_put_") and len(ins) > 1:
+        return any(isinstance(i, Ref) and meta[i.id].dtype in (torch.bool, torch.uint8) for i in _flat([ins[1]]))
+    return False
+
+
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_OVERWRITES = {  # read no element of their first argument, only its shape and dtype
+    "aten::fill_", "aten::zero_", "aten::fill", "aten::zero", "aten::full_like", "aten::zeros_like", "aten::ones_like",
+    "aten::empty_like", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty",
+}
 
 
 def _flat(objs):

@@ -34,11 +34,12 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
         "add", "sub", "rsub", "mul", "div", "neg", "pow", "sqrt", "rsqrt", "exp", "log", "abs",
         "reciprocal", "erf", "sin", "cos", "floor", "ceil", "round", "sign", "where", "lerp",
         "addcmul", "addcdiv", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-        "logical_and", "logical_or", "logical_not", "masked_fill", "bitwise_not",
+        "logical_and", "logical_or", "logical_not", "masked_fill", "bitwise_not", "bitwise_and", "bitwise_or",
+        "__and__", "__or__",
     ),
     "reductions": (
         "mean", "sum", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
-        "norm", "linalg_vector_norm", "cumsum", "logsumexp",
+        "norm", "linalg_vector_norm", "cumsum", "logsumexp", "topk", "sort",
     ),
     "shape, views and copies": (
         "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
@@ -78,4 +79,13 @@ METADATA_OPS = frozenset({
 NONDETERMINISTIC = frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
     "normal", "uniform", "multinomial", "randperm", "empty", "empty_like", "empty_strided",
+})
+
+# Ops whose result's shape depends on the values of their input (and on a device tensor, say,
+# the boxes that survive detection post-processing): nimble's shapes follow from input shapes
+# alone. `aten::where` with one argument is `nonzero`; `aten::index` with a boolean mask is too.
+DATA_DEPENDENT = frozenset({
+    "aten::nonzero", "aten::nonzero_numpy", "aten::argwhere", "aten::masked_select", "aten::unique",
+    "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::bincount",
+    "aten::repeat_interleave", "aten::masked_scatter", "torchvision::nms", "torchvision::batched_nms",
 })
