@@ -316,7 +316,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", help="only these models (of the chosen groups)")
     parser.add_argument("--frontends", nargs="*", default=["torchscript", "export"], choices=["torchscript", "export"])
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
-                        "(for CI)")
+                        "with the same op kinds and counts in both (for CI)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -335,7 +335,8 @@ def main() -> int:
         modules = {"classification": torchvision.models, "segmentation": torchvision.models.segmentation,
                    "video": torchvision.models.video, "detection": torchvision.models.detection}
         work = [(g, n) for g in args.groups if g != "samples"
-                for n in sorted(torchvision.models.list_models(module=modules[g])) if not args.models or n in args.models]
+                for n in sorted(set(torchvision.models.list_models(module=modules[g])))
+                if not args.models or n in args.models]
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__ if torchvision else "-",
             "date": str(datetime.date.today()), "timeout": args.timeout, "groups": args.groups,
             "frontends": args.frontends,
@@ -350,6 +351,7 @@ def main() -> int:
                 p.unlink()
     failed = [f"{r['model']} ({f}: {r[f]['status']})" for r in rows for f in args.frontends
               if f in r and r[f]["status"] != "ok"] + [r["model"] for r in rows if r["status"].startswith("not built")]
+    failed += [f"{r['model']} (the frontends' op kinds differ)" for r in rows if r.get("same_op_kinds") is False]
     if args.require_ok and failed:
         print(f"zoo: not ok: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nimble.errors import ModelError
+from nimble.errors import ModelError, UnsupportedError
 from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 
@@ -189,3 +189,15 @@ def test_loading_caches_type_hints_only_while_it_reads(tmp_path):
     with pytest.raises(ModelError, match="could not be loaded as an exported program"):
         load_program(bad)
     assert typing.get_type_hints is original
+
+
+def test_a_random_op_is_refused_not_folded_into_a_constant(tmp_path):
+    """Ops on constants alone fold on the host; a random one would become one fixed draw."""
+
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return x + torch.randn(4)
+
+    path = export(tmp_path, Noisy(), (torch.randn(2, 4),))
+    with pytest.raises(UnsupportedError, match=r"aten::randn\S* at .*test_export.py:\d+ draws random numbers"):
+        compile_model(path, None, device="cpu")

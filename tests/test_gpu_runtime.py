@@ -125,3 +125,27 @@ def test_bench_runs_with_baselines(artifacts):
     report = json.loads(result.stdout)
     assert set(report["results"]) == {"nimble", "eager", "pytorch_graph_1stream", "pytorch_graph_streams"}
     assert report["memory"]["arena_bytes"] > 0 and report["results"]["nimble"]["gpu_mean_ms"] > 0
+
+
+class _TopScores(nn.Module):
+    """Ops the detection models brought in: topk, sort, and boolean & and | of two conditions."""
+
+    def forward(self, x):
+        scores = x.mean(1).flatten(1)
+        top, index = scores.topk(8, dim=1)
+        ordered, _ = scores.sort(dim=1, descending=True)
+        keep = ((scores > 0) & (scores < 1)) | (scores < -1)
+        return top * 2, index, ordered[:, :4], keep
+
+
+def test_topk_sort_and_boolean_ops_capture_and_match(tmp_path):
+    module, x = _TopScores().eval(), torch.randn(2, 3, 8, 8)
+    path = save_script(tmp_path, module, "top")
+    compiled = compile_model(path, input_specs(["2x3x8x8"]), device="cuda")
+    assert compiled.check.passed, compiled.check.describe()
+    out = tmp_path / "top.nimble"
+    write_artifact(out, compiled.artifact())
+    exe = nimble.load(out, device="cuda")
+    got = exe(x.cuda(), copy=True)
+    for g, w in zip(got, module(x)):
+        torch.testing.assert_close(g.cpu(), w)

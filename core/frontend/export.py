@@ -31,7 +31,7 @@ from ..ir import ACTIVATION, Ref, TensorSpec
 from ..ops import bridge
 from .finalize import finalize
 from .torchscript import Lowered
-from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, Walker, _call_schema, _refs_of
+from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, Walker, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
@@ -262,8 +262,9 @@ class _Lowering:
             return None
         if schema.name in _IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             return ins[0]
+        self.walker.check_reads(schema, target, ins, _source(node))
         if not _refs_of(ins):  # weights and constants alone: fold on the host, as freezing does
-            return _call_schema(schema, target, ins)
+            return self.walker.fold(schema, target, ins, _source(node))
         functional = self._functional(schema, target, ins)
         if functional is not None:  # x.relu_() -> relu(x), as TorchScript's remove_mutation does
             written, (schema, target) = ins[0], functional

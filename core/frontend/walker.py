@@ -286,22 +286,10 @@ class Walker:
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]
-        if self.unset and any(id(a) in self.unset for a in _flat(ins)):
-            if schema.name not in _OVERWRITES or any(id(a) in self.unset for a in _flat(ins[1:])):
-                raise UnsupportedError(f"{self.name}: {target} at {source} reads uninitialized memory (from "
-                                       "torch.empty); nimble runs deterministic graphs only")
-            if schema.name.endswith("_"):  # torch.empty(...).fill_(v): set in whole before any read
-                self.unset.discard(id(ins[0]))
+        self.check_reads(schema, target, ins, source)
         if not refs and not (self.training and short in NONDETERMINISTIC):
-            if short in NONDETERMINISTIC and short not in _UNINITIALIZED:
-                raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
-                                       "deterministic graphs only")
             python = host_op(schema.name) if not tensor_out else None
-            result = python(*ins) if python else _call_schema(schema, target, ins)
-            if short in _UNINITIALIZED and result.numel():  # allowed only until something reads it (above)
-                self.unset.add(id(result))
-                self.hold.append(result)
-            self._bind_host(outs, result)
+            self._bind_host(outs, python(*ins) if python else self.fold(schema, target, ins, source))
         elif schema.name == "aten::_shape_as_tensor":  # a traced x.shape: static here, so a host tensor
             shape = self.meta[ins[0].id].shape if isinstance(ins[0], Ref) else ins[0].shape
             self._bind_host(outs, torch.tensor(shape, dtype=torch.long))
@@ -320,6 +308,29 @@ class Walker:
                 target, keep = _CANONICAL[target]
                 schema, ins = bridge.resolve(target)._schema, ins[:keep]
             self._device_op(node, schema, target, ins, outs, source)
+
+    def check_reads(self, schema, target: str, ins: list, source: str) -> None:
+        """Refuse an op that reads a tensor from torch.empty before it was filled in whole."""
+        if not self.unset or not any(id(a) in self.unset for a in _flat(ins)):
+            return
+        if schema.name not in _OVERWRITES or any(id(a) in self.unset for a in _flat(ins[1:])):
+            raise UnsupportedError(f"{self.name}: {target} at {source} reads uninitialized memory (from "
+                                   "torch.empty); nimble runs deterministic graphs only")
+        if schema.name.endswith("_"):  # torch.empty(...).fill_(v): set in whole before any read
+            self.unset.discard(id(ins[0]))
+
+    def fold(self, schema, target: str, ins: list, source: str):
+        """Run an op on host values alone (weights, constants, traced shapes) now, as freezing
+        does. A random op is refused; a torch.empty result may only be filled (`check_reads`)."""
+        short = target.split("::")[1].split(".")[0]
+        if short in NONDETERMINISTIC and short not in _UNINITIALIZED:
+            raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
+                                   "deterministic graphs only")
+        result = _call_schema(schema, target, ins)
+        if short in _UNINITIALIZED and result.numel():
+            self.unset.add(id(result))
+            self.hold.append(result)
+        return result
 
     def op(self, target: str, ins: list, source: str) -> Ref:
         """Emit `target` on `ins` (schema order, defaults left off); its first result."""
