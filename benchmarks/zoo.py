@@ -5,6 +5,11 @@ detection models, and (`--groups samples`) the bundled sample models.
     python benchmarks/zoo.py [--groups classification segmentation video detection samples]
                              [--models resnet18 ...] [--frontends torchscript export]
                              [--timeout 300] [--require-ok] [--out benchmarks/results]
+    python benchmarks/zoo.py --groups timm transformers --machine "the H100 box" --out DIR
+
+The second form sweeps third-party models where those libraries are installed (the GPU box has
+them): timm models that compute "same" padding from the input size in Python, and timm's
+transformers; Hugging Face BERT, DistilBERT, GPT-2 and ViT from small random configs.
 
 torchvision on a CPU-only machine: the registry's wheels are CUDA builds, and pairing one with a
 CPU torch fails at import on its C++ op registrations. Install the version that pairs with your
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.util
 import json
 import logging
 import re
@@ -49,8 +56,15 @@ SKIP = {  # too large for a 2-core CPU builder (hundreds of millions of paramete
     "regnet_x_32gf", "swin3d_b", "swin3d_s", "mvit_v1_b", "mvit_v2_s",
 }
 SHAPES = {"classification": (1, 3, 224, 224), "segmentation": (1, 3, 224, 224), "video": (1, 3, 8, 112, 112),
-          "detection": (1, 3, 224, 224), "samples": ()}  # the bundled sample models, at their own shapes
+          "detection": (1, 3, 224, 224), "samples": (), "timm": (), "transformers": ()}  # () : the model's own
 SHAPE = {"inception_v3": (1, 3, 299, 299), "s3d": (1, 3, 16, 224, 224)}  # models that need a larger input
+# Third-party zoos, where installed (the GPU box has both): timm models that pad "same" from the
+# input size in Python (tf_*, NASNet) and timm's own transformers; Hugging Face encoders and a
+# decoder from small random configs, on int64 token ids and an attention mask.
+TIMM = ["tf_efficientnet_b0", "tf_mobilenetv3_large_100", "nasnetalarge", "pnasnet5large", "vit_small_patch16_224",
+        "deit_tiny_patch16_224", "convnext_tiny", "resnet50d", "regnety_016", "swin_tiny_patch4_window7_224"]
+HUGGING_FACE = ["bert", "distilbert", "gpt2", "vit"]
+THIRD_PARTY = {"timm": TIMM, "transformers": HUGGING_FACE}
 LABEL = {"torchscript": "TorchScript", "export": ".pt2"}
 # nimble in a subprocess; where torchvision cannot load its operators (a CPU torch), declared first
 NIMBLE = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import zoo; "
@@ -146,6 +160,16 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
 
         model, xs = build_module(name), example_inputs(name)
         shapes, dtypes = [list(x.shape) for x in xs], (TOKEN_MODELS[name][2] if name in TOKEN_MODELS else None)
+    elif group == "timm":
+        import timm
+
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False).eval()
+        shapes = [[1, *model.pretrained_cfg["input_size"]]]
+        xs = tuple(torch.randn(*s) for s in shapes)
+    elif group == "transformers":
+        model, exported, xs = hugging_face(name)
+        shapes, dtypes = [list(x.shape) for x in xs], [str(x.dtype).removeprefix("torch.") for x in xs]
     else:
         kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
         if group == "segmentation":
@@ -158,6 +182,8 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
             model = Detections(model)
         xs = tuple(torch.randn(*s) for s in shapes)
     files: dict = {}
+    if group != "transformers":
+        exported = model
     if "torchscript" in frontends:
         try:
             with torch.no_grad():
@@ -169,7 +195,7 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
     if "export" in frontends:
         try:
             t = time.perf_counter()
-            program = torch.export.export(model, xs)
+            program = torch.export.export(exported, xs)
             torch.export.save(program, str(tmp / f"{name}.pt2"))
             files["export"] = tmp / f"{name}.pt2"
             files["export_seconds"] = round(time.perf_counter() - t, 2)
@@ -177,6 +203,44 @@ def build(torchvision, group: str, name: str, frontends: list[str], tmp: Path) -
             files["export"] = f"not exportable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     files["dtypes"] = dtypes
     return files, shapes
+
+
+class HuggingFace(torch.nn.Module):
+    """A Hugging Face model called on its inputs by name (GPT-2's second positional argument is its
+    cache, not the mask). As traced: returning tuples (a trace takes no ModelOutput); as exported:
+    returning its ModelOutput, which nimble reads back by importing transformers."""
+
+    def __init__(self, model, names: tuple[str, ...], tuples: bool):
+        super().__init__()
+        self.model, self.names, self.tuples = model, names, tuples
+
+    def forward(self, *xs):
+        return self.model(**dict(zip(self.names, xs)), return_dict=not self.tuples)
+
+
+def hugging_face(name: str) -> tuple[torch.nn.Module, torch.nn.Module, tuple]:
+    """A small random Hugging Face model, wrapped to trace and to export, and its inputs."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    if name == "vit":
+        model, xs = hf.ViTModel(hf.ViTConfig(image_size=64, patch_size=16, **small)), (torch.randn(1, 3, 64, 64),)
+    else:
+        ids = torch.randint(0, 1000, (1, 16))
+        mask = torch.ones(1, 16, dtype=torch.long)
+        mask[:, 12:] = 0
+        xs = (ids, mask)
+        if name == "bert":
+            model = hf.BertModel(hf.BertConfig(vocab_size=1000, **small))
+        elif name == "distilbert":
+            model = hf.DistilBertModel(hf.DistilBertConfig(vocab_size=1000, dim=64, n_layers=2, n_heads=4,
+                                                           hidden_dim=128))
+        else:
+            model = hf.GPT2Model(hf.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, use_cache=False))
+    names = ("pixel_values",) if name == "vit" else ("input_ids", "attention_mask")
+    model = model.eval()
+    return HuggingFace(model, names, True).eval(), HuggingFace(model, names, False).eval(), xs
 
 
 class Detections(torch.nn.Module):
@@ -260,7 +324,8 @@ def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout:
             row[frontend] = {"status": path.split(":")[0], "message": path.split(": ", 1)[1]}
             continue
         row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp, files["dtypes"],
-                                  NIMBLE_ALONE if group == "samples" else NIMBLE)
+                                  NIMBLE if group in SHAPES and group not in ("samples", "timm", "transformers")
+                                  else NIMBLE_ALONE)
         if frontend == "export":
             row[frontend]["export_seconds"] = files.get("export_seconds")
     done = [row[f] for f in frontends if "targets" in row[f]]
@@ -287,7 +352,9 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     if both:
         summary.append(f"same op kinds and counts in both frontends: {sum(r['same_op_kinds'] for r in both)} of "
                        f"{len(both)} compiled by both")
-    lines = [f"torchvision {meta['torchvision']} models ({', '.join(meta['groups'])}) on the CPU builder, "
+    zoo = ", ".join(f"{k} {v}" for k, v in meta.get("libraries", {}).items()) \
+        or (f"torchvision {meta['torchvision']}" if meta["torchvision"] != "-" else "bundled sample")
+    lines = [f"{zoo} models ({', '.join(meta['groups'])}) on {meta.get('machine', 'the CPU builder')}, "
              f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Batch 1, random weights; "
              "per frontend, compile --device cpu, then run --check --device cpu, each in a subprocess with a "
              f"{meta['timeout']:.0f} s timeout.", "", "Summary: " + "; ".join(summary) + ".", "",
@@ -318,6 +385,7 @@ def main() -> int:
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
                         "with the same op kinds and counts in both (for CI)")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--machine", default="the CPU builder", help="where this runs, for the table's header")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     import warnings
@@ -330,6 +398,11 @@ def main() -> int:
         from build import MODELS, TOKEN_MODELS
 
         torchvision, work = None, [("samples", n) for n in [*MODELS, *TOKEN_MODELS] if not args.models or n in args.models]
+    elif set(args.groups) <= set(THIRD_PARTY):
+        for g in args.groups:
+            if importlib.util.find_spec(g) is None:
+                parser.error(f"--groups {g} needs the {g} package installed")
+        torchvision, work = None, [(g, n) for g in args.groups for n in THIRD_PARTY[g] if not args.models or n in args.models]
     else:
         torchvision = import_torchvision()
         modules = {"classification": torchvision.models, "segmentation": torchvision.models.segmentation,
@@ -337,7 +410,9 @@ def main() -> int:
         work = [(g, n) for g in args.groups if g != "samples"
                 for n in sorted(set(torchvision.models.list_models(module=modules[g])))
                 if not args.models or n in args.models]
+    libraries = {g: importlib.import_module(g).__version__ for g in args.groups if g in THIRD_PARTY}
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__ if torchvision else "-",
+            "libraries": libraries, "machine": args.machine,
             "date": str(datetime.date.today()), "timeout": args.timeout, "groups": args.groups,
             "frontends": args.frontends,
             "command": "python benchmarks/zoo.py " + " ".join(sys.argv[1:])}

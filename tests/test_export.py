@@ -201,3 +201,81 @@ def test_a_random_op_is_refused_not_folded_into_a_constant(tmp_path):
     path = export(tmp_path, Noisy(), (torch.randn(2, 4),))
     with pytest.raises(UnsupportedError, match=r"aten::randn\S* at .*test_export.py:\d+ draws random numbers"):
         compile_model(path, None, device="cpu")
+
+
+OUTLIB = '''
+import dataclasses
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    pooled: torch.Tensor
+
+
+pytree.register_dataclass(Out, serialized_type_name=__name__ + ".Out")
+'''
+
+
+def _program_returning_a_dataclass(tmp_path, monkeypatch, library: str):
+    """A program whose outputs are a dataclass registered with torch's pytree by its library (as
+    Hugging Face's ModelOutput is), saved, then the library forgotten, as in a fresh process."""
+    import importlib
+    import sys
+
+    import torch.utils._pytree as pytree
+
+    (tmp_path / f"{library}.py").write_text(OUTLIB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    outlib = importlib.import_module(library)
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return outlib.Out(x * 2, x.sum(1))
+
+    path = export(tmp_path, Model(), (torch.randn(2, 3),))
+    pytree._deregister_pytree_node(outlib.Out)
+    del sys.modules[library]
+    return path
+
+
+def test_a_program_returning_a_library_dataclass_loads_once_the_library_is_imported(tmp_path, monkeypatch):
+    from nimble.frontend import export as frontend_export
+
+    path = _program_returning_a_dataclass(tmp_path, monkeypatch, "outlib_known")
+    monkeypatch.setattr(frontend_export, "OUTPUT_LIBRARIES", ("outlib_known",))
+    c = compile_model(path, None, device="cpu")
+    assert c.check.passed and len(c.graph.outputs) == 2
+    assert "outlib_known" in __import__("sys").modules
+
+
+def test_a_dataclass_of_an_unknown_library_gets_one_line_and_no_log(tmp_path, monkeypatch, capfd):
+    path = _program_returning_a_dataclass(tmp_path, monkeypatch, "outlib_unknown")
+    capfd.readouterr()
+    result = invoke("compile", path, "--device", "cpu", "-o", tmp_path / "out.nimble")
+    message = one_line_error(result, 1)
+    assert "returns a outlib_unknown.Out, a type torch cannot read back until its library registers it" in message
+    assert "Traceback" not in capfd.readouterr().err
+
+
+class _Branches(nn.Module):
+    """Two branches that each apply ReLU and the same pooling to one value (as NASNet's cells do),
+    and two that read a value later written in place, which must stay apart."""
+
+    def forward(self, x):
+        a = torch.nn.functional.avg_pool2d(torch.relu(x), 3, 1, 1) + 1
+        b = torch.nn.functional.avg_pool2d(torch.relu(x), 3, 1, 1) * 2
+        y = x * 3
+        c = torch.sigmoid(y)
+        y.add_(1)
+        d = torch.sigmoid(y)
+        return a, b, c, d
+
+
+def test_the_same_op_on_the_same_values_is_computed_once_unless_a_write_intervenes(tmp_path):
+    c = compile_model(export(tmp_path, _Branches(), (torch.randn(1, 2, 6, 6),)), None, device="cpu", fuse=False)
+    kinds = op_kinds(c.graph)
+    assert c.check.passed, c.check.describe()
+    assert kinds["relu"] == 1 and kinds["avg_pool2d"] == 1 and kinds["sigmoid"] == 2, kinds

@@ -337,3 +337,34 @@ def test_a_library_that_imports_fine_is_imported_and_the_load_retried(monkeypatc
     monkeypatch.setattr(torchscript.importlib, "import_module", imported.append)
     assert frontend.load_module(SAMPLES / "resnet.pt") is not None
     assert imported == ["torchvision"] and len(calls) == 2
+
+
+class _TwiceThenWritten(torch.nn.Module):
+    """relu(x) twice: one op serves both, unless one of them is then written in place."""
+
+    def __init__(self, write: bool):
+        super().__init__()
+        self.write = write
+
+    def forward(self, x):
+        a, b = torch.relu(x), torch.relu(x)
+        if self.write:
+            a[:, 0] = 5.0
+        return a + 1, b * 2
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_the_same_op_on_the_same_values_runs_once_unless_one_result_is_written(tmp_path, write):
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    module, x = _TwiceThenWritten(write), torch.randn(3, 4)
+    for path in (_trace(tmp_path, module, x, "twice"), tmp_path / "twice.pt2"):
+        if path.suffix == ".pt2":
+            torch.export.save(torch.export.export(module, (x,)), str(path))
+        c = compile_model(path, input_specs(["3x4"]) if path.suffix == ".pt" else None, device="cpu", fuse=False)
+        relus = sum(op.target.startswith("aten::relu") for op in c.graph.ops)
+        assert relus == (2 if write else 1), (path.suffix, [op.target for op in c.graph.ops])
+        got = reference.run(c.graph, c.weights, [x])
+        for g, w in zip(got, module(x)):
+            torch.testing.assert_close(g, w)

@@ -17,6 +17,8 @@ whole load, so a pickle that holds anything but tensors and plain containers is 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 import operator
 import os
 import re
@@ -31,7 +33,7 @@ from ..ir import ACTIVATION, Ref, TensorSpec
 from ..ops import bridge
 from .finalize import finalize
 from .torchscript import Lowered
-from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, Walker, _refs_of
+from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, SharedWrite, Walker, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
@@ -87,21 +89,65 @@ def _cached_type_hints():
 
 
 def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
-    """Load a `.pt2` archive on the CPU; one-line ModelError on any defect."""
+    """Load a `.pt2` archive on the CPU; one-line ModelError on any defect. A program whose outputs
+    are a library's dataclass (a Hugging Face ModelOutput) loads once that library registered the
+    class with torch's pytree: nimble imports it, for the libraries in OUTPUT_LIBRARIES only."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: {'not a file' if path.exists() else 'no such file'}; pass a program saved "
                          "with torch.export.save")
     if not is_program(path):
         raise ModelError(f"{path} is not a torch.export archive; {HINT}")
+    for attempt in range(2):
+        try:
+            with _weights_only(), _cached_type_hints(), _logged_errors() as logged:
+                return torch.export.load(str(path))
+        except Exception as e:  # a refused pickle, a malformed graph, an unknown op...
+            cause = logged[-1] if logged else e  # torch logs the real error and raises a generic one
+            if "Weights only load failed" in str(cause):
+                raise ModelError(f"{path} holds a pickle with objects other than tensors; nimble refuses it, "
+                                 f"since unpickling it could run code. {HINT}") from e
+            unknown = _UNREGISTERED.search(str(cause))
+            if unknown is None or attempt:
+                raise ModelError(f"{path} could not be loaded as an exported program ({first_line(cause)}); "
+                                 f"{HINT}") from e
+            _import_output_library(path, unknown.group(1))
+
+
+OUTPUT_LIBRARIES = ("transformers", "torchvision", "timm", "diffusers")  # imported to load their output types
+_UNREGISTERED = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
+
+
+def _import_output_library(path: Path, type_name: str) -> None:
+    module = type_name.rpartition(".")[0]
+    if module.split(".")[0] not in OUTPUT_LIBRARIES:
+        raise ModelError(f"{path} returns a {type_name}, a type torch cannot read back until its library "
+                         f"registers it, and nimble imports only {', '.join(OUTPUT_LIBRARIES)}; export the "
+                         "model returning tensors, or tuples, lists or dicts of them")
     try:
-        with _weights_only(), _cached_type_hints():
-            return torch.export.load(str(path))
-    except Exception as e:  # a refused pickle, a malformed graph, an unknown op...
-        if "Weights only load failed" in str(e):
-            raise ModelError(f"{path} holds a pickle with objects other than tensors; nimble refuses it, since "
-                             f"unpickling it could run code. {HINT}") from e
-        raise ModelError(f"{path} could not be loaded as an exported program ({first_line(e)}); {HINT}") from e
+        importlib.import_module(module)
+    except Exception as e:
+        raise ModelError(f"{path} returns a {type_name}, and {module} could not be imported to read it "
+                         f"({first_line(e)}); install {module.split('.')[0]}") from None
+
+
+@contextlib.contextmanager
+def _logged_errors():
+    """The exceptions torch.export logs while it loads (with their tracebacks, on stderr), kept
+    for the one-line error instead."""
+    logger, caught = logging.getLogger("torch.export"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.exc_info and record.exc_info[1] is not None:
+                caught.append(record.exc_info[1])
+
+    handlers, propagate = logger.handlers, logger.propagate  # torch's own handler prints them
+    logger.handlers, logger.propagate = [Keep()], False
+    try:
+        yield caught
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
 
 
 def program_inputs(program: torch.export.ExportedProgram) -> list[tuple[str, tuple, torch.dtype]]:
@@ -154,7 +200,10 @@ def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec
     """Lower an ExportedProgram's graph for these input specs (None: the program's own)."""
     specs = input_specs_for(program, inputs, name)
     with torch.no_grad():
-        graph, weights = _Lowering(program, name).run(specs)
+        try:
+            graph, weights = _Lowering(program, name).run(specs)
+        except SharedWrite:  # a value that stands for two ops is written in place: keep them apart
+            graph, weights = _Lowering(program, name, cse=False).run(specs)
     return Lowered(graph, weights, _reference(program))
 
 
@@ -175,9 +224,9 @@ def _reference(program: torch.export.ExportedProgram):
 
 
 class _Lowering:
-    def __init__(self, program: torch.export.ExportedProgram, name: str):
+    def __init__(self, program: torch.export.ExportedProgram, name: str, cse: bool = True):
         self.program, self.name = program, name
-        self.walker = Walker(name, training=False)
+        self.walker = Walker(name, training=False, cse=cse)
         self.env: dict[torch.fx.Node, object] = {}
         self.renamed: dict[int, Ref] = {}  # value written in place -> the functional op's result
         self.viewed: set[int] = set()  # values that have views, among the first `scanned` values
@@ -291,7 +340,7 @@ class _Lowering:
                 self.viewed.add(v.alias_of)
         self.scanned = len(values)
         if values[written.id].kind != ACTIVATION or values[written.id].alias_of is not None \
-                or written.id in self.viewed:
+                or written.id in self.viewed or written.id in self.walker.shared:
             return None
         return twin
 

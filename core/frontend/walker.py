@@ -65,9 +65,12 @@ class Walker:
     qualified names ('layer1.0.bn1.running_mean'), random ops stay device ops, and training-mode
     batch norm counts as writing its running statistics."""
 
-    def __init__(self, name: str, training: bool = False):
+    def __init__(self, name: str, training: bool = False, cse: bool = True):
         self.name = name
         self.training = training
+        self.cse = cse and not training  # computing the same op on the same values once
+        self.pure: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each pure op since the last write
+        self.shared: set[int] = set()  # values that stand for more than one op of the model
         self.attrs: dict[str, torch.Tensor] = {}  # qualified name -> the module's tensor
         self.attr_ids: set[int] = set()  # ids of those tensors: device values, never folded
         self.values: list[Value] = []
@@ -407,6 +410,10 @@ class Walker:
         view_key = _view_key(schema, target, args, kwargs)
         if view_key in self.views:  # the same view of the same value, made again: one op serves
             return self.views[view_key]
+        pure_key = _pure_key(schema, target, args, kwargs) if self.cse else None
+        if pure_key in self.pure:  # computed before from the same values, with no write since
+            self.shared.update(r.id for r in self.pure[pure_key])
+            return self.pure[pure_key]
         try:
             results, used = self._call(fn, args, kwargs, refs, _META, target)
         except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
@@ -419,6 +426,10 @@ class Walker:
         writes = _written_args(schema, args, kwargs)
         if self.training and schema.name in _UPDATES_RUNNING_STATS and args[5] is True:
             writes += _refs_of(args[3:5])  # running_mean, running_var: updated in place, unannotated
+        if writes:
+            self.pure.clear()  # what was computed before may differ after this
+            if any(self._root(w) in self.shared for w in writes):
+                raise SharedWrite(f"{self.name}: {target} at {source} writes a value that stands for two ops")
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
@@ -442,6 +453,8 @@ class Walker:
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
         if view_key is not None and not writes and all(self.values[r.id].alias_of is not None for r in out_refs):
             self.views[view_key] = out_refs  # real views only: `to`, `reshape` and `contiguous` may copy
+        if pure_key is not None and not writes and all(self.values[r.id].alias_of is None for r in out_refs):
+            self.pure[pure_key] = out_refs
         return out_refs
 
     def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
@@ -535,6 +548,36 @@ def _view_key(schema, target: str, args, kwargs) -> tuple | None:
     except TypeError:  # a list argument: no key
         return None
     return key
+
+
+class SharedWrite(NimbleError):
+    """An op writes in place a value that common-subexpression elimination gave to two ops: the
+    frontend lowers again without it (so this never reaches a user)."""
+
+
+def _pure_key(schema, target: str, args, kwargs) -> tuple | None:
+    """A key for an op that neither writes nor aliases anything and draws no random numbers: two
+    such ops on the same values, with no write between them, compute the same (as TorchScript's
+    CSE pass finds; the frontend folds host arithmetic first, so it finds more: NASNet cells apply
+    one ReLU or one padding to a value in several branches)."""
+    if any(a.alias_info is not None for a in schema.arguments) or any(r.alias_info is not None for r in schema.returns) \
+            or target.split("::")[1].split(".")[0] in NONDETERMINISTIC:
+        return None
+    try:
+        key = (target, _frozen(args), _frozen(kwargs))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(obj):
+    """`obj` as a hashable key that tells 1, 1.0 and True apart."""
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, *(_frozen(o) for o in obj))
+    if isinstance(obj, dict):
+        return ("dict", *((k, _frozen(v)) for k, v in sorted(obj.items())))
+    return obj if isinstance(obj, Ref) else (type(obj).__name__, obj)
 
 
 def _same_view(schema, args, results, used) -> int | None:
