@@ -61,7 +61,7 @@ SHAPE = {"inception_v3": (1, 3, 299, 299), "s3d": (1, 3, 16, 224, 224)}  # model
 # Third-party zoos, where installed (the GPU box has both): timm models that pad "same" from the
 # input size in Python (tf_*, NASNet) and timm's own transformers; Hugging Face encoders and a
 # decoder from small random configs, on int64 token ids and an attention mask.
-TIMM = ["tf_efficientnet_b0", "tf_mobilenetv3_large_100", "nasnetalarge", "pnasnet5large", "vit_small_patch16_224",
+TIMM = ["tf_efficientnet_b0", "tf_mobilenetv3_large_100", "nasnetalarge", "vit_small_patch16_224",
         "deit_tiny_patch16_224", "convnext_tiny", "resnet50d", "regnety_016", "swin_tiny_patch4_window7_224"]
 HUGGING_FACE = ["bert", "distilbert", "gpt2", "vit"]
 THIRD_PARTY = {"timm": TIMM, "transformers": HUGGING_FACE}
