@@ -41,6 +41,7 @@ import importlib.util
 import json
 import logging
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -415,7 +416,7 @@ def main() -> int:
             "libraries": libraries, "machine": args.machine,
             "date": str(datetime.date.today()), "timeout": args.timeout, "groups": args.groups,
             "frontends": args.frontends,
-            "command": "python benchmarks/zoo.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/zoo.py " + shlex.join(sys.argv[1:])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for group, name in work:
