@@ -279,3 +279,19 @@ def test_the_same_op_on_the_same_values_is_computed_once_unless_a_write_interven
     kinds = op_kinds(c.graph)
     assert c.check.passed, c.check.describe()
     assert kinds["relu"] == 1 and kinds["avg_pool2d"] == 1 and kinds["sigmoid"] == 2, kinds
+
+
+class _Scaled(nn.Module):
+    def forward(self, x, y):
+        return torch.relu(x / 4.0 + y)
+
+
+def test_a_number_in_a_tensor_slot_takes_the_scalar_overload_and_fuses(tmp_path):
+    """export records `x / 4.0` as div.Tensor with a number; the Scalar overload computes the same
+    and joins the pointwise fusion, as in a trace (the bert sample's attention scale)."""
+    from nimble.ops import fusion
+
+    c = compile_model(export(tmp_path, _Scaled(), (torch.randn(2, 8), torch.randn(2, 8))), None, device="cpu")
+    assert c.check.passed
+    (op,) = c.graph.ops
+    assert op.target == fusion.FUSED and [node[0] for node in fusion.body_of(op)][0] == "aten::div.Scalar"
