@@ -314,9 +314,6 @@ class _Lowering:
         self.walker.check_reads(schema, target, ins, _source(node))
         if not _refs_of(ins):  # weights and constants alone: fold on the host, as freezing does
             return self.walker.fold(schema, target, ins, _source(node))
-        if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
-            target = _SCALAR_TWINS[target]  # x / 4.0: export records div.Tensor with a number
-            schema = bridge.resolve(target)._schema
         functional = self._functional(schema, target, ins)
         if functional is not None:  # x.relu_() -> relu(x), as TorchScript's remove_mutation does
             written, (schema, target) = ins[0], functional
@@ -459,11 +456,6 @@ def _flat_concat(node, absorbed):
         return [p for a in n.args[0] for p in (parts(a) if a in absorbed else [a])]
 
     return _Flat(node, parts(node))
-
-
-# A number where the Tensor overload takes a tensor (export records `x / 4.0` so): the Scalar
-# overload, which computes the same and which the pointwise fusion takes, as a trace gives.
-_SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "sub", "mul", "div")}
 
 
 _MOVES = {"aten::transpose", "aten::unflatten", "aten::unsqueeze", "aten::squeeze", "aten::contiguous", "aten::select",

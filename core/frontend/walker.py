@@ -29,6 +29,9 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 # Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
 # _convolution's extra flags only pick cuDNN settings; convolution reads the same from globals.
 _CANONICAL = {"aten::_convolution.default": ("aten::convolution.default", 9)}
+# A number where the Tensor overload takes a tensor: the Scalar overload, which computes the same
+# and which the pointwise fusion takes, as a trace gives.
+_SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "sub", "mul", "div")}
 _SCHEMAS: dict[str, tuple] = {}  # a node's schema text -> (parsed schema, target): a model repeats few
 
 
@@ -394,6 +397,9 @@ class Walker:
         which become weights, and plain values), typed on the meta device. Returns its results'
         Refs, or the input's own Ref where the op would hand back its input unchanged. Every
         frontend lowers its device ops through here."""
+        if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
+            target = _SCALAR_TWINS[target]  # x / 4.0 as export records it: div.Tensor with a number
+            schema = bridge.resolve(target)._schema
         if _shape_from_values(schema, ins, self.meta):
             raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
                                    "the values of its input; nimble compiles graphs whose shapes follow from the "
