@@ -8,10 +8,10 @@ batch norm gets the norm folded into its weight and bias, as `torch.jit.freeze` 
 `<conv>.weight_fused_bn`, `<conv>.bias_fused_bn`). Input shapes and dtypes come from the
 program's example inputs; specs are needed only for dimensions the program left dynamic.
 
-Loading: `torch.export.load` reads the graph from JSON, but it reads the weights, constants and
-example inputs with `torch.load(weights_only=False)`, which can run code that a crafted archive
-carries. `load_program` forces weights-only unpickling (TORCH_FORCE_WEIGHTS_ONLY_LOAD) for the
-whole load, so a pickle that holds anything but tensors and plain containers is refused.
+Loading: torch's archive reader can run code that a crafted archive carries (pickled constants,
+size expressions it evaluates). `load_program` first checks the archive's members
+(`archive.check_archive`), then lets torch read it with its unrestricted unpicklers unreachable
+(`archive.unpicklers_blocked`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import torch
 from ..errors import ModelError, NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, Ref, TensorSpec
 from ..ops import bridge
+from .archive import check_archive, unpicklers_blocked
 from .finalize import finalize
 from .torchscript import Lowered
-from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, SharedWrite, Walker, _refs_of
+from .walker import _IDENTITY_WHEN_NOT_TRAINING, _TORCH_FILE, FOLD_LIMIT, SharedWrite, Walker, _refs_of
 
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
@@ -48,20 +49,6 @@ def is_program(path: str | os.PathLike) -> bool:
                        for n in z.namelist())
     except (OSError, zipfile.BadZipFile):
         return False
-
-
-@contextlib.contextmanager
-def _weights_only():
-    """Every torch.load inside, whatever it asks for, unpickles tensors and plain containers only."""
-    old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
 
 
 @contextlib.contextmanager
@@ -98,12 +85,15 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
                          "with torch.export.save")
     if not is_program(path):
         raise ModelError(f"{path} is not a torch.export archive; {HINT}")
+    check_archive(path)
     for attempt in range(2):
         try:
-            with _weights_only(), _cached_type_hints(), _logged_errors() as logged:
+            with unpicklers_blocked(), _cached_type_hints(), _logged_errors() as logged:
                 return torch.export.load(str(path))
         except Exception as e:  # a refused pickle, a malformed graph, an unknown op...
             cause = logged[-1] if logged else e  # torch logs the real error and raises a generic one
+            if isinstance(cause, ModelError):  # an unpickler that was asked for
+                raise ModelError(f"{path}: {cause}") from e
             if "Weights only load failed" in str(cause):
                 raise ModelError(f"{path} holds a pickle with objects other than tensors; nimble refuses it, "
                                  f"since unpickling it could run code. {HINT}") from e
@@ -226,7 +216,9 @@ def _reference(program: torch.export.ExportedProgram):
 class _Lowering:
     def __init__(self, program: torch.export.ExportedProgram, name: str, cse: bool = True):
         self.program, self.name = program, name
-        self.walker = Walker(name, training=False, cse=cse)
+        state = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
+        limit = max(FOLD_LIMIT, sum(t.numel() * t.element_size() for t in state))  # a fold may copy every weight
+        self.walker = Walker(name, training=False, cse=cse, strict_folding=True, fold_limit=limit)
         self.env: dict[torch.fx.Node, object] = {}
         self.renamed: dict[int, Ref] = {}  # value written in place -> the functional op's result
         self.viewed: set[int] = set()  # values that have views, among the first `scanned` values

@@ -15,7 +15,7 @@ import torch
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import bridge, shapes
-from ..ops.allowlist import DATA_DEPENDENT, METADATA_OPS, NONDETERMINISTIC
+from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, METADATA_OPS, NONDETERMINISTIC
 from .hostops import host_op
 
 _META = torch.device("meta")
@@ -24,6 +24,7 @@ _IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::
                                "aten::alpha_dropout_", "aten::feature_alpha_dropout_"}  # (input, p, train)
 _UPDATES_RUNNING_STATS = {"aten::batch_norm", "aten::instance_norm"}  # (input, w, b, mean, var, training, ...)
 _MAX_UNROLL = 100_000
+FOLD_LIMIT = 2**30  # bytes one host fold may allocate, and all of them together twice that (at least)
 _TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 # Targets rewritten to an equivalent canonical op: (new target, number of leading args kept).
@@ -68,8 +69,13 @@ class Walker:
     qualified names ('layer1.0.bn1.running_mean'), random ops stay device ops, and training-mode
     batch norm counts as writing its running statistics."""
 
-    def __init__(self, name: str, training: bool = False, cse: bool = True):
+    def __init__(self, name: str, training: bool = False, cse: bool = True, strict_folding: bool = False,
+                 fold_limit: int = FOLD_LIMIT):
+        """`strict_folding`: fold on the host only allowlisted ops and HOST_FOLDABLE ones (a `.pt2`
+        is data; a TorchScript `.pt` is a program that the check runs anyway). Every fold is sized
+        first and refused beyond `fold_limit` bytes."""
         self.name = name
+        self.strict_folding, self.fold_limit, self.folded_bytes = strict_folding, fold_limit, 0
         self.training = training
         self.cse = cse and not training  # computing the same op on the same values once
         self.pure: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each pure op since the last write
@@ -327,16 +333,48 @@ class Walker:
 
     def fold(self, schema, target: str, ins: list, source: str):
         """Run an op on host values alone (weights, constants, traced shapes) now, as freezing
-        does. A random op is refused; a torch.empty result may only be filled (`check_reads`)."""
+        does. A random op is refused; a torch.empty result may only be filled (`check_reads`); with
+        `strict_folding` only allowlisted and HOST_FOLDABLE ops run. Each result is sized on the
+        meta device before it runs."""
         short = target.split("::")[1].split(".")[0]
         if short in NONDETERMINISTIC and short not in _UNINITIALIZED:
             raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
                                    "deterministic graphs only")
+        overload = target.rsplit(".", 1)[-1]
+        if self.strict_folding and not bridge.is_allowed(target) and \
+                (short not in HOST_FOLDABLE or "out" in overload or "names" in overload):
+            raise UnsupportedError(f"{self.name}: {target} at {source} is not an op nimble runs, so it was not "
+                                   "run; see the README's list of supported ops")
+        self._size_fold(schema, target, ins, source)
         result = _call_schema(schema, target, ins)
         if short in _UNINITIALIZED and result.numel():
             self.unset.add(id(result))
             self.hold.append(result)
         return result
+
+    def _size_fold(self, schema, target: str, ins: list, source: str) -> None:
+        """Refuse a fold whose results would pass `fold_limit` bytes, or all folds together twice
+        that, from a run on the meta device. An op without a meta kernel cannot be sized first: in
+        strict folding it is refused, else it runs."""
+        def meta(obj):
+            if isinstance(obj, torch.Tensor):
+                return obj.to(_META)
+            return [meta(o) for o in obj] if isinstance(obj, (list, tuple)) else obj
+
+        ins = [_META if spec.name == "device" else meta(obj) for spec, obj in zip(schema.arguments, ins)]
+        try:
+            results = list(_flat([_call_schema(schema, target, ins)]))
+        except Exception:
+            if self.strict_folding:
+                raise UnsupportedError(f"{self.name}: {target} at {source} on constants cannot be sized before "
+                                       "it runs, so it was not run") from None
+            return
+        size = sum(t.numel() * t.element_size() for t in results if isinstance(t, torch.Tensor) and not t._is_view())
+        self.folded_bytes += size
+        if size > self.fold_limit or self.folded_bytes > 2 * self.fold_limit:
+            raise UnsupportedError(f"{self.name}: {target} at {source} would make {size} bytes of constants on the "
+                                   f"host ({self.folded_bytes} in all); nimble folds at most {self.fold_limit} "
+                                   "bytes per op")
 
     def op(self, target: str, ins: list, source: str) -> Ref:
         """Emit `target` on `ins` (schema order, defaults left off); its first result."""

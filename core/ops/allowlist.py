@@ -75,6 +75,16 @@ METADATA_OPS = frozenset({
     "aten::is_complex", "aten::__isnot__", "aten::__is__",
 })
 
+# Ops that may run on the host while a `.pt2` is lowered, besides the allowlisted ones: factories
+# and integer arithmetic that index and mask computations fold to constants. Every fold is sized on
+# the meta device first and refused above `Walker.fold_limit` bytes. Any other op in a program is
+# refused before it runs (`aten::from_file` would read or map a file, `aten::_print` write to the
+# terminal).
+HOST_FOLDABLE = frozenset({
+    "zeros", "ones", "full", "arange", "scalar_tensor", "eye", "linspace", "empty", "lift_fresh_copy",
+    "floor_divide", "remainder", "fmod", "bitwise_xor", "__xor__",
+})
+
 # Ops whose result changes from call to call; a constant-folded copy would be wrong.
 NONDETERMINISTIC = frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
