@@ -1,7 +1,6 @@
 """Crafted `.pt2` archives: compiling one runs no code from the file and no op outside the
 allowlist, and each is refused in one line naming the member, the entry or the op."""
 
-import io
 import json
 import os
 import pickle
@@ -221,3 +220,15 @@ def test_torchscript_folding_is_sized_too():
     schema = bridge.schema_op("aten::zeros.default")._schema
     with pytest.raises(UnsupportedError, match="at most"):
         walker.fold(schema, "aten::zeros.default", [[2**34], None, None, None, None], "here")
+
+
+def test_only_modules_that_define_outputs_are_imported(tmp_path, monkeypatch):
+    from nimble.frontend import export as frontend_export
+
+    imported = []
+    monkeypatch.setattr(frontend_export.importlib, "import_module", imported.append)
+    with pytest.raises(ModelError, match="imports only the modules of transformers that define models"):
+        frontend_export._import_output_library(tmp_path / "m.pt2", "transformers.commands.serving.Out")
+    frontend_export._import_output_library(tmp_path / "m.pt2", "transformers.modeling_outputs.BaseModelOutput")
+    frontend_export._import_output_library(tmp_path / "m.pt2", "transformers.models.bert.modeling_bert.Out")
+    assert imported == ["transformers.modeling_outputs", "transformers.models.bert.modeling_bert"]

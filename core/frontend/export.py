@@ -105,20 +105,29 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
 
 
 OUTPUT_LIBRARIES = ("transformers", "torchvision", "timm", "diffusers")  # imported to load their output types
+# The modules of those libraries that define output types: importing one defines model classes
+# and registers them, and runs nothing else (a library's command-line or hub modules are refused).
+_OUTPUT_MODULES = re.compile(r"transformers\.modeling_outputs|transformers\.models\.\w+\.modeling_\w+"
+                             r"|torchvision\.models(\.\w+)*|timm\.models(\.\w+)*|diffusers\.models(\.\w+)*"
+                             r"|diffusers\.pipelines\.\w+\.pipeline_output")
 _UNREGISTERED = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
 
 
 def _import_output_library(path: Path, type_name: str) -> None:
     module = type_name.rpartition(".")[0]
-    if module.split(".")[0] not in OUTPUT_LIBRARIES:
+    library = module.split(".")[0]
+    if library not in OUTPUT_LIBRARIES:
         raise ModelError(f"{path} returns a {type_name}, a type torch cannot read back until its library "
                          f"registers it, and nimble imports only {', '.join(OUTPUT_LIBRARIES)}; export the "
                          "model returning tensors, or tuples, lists or dicts of them")
+    if module != library and not _OUTPUT_MODULES.fullmatch(module):
+        raise ModelError(f"{path} returns a {type_name}; nimble imports only the modules of {library} that define "
+                         f"models and their outputs, not {module}; export the model returning tensors")
     try:
         importlib.import_module(module)
     except Exception as e:
         raise ModelError(f"{path} returns a {type_name}, and {module} could not be imported to read it "
-                         f"({first_line(e)}); install {module.split('.')[0]}") from None
+                         f"({first_line(e)}); install {library}") from None
 
 
 @contextlib.contextmanager

@@ -45,6 +45,35 @@ POINTWISE: dict[str, tuple[int, ...]] = {
 }
 FLOATS = frozenset({"float32", "float16", "bfloat16"})  # the dtypes a fused body computes in
 
+# Each body op's schema as a fused body may use it: its positional slots ("tensor": a Ref or Local,
+# "number": an int or float, "number?": that or None), how many of them are required, and its
+# keyword-only arguments. Nothing else is accepted, so the CPU, cuDNN and generated paths all see
+# the same call.
+_UNARY_SIGNATURE = (("tensor",), 1, {})
+_BINARY_SIGNATURE = (("tensor", "tensor"), 2, {})
+SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
+    **{t: _UNARY_SIGNATURE for t, pos in POINTWISE.items() if pos == (0,) and not t.endswith(".Scalar")},
+    "aten::gelu.default": (("tensor",), 1, {"approximate": "approximate"}),
+    "aten::hardtanh.default": (("tensor", "number", "number"), 1, {}),
+    "aten::leaky_relu.default": (("tensor", "number"), 1, {}),
+    "aten::clamp.default": (("tensor", "number?", "number?"), 1, {}),
+    "aten::clamp_min.default": (("tensor", "number"), 2, {}),
+    "aten::clamp_max.default": (("tensor", "number"), 2, {}),
+    "aten::add.Tensor": (("tensor", "tensor"), 2, {"alpha": "number"}),
+    "aten::sub.Tensor": (("tensor", "tensor"), 2, {"alpha": "number"}),
+    "aten::mul.Tensor": _BINARY_SIGNATURE, "aten::div.Tensor": _BINARY_SIGNATURE,
+    "aten::maximum.default": _BINARY_SIGNATURE, "aten::minimum.default": _BINARY_SIGNATURE,
+    "aten::add.Scalar": (("tensor", "number", "number"), 2, {}),
+    "aten::sub.Scalar": (("tensor", "number", "number"), 2, {}),
+    "aten::mul.Scalar": (("tensor", "number"), 2, {}), "aten::div.Scalar": (("tensor", "number"), 2, {}),
+}
+_CONV_SIGNATURES = {  # input, weight, bias, then int lists and flags
+    "aten::conv2d.default": (("tensor?", "ints", "ints", "ints", "int"), 2),
+    "aten::convolution.default": (("tensor?", "ints", "ints", "ints", "bool", "ints", "int"), 9),
+    "aten::_convolution.default": (("tensor?", "ints", "ints", "ints", "bool", "ints", "int", "bool", "bool", "bool",
+                                    "bool"), 13),
+}
+
 
 def body_of(op: Op) -> tuple:
     return op.args[0]
@@ -80,9 +109,50 @@ def check(op: Op) -> None:
         for a in _leaves((node[1], tuple(v for _, v in node[2]))):
             if isinstance(a, Local) and not (0 <= a.index < k) or isinstance(a, Local) and target in CONVOLUTIONS:
                 raise GraphError(f"{where} reads local {a.index}, which is not an earlier node")
+        problem = _convolution_problem(node) if target in CONVOLUTIONS else _pointwise_problem(node)
+        if problem:
+            raise GraphError(f"{where} ({target}): {problem}")
     for a in _leaves((op.args,)):
         if not isinstance(a, (Ref, Local, int, float, bool, str, type(None))):
             raise GraphError(f"fused op {op.id} holds an argument of kind {type(a).__name__}")
+
+
+def _is(kind: str, a) -> bool:
+    number = isinstance(a, (int, float)) and not isinstance(a, bool)
+    return {"tensor": isinstance(a, (Ref, Local)), "tensor?": a is None or isinstance(a, Ref),
+            "number": number, "number?": a is None or number, "approximate": a in ("none", "tanh"),
+            "int": isinstance(a, int) and not isinstance(a, bool), "bool": isinstance(a, bool),
+            "ints": isinstance(a, tuple) and 1 <= len(a) <= 3
+            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 2**16 for n in a)}[kind]
+
+
+def _pointwise_problem(node) -> str | None:
+    """What breaks the op's schema (SIGNATURES), or None."""
+    target, args, kwargs = node
+    slots, required, keywords = SIGNATURES[target]
+    if not required <= len(args) <= len(slots):
+        return f"takes {required} to {len(slots)} positional arguments, not {len(args)}"
+    for i, (kind, a) in enumerate(zip(slots, args)):
+        if not _is(kind, a):
+            return f"argument {i} must be a {kind.rstrip('?')}{' or None' if kind.endswith('?') else ''}, not {a!r}"
+    names = [name for name, _ in kwargs]
+    if len(set(names)) != len(names):
+        return "a keyword argument is given twice"
+    for name, value in kwargs:
+        if name not in keywords or not _is(keywords[name], value):
+            return f"keyword argument {name}={value!r} is not one the op takes"
+    return None
+
+
+def _convolution_problem(node) -> str | None:
+    target, args, kwargs = node
+    slots, required = _CONV_SIGNATURES[target]
+    if kwargs or not required <= len(args) <= 2 + len(slots) or not all(isinstance(a, Ref) for a in args[:2]):
+        return "takes its input and weight as graph values, then its schema's arguments, positionally"
+    for i, (kind, a) in enumerate(zip(slots, args[2:]), start=2):
+        if not _is(kind, a) and not (kind == "ints" and _is("int", a)):
+            return f"argument {i} is {a!r}, not a {kind}"
+    return None
 
 
 def _leaves(args: tuple):

@@ -13,27 +13,31 @@ the tensor that holds the result:
   its bias; the kernel then adds the bias and applies the rest of the body in place.
 
 A kernel is specialised to its call: the body, the shapes, the strides of every operand (so the
-layout) and the dtypes. Its source is kept in the cache folder under the hash of that source
-(which names all of these and the torch and Triton versions), and Triton keeps the compiled
-binary in its own cache, keyed by the GPU's compute capability too. If Triton is missing or a
-kernel cannot be built, the body is interpreted op by op instead, and `STATS` counts it.
+layout) and the dtypes. It is compiled from the source text generated here, never imported from
+disk; a copy is kept in the cache folder under the hash of that source (which names all of these
+and the torch and Triton versions) for reading, and Triton keeps the compiled binary in its own
+cache, keyed by the GPU's compute capability too. If Triton is missing or a kernel cannot be
+built, the body is interpreted op by op instead, and `STATS` counts it.
+
+Index arithmetic is 32-bit where every element offset the kernel can form stays below 2**31, and
+64-bit otherwise (`_wide`), so no kernel can address outside its buffers. NaN propagates through
+relu, clamps, maximum and minimum as it does in torch.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import linecache
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
+from . import cache
 
 BLOCK = 1024
 
@@ -47,14 +51,6 @@ class KernelStats:
 
 
 STATS = KernelStats()
-
-
-def cache_dir() -> Path:
-    """nimble's cache folder: $NIMBLE_CACHE_DIR, else $XDG_CACHE_HOME/nimble, else ~/.cache/nimble."""
-    if os.environ.get("NIMBLE_CACHE_DIR"):
-        return Path(os.environ["NIMBLE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nimble"
 
 
 class FusedKernel:
@@ -184,11 +180,20 @@ def _num(x) -> str:
     return repr(x) if math.isfinite(x) else f"float('{x}')"
 
 
-_HARD_SIGMOID = "tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0"
+def _at_least(x: str, lo: str) -> str:
+    """max(x, lo) that keeps a NaN x, as torch does (tl.maximum would give lo)."""
+    return f"tl.where({x} < {lo}, {lo}, {x})"
+
+
+def _at_most(x: str, hi: str) -> str:
+    return f"tl.where({x} > {hi}, {hi}, {x})"
+
+
+_HARD_SIGMOID = _at_most(_at_least("{x} + 3.0", "0.0"), "6.0") + " / 6.0"
 # Ops of one operand and no other arguments: their Triton expression over {x}.
 _UNARY = {
-    "relu.default": "tl.maximum({x}, 0.0)", "sigmoid.default": "tl.sigmoid({x})",
-    "silu.default": "({x} * tl.sigmoid({x}))", "hardswish.default": f"({{x}} * {_HARD_SIGMOID})",
+    "relu.default": _at_least("{x}", "0.0"), "sigmoid.default": "tl.sigmoid({x})",
+    "silu.default": "({x} * tl.sigmoid({x}))", "hardswish.default": f"({{x}} * ({_HARD_SIGMOID}))",
     "hardsigmoid.default": f"({_HARD_SIGMOID})", "tanh.default": "(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
     "neg.default": "(-{x})", "exp.default": "tl.exp({x})", "sqrt.default": "tl.sqrt({x})",
     "rsqrt.default": "tl.rsqrt({x})", "reciprocal.default": "(1.0 / {x})", "abs.default": "tl.abs({x})",
@@ -209,13 +214,13 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
     name = target.split("::")[1]
     if name in ("relu6.default", "hardtanh.default"):
         lo, hi = (0.0, 6.0) if name == "relu6.default" else (arg(1, "min_val", -1.0), arg(2, "max_val", 1.0))
-        return f"tl.minimum(tl.maximum({x}, {_num(lo)}), {_num(hi)})"
+        return _at_most(_at_least(x, _num(lo)), _num(hi))
     if name in ("clamp.default", "clamp_min.default", "clamp_max.default"):
         lo = arg(1, "min", None) if name != "clamp_max.default" else None
         hi = arg(2, "max", None) if name == "clamp.default" else arg(1, "max", None) if name == "clamp_max.default" \
             else None
-        out = x if lo is None else f"tl.maximum({x}, {_num(lo)})"
-        return out if hi is None else f"tl.minimum({out}, {_num(hi)})"
+        out = x if lo is None else _at_least(x, _num(lo))
+        return out if hi is None else _at_most(out, _num(hi))
     if name == "leaky_relu.default":
         return f"tl.where({x} > 0, {x}, {x} * {_num(arg(1, 'negative_slope', 0.01))})"
     if name == "gelu.default":
@@ -233,8 +238,8 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
         return f"({x} {'+' if op == 'add' else '-'} {scaled})"
     if op in ("mul", "div"):
         return f"({x} {'*' if op == 'mul' else '/'} {y})"
-    if op in ("maximum", "minimum"):
-        return f"tl.{op}({x}, {y})"
+    if op in ("maximum", "minimum"):  # a NaN on either side gives NaN, as in torch
+        return f"tl.where(({x} != {x}) | ({y} != {y}), {x} + {y}, tl.{op}({x}, {y}))"
     raise NotImplementedError(f"no Triton expression for {target}")
 
 
@@ -254,6 +259,22 @@ def _offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "0"
 
 
+INT32_LIMIT = 2**31 - 1
+
+
+def _wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
+    """Whether an index or element offset of this kernel can pass 2**31 - 1, so that its index
+    arithmetic must be 64-bit: the launch's last index, or the farthest element of any operand as
+    broadcast to the output's shape."""
+    if out.numel() + BLOCK > INT32_LIMIT:
+        return True
+    for t in (out, *operands):
+        strides = t.expand(out.shape).stride() if t is not out else t.stride()
+        if sum((n - 1) * st for n, st in zip(out.shape, strides)) > INT32_LIMIT:
+            return True
+    return False
+
+
 def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
     """The kernel's source. `body` is the op's body as the runtime passes it (tensors in place of
     Refs), and `operands` the distinct tensors it reads."""
@@ -265,10 +286,11 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
         step *= shape[d]
     out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
     names = {id(t): f"in{k}" for k, t in enumerate(operands)}
+    first = "tl.program_id(0).to(tl.int64)" if _wide(out, operands) else "tl.program_id(0)"
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
              "BLOCK: tl.constexpr):",
-             "    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+             f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
              "    mask = i < N",
              f"    o = {_offset(shape, out.stride(), order, out_dense)}"]
     for k, t in enumerate(operands):
@@ -295,23 +317,24 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
 
 
 def _compile(source: str):
-    """A launcher for the generated source, imported from the cache folder (Triton needs a file)."""
+    """A launcher for the generated source, compiled from this text (Triton reads a kernel's
+    source through `inspect`, so the text is registered with `linecache` under a name no file
+    has); a copy goes to the cache folder for reading, never to be imported."""
     import triton
 
     digest = hashlib.sha256(f"{source}triton {triton.__version__}".encode()).hexdigest()[:32]
-    folder = cache_dir() / "kernels"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"k{digest}.py"
-    if path.exists() and path.read_text() == source:
-        STATS.source_hits += 1
-    else:
-        tmp = folder / f".k{digest}.{os.getpid()}.tmp"
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"nimble_kernel_{digest}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kernel = module.kernel
+    folder = cache.cache_dir("kernels")
+    if folder is not None:
+        path = folder / f"k{digest}.py"
+        if cache.read_small(path, len(source.encode())) == source.encode():
+            STATS.source_hits += 1
+        else:
+            cache.write(path, source.encode())
+    filename = f"<nimble kernel k{digest}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace = {"__name__": f"nimble_kernel_{digest}"}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - text generated by _source, just now
+    kernel = namespace["kernel"]
     STATS.generated += 1
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:

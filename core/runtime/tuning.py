@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -36,7 +35,7 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Ref
 from ..ops import fusion
-from .kernels import cache_dir
+from . import cache
 
 TUNE_MODES = ("off", "cached", "full")
 LAYOUTS = ("contiguous", "channels_last")
@@ -146,33 +145,46 @@ def cache_key(artifact, device: torch.device) -> str:
     return f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}"
 
 
+MAX_TUNING_BYTES = 2**20
+
+
 def cache_path():
-    return cache_dir() / "tuning.json"
+    folder = cache.cache_dir()
+    return None if folder is None else folder / "tuning.json"
+
+
+def _table(path) -> dict:
+    """The tuning table at `path`: {} unless it is a regular file of at most MAX_TUNING_BYTES that
+    holds a JSON object."""
+    data = None if path is None else cache.read_small(path, MAX_TUNING_BYTES)
+    try:
+        table = json.loads(data) if data is not None else {}
+    except (ValueError, RecursionError):
+        return {}
+    return table if isinstance(table, dict) else {}
 
 
 def cached(key: str) -> Choice | None:
-    """The choice stored for `key`, or None (no entry, or an unreadable cache)."""
+    """The choice stored for `key`, or None (no entry, or a cache that cannot be read or trusted)."""
     try:
-        entry = json.loads(cache_path().read_text()).get(key)
+        entry = _table(cache_path()).get(key)
         choice = Choice(**entry["choice"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None
     return choice if choice in every_choice() else None
 
 
 def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
-    """Record `choice` for `key`; a cache that cannot be written is skipped silently."""
+    """Record `choice` for `key`; a cache that cannot be written is skipped silently. The oldest
+    entries go first if the table would pass MAX_TUNING_BYTES."""
     path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            table = json.loads(path.read_text())
-            table = table if isinstance(table, dict) else {}
-        except (OSError, ValueError):
-            table = {}
-        table[key] = {"choice": asdict(choice), "gpu_ms": timings}
-        tmp = path.with_name(f".tuning.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    if path is None:
+        return
+    table = _table(path)
+    table.pop(key, None)
+    table[key] = {"choice": asdict(choice), "gpu_ms": timings}
+    data = json.dumps(table, indent=1).encode()
+    while len(data) > MAX_TUNING_BYTES and len(table) > 1:
+        table.pop(next(iter(table)))
+        data = json.dumps(table, indent=1).encode()
+    cache.write(path, data)
