@@ -135,6 +135,8 @@ def _pointwise_problem(node) -> str | None:
     for i, (kind, a) in enumerate(zip(slots, args)):
         if not _is(kind, a):
             return f"argument {i} must be a {kind.rstrip('?')}{' or None' if kind.endswith('?') else ''}, not {a!r}"
+    if target == "aten::clamp.default" and all(a is None for a in args[1:]):
+        return "needs min or max (torch refuses a clamp of neither)"
     names = [name for name, _ in kwargs]
     if len(set(names)) != len(names):
         return "a keyword argument is given twice"

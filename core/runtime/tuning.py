@@ -175,8 +175,8 @@ def cached(key: str) -> Choice | None:
 
 
 def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
-    """Record `choice` for `key`; a cache that cannot be written is skipped silently. The oldest
-    entries go first if the table would pass MAX_TUNING_BYTES."""
+    """Record `choice` for `key`; a cache that cannot be written is skipped silently. The older
+    half of the entries goes whenever the table would pass MAX_TUNING_BYTES."""
     path = cache_path()
     if path is None:
         return
@@ -184,7 +184,8 @@ def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
     table.pop(key, None)
     table[key] = {"choice": asdict(choice), "gpu_ms": timings}
     data = json.dumps(table, indent=1).encode()
-    while len(data) > MAX_TUNING_BYTES and len(table) > 1:
-        table.pop(next(iter(table)))
+    while len(data) > MAX_TUNING_BYTES and len(table) > 1:  # drop the older half, newest kept
+        for old in list(table)[:len(table) // 2]:
+            del table[old]
         data = json.dumps(table, indent=1).encode()
     cache.write(path, data)

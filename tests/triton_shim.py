@@ -1,0 +1,81 @@
+"""Generated Triton kernels run on the CPU, for tests: the kernel's source is executed with a
+stand-in for `triton` and `triton.language` built on torch, one program at a time.
+
+The stand-in follows Triton where Triton differs from torch: `tl.maximum` and `tl.minimum` drop a
+NaN operand (PTX's max.f32 does; Triton's default is not to propagate NaN), integer arithmetic
+wraps at the index's width (int32 unless the source widens it), and a load or store outside its
+buffer raises instead of reading or writing foreign memory.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+class Pointer:
+    """A tensor's storage as a flat buffer, plus element offsets."""
+
+    def __init__(self, tensor: torch.Tensor, offsets=None):
+        self.tensor = tensor
+        self.flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size()
+                                       - tensor.storage_offset(),), (1,), tensor.storage_offset())
+        self.offsets = offsets
+
+    def __add__(self, offsets):
+        p = Pointer.__new__(Pointer)
+        p.tensor, p.flat, p.offsets = self.tensor, self.flat, torch.as_tensor(offsets)
+        return p
+
+
+def _checked(p: Pointer, mask):
+    o = p.offsets[mask]
+    if len(o) and (o.min() < 0 or o.max() >= len(p.flat)):
+        raise IndexError(f"offset {int(o.min())}..{int(o.max())} outside a buffer of {len(p.flat)} elements")
+    return o
+
+
+class _Program:
+    pid = 0
+
+
+def language() -> types.ModuleType:
+    tl = types.ModuleType("triton.language")
+    tl.float32, tl.float16, tl.bfloat16, tl.int64 = torch.float32, torch.float16, torch.bfloat16, torch.int64
+    tl.constexpr = int
+    tl.program_id = lambda axis: torch.tensor([_Program.pid], dtype=torch.int32)  # 1-D: promotes as Triton does
+    tl.arange = lambda start, end: torch.arange(start, end, dtype=torch.int32)
+
+    def load(p, mask=None):
+        mask = torch.ones_like(p.offsets, dtype=torch.bool) if mask is None else mask
+        out = torch.zeros(p.offsets.shape, dtype=p.flat.dtype)
+        out[mask] = p.flat[_checked(p, mask)]
+        return out
+
+    def store(p, value, mask=None):
+        mask = torch.ones_like(p.offsets, dtype=torch.bool) if mask is None else mask
+        p.flat[_checked(p, mask)] = value[mask].to(p.flat.dtype)
+
+    tl.load, tl.store = load, store
+    tl.where = torch.where
+    tl.maximum, tl.minimum = torch.fmax, torch.fmin  # NaN-dropping, as Triton's default
+    tl.sigmoid, tl.exp, tl.sqrt, tl.rsqrt, tl.abs, tl.erf = (torch.sigmoid, torch.exp, torch.sqrt, torch.rsqrt,
+                                                           torch.abs, torch.erf)
+    return tl
+
+
+def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int) -> None:
+    """Execute the generated kernel `source` over `out` and `operands`, as `kernels._compile`'s
+    launcher would, on the CPU."""
+    triton = types.ModuleType("triton")
+    triton.jit = lambda fn: fn
+    tl = language()
+    namespace = {"triton": triton, "tl": tl}  # int32 tensors wrap around on overflow, as on the GPU
+    code = source.replace("import triton.language as tl", "").replace("import triton", "")
+    exec(compile(code, "<kernel>", "exec"), namespace)
+    kernel = namespace["kernel"]
+    numel = out.numel()
+    for pid in range((numel + block - 1) // block):
+        _Program.pid = pid
+        kernel(Pointer(out), *(Pointer(t) for t in operands), N=numel, BLOCK=block)
