@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ExecutionError, ShapeError, UsageError, first_line
+from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError, first_line
 from ..ir import WEIGHT
 from ..ops import bridge
-from . import kernels, streams, tuning
+from . import indices, kernels, streams, tuning
+from .compare import compare, default_tolerance
 from .placement import PlacedOp, arena_views, prepare, run_op
 from .preflight import preflight
 
@@ -78,6 +79,12 @@ class Executable:
         self._set_order(self.choice)
         t = time.perf_counter()
         preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
+        self._indices = indices.plan_indices(self.graph)
+        names = {v.id: v.name for v in self.graph.values if v.kind == WEIGHT}
+        indices.check_weights({vid: artifact.weights[n] for vid, n in names.items()}, self._indices, names,
+                              name or artifact.model)
+        for p in self._placed:
+            p.clamps = tuple(self._indices.clamps.get(p.op.id, ()))
         self.stats.seconds["preflight"] = time.perf_counter() - t
         self._allocate()
         self.stats.seconds["allocate"] = time.perf_counter() - t0 - self.stats.seconds["preflight"]
@@ -175,12 +182,16 @@ class Executable:
             self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values
                                     if v.kind == WEIGHT}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
-            self._inputs = [torch.empty(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
+            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
                                  f"and arena need {need} bytes "
                                  f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
+        try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
+            self._load_inputs(self.artifact.sample_inputs)
+        except ShapeError as e:
+            raise ArtifactError(f"{self.artifact.model}: the stored sample input does not fit the model ({e})") from None
         self._weights = dict(self._stored_weights)
         self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
         self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
@@ -247,6 +258,7 @@ class Executable:
         if len(inputs) != len(g.inputs):
             raise ShapeError(f"the model takes {len(g.inputs)} input(s) "
                              f"({', '.join(g.values[i].name for i in g.inputs)}), got {len(inputs)}")
+        checked = []
         for vid, buf, x in zip(g.inputs, self._inputs, inputs):
             spec = g.values[vid].spec
             if not isinstance(x, torch.Tensor):
@@ -255,10 +267,26 @@ class Executable:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
                                  f"{bridge.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
                                  "other shapes")
+            indices.check_input(x, self._indices.inputs.get(len(checked), []), g.values[vid].name)
+            checked.append(x)
+        for buf, x in zip(self._inputs, checked):
             buf.copy_(x, non_blocking=True)
+
+    def verify(self, rtol: float | None = None, atol: float | None = None):
+        """Run the stored sample input and compare with the stored sample outputs (the load-time
+        self-check `nimble.load(..., verify=True)` asks for). Returns the comparison."""
+        rt, at = default_tolerance(self.device.type)
+        result = compare(self(*self.artifact.sample_inputs, copy=True), self.artifact.sample_outputs,
+                         rt if rtol is None else rtol, at if atol is None else atol)
+        if not result.passed:
+            raise MismatchError(f"{self.artifact.model}: on the stored sample input the loaded artifact does not "
+                                f"reproduce the stored outputs: {result.describe()}")
+        return result
 
     @property
     def input_buffers(self) -> list[torch.Tensor]:
+        """The static input buffers; what is written here directly is not range-checked, so write
+        only values that passed a call (the stored sample inputs do)."""
         return list(self._inputs)
 
     def outside_arena(self) -> list[int]:
@@ -275,10 +303,13 @@ class Executable:
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 
-def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None) -> Executable:
+def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None,
+         verify: bool = False) -> Executable:
     """Read and validate an artifact, then prepare it for execution on `device`, choosing its
     layout, streams and convolution algorithms as `tune` says (off, cached or full; see
-    `tuning.py`). `graph_dump` writes the captured CUDA graph as Graphviz DOT."""
+    `tuning.py`). `graph_dump` writes the captured CUDA graph as Graphviz DOT. `verify` runs the
+    stored sample input once and raises MismatchError unless the stored outputs come back (within
+    the device's default tolerance): a self-check at load, one inference long."""
     from nimble.formats import read_artifact
 
     t = time.perf_counter()
@@ -286,5 +317,7 @@ def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dum
     read_s = time.perf_counter() - t
     exe = Executable(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
+    if verify:
+        exe.verify()
     return exe
 

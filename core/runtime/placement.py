@@ -18,6 +18,7 @@ import torch
 from ..ops import bridge, fusion
 from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
+from .indices import clamped
 from .kernels import FusedKernel
 
 
@@ -94,6 +95,7 @@ class PlacedOp:
     out_fn: Callable | None  # the op's out= overload, used when every output is a planned buffer
     out_names: list[str]
     substitute: Callable | None
+    clamps: tuple = ()  # index arguments read clamped into range on CUDA (`indices.py`)
 
 
 def prepare(graph: Graph) -> list[PlacedOp]:
@@ -132,6 +134,8 @@ def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Ten
     """Run one op: planned outputs are written into their views, the rest bound as returned."""
     op = p.op
     args, kwargs = bridge.op_arguments(op, env, device)
+    if p.clamps and device.type == "cuda":  # computed indices: out of range would trip a device-side assert
+        args = clamped(args, p.clamps)
     planned = [views.get(o) for o in op.outputs]
     if planned and all(t is not None for t in planned):
         got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
