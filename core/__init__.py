@@ -25,6 +25,7 @@ _API = {
     "ExecutionError": "errors",
     "CaptureError": "errors",
     "MismatchError": "errors",
+    "NimbleWarning": "errors",
 }
 
 __all__ = ["__version__", *_API]

@@ -10,7 +10,13 @@ For inference it exports the module with torch.export first and, where that or i
 fails, traces it to TorchScript instead; `Nimble.frontend` says which ("torch.export",
 "torchscript (traced)", or "torchscript" for a TorchScript module, used as it is) and
 `Nimble.fallback` why export was not used. It then plans the arena and loads the result as
-`nimble.load` would. Training always traces: it captures the forward and the backward as CUDA
+`nimble.load` would.
+
+A trace records one path through the forward, so it is never trusted in silence: the fallback
+warns (NimbleWarning) with the reason, and the prepared model is checked against the module on
+the example and on several random inputs (MismatchError where they differ). A forward that turns a
+tensor into a Python value while it is traced (torch's TracerWarning: its control flow depends on
+values) is refused, unless `strict=False`, which still warns and still checks. Training always traces: it captures the forward and the backward as CUDA
 graphs bound to the module's own tensors (see `training.py`).
 """
 
@@ -25,7 +31,7 @@ import warnings
 import torch
 
 from . import frontend
-from .errors import ModelError, ShapeError, UnsupportedError, UsageError, first_line
+from .errors import MismatchError, ModelError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
 from .ir import TensorSpec
 from .ops import bridge
 
@@ -49,12 +55,15 @@ class Nimble:
         self.fallback: str | None = None  # why torch.export was not used, where it was tried
 
     # ------------------------------------------------------------------------------ prepare
-    def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto") -> Nimble:
+    def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto",
+                strict: bool = True) -> Nimble:
         """Lower (torch.export first, else a trace; see `frontend`), schedule and capture the module
         for inputs shaped like `example_inputs` (a tensor, or a tuple or list of them).
         `training=True` prepares forward and backward (traced), and puts the module in training
         mode; `training=False` puts it in eval mode. `streams` is "auto" (one
-        stream per chain of the schedule), 1, or a cap. Returns self."""
+        stream per chain of the schedule), 1, or a cap. `strict=False` accepts a trace whose
+        forward converts tensors to Python values (with a warning; see the module docstring).
+        Returns self."""
         from .pipeline import compile_training, parse_streams
         from .runtime.executable import Executable
         from .runtime.training import TrainingGraph
@@ -68,6 +77,7 @@ class Nimble:
             raise UsageError(f"the module is on {home} but example_inputs are on {device}; move both to one "
                              "device")
         self._streams = streams = parse_streams(streams)
+        self._strict = bool(strict)
         self._runner = self._compiled = None
         self._specs = [TensorSpec(tuple(x.shape), bridge.dtype_name(x.dtype)) for x in xs]
         self._device, self._training = device, bool(training)
@@ -79,6 +89,8 @@ class Nimble:
         else:
             self._compiled, self.frontend, self.fallback = self._compile_inference(xs)
             self._runner = Executable(self._compiled.artifact(), device.type)
+            if self.frontend == "torchscript (traced)":
+                self._check_trace(xs)
         self._guard = _Guard(self.module, versions=not self._training)
         return self
 
@@ -101,6 +113,8 @@ class Nimble:
                 fallback = f"the exported program did not lower ({first_line(e)})"
             except Exception as e:  # data-dependent control flow, untraceable Python...
                 fallback = f"torch.export failed ({first_line(e)})"
+            warnings.warn(f"{name}: {fallback}; nimble traces it instead and checks the trace against the module "
+                          f"on the example and {len(_VARIANTS)} other inputs", NimbleWarning, stacklevel=4)
         script = self._script(xs)
         compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script), device,
                                   self._streams, check=False)
@@ -118,10 +132,10 @@ class Nimble:
         saved = [b.clone() for b in buffers]
         rng = [xs[0].device] if xs[0].device.type == "cuda" else []
         try:
-            with frontend.quiet_torchscript(), warnings.catch_warnings(), torch.no_grad(), \
+            with frontend.quiet_torchscript(), warnings.catch_warnings(record=True) as caught, torch.no_grad(), \
                     torch.random.fork_rng(devices=rng):
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                return torch.jit.trace(self.module, tuple(xs), check_trace=False)
+                warnings.simplefilter("always", torch.jit.TracerWarning)
+                traced = torch.jit.trace(self.module, tuple(xs), check_trace=False)
         except Exception as e:
             raise UnsupportedError(f"{type(self.module).__name__} could not be traced ({first_line(e)}); "
                                    "pass a torch.jit.script of it instead") from e
@@ -129,6 +143,50 @@ class Nimble:
             with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
+        self._refuse_value_dependence(caught)
+        return traced
+
+    def _refuse_value_dependence(self, caught) -> None:
+        """A trace that turned a tensor into a Python value fixed whatever that value decided
+        (a branch, a size, a loop count): refused when strict, else a warning. Other warnings
+        are passed on."""
+        name = type(self.module).__name__
+        for w in caught:
+            if not issubclass(w.category, torch.jit.TracerWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        torch_dir = os.path.dirname(torch.__file__) + os.sep  # torch's own size checks (batch norm's) are static here
+        found = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
+                 and "Converting a tensor to a Python" in str(w.message) and not str(w.filename).startswith(torch_dir)]
+        if not found:
+            return
+        where = f"{found[0].filename}:{found[0].lineno}"
+        what = str(found[0].message).split(" might")[0].lower()
+        if self._strict:
+            raise UnsupportedError(f"{name}: {what} at {where} while it was traced, so its control flow depends on "
+                                   "tensor values and a trace would keep one path; make the forward exportable, pass "
+                                   "a torch.jit.script of it, or prepare(..., strict=False) to accept a trace "
+                                   "checked on random inputs")
+        warnings.warn(f"{name}: {what} at {where}; the trace keeps one path (strict=False), checked against the module "
+                      "on random inputs", NimbleWarning, stacklevel=5)
+
+    def _check_trace(self, xs: list[torch.Tensor]) -> None:
+        """Compare the prepared model with the module on the example and on _VARIANTS of it: a trace
+        that kept one path of value-dependent control flow shows up as a mismatch."""
+        from .runtime.compare import compare, default_tolerance
+
+        rtol, atol = default_tolerance(self._device.type)
+        gen = torch.Generator().manual_seed(0)
+        for k, variant in enumerate((None, *_VARIANTS)):
+            inputs = xs if variant is None else [_vary(x, variant, gen) for x in xs]
+            with torch.no_grad():
+                want = bridge.flatten_result(self.module(*inputs))
+            got = self._runner(*inputs, copy=True)
+            result = compare(got, [w.detach() for w in want], rtol, atol)
+            if not result.passed:
+                raise MismatchError(f"{type(self.module).__name__}: the traced model differs from the module on "
+                                    f"{'the example' if variant is None else f'a {variant} input'} "
+                                    f"({result.describe()}); its forward likely depends on tensor values. Make it "
+                                    "exportable or pass a torch.jit.script of it")
 
     # ------------------------------------------------------------------------------ calls
     def __call__(self, *inputs: torch.Tensor):
@@ -213,6 +271,23 @@ class _Guard:
             if self.versions and t._version != version:
                 return f"'{qualified}' was written in place (the prepared copy would be stale)"
         return None
+
+
+_VARIANTS = ("negated", "random", "random", "random", "random")
+
+
+def _vary(x: torch.Tensor, variant: str, gen: torch.Generator) -> torch.Tensor:
+    """Another input like `x`: floats negated or drawn at `x`'s scale, integers (ids, say)
+    shuffled among the example's own values, booleans drawn."""
+    if x.dtype == torch.bool:
+        return (torch.rand(x.shape, generator=gen) > 0.5).to(x.device)
+    if not x.is_floating_point():
+        flat = x.reshape(-1)
+        return flat[torch.randint(0, max(flat.numel(), 1), (flat.numel(),), generator=gen).to(x.device)].view_as(x)
+    if variant == "negated":
+        return -x
+    scale = float(x.detach().abs().max()) if x.numel() else 1.0
+    return (torch.randn(x.shape, generator=gen) * max(scale, 1e-3)).to(x.device, x.dtype)
 
 
 def _as_inputs(example, what: str) -> list[torch.Tensor]:

@@ -50,6 +50,10 @@ class CaptureError(ExecutionError):
     """CUDA graph capture failed; the process's CUDA state may be unusable."""
 
 
+class NimbleWarning(UserWarning):
+    """Something nimble did that the user should know of: a fallback, or a check it relaxed."""
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type's name if it has none): how nimble
     quotes an error from torch inside its own one-line messages."""

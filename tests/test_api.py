@@ -115,15 +115,35 @@ def test_inference_exports_first_and_says_so():
     assert model._compiled.options["frontend"] == "torch.export"
 
 
-def test_a_module_that_does_not_export_is_traced_and_says_why():
-    class ItemBranch(nn.Module):  # control flow on a tensor's value: export refuses, a trace follows one branch
-        def forward(self, x):
-            return x * 2 if x.sum().item() > 0 else x * 3
+class _ItemBranch(nn.Module):  # control flow on a tensor's value: export refuses, a trace follows one branch
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x * 3
 
-    x = torch.ones(2, 3)
-    model = nimble.Nimble(ItemBranch()).prepare(x)
+
+def test_a_trace_that_depends_on_values_is_refused_naming_the_line():
+    with pytest.warns(nimble.NimbleWarning, match="torch.export failed"):
+        with pytest.raises(nimble.UnsupportedError, match=r"converting a tensor to a python number at .*test_api.py:\d+"):
+            nimble.Nimble(_ItemBranch()).prepare(torch.ones(2, 3))
+
+
+def test_strict_false_still_checks_the_trace_on_other_inputs():
+    """The issue's case: prepare() used to succeed and return 0.75-off results for inputs that take
+    the other branch."""
+    with pytest.warns(nimble.NimbleWarning), pytest.raises(nimble.MismatchError, match="differs from the module on a"):
+        nimble.Nimble(_ItemBranch()).prepare(torch.ones(2, 3), strict=False)
+
+
+def test_a_module_that_does_not_export_is_traced_warned_and_checked(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("export is unavailable here")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    module = build_module("inception").eval()
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.warns(nimble.NimbleWarning, match=r"export is unavailable here\); nimble traces it instead"):
+        model = nimble.Nimble(module).prepare(x)
     assert model.frontend == "torchscript (traced)" and model.fallback.startswith("torch.export failed")
-    torch.testing.assert_close(model(x), x * 2)
+    torch.testing.assert_close(model(x), module(x), rtol=1e-4, atol=1e-5)
 
 
 def test_training_traces():
