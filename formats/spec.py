@@ -23,10 +23,11 @@ MAX_STRING = 4096  # characters in any name, target, source line or version
 MAX_DIMS = 16
 MAX_TENSOR_BYTES = 2**36  # NIMBLE_MAX_TENSOR_BYTES: storage one value spans (64 GiB)
 MAX_ARENA_BYTES = 2**38  # NIMBLE_MAX_ARENA_BYTES: the activation arena (256 GiB)
+MAX_BODY_NODES = 2**16  # NIMBLE_MAX_BODY_NODES: nodes in all fused bodies together (each body holds 64 at most)
 
 
 def limit(name: str) -> int:
-    """A byte cap, raised (or lowered) by the environment variable NIMBLE_<name> if set."""
+    """A cap, raised (or lowered) by the environment variable NIMBLE_<name> if set."""
     import os
 
     default = globals()[name]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -106,11 +108,56 @@ def _describe(name: str, t) -> dict:
             "mean": f.mean().item() if f.numel() else 0.0}
 
 
-def read_inputs(items: list[str], graph) -> list:
-    """Tensors for each graph input from NAME=FILE arguments (.npy or .safetensors)."""
+def _read_tensor(item: str, path: Path, name: str):
+    """One input tensor from a .npy or .safetensors file, its header checked before anything is
+    allocated: a numeric dtype, and a shape the file's bytes really hold."""
     import numpy as np
     import torch
 
+    from nimble.errors import ArtifactError, ModelError, UsageError
+    from nimble.formats import tensors
+
+    bad = f"--input {item}: {path}"
+    if path.suffix == ".npy":
+        try:
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                if version not in ((1, 0), (2, 0)):
+                    raise ValueError(f"unsupported .npy version {version}")
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read(f)
+                body = os.fstat(f.fileno()).st_size - f.tell()
+        except Exception as e:  # numpy parses the header as Python literals: any failure means a bad file
+            raise ModelError(f"{bad} is not a readable .npy file ({type(e).__name__}: {e})") from None
+        if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufc":
+            raise ModelError(f"{bad} holds {dtype} values; nimble takes numbers and booleans")
+        if math.prod(shape) * dtype.itemsize != body:
+            raise ModelError(f"{bad} declares {list(shape)} {dtype} ({math.prod(shape) * dtype.itemsize} bytes) but "
+                             f"holds {body} bytes of data")
+        try:
+            array = np.load(path, allow_pickle=False)
+            return torch.from_numpy(np.ascontiguousarray(array))
+        except (ValueError, OSError, TypeError) as e:
+            raise ModelError(f"{bad} could not be read ({e})") from None
+    if path.suffix == ".safetensors":
+        import safetensors.torch
+
+        data = path.read_bytes()
+        try:
+            found = tensors.read_header(data, str(path))  # dtypes known, byte ranges exact, header capped
+            loaded = safetensors.torch.load(data)
+        except ArtifactError as e:
+            raise ModelError(f"--input {item}: {e}") from None
+        except Exception as e:  # safetensors' own error for anything the header check let through
+            raise ModelError(f"{bad} could not be read ({type(e).__name__}: {e})") from None
+        if name not in found and len(found) != 1:
+            raise ModelError(f"{bad} holds {', '.join(found) or 'no tensors'}, not '{name}'")
+        return loaded.get(name, next(iter(loaded.values())))
+    raise UsageError(f"--input {item}: use a .npy or .safetensors file")
+
+
+def read_inputs(items: list[str], graph) -> list:
+    """Tensors for each graph input from NAME=FILE arguments (.npy or .safetensors)."""
     from nimble.errors import ModelError, UsageError
 
     names = [graph.values[i].name for i in graph.inputs]
@@ -126,20 +173,7 @@ def read_inputs(items: list[str], graph) -> list:
         path = Path(file)
         if not path.is_file():
             raise ModelError(f"--input {item}: {path}: no such file")
-        try:
-            if path.suffix == ".npy":
-                given[name] = torch.from_numpy(np.load(path, allow_pickle=False))
-            elif path.suffix == ".safetensors":
-                import safetensors.torch
-
-                tensors = safetensors.torch.load_file(str(path))
-                if name not in tensors and len(tensors) != 1:
-                    raise ModelError(f"--input {item}: {path} holds {', '.join(tensors)}, not '{name}'")
-                given[name] = tensors.get(name, next(iter(tensors.values())))
-            else:
-                raise UsageError(f"--input {item}: use a .npy or .safetensors file")
-        except (ValueError, OSError) as e:
-            raise ModelError(f"--input {item}: {path} could not be read ({e})") from None
+        given[name] = _read_tensor(item, path, name)
     missing = [n for n in names if n not in given]
     if missing:
         raise UsageError(f"no --input for {', '.join(missing)}; give one per model input, or use --random")

@@ -174,11 +174,23 @@ def first_fused(doc) -> dict:
     (lambda op: op["args"][0].__setitem__(0, ["aten::relu.default", [{"local": 0}], []]), "not an earlier node"),
     (lambda op: op["args"].append(1), "malformed"),
     (lambda op: op["args"][0].clear(), "0 body nodes"),
+    (lambda op: op["args"][0][1].__setitem__(1, []), "positional arguments"),  # an IndexError once
+    (lambda op: op["args"][0][1][1].append("extra"), "positional arguments"),
     (lambda op: op["args"][0][1].__setitem__(1, [{"local": 10**9}]), "not a body node"),
 ])
 def test_a_forged_body_is_refused_in_one_line(fused_blob, tmp_path, edit, match):
+    """Each refused before anything runs, the schema checks included (`fusion.SIGNATURES`)."""
     path = tmp_path / "a.nimble"
     path.write_bytes(edit_json(fused_blob, "graph.json", lambda doc: edit(first_fused(doc))))
     with pytest.raises(ArtifactError, match=match) as info:
         read_artifact(path)
     assert "\n" not in str(info.value)
+
+
+def test_fused_bodies_hold_a_bounded_number_of_nodes_in_all(fused_blob, tmp_path, monkeypatch):
+    path = tmp_path / "a.nimble"
+    path.write_bytes(fused_blob)
+    read_artifact(path)
+    monkeypatch.setenv("NIMBLE_MAX_BODY_NODES", "2")
+    with pytest.raises(ArtifactError, match="more than 2 body nodes in all"):
+        read_artifact(path)
