@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import report
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -120,8 +122,6 @@ def main() -> int:
         for ops in args.ops:
             rows.append(one(kind, ops, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"Compile at scale on the CPU builder ({meta['threads']} threads), torch {meta['torch']}, {meta['date']}. "
              f"Command: `{meta['command']}`. Seconds; compiled with --no-fuse and checked on the CPU.", "",
              "| shape | ops | load | lower | check | schedule | memory | write | compile total | compile peak RSS MB "
@@ -135,7 +135,7 @@ def main() -> int:
                      f"{s['schedule']:.2f} | {s['memory']:.2f} | {s['write']:.2f} | {r['compile_s']:.2f} | "
                      f"{r['compile_peak_rss_mb']:.0f} | {r['streams']} | {r['max_width']} | {r['lower_bound']} | "
                      f"{r['load_s']:.2f} | {r['run_check_s']:.2f} |")
-    (args.out / "compile_scale.md").write_text("\n".join(lines) + "\n")
+    report.write(args.out, "compile_scale", lines, {"meta": meta, "rows": rows})
     print("\n".join(lines))
     return 0
 

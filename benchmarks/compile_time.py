@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import report
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "sample_models"))
@@ -143,9 +145,7 @@ def main() -> int:
             rows.append(time_cli(name, path, shapes, device, args.repeat, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
     zoo = time_zoo(device) if args.zoo or args.zoo_only else []
-    args.out.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "import_torch_s": floor, "rows": rows, "zoo": zoo}
-    (args.out / f"compile_time_{tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"`nimble compile` on {machine}, torch {meta['torch']}, check on {device}, {meta['date']}. "
              f"Command: `{meta['command']}`. Medians of {args.repeat} runs, seconds. "
              f'`python -c "import torch"` alone: {floor:.2f} s.', "",
@@ -171,7 +171,7 @@ def main() -> int:
             else:
                 lines.append(f"| {r['model']} | {r['ops']} | {r['pipeline']:.2f} | "
                              + " | ".join(f"{r.get(k, 0.0):.2f}" for k in STAGES[:-1]) + " |")
-    (args.out / f"compile_time_{tag}.md").write_text("\n".join(lines) + "\n")
+    report.write(args.out, f"compile_time_{tag}", lines, doc)
     print("\n".join(lines))
     return 0
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import report
 
 import torch
 
@@ -87,12 +88,8 @@ def main() -> int:
     table += [f"| {r['model']} | {r['ops']} | {r['weights']} | {r['max_abs']:.2e} | {r['max_rel']:.2e} | "
               f"{'yes' if r['passed'] else 'NO'} | {r['lower_s']} |" for r in rows]
     print("\n".join(table))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "frontend_parity.md").write_text("\n".join(table) + "\n")
-        (args.out / "frontend_parity.json").write_text(json.dumps(
-            {"device": args.device, "gpu": gpu, "torch": torch.__version__, "date": str(datetime.date.today()),
-             "rows": rows}, indent=2) + "\n")
+    report.write(args.out, "frontend_parity", table, {"device": args.device, "gpu": gpu, "torch": torch.__version__,
+                                                      "date": str(datetime.date.today()), "rows": rows})
     return 0 if all(r["passed"] for r in rows) else 1
 
 

@@ -19,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import report
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,11 +114,9 @@ def main() -> int:
             f"Real configurations (BERT-base, GPT-2 small), random weights, batch 1, {SEQUENCE} tokens with the last "
             "16 masked, int64 ids.\n\n")
     keys = list(rows[0])
-    table = "| " + " | ".join(keys) + " |\n| " + " | ".join("---" for _ in keys) + " |\n"
-    table += "".join("| " + " | ".join(str(r.get(k, "-")).replace("|", "/") for k in keys) + " |\n" for r in rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hf_trust.md").write_text(head + table)
-    print(head + table)
+    text = head + "\n".join(report.table(keys, [[r.get(k, "-") for k in keys] for r in rows])) + "\n"
+    report.write(args.out, "hf_trust", text)
+    print(text)
     return 0 if ok else 1
 
 

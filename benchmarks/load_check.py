@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import report
 
 import torch
 
@@ -97,10 +98,7 @@ def main() -> int:
     lines += ["", f"largest preflight share of load time: {100 * worst:.1f} % (target <= 10 %); "
               f"{sum(r['check'] == 'ok' for r in done)} of {len(rows)} models load and pass their check"]
     print(lines[-1])
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"load_check_{args.device}.md").write_text("\n".join(lines) + "\n")
-        (args.out / f"load_check_{args.device}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    report.write(args.out, f"load_check_{args.device}", lines, rows)
     return 0 if worst <= 0.10 and all(r.get("check") == "ok" for r in rows) else 1
 
 

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import report
+
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,13 +108,13 @@ def generated(n: int) -> tuple[list[str], bool]:
             t = time.perf_counter()
             plan(graph, schedule)
             as_run = time.perf_counter() - t
-            exact, memory._lower_bound = memory._lower_bound, lambda sizes, ordered: 0
+            exact, memory._exact_bound = memory._exact_bound, lambda *args: 0
             try:
                 t = time.perf_counter()
                 plan(graph, schedule)
                 forced = time.perf_counter() - t
             finally:
-                memory._lower_bound = exact
+                memory._exact_bound = exact
             slowest_big = max(slowest_big, forced, as_run)
             lines.append(f"| {seed} | {len(graph.ops)} | {streams} | {forced:.2f} | {as_run:.2f} |")
     worst_one = max(r for r, _ in rows[1, "search"])
@@ -133,9 +135,7 @@ def main() -> int:
                  f"{datetime.date.today()}, `python benchmarks/memory_quality.py --generated {args.generated}`.", "",
                  *lines]
         print("\n".join(lines))
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "memory_quality_generated.md").write_text("\n".join(lines) + "\n")
+        report.write(args.out, "memory_quality_generated", lines)
         return 0 if ok else 1
     lines = [f"Arena vs lower bound. {platform.node() or 'machine'}, torch {torch.__version__}, "
              f"{datetime.date.today()}, `python benchmarks/memory_quality.py`. Batch 1, fp32. MiB.", "",
@@ -155,12 +155,8 @@ def main() -> int:
                              f"{m.arena_bytes / 2**20:.2f} | {m.lower_bound_bytes / 2**20:.2f} | {ratio:.3f} | "
                              f"{m.no_reuse_bytes / 2**20:.2f} | {dt:.2f} |")
                 print(lines[-1], flush=True)
-    lines += ["", f"worst arena / bound: {worst:.3f} (target <= 1.10)"]
-    print(lines[-1])
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "memory_quality.md").write_text("\n".join(lines) + "\n")
-    return 0 if worst <= 1.10 else 1
+    return report.finish(args.out, "memory_quality", lines, f"worst arena / bound: {worst:.3f} (target <= 1.10)",
+                         worst <= 1.10)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import report
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import MODELS, make_model  # noqa: E402
 
@@ -63,7 +65,6 @@ def check(name: str, batch: int, tmp: Path) -> dict:
 
 
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
-    (out / "parity_choices.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"Parity of fused artifacts under every load-time choice forced, on {meta['gpu']}, torch "
              f"{meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Each choice's outputs against eager "
              "PyTorch on the GPU, rtol 1e-2, atol 1e-3 (TF32).", "",
@@ -77,7 +78,7 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
         lines.append(f"| {r['model']} | {r['batch']} | {r['fused_ops']} | {len(r['choices'])} | "
                      f"{'yes' if r['passed'] else 'NO'} | {max(x['max_rel'] for x in c):.1e} | "
                      f"{max(x['interpreted'] for x in c)} |")
-    (out / "parity_choices.md").write_text("\n".join(lines) + "\n")
+    report.write(out, "parity_choices", lines, {"meta": meta, "rows": rows})
 
 
 def main() -> int:

@@ -24,12 +24,13 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import report
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,18 +67,7 @@ def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
 
 
 def latency_ms(call, n: int = 200) -> float:
-    import torch
-
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t) * 1000)
-    return statistics.median(samples)
+    return report.median_ms(call, n)
 
 
 def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
@@ -188,7 +178,7 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
     return row
 
 
-def report(rows: list[dict], meta: dict) -> str:
+def summary(rows: list[dict], meta: dict) -> str:
     head = ["model", "batch", "torch.compile GPU-bound", "nimble GPU-bound", "ratio", "torch.compile latency",
             "nimble latency", "ratio", "eager GPU-bound", "unfused GPU-bound", "unfused latency", "kernels (unfused)",
             "kernels", "choice", "max rel err"]
@@ -233,9 +223,8 @@ def main() -> int:
         rows = list(latest.values())
         meta = docs[0]["meta"]
         meta["command"] = " ; ".join(d["meta"]["command"] for d in docs)
-        text = report(rows, meta)
-        (args.out / "peers.md").write_text(text)
-        (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        text = summary(rows, meta)
+        report.write(args.out, "peers", text, {"meta": meta, "rows": rows})
         print(text)
         return 0
     import torch
@@ -251,7 +240,7 @@ def main() -> int:
                     rows.append(bench_one(name, batch, Path(tmp)))
                 except Exception as e:  # record and go on: one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                (args.out / f"peers_{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                report.write(args.out, f"peers_{args.tag}", doc={"meta": meta, "rows": rows})
     return 0
 
 

@@ -21,10 +21,11 @@ import argparse
 import copy
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+import report
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,19 +34,7 @@ MODELS = ("mobilenet_v2", "efficientnet_b0", "resnet50")
 TARGETS = {("mobilenet_v2", 32): 3.0, ("resnet50", 32): 1.8}  # speed-up over eager
 
 
-def median_ms(fn, iters: int, warmup: int = 10) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+median_ms = report.median_ms  # a synchronised step, timed on the wall clock
 
 
 def first_losses(step, last, n: int = 3) -> list[float]:
@@ -139,7 +128,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool) -> dict:
     return row
 
 
-def report(rows: list[dict], meta: dict) -> str:
+def summary(rows: list[dict], meta: dict) -> str:
     lines = [f"# Training step time ({meta['gpu']}, torch {meta['torch']}, {meta['date']})", "",
              "Median ms per full step (zero_grad, forward, cross-entropy, backward, SGD with momentum), fp32,",
              "32x32 inputs, 10 classes. `python benchmarks/training.py`. nimble = `prepare(..., training=True)`",
@@ -191,9 +180,9 @@ def main() -> None:
             for r in part["rows"]:
                 merged.setdefault((r["model"], r["batch"]), {}).update(r)
         rows = list(merged.values())
-        (args.out / "training.json").write_text(json.dumps({"meta": parts[0]["meta"], "rows": rows}, indent=1))
-        (args.out / "training.md").write_text(report(rows, parts[0]["meta"]))
-        print(report(rows, parts[0]["meta"]))
+        text = summary(rows, parts[0]["meta"])
+        report.write(args.out, "training", text, {"meta": parts[0]["meta"], "rows": rows})
+        print(text)
         return
 
     import torch
@@ -207,8 +196,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
             out = {"meta": meta, "rows": rows}
-            (args.out / f"training{args.tag}.json").write_text(json.dumps(out, indent=1))
-    print(report(rows, meta))
+            report.write(args.out, f"training{args.tag}", doc=out)
+    print(summary(rows, meta))
 
 
 if __name__ == "__main__":

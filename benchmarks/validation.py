@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import report
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -110,12 +112,8 @@ def main() -> int:
             lines.append(f"| {len(art.graph.ops)} | {chains} | {size / 2**20:.1f} MiB | {read_s:.2f} | {check_s:.2f} | "
                          f"{read_s + check_s:.2f} |")
             print(lines[-1], flush=True)
-    lines += ["", f"slowest read_artifact: {worst:.2f} s (target <= 1 s)"]
-    print(lines[-1])
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "validation.md").write_text("\n".join(lines) + "\n")
-    return 0 if worst <= 1.0 else 1
+    return report.finish(args.out, "validation", lines, f"slowest read_artifact: {worst:.2f} s (target <= 1 s)",
+                         worst <= 1.0)
 
 
 if __name__ == "__main__":

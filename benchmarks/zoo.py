@@ -48,6 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
+try:
+    from . import report  # imported as benchmarks.zoo (the tests)
+except ImportError:
+    import report  # run as a script
+
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,8 +358,6 @@ def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout:
 
 
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     frontends = meta["frontends"]
     summary = []
     for f in frontends:
@@ -390,7 +393,7 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
             cells.append({True: "yes", False: "no"}.get(r.get("same_op_kinds"), "-"))
         cells.append(message.strip().replace("|", "/"))
         lines.append("| " + " | ".join(cells) + " |")
-    (out / "zoo.md").write_text("\n".join(lines) + "\n")
+    report.write(out, "zoo", lines, {"meta": meta, "rows": rows})
 
 
 def main() -> int:
