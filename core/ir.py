@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from .dtypes import STORABLE
@@ -100,16 +100,50 @@ class Op:
 
     def refs(self) -> Iterator[int]:
         """Ids of the tensor values this op reads, in argument order."""
-        yield from _refs(self.args)
-        yield from _refs(tuple(v for _, v in self.kwargs))
+        yield from refs_of(self.args)
+        yield from refs_of(tuple(v for _, v in self.kwargs))
 
 
-def _refs(args: tuple) -> Iterator[int]:
-    for a in args:
-        if isinstance(a, Ref):
-            yield a.id
-        elif isinstance(a, tuple):
-            yield from _refs(a)
+# ------------------------------------------------------------------ walking and renumbering
+def refs_of(arg) -> Iterator[int]:
+    """The value ids of every Ref in an argument (tuples walked, fused bodies included)."""
+    if isinstance(arg, Ref):
+        yield arg.id
+    elif isinstance(arg, tuple):
+        for a in arg:
+            yield from refs_of(a)
+
+
+def map_refs(arg, fn):
+    """`arg` with each Ref `r` replaced by `fn(r)`: tuples are walked (fused bodies included) and
+    every other leaf is kept, as torch.fx's `map_arg` does for nodes."""
+    if isinstance(arg, Ref):
+        return fn(arg)
+    if isinstance(arg, tuple):
+        return tuple(map_refs(a, fn) for a in arg)
+    return arg
+
+
+def renumber(values, ops, inputs, outputs) -> Graph:
+    """The graph of `values` and `ops` (kept from a graph whose ids they still carry, each list in
+    its order) with dense ids: every Ref, producer, alias, output, write and ordering edge follows.
+    Whatever they point at must be kept."""
+    vmap = {v.id: i for i, v in enumerate(values)}
+    omap = {op.id: i for i, op in enumerate(ops)}
+    if all(k == i for k, i in vmap.items()) and all(k == i for k, i in omap.items()) \
+            and len(vmap) == len(values) and len(omap) == len(ops):  # dense already
+        return Graph(tuple(values), tuple(ops), tuple(inputs), tuple(outputs))
+
+    def ref(r: Ref) -> Ref:
+        return Ref(vmap[r.id])
+
+    new_values = tuple(replace(v, id=vmap[v.id], producer=None if v.producer is None else omap[v.producer],
+                               alias_of=None if v.alias_of is None else vmap[v.alias_of]) for v in values)
+    new_ops = tuple(replace(op, id=omap[op.id], args=map_refs(op.args, ref),
+                            kwargs=tuple((k, map_refs(a, ref)) for k, a in op.kwargs),
+                            outputs=tuple(vmap[o] for o in op.outputs), mutates=tuple(vmap[m] for m in op.mutates),
+                            after=tuple(omap[a] for a in op.after)) for op in ops)
+    return Graph(new_values, new_ops, tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from ..ir import WEIGHT, Graph, Op, Ref, Value
+from ..ir import WEIGHT, Graph, Op, Value, renumber
 
 
 def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: list[int],
@@ -14,7 +14,6 @@ def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: lis
     """Drop dead ops and values, add ordering edges for in-place writes, renumber densely."""
     state = {v.id for v in values if v.kind == WEIGHT}  # a write to a weight is model state
     live_ops = _live_ops(values, ops, outputs, state)
-    every_op = len(live_ops) == len(ops)
     ops = [op for op in ops if op.id in live_ops]
     used = set(inputs) | set(outputs)
     for op in ops:
@@ -22,26 +21,10 @@ def finalize(values: list[Value], ops: list[Op], inputs: list[int], outputs: lis
         used.update(op.outputs)
     used.update(v.alias_of for v in values if v.id in used and v.alias_of is not None)
     kept = [v for v in values if v.id in used]
-    vmap = {v.id: i for i, v in enumerate(kept)}
-    omap = {op.id: i for i, op in enumerate(ops)}
-
-    if every_op and len(kept) == len(values) and all(v.id == i for i, v in enumerate(values)) \
-            and all(op.id == i for i, op in enumerate(ops)):
-        new_values, new_ops = tuple(values), list(ops)  # nothing dropped, ids dense already
-    else:
-        new_values = tuple(dataclasses.replace(
-            v, id=vmap[v.id],
-            producer=None if v.producer is None else omap[v.producer],
-            alias_of=None if v.alias_of is None else vmap[v.alias_of]) for v in kept)
-        new_ops = [dataclasses.replace(
-            op, id=omap[op.id], args=_remap(op.args, vmap),
-            kwargs=tuple((k, _remap(a, vmap)) for k, a in op.kwargs),
-            outputs=tuple(vmap[o] for o in op.outputs),
-            mutates=tuple(vmap[m] for m in op.mutates)) for op in ops]
-    graph = Graph(new_values, (), tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))
-    graph = dataclasses.replace(graph, ops=tuple(_with_ordering_edges(graph, new_ops)))
+    graph = renumber(kept, ops, inputs, outputs)
+    graph = dataclasses.replace(graph, ops=tuple(_with_ordering_edges(graph, list(graph.ops))))
     graph.lint()
-    names = {v.name for v in new_values if v.kind == WEIGHT}
+    names = {v.name for v in graph.values if v.kind == WEIGHT}
     return graph, {k: t for k, t in weights.items() if k in names}
 
 
@@ -86,11 +69,3 @@ def _with_ordering_edges(graph: Graph, ops: list[Op]) -> list[Op]:
         after -= data | {op.id}
         result.append(dataclasses.replace(op, after=tuple(sorted(after))))
     return result
-
-
-def _remap(arg, vmap):
-    if isinstance(arg, Ref):
-        return Ref(vmap[arg.id])
-    if isinstance(arg, tuple):
-        return tuple(_remap(a, vmap) for a in arg)
-    return arg

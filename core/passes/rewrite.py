@@ -3,10 +3,9 @@ that replaces each group of ops with one fused op (`ops/fusion.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
-from ..ir import ACTIVATION, Graph, Local, Op, Ref, Value
+from ..ir import ACTIVATION, Graph, Local, Op, Value, map_refs, renumber
 from ..ops import fusion
 
 
@@ -53,9 +52,7 @@ def body(graph: Graph, members: list[int]) -> tuple:
     node_of = {graph.ops[m].outputs[0]: k for k, m in enumerate(members)}
 
     def arg(a):
-        if isinstance(a, Ref) and a.id in node_of:
-            return Local(node_of[a.id])
-        return tuple(arg(x) for x in a) if isinstance(a, tuple) else a
+        return map_refs(a, lambda r: Local(node_of[r.id]) if r.id in node_of else r)
 
     return tuple((graph.ops[m].target, arg(graph.ops[m].args), tuple((k, arg(v)) for k, v in graph.ops[m].kwargs))
                  for m in members)
@@ -74,44 +71,18 @@ def fuse(graph: Graph, groups: list[list[int]]) -> Graph:
         final_of[last] = members
         removed_ops.update(m for m in members if m != last)
     removed_values = {o for m in removed_ops for o in graph.ops[m].outputs}
-    new_value = {}
-    for v in graph.values:
-        if v.id not in removed_values:
-            new_value[v.id] = len(new_value)
-    new_op = {}
-    for op in graph.ops:
-        if op.id not in removed_ops:
-            new_op[op.id] = len(new_op)
-
-    def remap(a):
-        if isinstance(a, Ref):
-            return Ref(new_value[a.id])
-        return tuple(remap(x) for x in a) if isinstance(a, tuple) else a
-
     ops = []
-    for op in graph.ops:
+    for op in graph.ops:  # old ids still; `renumber` makes them dense
         if op.id in removed_ops:
             continue
         members = final_of.get(op.id)
         if members is None:
-            ops.append(dataclasses.replace(op, id=new_op[op.id], args=remap(op.args),
-                                           kwargs=tuple((k, remap(v)) for k, v in op.kwargs),
-                                           outputs=tuple(new_value[o] for o in op.outputs),
-                                           mutates=tuple(new_value[m] for m in op.mutates),
-                                           after=tuple(new_op[a] for a in op.after)))
+            ops.append(op)
             continue
-        after = sorted({new_op[a] for m in members for a in graph.ops[m].after})
-        ops.append(Op(new_op[op.id], fusion.FUSED, (remap(body(graph, members)),), (),
-                      (new_value[op.outputs[0]],), (), tuple(after), op.source))
-    values = []
-    for v in graph.values:
-        if v.id in removed_values:
-            continue
-        values.append(dataclasses.replace(
-            v, id=new_value[v.id], producer=None if v.producer is None else new_op[v.producer],
-            alias_of=None if v.alias_of is None else new_value[v.alias_of]))
-    fused = Graph(tuple(values), tuple(ops), tuple(new_value[i] for i in graph.inputs),
-                  tuple(new_value[o] for o in graph.outputs))
+        after = tuple(sorted({a for m in members for a in graph.ops[m].after}))
+        ops.append(Op(op.id, fusion.FUSED, (body(graph, members),), (), (op.outputs[0],), (), after, op.source))
+    values = [v for v in graph.values if v.id not in removed_values]
+    fused = renumber(values, ops, graph.inputs, graph.outputs)
     fused.lint()
     for op in fused.ops:
         if op.target == fusion.FUSED:

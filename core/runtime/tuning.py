@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Ref
+from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ..ops import fusion
 from . import cache
 
@@ -87,7 +87,7 @@ def conv_weights(graph: Graph) -> set[int]:
         for target, args, kwargs in nodes:
             params = fusion.conv_params(target, args) if target in fusion.CONVOLUTIONS else None
             w = params["weight"] if params else None
-            for r in _refs((args, tuple(v for _, v in kwargs))):
+            for r in refs_of((args, tuple(v for _, v in kwargs))):
                 if graph.values[r].kind == WEIGHT:
                     (as_weight if w == Ref(r) and len(graph.values[r].spec.shape) == 4 else elsewhere).add(r)
     return as_weight - elsewhere
@@ -98,14 +98,6 @@ def channels_last_values(graph: Graph) -> set[int]:
     shared = {v.alias_of for v in graph.values if v.alias_of is not None}
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
             and len(v.spec.shape) == 4 and not v.spec.strides and not v.spec.offset}
-
-
-def _refs(args):
-    for a in args:
-        if isinstance(a, Ref):
-            yield a.id
-        elif isinstance(a, tuple):
-            yield from _refs(a)
 
 
 # ---------------------------------------------------------------------------------- timing
