@@ -23,7 +23,7 @@ import report
 import torch
 
 from nimble import frontend
-from nimble.ops import bridge
+from nimble.ops import arguments
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.ir import TensorSpec
@@ -53,7 +53,7 @@ def check_model(name: str, device: str, workdir: Path, rtol: float = 1e-3) -> di
     lowered = frontend.lower(frontend.load_module(path), [TensorSpec(tuple(x.shape), "float32")], name)
     lower_s = time.perf_counter() - t
     with frontend.quiet_torchscript(), torch.no_grad():
-        expected = bridge.flatten_result(lowered.module(x))
+        expected = arguments.flatten_result(lowered.module(x))
     got = reference.run(lowered.graph, lowered.weights, [x], device)
     result = compare(got, expected, rtol=rtol, atol=0)
     kinds: dict[str, int] = {}

@@ -33,7 +33,7 @@ import torch
 from . import frontend
 from .errors import MismatchError, ModelError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
 from .ir import TensorSpec
-from .ops import bridge
+from .ops import arguments, types
 
 
 class Nimble:
@@ -79,7 +79,7 @@ class Nimble:
         self._streams = streams = parse_streams(streams)
         self._strict = bool(strict)
         self._runner = self._compiled = None
-        self._specs = [TensorSpec(tuple(x.shape), bridge.dtype_name(x.dtype)) for x in xs]
+        self._specs = [TensorSpec(tuple(x.shape), types.dtype_name(x.dtype)) for x in xs]
         self._device, self._training = device, bool(training)
         self.module.train(self._training)
         if self._training:
@@ -179,7 +179,7 @@ class Nimble:
         for k, variant in enumerate((None, *_VARIANTS)):
             inputs = xs if variant is None else [_vary(x, variant, gen) for x in xs]
             with torch.no_grad():
-                want = bridge.flatten_result(self.module(*inputs))
+                want = arguments.flatten_result(self.module(*inputs))
             got = self._runner(*inputs, copy=True)
             result = compare(got, [w.detach() for w in want], rtol, atol)
             if not result.passed:
@@ -210,8 +210,8 @@ class Nimble:
         for i, (x, spec) in enumerate(zip(inputs, self._specs)):
             if not isinstance(x, torch.Tensor):
                 raise ShapeError(f"input {i} must be a tensor, got {type(x).__name__}")
-            if tuple(x.shape) != spec.shape or bridge.dtype_name(x.dtype) != spec.dtype:
-                raise ShapeError(f"input {i} is {bridge.dtype_name(x.dtype)}{list(x.shape)} but the model "
+            if tuple(x.shape) != spec.shape or types.dtype_name(x.dtype) != spec.dtype:
+                raise ShapeError(f"input {i} is {types.dtype_name(x.dtype)}{list(x.shape)} but the model "
                                  f"was prepared for {spec.dtype}{list(spec.shape)}; call prepare() with an "
                                  "example of this shape (a second Nimble can hold another shape)")
             if x.device != self._device:
@@ -234,7 +234,7 @@ class Nimble:
             was_training = self.module.training
             self.module.eval()
             try:
-                xs = [torch.zeros(s.shape, dtype=bridge.DTYPES[s.dtype], device=self._device) for s in self._specs]
+                xs = [torch.zeros(s.shape, dtype=types.DTYPES[s.dtype], device=self._device) for s in self._specs]
                 compiled = self._compile_inference(xs)[0]
             finally:
                 self.module.train(was_training)

@@ -1,6 +1,6 @@
 """The one dtype table: every dtype torch has, and the ones a `.nimble` artifact can store.
 
-The IR (`ir.ITEMSIZE`), the op bridge (`ops/bridge.py`: torch dtypes and TorchScript's
+The IR (`ir.ITEMSIZE`), the torch types (`ops/types.py`: torch dtypes and TorchScript's
 ScalarType numbers) and the format (`formats/tensors.py`: safetensors codes) all read this
 table. It is plain data: no torch.
 """

@@ -22,7 +22,8 @@ from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError,
 from .fileio import sha256_file
 from .ir import Graph, TensorSpec
 from .specs import NEED_SHAPES
-from .ops import bridge
+from .ops import arguments, types
+from .runtime.device import resolve_device
 from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
 from .runtime import reference
@@ -88,7 +89,7 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
-        dtype = bridge.DTYPES[spec.dtype]
+        dtype = types.DTYPES[spec.dtype]
         if dtype.is_floating_point:
             out.append(torch.randn(spec.shape, generator=gen).to(dtype))
         elif dtype.is_complex:
@@ -154,14 +155,14 @@ def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
 def _check_weight_dtypes(state: dict, model: str) -> None:
     """Before any work: the artifact must be able to hold every weight."""
     for key, tensor in state.items():
-        if isinstance(tensor, torch.Tensor) and tensor.dtype not in bridge.DTYPE_NAMES:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in types.DTYPE_NAMES:
             raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(str(tensor.dtype).removeprefix('torch.'))}")
 
 
 def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str, device: str,
              streams: str | int, check: bool, progress, fuse: bool, frontend_name: str) -> Compiled:
     """The stages after loading, shared by both frontends; `lower()` runs the frontend."""
-    device = bridge.resolve_device(device)[0].type
+    device = resolve_device(device)[0].type
     streams = parse_streams(streams)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -179,7 +180,7 @@ def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str
         # one thread: the stored outputs are the same at any thread count; no graph-executor
         # optimization: on a first run it costs time that grows faster than the op count
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread(), torch.jit.optimized_execution(False):
-            expected = [e.cpu() for e in bridge.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
+            expected = [e.cpu() for e in arguments.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
         result = None
         if check:
             got = reference.run(lowered.graph, lowered.weights, xs, device)

@@ -15,7 +15,7 @@ its declared shapes, inside its declared arena and weights, and nothing else. `r
 checks, in order, before allocating any tensor: the zip and its members; sizes, hashes and strict
 JSON (no duplicate keys, NaN or Infinity) under the caps in `spec.py`; every field's type and range
 (`codec`), the graph's invariants (`Graph.lint`, which raises rather than asserts); exact
-allowlisted overloads, never `out=` ones (`nimble.ops.bridge.device_ops`); the schedule and the
+allowlisted overloads, never `out=` ones (`nimble.ops.targets.device_ops`); the schedule and the
 memory plan (`nimble.plan.verify`, O(n log n)); the safetensors headers. Before any data moves,
 loading for execution also runs the op list on the meta device against every declared spec and
 buffer (`nimble.runtime.preflight`). Every refusal is one ArtifactError line.
@@ -286,7 +286,7 @@ def _longest_string(doc) -> int:
 
 
 def _check_ops(graph: Graph, name: str) -> None:
-    from nimble.ops.bridge import device_ops
+    from nimble.ops.targets import device_ops
 
     table = device_ops()
     for op in graph.ops:

@@ -9,7 +9,7 @@ from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
 from nimble.ir import TensorSpec
-from nimble.ops.bridge import is_allowed
+from nimble.ops.targets import is_allowed
 from nimble.pipeline import sample_inputs
 
 from . import models

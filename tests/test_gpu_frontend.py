@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nimble import frontend
-from nimble.ops import bridge
+from nimble.ops import arguments
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.ir import TensorSpec
@@ -23,7 +23,7 @@ def test_sample_models_match_on_cuda(sample):
     lowered = frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name)
     xs = sample_inputs([lowered.graph.values[i].spec for i in lowered.graph.inputs])
     with torch.no_grad():
-        expected = bridge.flatten_result(lowered.module(*xs))
+        expected = arguments.flatten_result(lowered.module(*xs))
     got = reference.run(lowered.graph, lowered.weights, xs, "cuda")
     assert all(t.is_cuda for t in got)
     result = compare(got, expected, rtol=1e-2, atol=0)  # convolutions run in TF32 by default

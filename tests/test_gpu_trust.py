@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nimble.ir import Local, Op, Ref
-from nimble.ops import bridge, fusion
+from nimble.ops import fusion, interpret
 from nimble.runtime import kernels
 
 from .conftest import ROOT, SAMPLES, save_script
@@ -134,14 +134,14 @@ def test_cudnn_split_and_cpu_paths_agree_nan_included(epilogue):
             return [(t, tuple(values[a.id].to(device) if isinstance(a, Ref) else a for a in args), kw)
                     for t, args, kw in body]
 
-        want = bridge.run_fused(bind("cpu"))
+        want = interpret.run_fused(bind("cpu"))
         results = {}
         for cudnn in (True, False):
             kernel = kernels.FusedKernel(op)
             kernel.cudnn_fusion = cudnn
             out = torch.empty(1, 8, 6, 6, device="cuda")
             got = kernel([bind("cuda")], out)
-            results["cudnn" if cudnn else "split"] = (got if got is not None else bridge.run_fused(bind("cuda"))).cpu()
+            results["cudnn" if cudnn else "split"] = (got if got is not None else interpret.run_fused(bind("cuda"))).cpu()
         for path, got in results.items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True, msg=path)
     finally:

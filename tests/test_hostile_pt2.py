@@ -14,7 +14,7 @@ from torch import nn
 from nimble.errors import ModelError, UnsupportedError
 from nimble.frontend import archive
 from nimble.frontend.walker import Walker
-from nimble.ops import bridge
+from nimble.ops import targets
 
 from .test_cli import invoke, one_line_error
 from .test_export import export
@@ -201,7 +201,7 @@ def test_a_huge_factory_is_refused_before_it_allocates(tmp_path):
 
 def test_strict_folding_runs_allowlisted_ops_and_named_factories_only(tmp_path, capfd):
     walker = Walker("m", strict_folding=True)
-    fold = lambda target, ins: walker.fold(bridge.schema_op(target)._schema, target, ins, "here")  # noqa: E731
+    fold = lambda target, ins: walker.fold(targets.schema_op(target)._schema, target, ins, "here")  # noqa: E731
     assert fold("aten::ones.default", [[2, 3], None, None, None, None]).shape == (2, 3)
     assert fold("aten::add.Tensor", [torch.ones(2), torch.ones(2), 1]).tolist() == [2.0, 2.0]
     with pytest.raises(UnsupportedError, match="is not an op nimble runs"):
@@ -217,7 +217,7 @@ def test_strict_folding_runs_allowlisted_ops_and_named_factories_only(tmp_path, 
 
 def test_torchscript_folding_is_sized_too():
     walker = Walker("m")  # a TorchScript program: any op may fold, but none beyond the limit
-    schema = bridge.schema_op("aten::zeros.default")._schema
+    schema = targets.schema_op("aten::zeros.default")._schema
     with pytest.raises(UnsupportedError, match="at most"):
         walker.fold(schema, "aten::zeros.default", [[2**34], None, None, None, None], "here")
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nimble.errors import GraphError
 from nimble.ir import Local, Op, Ref
-from nimble.ops import bridge, fusion
+from nimble.ops import fusion, interpret
 from nimble.runtime import kernels
 
 from . import triton_shim
@@ -59,7 +59,7 @@ def test_relu_clamp_maximum_and_minimum_keep_nan_as_torch_does():
                  [("aten::hardswish.default", (x,), ())], [("aten::clamp_min.default", (x, 0.0), ())]):
         operands = [t for t in body[0][1] if isinstance(t, torch.Tensor)]
         got = generated(body, torch.empty(4), list(dict.fromkeys(operands, None)))
-        torch.testing.assert_close(got, bridge.run_fused(body), equal_nan=True, msg=str(body[0][0]))
+        torch.testing.assert_close(got, interpret.run_fused(body), equal_nan=True, msg=str(body[0][0]))
 
 
 # ------------------------------------------------------------------------- random accepted bodies
@@ -107,7 +107,7 @@ def test_generated_kernels_agree_with_the_interpreted_body(body, seed):
     y = torch.randn(1, 3, 1, generator=g) * 3
     x[0, 0, 0], y[0, 1, 0] = float("nan"), float("nan")
     nodes = as_tensors(body, {0: x, 1: y})
-    want = bridge.run_fused(nodes)
+    want = interpret.run_fused(nodes)
     operands = kernels._operands(nodes, skip_first=False)
     # as the fusion pass makes them: every operand broadcasts to the result
     assume(operands and torch.broadcast_shapes(*(t.shape for t in operands)) == want.shape)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from nimble.ops import bridge, shapes
+from nimble.ops import arguments, shapes, targets
 
 META = torch.device("meta")
 
@@ -154,7 +154,7 @@ def describe(x: torch.Tensor):
 @pytest.mark.parametrize("target", sorted(shapes.RULES))
 def test_rule_agrees_with_the_meta_kernel(target):
     rng = random.Random(target)
-    fn = bridge.resolve(target)
+    fn = targets.resolve(target)
     answered = 0
     for _ in range(150):
         args, kwargs = cases(target, rng)
@@ -165,7 +165,7 @@ def test_rule_agrees_with_the_meta_kernel(target):
         if ours is None:
             continue
         try:
-            theirs = bridge.flatten_result(fn(*args, **kwargs))
+            theirs = arguments.flatten_result(fn(*args, **kwargs))
         except Exception:
             theirs = "refused"
         if ours == "refused" or theirs == "refused":

@@ -216,9 +216,9 @@ def test_one_table_covers_every_torch_dtype():
     assert names <= set(BY_NAME) | set(UNSTORABLE), sorted(names - set(BY_NAME) - set(UNSTORABLE))
     from nimble.formats import tensors
     from nimble.ir import ITEMSIZE
-    from nimble.ops import bridge
+    from nimble.ops import types
 
-    assert set(ITEMSIZE) == set(bridge.DTYPES) == set(tensors.DTYPES_TORCH) == set(BY_NAME)
+    assert set(ITEMSIZE) == set(types.DTYPES) == set(tensors.DTYPES_TORCH) == set(BY_NAME)
     assert all(getattr(torch, n).itemsize == d.itemsize for n, d in BY_NAME.items())
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ModelError, NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, Ref, TensorSpec
-from ..ops import bridge
+from ..ops import targets, types
 from .archive import check_archive, unpicklers_blocked
 from .finalize import finalize
 from .torchscript import Lowered
@@ -175,7 +175,7 @@ def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpe
             n, i = dynamic[0]
             raise ShapeError(f"{name}: dimension {i} of input '{n}' is dynamic in the program; give every "
                              "input a static shape with --shape")
-        return [TensorSpec(shape, bridge.dtype_name(dtype)) for _, shape, dtype in inputs]
+        return [TensorSpec(shape, types.dtype_name(dtype)) for _, shape, dtype in inputs]
     if len(given) != len(inputs):
         raise ShapeError(f"{name} takes {len(inputs)} input(s) ({', '.join(n for n, _, _ in inputs)}) but "
                          f"{len(given)} shape(s) were given; pass one --shape per input, or none")
@@ -187,7 +187,7 @@ def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpe
             raise ShapeError(f"{name}: input '{n}' was exported as {want}, not "
                              f"{'x'.join(map(str, spec.shape)) or 'scalar'}; a program only takes other sizes "
                              "for the dimensions it exported as dynamic")
-        program_dtype = bridge.dtype_name(dtype)
+        program_dtype = types.dtype_name(dtype)
         if spec.dtype not in (program_dtype, "float32"):  # float32 is --dtype's default
             raise ShapeError(f"{name}: input '{n}' is {program_dtype} in the program, not {spec.dtype}")
         specs.append(TensorSpec(spec.shape, program_dtype))
@@ -299,7 +299,7 @@ class _Lowering:
         if node.target is torch.ops.aten.cat.default and any(a in self.absorbed for a in node.args[0]):
             node = _flat_concat(node, self.absorbed)
         schema = node.target._schema
-        target = bridge.target_of(schema)
+        target = targets.target_of(schema)
         ins = _schema_order(schema, [self._value(a) for a in node.args],
                             {k: self._value(v) for k, v in node.kwargs.items()})
         if node in folds:
@@ -414,11 +414,11 @@ def _functional_of(schema, target: str):
         return None
     twin = target.replace(name, name[:-1], 1)
     try:
-        fn = bridge.schema_op(twin)
+        fn = targets.schema_op(twin)
     except Exception:
         return None
     same = [(a.name, str(a.type)) for a in fn._schema.arguments] == [(a.name, str(a.type)) for a in schema.arguments]
-    return (fn._schema, twin) if same and bridge.is_allowed(twin) else None
+    return (fn._schema, twin) if same and targets.is_allowed(twin) else None
 
 
 def _concat_dim(node) -> int | None:

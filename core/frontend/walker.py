@@ -14,7 +14,7 @@ import torch
 
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
-from ..ops import bridge, shapes
+from ..ops import arguments, shapes, targets, types
 from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, METADATA_OPS, NONDETERMINISTIC
 from .hostops import host_op
 
@@ -98,7 +98,7 @@ class Walker:
 
     # values -----------------------------------------------------------------------------------
     def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
-        spec = TensorSpec(tuple(tensor.shape), bridge.dtype_name(tensor.dtype), tuple(tensor.stride()),
+        spec = TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype), tuple(tensor.stride()),
                           tensor.storage_offset())
         vid = len(self.values)
         self.values.append(Value(vid, kind, spec, name, producer, alias_of))
@@ -150,7 +150,7 @@ class Walker:
 
     def add_input(self, name: str, spec: TensorSpec) -> Ref:
         """The next graph input."""
-        ref = self._new_value(INPUT, torch.empty(spec.shape, dtype=bridge.DTYPES[spec.dtype], device=_META), name)
+        ref = self._new_value(INPUT, torch.empty(spec.shape, dtype=types.DTYPES[spec.dtype], device=_META), name)
         self.inputs.append(ref.id)
         return ref
 
@@ -293,7 +293,7 @@ class Walker:
             except RuntimeError:
                 raise UnsupportedError(f"{self.name}: op {node.kind()} at {source} is not supported "
                                        "(it has no aten schema)") from None
-            parsed = _SCHEMAS[text] = (schema, bridge.target_of(schema))
+            parsed = _SCHEMAS[text] = (schema, targets.target_of(schema))
         schema, target = parsed
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in _flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
@@ -318,7 +318,7 @@ class Walker:
         else:
             if target in _CANONICAL:
                 target, keep = _CANONICAL[target]
-                schema, ins = bridge.resolve(target)._schema, ins[:keep]
+                schema, ins = targets.resolve(target)._schema, ins[:keep]
             self._device_op(node, schema, target, ins, outs, source)
 
     def check_reads(self, schema, target: str, ins: list, source: str) -> None:
@@ -341,7 +341,7 @@ class Walker:
             raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
                                    "deterministic graphs only")
         overload = target.rsplit(".", 1)[-1]
-        if self.strict_folding and not bridge.is_allowed(target) and \
+        if self.strict_folding and not targets.is_allowed(target) and \
                 (short not in HOST_FOLDABLE or "out" in overload or "names" in overload):
             raise UnsupportedError(f"{self.name}: {target} at {source} is not an op nimble runs, so it was not "
                                    "run; see the README's list of supported ops")
@@ -378,7 +378,7 @@ class Walker:
 
     def op(self, target: str, ins: list, source: str) -> Ref:
         """Emit `target` on `ins` (schema order, defaults left off); its first result."""
-        schema = bridge.resolve(target)._schema
+        schema = targets.resolve(target)._schema
         ins = list(ins) + [a.default_value for a in schema.arguments[len(ins):]]
         result = self.emit(schema, target, ins, source)
         return result if isinstance(result, Ref) else result[0]
@@ -394,7 +394,7 @@ class Walker:
         if not isinstance(w, torch.Tensor) or (b is not None and not isinstance(b, torch.Tensor)):
             raise UnsupportedError(f"{self.name}: nn.MultiheadAttention at {source} with computed weights")
         if query is key is value:  # self-attention: one projection, split three ways
-            q, k, v = self.emit(bridge.resolve("aten::split.Tensor")._schema, "aten::split.Tensor",
+            q, k, v = self.emit(targets.resolve("aten::split.Tensor")._schema, "aten::split.Tensor",
                                 [self.op("aten::linear.default", [query, w, b], source), embed, -1], source)
         else:
             q, k, v = (self.op("aten::linear.default", [x, w[i * embed:(i + 1) * embed],
@@ -437,19 +437,19 @@ class Walker:
         frontend lowers its device ops through here."""
         if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
             target = _SCALAR_TWINS[target]  # x / 4.0 as export records it: div.Tensor with a number
-            schema = bridge.resolve(target)._schema
+            schema = targets.resolve(target)._schema
         if _shape_from_values(schema, ins, self.meta):
             raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
                                    "the values of its input; nimble compiles graphs whose shapes follow from the "
                                    "input shapes alone (run such steps, detection post-processing say, in PyTorch)")
-        if not bridge.is_allowed(target, self.training):
+        if not targets.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
         args, kwargs = [], []
         for spec, obj in zip(schema.arguments, ins):
-            ir = bridge.from_ivalue(self._as_ref(obj), str(spec.type))
+            ir = arguments.from_ivalue(self._as_ref(obj), str(spec.type))
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
-        fn = bridge.resolve(target, self.training)
+        fn = targets.resolve(target, self.training)
         refs = _refs_of(args + [v for _, v in kwargs])
         view_key = _view_key(schema, target, args, kwargs)
         if view_key in self.views:  # the same view of the same value, made again: one op serves
@@ -509,10 +509,10 @@ class Walker:
             tensors = self.meta
         else:
             tensors = {r: self._cpu_example(r) for r in refs}
-        call_args = [bridge.to_torch(a, tensors, device) for a in args]
-        call_kwargs = {k: bridge.to_torch(v, tensors, device) for k, v in kwargs}
+        call_args = [arguments.to_torch(a, tensors, device) for a in args]
+        call_kwargs = {k: arguments.to_torch(v, tensors, device) for k, v in kwargs}
         inferred = shapes.infer(target, call_args, call_kwargs) if device == _META and target else None
-        results = inferred if inferred is not None else bridge.flatten_result(fn(*call_args, **call_kwargs))
+        results = inferred if inferred is not None else arguments.flatten_result(fn(*call_args, **call_kwargs))
         return results, {r: tensors[r] for r in refs}
 
     def _cpu_example(self, vid: int) -> torch.Tensor:
@@ -659,4 +659,4 @@ def _call_schema(schema, target: str, ins: list):
             kwargs[spec.name] = value
         else:
             args.append(value)
-    return bridge.schema_op(target)(*args, **kwargs)
+    return targets.schema_op(target)(*args, **kwargs)

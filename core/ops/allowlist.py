@@ -2,7 +2,7 @@
 
 An op outside this list is rejected at compile time with its name and the model's source line,
 and an artifact naming one is rejected at load time. What an artifact may name is narrower still:
-an exact overload of these names that is not an `out=` overload (`bridge.device_ops` builds that
+an exact overload of these names that is not an `out=` overload (`targets.device_ops` builds that
 table). No op here makes a view of arbitrary geometry: every view op derives its result from its
 input's own sizes and strides, and torch checks that it stays inside the input's storage
 (`_reshape_alias` and `as_strided` do not, so they are not here). Host-side scalar and list work (aten::size,

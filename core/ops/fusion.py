@@ -13,7 +13,7 @@ Two kinds of body exist, and `check` refuses anything else:
   later node is pointwise.
 
 On any device nimble can interpret a body node by node with the same aten overloads
-(`bridge.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels.py`): a
+(`interpret.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels.py`): a
 convolution-led body to cuDNN's fused convolutions where their pattern matches, and the
 pointwise part to one generated Triton kernel. This module is plain data and checks; it
 imports no torch.

@@ -27,9 +27,10 @@ import torch
 
 from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError, first_line
 from ..ir import WEIGHT
-from ..ops import bridge
+from ..ops import types
 from . import indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
+from .device import resolve_device
 from .placement import PlacedOp, arena_views, prepare, run_op
 from .preflight import preflight
 
@@ -68,7 +69,7 @@ class Executable:
             raise UsageError(f"--tune {tune!r}: use off, cached or full")
         self.artifact = artifact
         self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
-        self.device, self.notice = bridge.resolve_device(device)
+        self.device, self.notice = resolve_device(device)
         self.stats = LoadStats()
         self._placed: list[PlacedOp] = prepare(self.graph)
         self._cuda_graph = None
@@ -182,7 +183,7 @@ class Executable:
             self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values
                                     if v.kind == WEIGHT}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
-            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=bridge.DTYPES[g.values[i].spec.dtype],
+            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
@@ -265,7 +266,7 @@ class Executable:
                 raise ShapeError(f"input '{g.values[vid].name}' must be a tensor, got {type(x).__name__}")
             if tuple(x.shape) != spec.shape or x.dtype != buf.dtype:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
-                                 f"{bridge.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
+                                 f"{types.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
                                  "other shapes")
             indices.check_input(x, self._indices.inputs.get(len(checked), []), g.values[vid].name)
             checked.append(x)

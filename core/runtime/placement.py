@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..ops import bridge, fusion
+from ..ops import arguments, fusion, interpret, targets, types
 from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
@@ -26,7 +26,7 @@ from .kernels import FusedKernel
 def out_overload(target: str):
     """The `out=` overload that matches a functional overload argument for argument, or None.
     Returns (overload, names of its out arguments). Cached: a graph repeats few targets."""
-    fn = bridge.resolve(target)
+    fn = targets.resolve(target)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
     packet = fn.overloadpacket
     for name in sorted(packet.overloads()):
@@ -103,10 +103,10 @@ def prepare(graph: Graph) -> list[PlacedOp]:
     placed = []
     for op in graph.ops:
         if op.target == fusion.FUSED:
-            placed.append(PlacedOp(op, bridge.run_fused, None, [], FusedKernel(op)))
+            placed.append(PlacedOp(op, interpret.run_fused, None, [], FusedKernel(op)))
             continue
         found = None if op.target in COPYING_OUT else out_overload(op.target)
-        placed.append(PlacedOp(op, bridge.resolve(op.target), found[0] if found else None,
+        placed.append(PlacedOp(op, targets.resolve(op.target), found[0] if found else None,
                                found[1] if found else [], SUBSTITUTES.get(op.target)))
     return placed
 
@@ -119,7 +119,7 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor, channels_
         off = memory.offset[v.id]
         if v.kind != ACTIVATION or off is None:
             continue
-        dtype = bridge.DTYPES[v.spec.dtype]
+        dtype = types.DTYPES[v.spec.dtype]
         flat = arena[off: off + memory.size[v.id]].view(dtype)
         if v.id in channels_last:
             n, c, h, w = v.spec.shape
@@ -133,7 +133,7 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor, channels_
 def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device) -> None:
     """Run one op: planned outputs are written into their views, the rest bound as returned."""
     op = p.op
-    args, kwargs = bridge.op_arguments(op, env, device)
+    args, kwargs = arguments.op_arguments(op, env, device)
     if p.clamps and device.type == "cuda":  # computed indices: out of range would trip a device-side assert
         args = clamped(args, p.clamps)
     planned = [views.get(o) for o in op.outputs]
@@ -146,7 +146,7 @@ def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Ten
             p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
             env.update(zip(op.outputs, planned))
             return
-    results = bridge.flatten_result(p.fn(*args, **kwargs))
+    results = arguments.flatten_result(p.fn(*args, **kwargs))
     for vid, t, view in zip(op.outputs, results, planned):
         if view is None:
             env[vid] = t  # a view or in-place result, or an output outside the arena

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ArtifactError, first_line
 from ..ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
-from ..ops import bridge, shapes
+from ..ops import arguments, shapes, targets, types
 from ..plan.memory import MemoryPlan
 
 _META = torch.device("meta")
@@ -44,7 +44,7 @@ def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
     env: dict[int, torch.Tensor] = {}
     for v in graph.values:
         if v.kind != ACTIVATION:  # the runtime binds these as contiguous tensors of their shape
-            env[v.id] = torch.empty(v.spec.shape, dtype=bridge.DTYPES[v.spec.dtype], device=_META)
+            env[v.id] = torch.empty(v.spec.shape, dtype=types.DTYPES[v.spec.dtype], device=_META)
             capacity[v.id] = v.spec.numel * env[v.id].element_size()
         elif v.alias_of is None:
             capacity[v.id] = memory.size[v.id]
@@ -55,17 +55,17 @@ def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
                                 f"{capacity[root]}-byte buffer")
     buffers: dict[int, torch.Tensor] = {}  # root activation -> meta storage of its planned size
     for op in graph.ops:
-        args, kwargs = bridge.op_arguments(op, env, _META)
+        args, kwargs = arguments.op_arguments(op, env, _META)
         where = f"{name}: op {op.id} ({op.target})"
         try:
-            results = bridge.flatten_result(_run(op.target, args, kwargs))
+            results = arguments.flatten_result(_run(op.target, args, kwargs))
         except Exception as e:
             raise ArtifactError(f"{where} rejects its declared inputs: {first_line(e)}") from None
         if len(results) != len(op.outputs) or not all(isinstance(t, torch.Tensor) for t in results):
             raise ArtifactError(f"{where} returns {len(results)} results, the graph declares {len(op.outputs)}")
         for vid, t in zip(op.outputs, results):
             v = graph.values[vid]
-            got = TensorSpec(tuple(t.shape), bridge.dtype_name(t.dtype), tuple(t.stride()), t.storage_offset())
+            got = TensorSpec(tuple(t.shape), types.dtype_name(t.dtype), tuple(t.stride()), t.storage_offset())
             if (got.shape, got.dtype, got.offset) != (v.spec.shape, v.spec.dtype, v.spec.offset) \
                     or _strides(got) != _strides(v.spec):
                 raise ArtifactError(f"{where} computes {got.dtype}{list(got.shape)} (strides {list(got.strides)}, "
@@ -95,4 +95,4 @@ def _strides(spec: TensorSpec) -> tuple[int | None, ...]:
 
 def _run(target: str, args: list, kwargs: dict):
     inferred = shapes.infer(target, args, kwargs)
-    return inferred if inferred is not None else bridge.resolve(target)(*args, **kwargs)
+    return inferred if inferred is not None else targets.resolve(target)(*args, **kwargs)

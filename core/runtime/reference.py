@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ExecutionError, ShapeError, first_line
 from ..ir import WEIGHT, Graph
-from ..ops import bridge
+from ..ops import arguments, targets, types
 
 
 def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
@@ -19,10 +19,10 @@ def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tenso
     tensors = bind(graph, weights, inputs, device)
     with torch.no_grad():
         for op in graph.ops:
-            fn = bridge.resolve(op.target)
-            args, kwargs = bridge.op_arguments(op, tensors, device)
+            fn = targets.resolve(op.target)
+            args, kwargs = arguments.op_arguments(op, tensors, device)
             try:
-                results = bridge.flatten_result(fn(*args, **kwargs))
+                results = arguments.flatten_result(fn(*args, **kwargs))
             except Exception as e:
                 raise ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {device}: "
                                      f"{first_line(e)}") from e
@@ -39,9 +39,9 @@ def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tens
     tensors: dict[int, torch.Tensor] = {}
     for vid, t in zip(graph.inputs, inputs):
         v = graph.values[vid]
-        if tuple(t.shape) != v.spec.shape or bridge.dtype_name(t.dtype) != v.spec.dtype:
+        if tuple(t.shape) != v.spec.shape or types.dtype_name(t.dtype) != v.spec.dtype:
             raise ShapeError(f"input '{v.name}' must be {v.spec.dtype}{list(v.spec.shape)}, "
-                             f"got {bridge.dtype_name(t.dtype)}{list(t.shape)}")
+                             f"got {types.dtype_name(t.dtype)}{list(t.shape)}")
         tensors[vid] = t.to(device)
     for v in graph.values:
         if v.kind == WEIGHT:

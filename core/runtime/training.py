@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ExecutionError, ModelError, first_line
 from ..ir import WEIGHT, Graph
-from ..ops import bridge
+from ..ops import arguments, targets, types
 from ..plan.schedule import Schedule
 from . import streams
 
@@ -68,7 +68,7 @@ class TrainingGraph:
         if not self.params:
             raise ModelError("the module has no parameters that require grad; prepare it with "
                              "training=False for inference")
-        self._fns = [bridge.resolve(op.target, training=True) for op in graph.ops]
+        self._fns = [targets.resolve(op.target, training=True) for op in graph.ops]
         self._order = list(schedule.order)
         self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
         stream_of = schedule.stream
@@ -77,7 +77,7 @@ class TrainingGraph:
         self._cross = [[r for r in op.refs() if graph.values[graph.root(r)].producer is not None
                         and stream_of[graph.values[graph.root(r)].producer] != stream_of[op.id]]
                        for op in graph.ops]
-        self.inputs = [torch.zeros(graph.values[i].spec.shape, dtype=bridge.DTYPES[graph.values[i].spec.dtype],
+        self.inputs = [torch.zeros(graph.values[i].spec.shape, dtype=types.DTYPES[graph.values[i].spec.dtype],
                                    device=device) for i in graph.inputs]
         self.fwd_graph = self.bwd_graph = None
         if device.type == "cuda":
@@ -105,9 +105,9 @@ class TrainingGraph:
 
     def _run(self, i: int, env: dict[int, torch.Tensor]) -> None:
         op = self.graph.ops[i]
-        args, kwargs = bridge.op_arguments(op, env, self.device)
+        args, kwargs = arguments.op_arguments(op, env, self.device)
         try:
-            results = bridge.flatten_result(self._fns[i](*args, **kwargs))
+            results = arguments.flatten_result(self._fns[i](*args, **kwargs))
         except Exception as e:
             raise ExecutionError(f"op {i} ({op.target}, from {op.source}) fails on {self.device} in "
                                  f"training mode: {first_line(e)}") from e
