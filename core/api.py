@@ -16,8 +16,10 @@ A trace records one path through the forward, so it is never trusted in silence:
 warns (NimbleWarning) with the reason, and the prepared model is checked against the module on
 the example and on several random inputs (MismatchError where they differ). A forward that turns a
 tensor into a Python value while it is traced (torch's TracerWarning: its control flow depends on
-values) is refused, unless `strict=False`, which still warns and still checks. Training always traces: it captures the forward and the backward as CUDA
-graphs bound to the module's own tensors (see `training.py`).
+values) is refused, unless `strict=False`, which still warns and still checks.
+
+Training always traces: it captures the forward and the backward as CUDA graphs bound to the
+module's own tensors (see `training.py`).
 """
 
 from __future__ import annotations

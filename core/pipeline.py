@@ -156,7 +156,8 @@ def _check_weight_dtypes(state: dict, model: str) -> None:
     """Before any work: the artifact must be able to hold every weight."""
     for key, tensor in state.items():
         if isinstance(tensor, torch.Tensor) and tensor.dtype not in types.DTYPE_NAMES:
-            raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(str(tensor.dtype).removeprefix('torch.'))}")
+            name = str(tensor.dtype).removeprefix("torch.")
+            raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(name)}")
 
 
 def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str, device: str,

@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import TUNE_HELP, console, human_bytes, literal, print_json, user_errors, writable
+from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, human_bytes, literal, print_json,
+                     user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
 VARIANTS = {
@@ -31,12 +32,12 @@ def bench_command(
     percentiles: str = typer.Option("90,95,99", "--percentiles", help="Latency percentiles to report."),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
                                    "PyTorch-pool CUDA graphs in the same process."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA if present), cuda or cpu."),
-    tune: str = typer.Option("cached", "--tune", help=TUNE_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON report on stdout."),
+    device: DeviceOption = "auto",
+    tune: TuneOption = "cached",
+    json_out: JsonOption = False,
     export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
                                                 "times (latency, GPU, enqueue; ms) to this JSON file."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    debug: DebugOption = False,
 ) -> None:
     """Measure latency, throughput, load time and memory, beside PyTorch baselines.
 
@@ -53,8 +54,8 @@ def bench_command(
         import torch
 
         from nimble.errors import UsageError
-        from nimble.runtime import reference
-        from nimble.runtime.executable import Executable, load
+        from nimble.runtime.baselines import baselines as build_baselines
+        from nimble.runtime.executable import load
         from nimble.runtime.timing import measure
 
         try:
@@ -94,17 +95,10 @@ def bench_command(
                       "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
             if baselines:
                 status.update("building baselines")
-                weights = {k: t.to(exe.device) for k, t in exe.artifact.weights.items()}
-                xs = [b.clone() for b in exe.input_buffers]
-                runners["eager"] = lambda: reference.run(exe.graph, weights, xs, exe.device)
-                if cuda:
-                    for name, single in (("pytorch_graph_1stream", True), ("pytorch_graph_streams", False)):
-                        torch.cuda.empty_cache()
-                        other = Executable(exe.artifact, "cuda", arena=False, single_stream=single)
-                        for buf, x in zip(other.input_buffers, exe.artifact.sample_inputs):
-                            buf.copy_(x)
-                        runners[name] = other.replay
-                        memory[f"{name}_pool_bytes"] = other.stats.scratch_bytes
+                for name, baseline in build_baselines(exe).items():
+                    runners[name] = baseline.replay
+                    if baseline.pool_bytes is not None:
+                        memory[f"{name}_pool_bytes"] = baseline.pool_bytes
             results = {}
             for name, replay in runners.items():
                 status.update(f"timing {name}")

@@ -1,4 +1,5 @@
-"""What every command shares: the stderr console, one-line errors, exit codes."""
+"""What every command shares: the options they all take (defined once), the stderr console,
+one-line errors, exit codes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 import sys
 import traceback
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -104,3 +106,14 @@ TUNE_HELP = ("How to choose, on CUDA, the layout (NCHW or channels_last), the st
              "(default) times the candidates once per artifact, GPU and torch version and keeps the choice in "
              "~/.cache/nimble/tuning.json (or $NIMBLE_CACHE_DIR); full times them again; off takes NCHW, the "
              "planned streams, cuDNN's heuristics and its fused kernels.")
+
+
+# Options every command that takes them takes alike: `debug: DebugOption = False`.
+DebugOption = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (the README's "
+                                          "'--json' section gives its schema); messages stay on stderr.")]
+DeviceOption = Annotated[str, typer.Option("--device", metavar="auto|cuda|cpu",
+                                           help="Where the model runs (compile: where the lowered op list is "
+                                                "checked against the model): auto (CUDA if present, else the "
+                                                "CPU), cuda or cpu.")]
+TuneOption = Annotated[str, typer.Option("--tune", metavar="cached|full|off", help=TUNE_HELP)]

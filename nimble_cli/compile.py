@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, literal, print_json, user_errors, writable
+from .common import (DebugOption, DeviceOption, JsonOption, console, human_bytes, literal, print_json, user_errors,
+                     writable)
 
 
 def compile_command(
@@ -25,8 +26,7 @@ def compile_command(
     streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
                                 "(maximum concurrency, minimum syncs), up to 64, else the widest level's op count; "
                                 "1: a single stream; N: at most N streams."),
-    device: str = typer.Option("auto", "--device", help="Where to check the lowered op list against the "
-                               "model: auto (CUDA if present), cpu or cuda. The result is portable either way."),
+    device: DeviceOption = "auto",
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
                                        "coloured by stream, waits dashed."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the artifact (a file, or "
@@ -34,8 +34,8 @@ def compile_command(
     fuse: bool = typer.Option(True, "--fuse/--no-fuse", help="Fuse each convolution with its bias, residual add "
                               "and relu, and chains of elementwise ops, into fused ops that load as cuDNN fused "
                               "convolutions and generated kernels on CUDA. --no-fuse keeps one aten op per op."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan document as JSON on stdout."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    json_out: JsonOption = False,
+    debug: DebugOption = False,
 ) -> None:
     """Compile a TorchScript model or a torch.export program into a .nimble artifact.
 

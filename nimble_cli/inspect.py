@@ -8,15 +8,15 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, human_bytes, literal, print_json, user_errors, writable
+from .common import DebugOption, JsonOption, console, human_bytes, literal, print_json, user_errors, writable
 
 
 def inspect_command(
     artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .nimble artifact written by nimble compile."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan document (the same as compile --json)."),
+    json_out: JsonOption = False,
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here."),
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    debug: DebugOption = False,
 ) -> None:
     """Validate an artifact and show what it holds; needs no GPU.
 

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from .common import TUNE_HELP, console, literal, print_json, user_errors, writable
+from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, literal, print_json, user_errors,
+                     writable)
 
 RUN_SCHEMA_VERSION = 1
 
@@ -21,16 +22,16 @@ def run_command(
                                                "(or just FILE for a one-input model). Repeat per input."),
     random: bool = typer.Option(False, "--random", help="Run on random inputs of the right shapes."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs to this .safetensors file."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA if present, else the CPU), cuda or cpu."),
+    device: DeviceOption = "auto",
     check: bool = typer.Option(False, "--check", help="Run the artifact's stored sample input and compare with the "
                                "stored reference outputs; exit 3 on a mismatch."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for --check (default 1e-2 on "
                                          "CUDA, where convolutions run in TF32; 1e-4 on the CPU)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
                                          "CUDA, 1e-5 on the CPU)."),
-    tune: str = typer.Option("cached", "--tune", help=TUNE_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON report on stdout."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    tune: TuneOption = "cached",
+    json_out: JsonOption = False,
+    debug: DebugOption = False,
 ) -> None:
     """Run one inference, optionally checking it against the stored reference.
 

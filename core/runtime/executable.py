@@ -192,7 +192,8 @@ class Executable:
         try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
             self._load_inputs(self.artifact.sample_inputs)
         except ShapeError as e:
-            raise ArtifactError(f"{self.artifact.model}: the stored sample input does not fit the model ({e})") from None
+            raise ArtifactError(f"{self.artifact.model}: the stored sample input does not fit the model "
+                                f"({e})") from None
         self._weights = dict(self._stored_weights)
         self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
         self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
