@@ -100,9 +100,10 @@ class Nimble:
         """(compiled, frontend, fallback): the module compiled for inference through torch.export,
         or where that fails (fallback says why) through TorchScript."""
         from .errors import NimbleError
-        from .pipeline import compile_program, compile_script
+        from .pipeline import CompileOptions, compile_program, compile_script
 
-        name, device = type(self.module).__name__, self._device.type
+        name = type(self.module).__name__
+        options = CompileOptions(self._device.type, self._streams, check=False)
         fallback = None
         if not isinstance(self.module, torch.jit.ScriptModule):
             try:
@@ -110,7 +111,7 @@ class Nimble:
                     warnings.simplefilter("ignore")
                     program = torch.export.export(self.module, tuple(xs))
                 return (compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
-                                        device, self._streams, check=False), "torch.export", None)
+                                        options), "torch.export", None)
             except NimbleError as e:
                 fallback = f"the exported program did not lower ({first_line(e)})"
             except Exception as e:  # data-dependent control flow, untraceable Python...
@@ -118,8 +119,7 @@ class Nimble:
             warnings.warn(f"{name}: {fallback}; nimble traces it instead and checks the trace against the module "
                           f"on the example and {len(_VARIANTS)} other inputs", NimbleWarning, stacklevel=4)
         script = self._script(xs)
-        compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script), device,
-                                  self._streams, check=False)
+        compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script), options)
         return compiled, self._script_kind(), fallback
 
     def _script_kind(self) -> str:

@@ -3,17 +3,19 @@
     frontend (model -> Graph) -> PASSES (Graph -> Graph) -> check against the model
         -> schedule (Graph -> Schedule) -> memory (Graph, Schedule -> MemoryPlan) -> Compiled
 
-`compile_model` reads a file, `compile_script` takes a module in memory, and `compile_training`
-is the training-mode order that `nimble.Nimble(...).prepare(training=True)` runs.
+`compile_model` reads a file, `compile_script` and `compile_program` take a module or a program in
+memory, and `compile_training` is the training-mode order that `nimble.Nimble(...).prepare(training=True)`
+runs. `run_stages` runs the stages after loading, each through one instrument (`stages.Stages`):
+it times each once, and lints the graph after every pass. Options travel as one `CompileOptions`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,6 +30,7 @@ from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
 from .runtime import reference
 from .runtime.compare import Comparison, compare, default_tolerance
+from .stages import Stages
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/).
 PASSES: tuple = (passes.fuse_conv, passes.fuse_pointwise)
@@ -50,8 +53,13 @@ class Compiled:
     schedule: Schedule
     memory: MemoryPlan
     options: dict
-    seconds: dict[str, float] = field(default_factory=dict)
-    lowered_ops: int = 0  # ops before the passes ran
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds, each counted once
+    passes: list[tuple[str, int]] = field(default_factory=list)  # ("lowered", ops), then (pass, ops after it)
+
+    @property
+    def lowered_ops(self) -> int:
+        """Ops before the passes ran."""
+        return self.passes[0][1] if self.passes else len(self.graph.ops)
 
     def artifact(self):
         """The `.nimble` artifact of this compilation (nimble.formats.Artifact)."""
@@ -72,6 +80,28 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How to compile, as `nimble compile`'s options say: where the check runs (`device`), the
+    stream cap (`streams`: "auto", 1 or a cap), whether to check the op list against the model,
+    and whether to run the fusion PASSES."""
+
+    device: str = "auto"
+    streams: str | int = "auto"
+    check: bool = True
+    fuse: bool = True
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a compiled model is called and where it came from, for the manifest."""
+
+    name: str  # the artifact's default file name
+    model: str  # the source file's name
+    digest: str  # its sha256
+    frontend: str  # "torchscript" or "torch.export"
 
 
 def parse_streams(streams: str | int) -> str | int:
@@ -102,7 +132,7 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 
 
 def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
-                  streams: str | int = "auto", check: bool = True, progress=lambda stage: None,
+                  streams: str | int = "auto", check: bool = True, progress: Callable[[str], None] = lambda stage: None,
                   fuse: bool = True) -> Compiled:
     """Load a TorchScript model or a torch.export `.pt2` program, lower it for `inputs` (None: a
     program's own input specs), check the op list against the model, and schedule it on
@@ -113,43 +143,35 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
     and compares it with the model run on the CPU; a mismatch raises MismatchError.
     """
     path = Path(path)
-    t = time.perf_counter()
-    progress("loading")
-    program = frontend.is_program(path)
-    module = frontend.load_program(path) if program else frontend.load_module(path)
-    digest = sha256_file(path)
-    load_s = time.perf_counter() - t
+    options, stages = CompileOptions(device, streams, check, fuse), Stages(progress)
+    with stages.stage("load", "loading"):
+        program = frontend.is_program(path)
+        module = frontend.load_program(path) if program else frontend.load_module(path)
+        digest = sha256_file(path)
     if program:
-        compiled = compile_program(module, inputs, path.stem, path.name, digest, device, streams, check, progress,
-                                   fuse)
-    else:
-        if inputs is None:
-            raise UsageError(NEED_SHAPES)
-        compiled = compile_script(module, inputs, path.stem, path.name, digest, device, streams, check, progress,
-                                  fuse)
-    compiled.seconds = {"load": load_s, **compiled.seconds}
-    return compiled
+        return compile_program(module, inputs, path.stem, path.name, digest, options, stages)
+    if inputs is None:
+        raise UsageError(NEED_SHAPES)
+    return compile_script(module, inputs, path.stem, path.name, digest, options, stages)
 
 
 def compile_program(program, inputs: list[TensorSpec] | None, name: str, model: str, digest: str,
-                    device: str = "auto", streams: str | int = "auto", check: bool = True,
-                    progress=lambda stage: None, fuse: bool = True) -> Compiled:
+                    options: CompileOptions = CompileOptions(), stages: Stages | None = None) -> Compiled:
     """`compile_script` for a torch.export ExportedProgram. `inputs` may be None: the program's
     own input shapes, which must then be static."""
     _check_weight_dtypes({**program.state_dict, **program.constants}, model)
     specs = frontend.export.input_specs_for(program, inputs, model)
-    return _compile(lambda: frontend.lower_program(program, specs, model), specs, name, model, digest, device,
-                    streams, check, progress, fuse, frontend_name="torch.export")
+    return run_stages(lambda: frontend.lower_program(program, specs, model), specs,
+                      Source(name, model, digest, "torch.export"), options, stages)
 
 
 def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
-                   digest: str, device: str = "auto", streams: str | int = "auto", check: bool = True,
-                   progress=lambda stage: None, fuse: bool = True) -> Compiled:
+                   digest: str, options: CompileOptions = CompileOptions(), stages: Stages | None = None) -> Compiled:
     """`compile_model` for a module already in memory. `model` and `digest` name its source in
-    the manifest. Its weights may live on any device; the check runs on `device`."""
+    the manifest. Its weights may live on any device; the check runs on `options.device`."""
     _check_weight_dtypes(module.state_dict(), model)
-    return _compile(lambda: frontend.lower(module, inputs, model), inputs, name, model, digest, device, streams,
-                    check, progress, fuse, frontend_name="torchscript")
+    return run_stages(lambda: frontend.lower(module, inputs, model), inputs,
+                      Source(name, model, digest, "torchscript"), options, stages)
 
 
 def _check_weight_dtypes(state: dict, model: str) -> None:
@@ -160,21 +182,32 @@ def _check_weight_dtypes(state: dict, model: str) -> None:
             raise UnsupportedError(f"{model}: weight '{key}': {dtypes.refusal(name)}")
 
 
-def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str, device: str,
-             streams: str | int, check: bool, progress, fuse: bool, frontend_name: str) -> Compiled:
-    """The stages after loading, shared by both frontends; `lower()` runs the frontend."""
-    device = resolve_device(device)[0].type
-    streams = parse_streams(streams)
-    seconds: dict[str, float] = {}
-    t = time.perf_counter()
-    progress("lowering")
-    lowered = lower()
-    lowered_ops = len(lowered.graph.ops)
-    lowered = dataclasses.replace(lowered, graph=run_passes(lowered.graph, PASSES if fuse else ()))
-    seconds["lower"] = time.perf_counter() - t
+def run_stages(lower, inputs: list[TensorSpec], source: Source, options: CompileOptions,
+               stages: Stages | None = None) -> Compiled:
+    """The stages after loading, shared by both frontends, in order: the frontend (`lower()`), the
+    PASSES, the check against the model, the schedule and the memory plan."""
+    stages = stages or Stages()
+    device = resolve_device(options.device)[0].type
+    streams = parse_streams(options.streams)
+    with stages.stage("lower", "lowering"):
+        lowered = lower()
+    lowered = dataclasses.replace(lowered, graph=stages.run_passes(lowered.graph, PASSES if options.fuse else ()))
+    with stages.stage("check", "running the reference"):
+        xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check)
+    with stages.stage("schedule", "scheduling"):
+        schedule = assign_streams(lowered.graph, streams)
+    with stages.stage("memory", "planning memory"):
+        memory = plan(lowered.graph, schedule)
+    manifest_options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
+                        "dtypes": [s.dtype for s in inputs], "fuse": options.fuse, "frontend": source.frontend}
+    weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
+    return Compiled(source.name, source.model, source.digest, lowered.graph, weights, xs,
+                    [e.detach().contiguous() for e in expected], result, device, schedule, memory,
+                    manifest_options, dict(stages.seconds), list(stages.passes))
 
-    t = time.perf_counter()
-    progress("running the reference")
+
+def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str, check: bool):
+    """(sample inputs, the model's outputs for them, the op list's comparison or None)."""
     try:
         xs = sample_inputs(inputs)
         home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
@@ -182,38 +215,21 @@ def _compile(lower, inputs: list[TensorSpec], name: str, model: str, digest: str
         # optimization: on a first run it costs time that grows faster than the op count
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread(), torch.jit.optimized_execution(False):
             expected = [e.cpu() for e in arguments.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
-        result = None
-        if check:
-            got = reference.run(lowered.graph, lowered.weights, xs, device)
+        got = reference.run(lowered.graph, lowered.weights, xs, device) if check else None
     except Exception as e:
         if not is_out_of_memory(e):
             raise
         raise ExecutionError(f"{model}: ran out of {'GPU ' if device == 'cuda' else ''}memory running the model on "
                              f"its sample input ({first_line(e)}); use a smaller batch in --shape"
                              + ("" if device == "cpu" else ", or --device cpu")) from None
-    if check:
-        rtol, atol = default_tolerance(device)
-        result = compare(got, expected, rtol, atol)
-        if not result.passed:
-            raise MismatchError(f"{model}: the lowered op list does not reproduce the model on "
-                                f"{device}: {result.describe()}")
-    seconds["check"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    progress("scheduling")
-    schedule = assign_streams(lowered.graph, streams)
-    seconds["schedule"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    progress("planning memory")
-    memory = plan(lowered.graph, schedule)
-    seconds["memory"] = time.perf_counter() - t
-    options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
-               "dtypes": [s.dtype for s in inputs], "fuse": fuse, "frontend": frontend_name}
-    weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
-    return Compiled(name, model, digest, lowered.graph, weights, xs,
-                    [e.detach().contiguous() for e in expected], result, device, schedule, memory,
-                    options, seconds, lowered_ops)
+    if not check:
+        return xs, expected, None
+    rtol, atol = default_tolerance(device)
+    result = compare(got, expected, rtol, atol)
+    if not result.passed:
+        raise MismatchError(f"{model}: the lowered op list does not reproduce the model on "
+                            f"{device}: {result.describe()}")
+    return xs, expected, result
 
 
 @dataclass(frozen=True)
@@ -228,11 +244,5 @@ def compile_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], n
     """The training-mode pipeline: lower unfrozen, run TRAINING_PASSES, schedule. There is no
     arena plan: autograd keeps saved activations alive until the backward."""
     lowered = frontend.lower_training(module, inputs, name)
-    graph = run_passes(lowered.graph, TRAINING_PASSES)
+    graph = Stages().run_passes(lowered.graph, TRAINING_PASSES)
     return TrainingPlan(graph, lowered.weights, assign_streams(graph, parse_streams(streams)))
-
-
-def run_passes(graph: Graph, order) -> Graph:
-    for p in order:
-        graph = p(graph)
-    return graph

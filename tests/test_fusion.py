@@ -19,7 +19,7 @@ from nimble.formats.artifact import encode
 from nimble.frontend import quiet_torchscript
 from nimble.ir import Local
 from nimble.ops import fusion
-from nimble.pipeline import compile_model, compile_script
+from nimble.pipeline import CompileOptions, compile_model, compile_script
 from nimble.runtime import reference
 from nimble.runtime.kernels import _expr, _offset, _source
 from nimble.specs import input_specs
@@ -105,8 +105,8 @@ def test_generated_chains_match_the_unfused_reference(steps):
     x = torch.randn(2, 4, 6, 5)
     with quiet_torchscript():
         traced = torch.jit.trace(module, (x,))
-    runs = {fuse: compile_script(traced, input_specs(["2x4x6x5"]), "chain", "chain.pt", "0" * 64, device="cpu",
-                                 fuse=fuse) for fuse in (False, True)}
+    runs = {fuse: compile_script(traced, input_specs(["2x4x6x5"]), "chain", "chain.pt", "0" * 64,
+                                 CompileOptions(device="cpu", fuse=fuse)) for fuse in (False, True)}
     assert len(runs[True].graph.ops) <= len(runs[False].graph.ops)
     if steps == SE_LIKE:
         assert any(op.target == fusion.FUSED for op in runs[True].graph.ops)

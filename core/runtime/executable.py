@@ -27,6 +27,7 @@ import torch
 
 from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError, first_line
 from ..ir import WEIGHT
+from ..stages import Stages
 from ..ops import types
 from . import indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
@@ -37,7 +38,7 @@ from .preflight import preflight
 
 @dataclass
 class LoadStats:
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds, each counted once; and "total"
     weight_bytes: int = 0
     arena_bytes: int = 0
     scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
@@ -67,37 +68,38 @@ class Executable:
         t0 = time.perf_counter()
         if tune not in tuning.TUNE_MODES:
             raise UsageError(f"--tune {tune!r}: use off, cached or full")
-        self.artifact = artifact
-        self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
-        self.device, self.notice = resolve_device(device)
-        self.stats = LoadStats()
-        self._placed: list[PlacedOp] = prepare(self.graph)
-        self._cuda_graph = None
-        self._with_arena = arena
-        self._single_stream = single_stream
-        self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
-        self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
-        self._set_order(self.choice)
-        t = time.perf_counter()
-        preflight(self.graph, self.memory, name or artifact.model)  # before any op touches real memory
-        self._indices = indices.plan_indices(self.graph)
-        names = {v.id: v.name for v in self.graph.values if v.kind == WEIGHT}
-        indices.check_weights({vid: artifact.weights[n] for vid, n in names.items()}, self._indices, names,
-                              name or artifact.model)
-        for p in self._placed:
-            p.clamps = tuple(self._indices.clamps.get(p.op.id, ()))
-        self.stats.seconds["preflight"] = time.perf_counter() - t
-        self._allocate()
-        self.stats.seconds["allocate"] = time.perf_counter() - t0 - self.stats.seconds["preflight"]
+        self._stages = stages = Stages()  # each load stage timed once (stages.py)
+        with stages.stage("prepare"):
+            self.artifact = artifact
+            self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
+            self.device, self.notice = resolve_device(device)
+            self.stats = LoadStats()
+            self._placed: list[PlacedOp] = prepare(self.graph)
+            self._cuda_graph = None
+            self._with_arena = arena
+            self._single_stream = single_stream
+            self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
+            self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
+            self._set_order(self.choice)
+        with stages.stage("preflight"):  # before any op touches real memory
+            preflight(self.graph, self.memory, name or artifact.model)
+            self._indices = indices.plan_indices(self.graph)
+            names = {v.id: v.name for v in self.graph.values if v.kind == WEIGHT}
+            indices.check_weights({vid: artifact.weights[n] for vid, n in names.items()}, self._indices, names,
+                                  name or artifact.model)
+            for p in self._placed:
+                p.clamps = tuple(self._indices.clamps.get(p.op.id, ()))
+        with stages.stage("allocate"):
+            self._allocate()
         if self.device.type == "cuda":
             kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
                               len(kernels.STATS.fallbacks))
             self._choose(tune, choice, graph_dump)
             self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
-            self.stats.seconds["kernels"] = kernels.STATS.seconds - kernels_before[2]
+            stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
-        self.stats.seconds["total"] = time.perf_counter() - t0
+        self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------ set-up
     def _choose(self, tune: str, forced, graph_dump) -> None:
@@ -116,17 +118,16 @@ class Executable:
             best = tuning.cached(key) if tune == "cached" else None
             how = "cache hit"
             if best is None or best not in options:
-                t = time.perf_counter()
                 last = None
-                for stage in tuning.stages(options):
-                    for c in stage if isinstance(stage, list) else stage(best):
-                        self._build(c)
-                        timed[c.describe()] = tuning.gpu_ms(self._cuda_graph.replay, self.device)
-                        last = c
-                    best = min((c for c in options if c.describe() in timed), key=lambda c: timed[c.describe()])
-                tuning.store(key, best, timed)
+                with self._stages.stage("tuning"):  # its builds' warm-ups and captures count as those
+                    for stage in tuning.stages(options):
+                        for c in stage if isinstance(stage, list) else stage(best):
+                            self._build(c)
+                            timed[c.describe()] = tuning.gpu_ms(self._cuda_graph.replay, self.device)
+                            last = c
+                        best = min((c for c in options if c.describe() in timed), key=lambda c: timed[c.describe()])
+                    tuning.store(key, best, timed)
                 how = "timed"
-                self.stats.seconds["tuning"] = time.perf_counter() - t
                 if best == last and not graph_dump:
                     self._record_choice(best, how, timed)
                     return
@@ -166,13 +167,11 @@ class Executable:
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:
-            t = time.perf_counter()
-            self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
-            torch.cuda.synchronize(self.device)
-            self.stats.seconds["warmup"] = self.stats.seconds.get("warmup", 0.0) + time.perf_counter() - t
-            t = time.perf_counter()
-            self._capture(graph_dump)
-            self.stats.seconds["capture"] = self.stats.seconds.get("capture", 0.0) + time.perf_counter() - t
+            with self._stages.stage("warmup"):
+                self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
+                torch.cuda.synchronize(self.device)
+            with self._stages.stage("capture"):
+                self._capture(graph_dump)
         finally:
             torch.backends.cudnn.benchmark = benchmark
 

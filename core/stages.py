@@ -1,0 +1,68 @@
+"""One instrument around every stage of a compile or a load (as Hidet's pass instruments are).
+
+- Each stage is timed once. A stage that runs inside another (a warm-up inside the tuning) is
+  counted under the inner stage alone, so the stage times add up to the wall time, and no
+  second is counted twice.
+- Each pass is a stage of its own: the graph is linted after it, and a pass that breaks an
+  invariant raises GraphError naming the pass. The op count after each pass is kept
+  (`passes`), for `compile --json`, `inspect` and the manifest.
+- `progress(label)` is told as each stage starts (the CLI's spinner).
+
+Plain Python over the IR: no torch, so it serves both the builder and the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+from .errors import GraphError
+from .ir import Graph
+
+
+class Stages:
+    def __init__(self, progress: Callable[[str], None] | None = None):
+        self.seconds: dict[str, float] = {}  # stage -> seconds spent in it, nested stages excluded
+        self.passes: list[tuple[str, int]] = []  # (pass, ops after it), in the order they ran
+        self._progress = progress or (lambda label: None)
+        self._open: list[list] = []  # [stage name, seconds of the stages nested in it so far]
+
+    @contextlib.contextmanager
+    def stage(self, name: str, label: str | None = None) -> Iterator[None]:
+        self._progress(label or name)
+        frame = [name, 0.0]
+        self._open.append(frame)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            total = time.perf_counter() - start
+            self._open.pop()
+            self.add(name, total - frame[1])
+            if self._open:
+                self._open[-1][1] += total
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count `seconds` of `source` under `target` instead (time that a callee measured itself,
+        such as kernel compilation inside a warm-up)."""
+        seconds = min(seconds, self.seconds.get(source, 0.0))
+        self.add(source, -seconds)
+        self.add(target, seconds)
+
+    def run_passes(self, graph: Graph, passes, lowered_label: str = "lowered") -> Graph:
+        """Run `passes` in order, each a stage named by its function, linting after each."""
+        self.passes.append((lowered_label, len(graph.ops)))
+        for run in passes:
+            name = run.__name__
+            with self.stage(name, f"pass {name}"):
+                graph = run(graph)
+                try:
+                    graph.lint()
+                except GraphError as e:
+                    raise GraphError(f"pass {name} broke the graph: {e}") from None
+            self.passes.append((name, len(graph.ops)))
+        return graph
