@@ -65,7 +65,8 @@ class Compiled:
         """The `.nimble` artifact of this compilation (nimble.formats.Artifact)."""
         from nimble.formats import Artifact
 
-        manifest = {"model": self.model, "source_sha256": self.source_sha256, "options": self.options}
+        manifest = {"model": self.model, "source_sha256": self.source_sha256, "options": self.options,
+                    "passes": [[name, n] for name, n in self.passes]}
         return Artifact(manifest, self.graph, self.schedule, self.memory, self.weights,
                         self.sample_inputs, self.sample_outputs)
 

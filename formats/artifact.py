@@ -62,6 +62,12 @@ class Artifact:
     def model(self) -> str:
         return self.manifest["model"]
 
+    @property
+    def passes(self) -> list[tuple[str, int]] | None:
+        """(pass, ops after it) in the order they ran, the lowered graph first; None if unrecorded."""
+        passes = self.manifest.get("passes")
+        return None if passes is None else [(name, n) for name, n in passes]
+
 
 def _json(obj) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), sort_keys=False, allow_nan=False) + "\n").encode()
@@ -100,7 +106,7 @@ def _write_zip(file, art: Artifact) -> None:
         "format_version": FORMAT_VERSION,
         "nimble_version": __version__,
         "torch_version": torch.__version__,
-        **{k: art.manifest[k] for k in ("model", "source_sha256", "options")},
+        **{k: art.manifest[k] for k in ("model", "source_sha256", "options", "passes") if k in art.manifest},
         "inputs": _io_specs(g, g.inputs),
         "outputs": _io_specs(g, g.outputs),
         "members": {name: _digest(chunks) for name, chunks in members.items()},
@@ -268,6 +274,11 @@ def _check_manifest(m: dict, name: str) -> None:
             raise ArtifactError(f"{name}: manifest field '{key}' is missing or malformed")
     if _longest_string(m) > MAX_STRING:
         raise ArtifactError(f"{name}: the manifest holds a string longer than {MAX_STRING} characters")
+    passes = m.get("passes", [])  # optional: artifacts before nimble recorded the passes have none
+    if not (isinstance(passes, list) and len(passes) <= 1000 and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] >= 0
+            for p in passes)):
+        raise ArtifactError(f"{name}: manifest field 'passes' is malformed")
     for member in MEMBERS[1:]:
         entry = m["members"].get(member)
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from .common import DebugOption, JsonOption, console, human_bytes, literal, print_json, user_errors, writable
+from .compile import describe_passes
 
 
 def inspect_command(
@@ -35,7 +36,8 @@ def inspect_command(
 
             write_dot(dot, art.graph, art.schedule, art.model)
         if json_out:
-            print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory))
+            print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory,
+                                     passes=art.passes))
             return
         _summary(art, artifact, ops)
 
@@ -51,6 +53,8 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     weights = [g.values[w] for w in g.weights]
     table.add_row("model", f"{literal(man['model'])} (sha256 {literal(man['source_sha256'][:12])})")
     table.add_row("ops", str(len(g.ops)))
+    if art.passes:
+        table.add_row("passes", describe_passes(art.passes))
     table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}")
     table.add_row("arena", f"{human_bytes(m.arena_bytes)} ({m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)}, "
                            f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "

@@ -48,3 +48,26 @@ def test_compile_times_every_stage_and_pass_once_and_logs_op_counts():
     names = [name for name, _ in c.passes]
     assert names == ["lowered", "fuse_conv", "fuse_pointwise"] and c.passes[-1][1] == len(c.graph.ops)
     assert c.lowered_ops == c.passes[0][1] > len(c.graph.ops)
+
+
+def test_compile_json_inspect_and_the_manifest_name_the_passes(tmp_path):
+    import json
+
+    from nimble.errors import ArtifactError
+    from nimble.formats import read_artifact
+
+    from .forge import rebuild
+    from .test_cli import invoke
+
+    out = tmp_path / "inception.nimble"
+    result = invoke("compile", SAMPLES / "inception.pt", "-s", "1x3x64x64", "--device", "cpu", "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    printed = json.loads(result.stdout)["passes"]
+    assert [p["pass"] for p in printed] == ["lowered", "fuse_conv", "fuse_pointwise"]
+    assert json.loads(invoke("inspect", out, "--json").stdout)["passes"] == printed
+    assert "lowered 71 ops, fuse_conv 42, fuse_pointwise 42" in invoke("inspect", out, "--no-ops").stderr
+    assert read_artifact(out).passes == [(p["pass"], p["ops"]) for p in printed]
+    bad = tmp_path / "bad.nimble"
+    bad.write_bytes(rebuild(out.read_bytes(), {}, manifest_edit=lambda m: m.__setitem__("passes", [["x", -1]])))
+    with pytest.raises(ArtifactError, match="'passes' is malformed"):
+        read_artifact(bad)

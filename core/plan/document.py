@@ -11,9 +11,11 @@ from ..ir import Graph
 SCHEMA_VERSION = 1
 
 
-def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> dict:
+def plan_document(graph: Graph, *, model: str, schedule=None, memory=None, passes=None) -> dict:
     """The plan document for `graph`. `schedule` and `memory` fill the per-op stream, order and
-    waits and the per-output offsets; where they are None, those fields are null."""
+    waits and the per-output offsets; where they are None, those fields are null. `passes` lists
+    (name, ops after it) in the order they ran, the lowered graph first; null where unknown (an
+    artifact written before nimble recorded them)."""
     vals = graph.values
     ops = []
     for op in graph.ops:
@@ -39,6 +41,7 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None) -> di
     return {
         "schema_version": SCHEMA_VERSION,
         "model": model,
+        "passes": None if passes is None else [{"pass": name, "ops": n} for name, n in passes],
         "inputs": list(graph.inputs),
         "outputs": list(graph.outputs),
         "values": [{"id": v.id, "name": v.name, "kind": v.kind, "shape": list(v.spec.shape),
