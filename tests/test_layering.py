@@ -76,3 +76,22 @@ def test_the_walk_resolves_relative_and_lazy_imports():
     source = "def f():\n    from ..runtime import streams\n    import torch.cuda\n"
     found = imports_of(probe, source)
     assert {"nimble.runtime", "nimble.runtime.streams", "torch.cuda"} <= found
+
+
+STAGES = ("frontend", "passes", "plan", "runtime")
+ORCHESTRATORS = {"nimble.pipeline", "nimble.api"}  # the two modules that state how the stages compose
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_only_the_pipeline_and_the_api_import_from_more_than_one_stage():
+    """A stage may use shared leaves (ir, errors, ops, stages, ...) and at most one other stage;
+    composing stages is pipeline.py's and api.py's job."""
+    for module, targets in MODULES.items():
+        if module in ORCHESTRATORS:
+            continue
+        others = {stage_of(t) for t in targets} - {None, stage_of(module)}
+        assert len(others) <= 1, f"{module} imports from the stages {sorted(others)}"

@@ -11,7 +11,7 @@ from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 from nimble.stages import Stages
 
-from .conftest import SAMPLES
+from ..conftest import SAMPLES
 
 
 def test_a_nested_stage_is_counted_once():
@@ -56,8 +56,8 @@ def test_compile_json_inspect_and_the_manifest_name_the_passes(tmp_path):
     from nimble.errors import ArtifactError
     from nimble.formats import read_artifact
 
-    from .forge import rebuild
-    from .test_cli import invoke
+    from ..forge import rebuild
+    from ..cli.test_cli import invoke
 
     out = tmp_path / "inception.nimble"
     result = invoke("compile", SAMPLES / "inception.pt", "-s", "1x3x64x64", "--device", "cpu", "-o", out, "--json")

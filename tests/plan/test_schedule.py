@@ -12,7 +12,7 @@ from nimble.ir import TensorSpec
 from nimble.plan.matching import hopcroft_karp
 from nimble.plan.schedule import AUTO_STREAMS, assign_streams, schedule_dag, transitive_reduction
 
-from .conftest import SAMPLES
+from ..conftest import SAMPLES
 
 
 def random_dag(n: int, density: float, locality: int, seed: int) -> list[list[int]]:

@@ -13,7 +13,7 @@ from nimble.runtime.compare import compare
 from nimble.ir import TensorSpec
 from nimble.pipeline import sample_inputs
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 pytestmark = pytest.mark.gpu
 

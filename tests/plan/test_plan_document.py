@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from nimble.cli.main import app
 
-from .plan_checker import check
+from ..plan_checker import check
 
 runner = CliRunner()
 
@@ -34,7 +34,7 @@ def test_every_sample_plan_passes_the_outside_checker(sample, streams):
 
 
 def test_the_checker_catches_a_missing_wait():
-    from .conftest import SAMPLES
+    from ..conftest import SAMPLES
 
     doc = compile_json(SAMPLES / "inception.pt", [(1, 3, 224, 224)])
     victim = next(op for op in doc["ops"] if op["waits"])
@@ -44,7 +44,7 @@ def test_the_checker_catches_a_missing_wait():
 
 
 def test_dot_file_shows_streams_and_waits(tmp_path):
-    from .conftest import SAMPLES
+    from ..conftest import SAMPLES
 
     dot = tmp_path / "inception.dot"
     result = runner.invoke(app, ["compile", str(SAMPLES / "inception.pt"), "-s", "1x3x224x224",
@@ -59,7 +59,7 @@ def test_dot_file_shows_streams_and_waits(tmp_path):
 
 @pytest.mark.parametrize("bad", ["0", "-1", "many"])
 def test_bad_stream_count_is_a_usage_error(bad):
-    from .conftest import SAMPLES
+    from ..conftest import SAMPLES
 
     result = runner.invoke(app, ["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "--streams", bad])
     assert result.exit_code == 2 and "--streams" in result.stderr and "Traceback" not in result.stderr

@@ -12,7 +12,7 @@ from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
 from nimble.plan.memory import ALIGNMENT, plan
 from nimble.plan.schedule import Schedule, assign_streams
 
-from .conftest import SAMPLES
+from ..conftest import SAMPLES
 from .test_schedule import sync_graph
 
 

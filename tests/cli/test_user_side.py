@@ -20,7 +20,7 @@ from nimble.cli.main import app
 from nimble.dtypes import BY_NAME, UNSTORABLE
 from nimble.fileio import atomic_file, remove_stale_temps, write_atomic
 
-from .conftest import SAMPLES, save_script
+from ..conftest import SAMPLES, save_script
 
 runner = CliRunner()
 SHAPE = "1x3x32x32"

@@ -14,8 +14,8 @@ from nimble.runtime.executable import Executable
 from nimble.runtime.indices import plan_indices
 from nimble.specs import input_specs
 
-from .conftest import SAMPLES, save_script
-from .test_cli import invoke, one_line_error
+from ..conftest import SAMPLES, save_script
+from ..cli.test_cli import invoke, one_line_error
 
 
 @pytest.fixture(scope="module")

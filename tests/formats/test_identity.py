@@ -4,7 +4,7 @@ to keep behaviour (a refactor) must keep them. Absolute paths in source lines ar
 The full byte comparison against a git ref, weights and samples included, is
 `python benchmarks/identity.py --base REF` (same machine, both sides).
 
-Regenerate after an intended change: NIMBLE_WRITE_GOLDEN=1 pytest tests/test_identity.py"""
+Regenerate after an intended change: NIMBLE_WRITE_GOLDEN=1 pytest tests/formats/test_identity.py"""
 
 import hashlib
 import json
@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.identity import emit, programs
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 GOLDEN = ROOT / "tests" / "golden_artifacts.json"
 STRUCTURE = ("graph.json", "schedule.json", "memory.json")

@@ -21,7 +21,7 @@ from nimble.errors import ArtifactError
 from nimble.formats import read_artifact
 from nimble.runtime.executable import Executable
 
-from .forge import ACTIVATION, Ref, edit_json, edit_text, forge, members_of, rebuild, spec, tiny
+from ..forge import ACTIVATION, Ref, edit_json, edit_text, forge, members_of, rebuild, spec, tiny
 
 UNDER_O = os.environ.get("NIMBLE_HOSTILE_UNDER_O") == "1"
 

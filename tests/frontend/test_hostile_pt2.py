@@ -16,7 +16,7 @@ from nimble.frontend import archive
 from nimble.frontend.walker import Walker
 from nimble.ops import targets
 
-from .test_cli import invoke, one_line_error
+from ..cli.test_cli import invoke, one_line_error
 from .test_export import export
 
 

@@ -24,8 +24,8 @@ from nimble.runtime import reference
 from nimble.runtime.kernels import _expr, _offset, _source
 from nimble.specs import input_specs
 
-from .conftest import SAMPLES
-from .forge import edit_json
+from ..conftest import SAMPLES
+from ..forge import edit_json
 
 
 def targets(graph) -> list[str]:

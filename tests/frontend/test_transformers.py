@@ -7,8 +7,8 @@ from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 from sample_models.build import build_module, example_inputs
 
-from .conftest import SAMPLES
-from .test_cli import invoke
+from ..conftest import SAMPLES
+from ..cli.test_cli import invoke
 
 
 def test_bert_compiles_with_int64_ids_and_a_mask_and_matches_the_module():

@@ -18,8 +18,8 @@ from nimble.formats.artifact import encode
 from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 
-from .conftest import SAMPLES
-from .forge import edit_json, members_of, rebuild
+from ..conftest import SAMPLES
+from ..forge import edit_json, members_of, rebuild
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -13,7 +13,7 @@ from nimble.cli.main import app
 from nimble.errors import ShapeError
 from nimble.formats import read_artifact
 
-from .conftest import MODELS
+from ..conftest import MODELS
 
 runner = CliRunner()
 
@@ -172,7 +172,7 @@ def test_bench_usage_errors(artifacts, args):
     ["bench", "{artifact}", "--device", "cpu", "--export-times", "{missing}"],
 ])
 def test_outputs_in_missing_folders_fail_before_any_work(artifacts, tmp_path, command):
-    from .conftest import SAMPLES
+    from ..conftest import SAMPLES
 
     values = {"model": str(SAMPLES / "two_io.pt"), "tmp": str(tmp_path), "artifact": str(artifacts["two_io"][0]),
               "missing": str(tmp_path / "nope" / "out.file")}

@@ -17,7 +17,7 @@ from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
 from nimble.runtime import kernels
 
-from .conftest import ROOT, SAMPLES, save_script
+from ..conftest import ROOT, SAMPLES, save_script
 
 pytestmark = pytest.mark.gpu
 

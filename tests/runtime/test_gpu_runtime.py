@@ -17,7 +17,7 @@ from nimble.pipeline import compile_model
 from nimble.runtime.executable import Executable
 from nimble.specs import input_specs
 
-from .conftest import MODELS, save_script
+from ..conftest import MODELS, save_script
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from nimble.runtime.training import TrainingGraph
 
 from sample_models.build import build_module
 from tests.models import StochasticNet
-from tests.test_gpu_runtime import TwoBranches, _graph_shape
+from tests.runtime.test_gpu_runtime import TwoBranches, _graph_shape
 
 pytestmark = pytest.mark.gpu
 SHAPE = (16, 3, 32, 32)

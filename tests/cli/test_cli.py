@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from nimble.cli.main import app
 
-from . import models
-from .conftest import SAMPLES, save_script
+from .. import models
+from ..conftest import SAMPLES, save_script
 
 runner = CliRunner()
 

@@ -14,7 +14,7 @@ from nimble.runtime import reference, tuning
 from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
 
-from .conftest import MODELS
+from ..conftest import MODELS
 
 pytestmark = pytest.mark.gpu
 

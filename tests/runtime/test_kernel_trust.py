@@ -16,7 +16,7 @@ from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
 from nimble.runtime import kernels
 
-from . import triton_shim
+from .. import triton_shim
 
 BLOCK = 64
 

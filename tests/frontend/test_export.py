@@ -13,9 +13,9 @@ from nimble.errors import ModelError, UnsupportedError
 from nimble.pipeline import compile_model
 from nimble.specs import input_specs
 
-from . import models
-from .conftest import MODELS, SAMPLES
-from .test_cli import invoke, one_line_error
+from .. import models
+from ..conftest import MODELS, SAMPLES
+from ..cli.test_cli import invoke, one_line_error
 
 
 def export(tmp_path, module: nn.Module, example: tuple, name: str = "model", **kwargs):

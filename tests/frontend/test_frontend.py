@@ -12,8 +12,8 @@ from nimble.ir import TensorSpec
 from nimble.ops.targets import is_allowed
 from nimble.pipeline import sample_inputs
 
-from . import models
-from .conftest import SAMPLES, save_script
+from .. import models
+from ..conftest import SAMPLES, save_script
 
 HOST_KINDS = ("aten::size", "aten::Int", "prim::NumToTensor", "prim::ListConstruct", "prim::TupleConstruct")
 
@@ -146,7 +146,7 @@ def test_frontend_silences_torchscript_deprecation_warnings():
 def test_ops_without_meta_kernels_fall_back_to_the_cpu(monkeypatch, name):
     """Some torch versions lack meta kernels (torch 2.11 has none for aten::_convolution); the
     frontend then types outputs by running the op on the CPU and must build the same graph."""
-    from .conftest import MODELS
+    from ..conftest import MODELS
 
     shapes = MODELS[name][1]
     expected = lower_file(SAMPLES / f"{name}.pt", shapes).graph
@@ -225,7 +225,7 @@ def test_dict_outputs_and_3d_pooling_lower_and_match(tmp_path):
 def test_views_that_change_nothing_or_repeat_are_not_ops(tmp_path):
     """x[:, :] is x; the same view of the same value taken twice is one op (swin's window slices);
     a copy with its input's geometry (.to(copy=True)) stays a copy."""
-    from .conftest import save_script
+    from ..conftest import save_script
 
     class Views(torch.nn.Module):
         def forward(self, x):
