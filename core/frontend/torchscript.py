@@ -25,7 +25,8 @@ from ..errors import ModelError, UnsupportedError, first_line
 from ..ir import Graph, TensorSpec
 from ..ops import shapes
 from .finalize import finalize
-from .walker import SharedWrite, Walker, source_of  # noqa: F401  (source_of is part of the API)
+from .builder import SharedWrite
+from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)
 class Lowered:

@@ -77,7 +77,7 @@ METADATA_OPS = frozenset({
 
 # Ops that may run on the host while a `.pt2` is lowered, besides the allowlisted ones: factories
 # and integer arithmetic that index and mask computations fold to constants. Every fold is sized on
-# the meta device first and refused above `Walker.fold_limit` bytes. Any other op in a program is
+# the meta device first and refused above `GraphBuilder.fold_limit` bytes. Any other op in a program is
 # refused before it runs (`aten::from_file` would read or map a file, `aten::_print` write to the
 # terminal).
 HOST_FOLDABLE = frozenset({

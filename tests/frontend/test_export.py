@@ -175,7 +175,7 @@ def test_loading_caches_type_hints_only_while_it_reads(tmp_path):
     from a cache during the load and puts the original back after, even when the load fails."""
     import typing
 
-    from nimble.frontend.export import load_program
+    from nimble.frontend.program import load_program
 
     original = typing.get_type_hints
     path = export(tmp_path, nn.Linear(3, 2), (torch.randn(1, 3),))
@@ -242,7 +242,7 @@ def _program_returning_a_dataclass(tmp_path, monkeypatch, library: str):
 
 
 def test_a_program_returning_a_library_dataclass_loads_once_the_library_is_imported(tmp_path, monkeypatch):
-    from nimble.frontend import export as frontend_export
+    from nimble.frontend import program as frontend_export
 
     path = _program_returning_a_dataclass(tmp_path, monkeypatch, "outlib_known")
     monkeypatch.setattr(frontend_export, "OUTPUT_LIBRARIES", ("outlib_known",))

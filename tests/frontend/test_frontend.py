@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nimble import frontend
-from nimble.frontend import walker
+from nimble.frontend import builder
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
@@ -150,14 +150,14 @@ def test_ops_without_meta_kernels_fall_back_to_the_cpu(monkeypatch, name):
 
     shapes = MODELS[name][1]
     expected = lower_file(SAMPLES / f"{name}.pt", shapes).graph
-    real_call = walker.Walker._call
+    real_call = builder.GraphBuilder._call
 
     def no_meta(self, fn, args, kwargs, refs, device, target=None):
-        if device == walker._META:
+        if device == builder._META:
             raise NotImplementedError("no meta kernel (nor shape rule)")
         return real_call(self, fn, args, kwargs, refs, device)
 
-    monkeypatch.setattr(walker.Walker, "_call", no_meta)
+    monkeypatch.setattr(builder.GraphBuilder, "_call", no_meta)
     assert lower_file(SAMPLES / f"{name}.pt", shapes).graph == expected
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from nimble.errors import ModelError, UnsupportedError
 from nimble.frontend import archive
-from nimble.frontend.walker import Walker
+from nimble.frontend.builder import GraphBuilder
 from nimble.ops import targets
 
 from ..cli.test_cli import invoke, one_line_error
@@ -200,7 +200,7 @@ def test_a_huge_factory_is_refused_before_it_allocates(tmp_path):
 
 
 def test_strict_folding_runs_allowlisted_ops_and_named_factories_only(tmp_path, capfd):
-    walker = Walker("m", strict_folding=True)
+    walker = GraphBuilder("m", strict_folding=True)
     fold = lambda target, ins: walker.fold(targets.schema_op(target)._schema, target, ins, "here")  # noqa: E731
     assert fold("aten::ones.default", [[2, 3], None, None, None, None]).shape == (2, 3)
     assert fold("aten::add.Tensor", [torch.ones(2), torch.ones(2), 1]).tolist() == [2.0, 2.0]
@@ -216,14 +216,14 @@ def test_strict_folding_runs_allowlisted_ops_and_named_factories_only(tmp_path, 
 
 
 def test_torchscript_folding_is_sized_too():
-    walker = Walker("m")  # a TorchScript program: any op may fold, but none beyond the limit
+    walker = GraphBuilder("m")  # a TorchScript program: any op may fold, but none beyond the limit
     schema = targets.schema_op("aten::zeros.default")._schema
     with pytest.raises(UnsupportedError, match="at most"):
         walker.fold(schema, "aten::zeros.default", [[2**34], None, None, None, None], "here")
 
 
 def test_only_modules_that_define_outputs_are_imported(tmp_path, monkeypatch):
-    from nimble.frontend import export as frontend_export
+    from nimble.frontend import program as frontend_export
 
     imported = []
     monkeypatch.setattr(frontend_export.importlib, "import_module", imported.append)

@@ -1,0 +1,380 @@
+"""The graph builder every frontend emits through: IR values and ops from aten calls, typed on the
+meta device (or, where this torch lacks a meta kernel, on the CPU).
+
+A frontend reads its format (a TorchScript graph, a torch.export program) and calls `emit` for
+each device op, `fold` for host work on constants, and `add_input` for each input; `as_ref` turns
+a host tensor into a weight. The builder also applies, as ops arrive, the rewrites that depend on
+what was emitted before: common subexpressions (`cse`), repeated views of one value, canonical
+overloads (`x / 4.0` as `div.Scalar`). `finalize` turns what it built into a `Graph`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import ShapeError, UnsupportedError, first_line
+from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
+from ..ops import arguments, shapes, targets, types
+from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, NONDETERMINISTIC
+from . import reuse
+from .reuse import SharedWrite
+
+_META = torch.device("meta")
+IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
+                               "aten::feature_alpha_dropout", "aten::dropout_", "aten::feature_dropout_",
+                               "aten::alpha_dropout_", "aten::feature_alpha_dropout_"}  # (input, p, train)
+_UPDATES_RUNNING_STATS = {"aten::batch_norm", "aten::instance_norm"}  # (input, w, b, mean, var, training, ...)
+FOLD_LIMIT = 2**30  # bytes one host fold may allocate, and all of them together twice that (at least)
+TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
+# A number where the Tensor overload takes a tensor: the Scalar overload, which computes the same
+# and which the pointwise fusion takes, as a trace gives.
+_SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "sub", "mul", "div")}
+
+
+class GraphBuilder:
+    """The values, ops and weights of one model as a frontend emits them."""
+
+    def __init__(self, name: str, training: bool = False, cse: bool = True, strict_folding: bool = False,
+                 fold_limit: int = FOLD_LIMIT):
+        """`training`: random ops stay device ops, training-mode batch norm counts as writing its
+        running statistics, and nothing is computed once for two ops (`cse`). `strict_folding`:
+        fold on the host only allowlisted ops and HOST_FOLDABLE ones (a `.pt2` is data; a
+        TorchScript `.pt` is a program that the check runs anyway). Every fold is sized first and
+        refused beyond `fold_limit` bytes."""
+        self.name = name
+        self.strict_folding, self.fold_limit, self.folded_bytes = strict_folding, fold_limit, 0
+        self.training = training
+        self.cse = cse and not training  # computing the same op on the same values once
+        self.pure: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each pure op since the last write
+        self.shared: set[int] = set()  # values that stand for more than one op of the model
+        self.values: list[Value] = []
+        self.ops: list[Op] = []
+        self.meta: dict[int, torch.Tensor] = {}  # value id -> meta tensor
+        self.root_of: dict[int, int] = {}  # id(meta tensor) -> value id that owns its storage
+        self.weights: dict[str, torch.Tensor] = {}
+        self._suffix: dict[str, int] = {}  # base name -> the next suffix to try
+        self.weight_of: dict[int, int] = {}  # id(host tensor) -> weight value id
+        self.hold: list[torch.Tensor] = []  # keeps host tensors alive so their ids stay unique
+        self.unset: set[int] = set()  # ids of host tensors from torch.empty not yet filled
+        self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
+        self.inputs: list[int] = []
+        self.views: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each view op made -> its results
+
+    def name_constant(self, tensor: torch.Tensor, name: str) -> None:
+        """Name the weight `tensor` becomes if a device op reads it ('layer1.0.weight')."""
+        self.hints[id(tensor)] = name
+        self.hold.append(tensor)  # its id stays unique while the hint is read
+
+    def is_shared(self, vid: int) -> bool:
+        """Whether value `vid` stands for more than one op of the model (common subexpressions)."""
+        return vid in self.shared
+
+    # values -----------------------------------------------------------------------------------
+    def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
+        spec = TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype), tuple(tensor.stride()),
+                          tensor.storage_offset())
+        vid = len(self.values)
+        self.values.append(Value(vid, kind, spec, name, producer, alias_of))
+        meta = tensor if tensor.device == _META else torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META)
+        if meta.storage_offset() != spec.offset:  # a CPU stand-in's view: keep its offset
+            meta = torch.empty(spec.storage_nbytes // tensor.element_size(), dtype=tensor.dtype,
+                               device=_META).as_strided(tensor.shape, tensor.stride(), spec.offset)
+        self.meta[vid] = meta
+        root = vid if alias_of is None else alias_of
+        self.root_of.setdefault(id(meta), root)
+        if meta._is_view():  # a fresh result that is a view of a temporary inside its op
+            self.root_of.setdefault(id(meta._base), root)
+        return Ref(vid)
+
+    def add_input(self, name: str, spec: TensorSpec) -> Ref:
+        """The next graph input."""
+        ref = self._new_value(INPUT, torch.empty(spec.shape, dtype=types.DTYPES[spec.dtype], device=_META), name)
+        self.inputs.append(ref.id)
+        return ref
+
+    def as_ref(self, obj):
+        """A host tensor used by a device op becomes a weight; other objects pass through."""
+        if isinstance(obj, Ref):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            key = id(obj)
+            if key not in self.weight_of:
+                name = self._weight_name(self.hints.get(key, "const"))
+                tensor = obj.detach().contiguous()
+                self.weights[name] = tensor
+                self.weight_of[key] = self._new_value(WEIGHT, tensor, name).id
+                self.hold.append(obj)
+            return Ref(self.weight_of[key])
+        if isinstance(obj, (list, tuple)):
+            return tuple(self.as_ref(o) for o in obj)
+        return obj
+
+    def _weight_name(self, hint: str) -> str:
+        base = hint.removeprefix("self.")
+        if not base or base.replace(".", "").isdigit():
+            base = "const"
+        name, n = base, self._suffix.get(base, 1)
+        while name in self.weights:  # one try per name taken, not one per earlier weight
+            name, n = f"{base}_{n}", n + 1
+        self._suffix[base] = n
+        return name
+
+    # walking ----------------------------------------------------------------------------------
+
+    def tensor_of(self, obj) -> torch.Tensor:
+        return self.meta[obj.id] if isinstance(obj, Ref) else obj
+
+    def check_reads(self, schema, target: str, ins: list, source: str) -> None:
+        """Refuse an op that reads a tensor from torch.empty before it was filled in whole."""
+        if not self.unset or not any(id(a) in self.unset for a in flat(ins)):
+            return
+        if schema.name not in _OVERWRITES or any(id(a) in self.unset for a in flat(ins[1:])):
+            raise UnsupportedError(f"{self.name}: {target} at {source} reads uninitialized memory (from "
+                                   "torch.empty); nimble runs deterministic graphs only")
+        if schema.name.endswith("_"):  # torch.empty(...).fill_(v): set in whole before any read
+            self.unset.discard(id(ins[0]))
+
+    def fold(self, schema, target: str, ins: list, source: str):
+        """Run an op on host values alone (weights, constants, traced shapes) now, as freezing
+        does. A random op is refused; a torch.empty result may only be filled (`check_reads`); with
+        `strict_folding` only allowlisted and HOST_FOLDABLE ops run. Each result is sized on the
+        meta device before it runs."""
+        short = target.split("::")[1].split(".")[0]
+        if short in NONDETERMINISTIC and short not in _UNINITIALIZED:
+            raise UnsupportedError(f"{self.name}: {target} at {source} draws random numbers; nimble runs "
+                                   "deterministic graphs only")
+        overload = target.rsplit(".", 1)[-1]
+        if self.strict_folding and not targets.is_allowed(target) and \
+                (short not in HOST_FOLDABLE or "out" in overload or "names" in overload):
+            raise UnsupportedError(f"{self.name}: {target} at {source} is not an op nimble runs, so it was not "
+                                   "run; see the README's list of supported ops")
+        self._size_fold(schema, target, ins, source)
+        result = call_schema(schema, target, ins)
+        if short in _UNINITIALIZED and result.numel():
+            self.unset.add(id(result))
+            self.hold.append(result)
+        return result
+
+    def _size_fold(self, schema, target: str, ins: list, source: str) -> None:
+        """Refuse a fold whose results would pass `fold_limit` bytes, or all folds together twice
+        that, from a run on the meta device. An op without a meta kernel cannot be sized first: in
+        strict folding it is refused, else it runs."""
+        def meta(obj):
+            if isinstance(obj, torch.Tensor):
+                return obj.to(_META)
+            return [meta(o) for o in obj] if isinstance(obj, (list, tuple)) else obj
+
+        ins = [_META if spec.name == "device" else meta(obj) for spec, obj in zip(schema.arguments, ins)]
+        try:
+            results = list(flat([call_schema(schema, target, ins)]))
+        except Exception:
+            if self.strict_folding:
+                raise UnsupportedError(f"{self.name}: {target} at {source} on constants cannot be sized before "
+                                       "it runs, so it was not run") from None
+            return
+        size = sum(t.numel() * t.element_size() for t in results if isinstance(t, torch.Tensor) and not t._is_view())
+        self.folded_bytes += size
+        if size > self.fold_limit or self.folded_bytes > 2 * self.fold_limit:
+            raise UnsupportedError(f"{self.name}: {target} at {source} would make {size} bytes of constants on the "
+                                   f"host ({self.folded_bytes} in all); nimble folds at most {self.fold_limit} "
+                                   "bytes per op")
+
+    def op(self, target: str, ins: list, source: str) -> Ref:
+        """Emit `target` on `ins` (schema order, defaults left off); its first result."""
+        schema = targets.resolve(target)._schema
+        ins = list(ins) + [a.default_value for a in schema.arguments[len(ins):]]
+        result = self.emit(schema, target, ins, source)
+        return result if isinstance(result, Ref) else result[0]
+
+    def multi_head_attention(self, ins, source: str):
+        """nn.MultiheadAttention's inference fast path (what a trace of it records, in torchvision's
+        ViT say) as the ops it stands for: the input projections, scaled dot-product attention over
+        the heads, and the output projection. Without attention weights or a mask only."""
+        query, key, value, embed, heads, w, b, proj_w, proj_b, mask, need_weights = ins[:11]
+        if mask is not None or need_weights:
+            raise UnsupportedError(f"{self.name}: nn.MultiheadAttention at {source} with an attention mask or "
+                                   "need_weights=True; nimble lowers it without either")
+        if not isinstance(w, torch.Tensor) or (b is not None and not isinstance(b, torch.Tensor)):
+            raise UnsupportedError(f"{self.name}: nn.MultiheadAttention at {source} with computed weights")
+        if query is key is value:  # self-attention: one projection, split three ways
+            q, k, v = self.emit(targets.resolve("aten::split.Tensor")._schema, "aten::split.Tensor",
+                                [self.op("aten::linear.default", [query, w, b], source), embed, -1], source)
+        else:
+            q, k, v = (self.op("aten::linear.default", [x, w[i * embed:(i + 1) * embed],
+                                                        None if b is None else b[i * embed:(i + 1) * embed]], source)
+                       for i, x in enumerate((query, key, value)))
+        batch, length = self.meta[q.id].shape[:2]
+
+        def heads_first(x: Ref) -> Ref:
+            n = self.meta[x.id].shape[1]
+            return self.op("aten::transpose.int", [self.op("aten::reshape.default", [x, [batch, n, heads, -1]], source),
+                                                   1, 2], source)
+
+        attended = self.op("aten::scaled_dot_product_attention.default",
+                           [heads_first(q), heads_first(k), heads_first(v)], source)
+        merged = self.op("aten::reshape.default",
+                         [self.op("aten::transpose.int", [attended, 1, 2], source), [batch, length, embed]], source)
+        return self.op("aten::linear.default", [merged, proj_w, proj_b], source), None
+
+    def emit(self, schema, target: str, ins: list, source: str) -> Ref | list[Ref]:
+        """Append the device op `target` applied to `ins` (in schema order: Refs, host tensors,
+        which become weights, and plain values), typed on the meta device. Returns its results'
+        Refs, or the input's own Ref where the op would hand back its input unchanged. Every
+        frontend lowers its device ops through here."""
+        if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
+            target = _SCALAR_TWINS[target]  # x / 4.0 as export records it: div.Tensor with a number
+            schema = targets.resolve(target)._schema
+        if _shape_from_values(schema, ins, self.meta):
+            raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
+                                   "the values of its input; nimble compiles graphs whose shapes follow from the "
+                                   "input shapes alone (run such steps, detection post-processing say, in PyTorch)")
+        if not targets.is_allowed(target, self.training):
+            raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
+                                   "see the README's list of supported ops")
+        args, kwargs = [], []
+        for spec, obj in zip(schema.arguments, ins):
+            ir = arguments.from_ivalue(self.as_ref(obj), str(spec.type))
+            (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
+        fn = targets.resolve(target, self.training)
+        refs = refs_in(args + [v for _, v in kwargs])
+        view_key = reuse.view_key(schema, target, args, kwargs)
+        if view_key in self.views:  # the same view of the same value, made again: one op serves
+            return self.views[view_key]
+        pure_key = reuse.pure_key(schema, target, args, kwargs) if self.cse else None
+        if pure_key in self.pure:  # computed before from the same values, with no write since
+            self.shared.update(r.id for r in self.pure[pure_key])
+            return self.pure[pure_key]
+        try:
+            results, used = self._call(fn, args, kwargs, refs, _META, target)
+        except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
+            results, used = self._call(fn, args, kwargs, refs, torch.device("cpu"))
+        except Exception as e:
+            shapes = ", ".join(str(list(self.meta[r].shape)) for r in refs_in(args))
+            raise ShapeError(f"{self.name}: op {target} at {source} rejects its inputs "
+                             f"(tensor shapes {shapes}): {first_line(e)}") from e
+        passed = {id(t): r for r, t in used.items()}  # `used` keeps the stand-ins alive, so ids stay unique
+        writes = _written_args(schema, args, kwargs)
+        if self.training and schema.name in _UPDATES_RUNNING_STATS and args[5] is True:
+            writes += refs_in(args[3:5])  # running_mean, running_var: updated in place, unannotated
+        if writes:
+            self.pure.clear()  # what was computed before may differ after this
+            if any(self._root(w) in self.shared for w in writes):
+                raise SharedWrite(f"{self.name}: {target} at {source} writes a value that stands for two ops")
+        if not writes and len(results) == 1 and id(results[0]) in passed:
+            # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
+            # nothing to run.
+            return Ref(passed[id(results[0])])
+        same = reuse.same_view(schema, args, results, used)
+        if not writes and same is not None:  # a view with its input's exact geometry (x[:, :]): nothing to run
+            return Ref(same)
+        op_id = len(self.ops)
+        out_refs = []
+        for t in results:
+            alias = None
+            if id(t) in passed:  # written in place and handed back
+                alias = self._root(passed[id(t)])
+            elif t._is_view() and id(t._base) in passed:
+                alias = self._root(passed[id(t._base)])
+            elif t._is_view():  # a view of a known value, or else of a temporary inside the op
+                alias = self.root_of.get(id(t._base))
+            name = f"{short_name(target)}_{op_id}"
+            out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
+        self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
+                           tuple(r.id for r in out_refs), tuple(writes), (), source))
+        if view_key is not None and not writes and all(self.values[r.id].alias_of is not None for r in out_refs):
+            self.views[view_key] = out_refs  # real views only: `to`, `reshape` and `contiguous` may copy
+        if pure_key is not None and not writes and all(self.values[r.id].alias_of is None for r in out_refs):
+            self.pure[pure_key] = out_refs
+        return out_refs
+
+    def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
+        """Run `fn` on stand-ins for its tensors: meta tensors (through the op's shape rule where
+        it has one, which is much faster than its meta kernel), or on the CPU, weights and zeros.
+        Returns the flat results and the stand-in of each value read."""
+        if device == _META:
+            tensors = self.meta
+        else:
+            tensors = {r: self._cpu_example(r) for r in refs}
+        call_args = [arguments.to_torch(a, tensors, device) for a in args]
+        call_kwargs = {k: arguments.to_torch(v, tensors, device) for k, v in kwargs}
+        inferred = shapes.infer(target, call_args, call_kwargs) if device == _META and target else None
+        results = inferred if inferred is not None else arguments.flatten_result(fn(*call_args, **call_kwargs))
+        return results, {r: tensors[r] for r in refs}
+
+    def _cpu_example(self, vid: int) -> torch.Tensor:
+        v = self.values[vid]
+        if v.kind == WEIGHT:
+            return self.weights[v.name].cpu()  # a module prepared for training may live on the GPU
+        meta = self.meta[vid]
+        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).zero_()
+
+    def _root(self, vid: int) -> int:
+        alias = self.values[vid].alias_of
+        return vid if alias is None else alias
+
+
+def short_name(target: str) -> str:
+    return target.split("::")[-1].split(".")[0]
+
+
+def _shape_from_values(schema, ins: list, meta: dict) -> bool:
+    """The op's result shape depends on the values of a device tensor: a DATA_DEPENDENT op,
+    `where(condition)`, or indexing with a boolean mask that the model computed."""
+    if schema.name in DATA_DEPENDENT or (schema.name == "aten::where" and len(schema.arguments) == 1):
+        return True
+    if schema.name in ("aten::index", "aten::index_put", "aten::index_put_") and len(ins) > 1:
+        return any(isinstance(i, Ref) and meta[i.id].dtype in (torch.bool, torch.uint8) for i in flat([ins[1]]))
+    return False
+
+
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_OVERWRITES = {  # read no element of their first argument, only its shape and dtype
+    "aten::fill_", "aten::zero_", "aten::fill", "aten::zero", "aten::full_like", "aten::zeros_like", "aten::ones_like",
+    "aten::empty_like", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty",
+}
+
+
+
+
+def flat(objs):
+    for o in objs:
+        if isinstance(o, dict):
+            yield from flat(list(o.values()))  # in insertion order, as the model built it
+        elif isinstance(o, (list, tuple)):
+            yield from flat(o)
+        else:
+            yield o
+
+
+def refs_in(args):
+    return [a.id for a in flat(args) if isinstance(a, Ref)]
+
+
+
+
+
+def _written_args(schema, args, kwargs) -> list[int]:
+    """Value ids the op writes in place, from the schema's `Tensor(a!)` annotations."""
+    by_name = dict(kwargs)
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    written = []
+    for spec in schema.arguments:
+        if spec.alias_info is not None and spec.alias_info.is_write:
+            arg = by_name[spec.name] if spec.kwarg_only else args[positional.index(spec)]
+            written.extend(refs_in([arg]))
+    return written
+
+
+def call_schema(schema, target: str, ins: list):
+    """Run an op on the host with the node's inputs, which come in schema order: kwarg-only
+    arguments (sub.Tensor's alpha, say) are passed by name, as torch.ops requires."""
+    args, kwargs = [], {}
+    for spec, value in zip(schema.arguments, ins):
+        if spec.kwarg_only:
+            kwargs[spec.name] = value
+        else:
+            args.append(value)
+    return targets.schema_op(target)(*args, **kwargs)
