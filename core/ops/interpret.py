@@ -7,6 +7,7 @@ import torch
 
 from ..ir import Local
 from . import shapes
+from .execute import Executor, run_ops
 from .targets import resolve
 
 
@@ -14,17 +15,29 @@ def run_fused(body) -> torch.Tensor:
     """A fused op's body (`ops/fusion.py`), interpreted node by node with its aten overloads.
     `body` is as `to_torch` gives it: its Refs are tensors already, its Locals still Locals. On
     the meta device, nodes with a shape rule are typed by it."""
-    results: list[torch.Tensor] = []
+    executor = _Body()
+    run_ops(body, executor)
+    return executor.results[-1]
 
-    def local(a):
+
+class _Body(Executor):
+    def __init__(self):
+        self.results: list[torch.Tensor] = []
+
+    def _local(self, a):
         if isinstance(a, Local):
-            return results[a.index]
-        return [local(x) for x in a] if isinstance(a, list) else a
+            return self.results[a.index]
+        return [self._local(x) for x in a] if isinstance(a, list) else a
 
-    for target, args, kwargs in body:
-        args, kwargs = [local(a) for a in args], {k: local(v) for k, v in kwargs}
-        found = None
-        if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
-            found = shapes.infer(target, args, kwargs)
-        results.append(found[0] if found is not None else resolve(target)(*args, **kwargs))
-    return results[-1]
+    def arguments(self, node):
+        _, args, kwargs = node
+        return [self._local(a) for a in args], {k: self._local(v) for k, v in kwargs}
+
+    def call(self, node, args, kwargs):
+        target = node[0]
+        found = shapes.infer(target, args, kwargs) if any(isinstance(a, torch.Tensor) and a.is_meta for a in args) \
+            else None
+        return [found[0] if found is not None else resolve(target)(*args, **kwargs)]
+
+    def bind(self, node, results):
+        self.results.append(results[0])

@@ -25,14 +25,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError, first_line
+from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError
 from ..ir import WEIGHT
+from ..ops.execute import run_ops
 from ..stages import Stages
 from ..ops import types
 from . import indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
 from .device import resolve_device
-from .placement import PlacedOp, arena_views, prepare, run_op
+from .placement import PlacedOp, PlacedRun, arena_views, prepare
 from .preflight import preflight
 
 
@@ -207,18 +208,9 @@ class Executable:
         """Issue every op in order on its stream, waiting on the planned events. With `validate`,
         an op that fails is named with its source line."""
         env = self._env()
-
-        def run(i: int) -> None:
-            p = self._placed[i]
-            try:
-                run_op(p, env, self._views, self.device)
-            except Exception as e:
-                if not validate:
-                    raise
-                raise ExecutionError(f"op {i} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
-                                     f"{first_line(e)}") from e
-
-        streams.issue(self._order, run, self.device, self._streams, self._stream_of, self._waits)
+        run_ops(self._placed, PlacedRun(env, self._views, self.device, name_failures=validate), self._order,
+                lambda order, step: streams.issue(order, step, self.device, self._streams, self._stream_of,
+                                                  self._waits))
         self._env_after = env
         return env
 

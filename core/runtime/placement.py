@@ -15,7 +15,9 @@ from typing import Callable
 
 import torch
 
+from ..errors import ExecutionError, first_line
 from ..ops import arguments, fusion, interpret, targets, types
+from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
@@ -130,26 +132,43 @@ def arena_views(graph: Graph, memory: MemoryPlan, arena: torch.Tensor, channels_
     return views
 
 
-def run_op(p: PlacedOp, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device) -> None:
-    """Run one op: planned outputs are written into their views, the rest bound as returned."""
-    op = p.op
-    args, kwargs = arguments.op_arguments(op, env, device)
-    if p.clamps and device.type == "cuda":  # computed indices: out of range would trip a device-side assert
-        args = clamped(args, p.clamps)
-    planned = [views.get(o) for o in op.outputs]
-    if planned and all(t is not None for t in planned):
-        got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
-        if got is not None:
-            env[op.outputs[0]] = got
-            return
-        if p.out_fn is not None:
-            p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
-            env.update(zip(op.outputs, planned))
-            return
-    results = arguments.flatten_result(p.fn(*args, **kwargs))
-    for vid, t, view in zip(op.outputs, results, planned):
-        if view is None:
-            env[vid] = t  # a view or in-place result, or an output outside the arena
-        else:
-            view.copy_(t)
-            env[vid] = view
+class PlacedRun(Executor):
+    """Each op with its outputs written into their planned views (`arena_views`): an op's
+    substitute where it has one, else its out= overload, else computed and copied in. Views and
+    in-place results are bound as returned. With `name_failures`, an op that fails is named with
+    its source line."""
+
+    def __init__(self, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device,
+                 name_failures: bool = True):
+        self.env, self.views, self.device, self.name_failures = env, views, device, name_failures
+
+    def arguments(self, p: PlacedOp):
+        args, kwargs = arguments.op_arguments(p.op, self.env, self.device)
+        if p.clamps and self.device.type == "cuda":  # computed indices: out of range would trip a device-side assert
+            args = clamped(args, p.clamps)
+        return args, kwargs
+
+    def call(self, p: PlacedOp, args, kwargs) -> list[torch.Tensor]:
+        planned = [self.views.get(o) for o in p.op.outputs]
+        if planned and all(t is not None for t in planned):
+            got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
+            if got is not None:
+                return [got]
+            if p.out_fn is not None:
+                p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
+                return planned
+        results = arguments.flatten_result(p.fn(*args, **kwargs))
+        for t, view in zip(results, planned):
+            if view is not None:
+                view.copy_(t)
+        # a view or in-place result, or an output outside the arena, is bound as returned
+        return [t if view is None else view for t, view in zip(results, planned)]
+
+    def bind(self, p: PlacedOp, results) -> None:
+        self.env.update(zip(p.op.outputs, results))
+
+    def failed(self, p: PlacedOp, error):
+        if not self.name_failures:
+            return None
+        return ExecutionError(f"op {p.op.id} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
+                              f"{first_line(error)}")

@@ -26,6 +26,7 @@ import torch
 from ..errors import ArtifactError, first_line
 from ..ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
 from ..ops import arguments, shapes, targets, types
+from ..ops.execute import Executor, run_ops
 from ..plan.memory import MemoryPlan
 
 _META = torch.device("meta")
@@ -53,14 +54,28 @@ def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
         if v.spec.storage_nbytes > capacity[root]:
             raise ArtifactError(f"{name}: value {v.id} ('{v.name}') spans {v.spec.storage_nbytes} bytes of a "
                                 f"{capacity[root]}-byte buffer")
-    buffers: dict[int, torch.Tensor] = {}  # root activation -> meta storage of its planned size
-    for op in graph.ops:
-        args, kwargs = arguments.op_arguments(op, env, _META)
-        where = f"{name}: op {op.id} ({op.target})"
-        try:
-            results = arguments.flatten_result(_run(op.target, args, kwargs))
-        except Exception as e:
-            raise ArtifactError(f"{where} rejects its declared inputs: {first_line(e)}") from None
+    run_ops(graph.ops, _Preflight(graph, env, capacity, name))
+
+
+class _Preflight(Executor):
+    """Each op on the meta device over stand-ins laid out as the runtime lays out real tensors;
+    each result checked against its declared spec and buffer before it is bound."""
+
+    def __init__(self, graph: Graph, env: dict[int, torch.Tensor], capacity: dict[int, int], name: str):
+        self.graph, self.env, self.capacity, self.name = graph, env, capacity, name
+        self.buffers: dict[int, torch.Tensor] = {}  # root activation -> meta storage of its planned size
+
+    def arguments(self, op):
+        return arguments.op_arguments(op, self.env, _META)
+
+    def call(self, op, args, kwargs):
+        return arguments.flatten_result(_run(op.target, args, kwargs))
+
+    def failed(self, op, error):
+        return ArtifactError(f"{self.name}: op {op.id} ({op.target}) rejects its declared inputs: {first_line(error)}")
+
+    def bind(self, op, results):
+        graph, env, where = self.graph, self.env, f"{self.name}: op {op.id} ({op.target})"
         if len(results) != len(op.outputs) or not all(isinstance(t, torch.Tensor) for t in results):
             raise ArtifactError(f"{where} returns {len(results)} results, the graph declares {len(op.outputs)}")
         for vid, t in zip(op.outputs, results):
@@ -76,12 +91,12 @@ def _check(graph: Graph, memory: MemoryPlan, name: str) -> None:
                 if any(t.untyped_storage()._cdata == env[r].untyped_storage()._cdata for r in op.refs()):
                     raise ArtifactError(f"{where}: value {vid} is a view of an input but is declared as a buffer "
                                         "of its own")
-                storage = torch.empty(capacity[vid], dtype=torch.uint8, device=_META)
-                buffers[vid] = storage
+                storage = torch.empty(self.capacity[vid], dtype=torch.uint8, device=_META)
+                self.buffers[vid] = storage
                 env[vid] = storage.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()) \
-                    if capacity[vid] % t.element_size() == 0 else t
+                    if self.capacity[vid] % t.element_size() == 0 else t
             else:
-                base = buffers.get(v.alias_of, env.get(v.alias_of))
+                base = self.buffers.get(v.alias_of, env.get(v.alias_of))
                 if base is None or t.untyped_storage()._cdata != base.untyped_storage()._cdata:
                     raise ArtifactError(f"{where}: value {vid} is declared a view of value {v.alias_of}, "
                                         "but the op does not return one")

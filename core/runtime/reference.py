@@ -10,6 +10,7 @@ import torch
 from ..errors import ExecutionError, ShapeError, first_line
 from ..ir import WEIGHT, Graph
 from ..ops import arguments, targets, types
+from ..ops.execute import Executor, run_ops
 
 
 def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
@@ -18,17 +19,28 @@ def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tenso
     device = torch.device(device)
     tensors = bind(graph, weights, inputs, device)
     with torch.no_grad():
-        for op in graph.ops:
-            fn = targets.resolve(op.target)
-            args, kwargs = arguments.op_arguments(op, tensors, device)
-            try:
-                results = arguments.flatten_result(fn(*args, **kwargs))
-            except Exception as e:
-                raise ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {device}: "
-                                     f"{first_line(e)}") from e
-            for vid, t in zip(op.outputs, results):
-                tensors[vid] = t
+        run_ops(graph.ops, _Serial(tensors, device))
     return [tensors[o] for o in graph.outputs]
+
+
+class _Serial(Executor):
+    """One aten call per op, on `device`."""
+
+    def __init__(self, tensors: dict[int, torch.Tensor], device: torch.device):
+        self.tensors, self.device = tensors, device
+
+    def arguments(self, op):
+        return arguments.op_arguments(op, self.tensors, self.device)
+
+    def call(self, op, args, kwargs):
+        return arguments.flatten_result(targets.resolve(op.target)(*args, **kwargs))
+
+    def bind(self, op, results):
+        self.tensors.update(zip(op.outputs, results))
+
+    def failed(self, op, error):
+        return ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {self.device}: "
+                              f"{first_line(error)}")
 
 
 def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],

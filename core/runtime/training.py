@@ -24,6 +24,7 @@ import torch
 from ..errors import ExecutionError, ModelError, first_line
 from ..ir import WEIGHT, Graph
 from ..ops import arguments, targets, types
+from ..ops.execute import Executor, run_ops
 from ..plan.schedule import Schedule
 from . import streams
 
@@ -90,28 +91,10 @@ class TrainingGraph:
         """The forward, with autograd, each op on its planned stream; returns the graph outputs."""
         env = dict(self.bound)
         env.update(zip(self.graph.inputs, self.inputs))
-        cuda = self.device.type == "cuda"
-
-        def run(i: int) -> None:
-            self._run(i, env)
-            if cuda:
-                stream = torch.cuda.current_stream(self.device)
-                for r in self._cross[i]:
-                    env[r].record_stream(stream)
-
         sched = self.schedule
-        streams.issue(self._order, run, self.device, self._streams, sched.stream, sched.waits)
+        run_ops(self.graph.ops, _Forward(self, env), self._order,
+                lambda order, step: streams.issue(order, step, self.device, self._streams, sched.stream, sched.waits))
         return [env[o] for o in self.graph.outputs]
-
-    def _run(self, i: int, env: dict[int, torch.Tensor]) -> None:
-        op = self.graph.ops[i]
-        args, kwargs = arguments.op_arguments(op, env, self.device)
-        try:
-            results = arguments.flatten_result(self._fns[i](*args, **kwargs))
-        except Exception as e:
-            raise ExecutionError(f"op {i} ({op.target}, from {op.source}) fails on {self.device} in "
-                                 f"training mode: {first_line(e)}") from e
-        env.update(zip(op.outputs, results))
 
     def _grads(self, outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor]):
         return torch.autograd.grad(outputs, self.params, grad_outputs, allow_unused=True)
@@ -197,3 +180,29 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(id(t))
             out.append(t)
     return out
+
+
+class _Forward(Executor):
+    """The training forward, op by op with autograd. On CUDA, a tensor read on a stream other than
+    the one that made it is recorded there, so the allocator never hands its memory out again
+    until that stream is done with it (forward and backward)."""
+
+    def __init__(self, runner: TrainingGraph, env: dict[int, torch.Tensor]):
+        self.runner, self.env = runner, env
+
+    def arguments(self, op):
+        return arguments.op_arguments(op, self.env, self.runner.device)
+
+    def call(self, op, args, kwargs):
+        return arguments.flatten_result(self.runner._fns[op.id](*args, **kwargs))
+
+    def bind(self, op, results):
+        self.env.update(zip(op.outputs, results))
+        if self.runner.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.runner.device)
+            for r in self.runner._cross[op.id]:
+                self.env[r].record_stream(stream)
+
+    def failed(self, op, error):
+        return ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {self.runner.device} in "
+                              f"training mode: {first_line(error)}")
