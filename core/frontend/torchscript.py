@@ -211,4 +211,5 @@ def _walk(module: torch.jit.ScriptModule, graph: torch._C.Graph, inputs: list[Te
         except SharedWrite:  # a value that stands for two ops is written in place: keep them apart
             continue
     outputs = walker.graph_outputs(graph)
-    return finalize(walker.values, walker.ops, walker.inputs, outputs, walker.weights)
+    built = walker.builder
+    return finalize(built.values, built.ops, built.inputs, outputs, built.weights)

@@ -1,5 +1,6 @@
 """The TorchScript frontend's interpreter: one walk over an inlined TorchScript graph, node by
-node, emitting its device ops through the `GraphBuilder`.
+node, emitting its device ops through its `GraphBuilder` (`Walker.builder`), whose public methods
+are all it uses.
 
 Host-side nodes (constants, lists, tuples, sizes, ints, `prim::If` on known conditions, loops
 with known trip counts) are evaluated on the spot; every other node is a device op.
@@ -53,7 +54,7 @@ class ModuleAttr:
         self.module, self.prefix = module, prefix
 
 
-class Walker(GraphBuilder):
+class Walker:
     """One pass over a TorchScript graph, building IR values and ops as it goes.
 
     For inference the graph is frozen (`torchscript.frozen_graph`): weights are constants, and
@@ -63,7 +64,8 @@ class Walker(GraphBuilder):
     batch norm counts as writing its running statistics."""
 
     def __init__(self, name: str, training: bool = False, cse: bool = True):
-        super().__init__(name, training, cse)
+        self.name = name
+        self.builder = GraphBuilder(name, training, cse)  # the one way ops are emitted
         self.attrs: dict[str, torch.Tensor] = {}  # qualified name -> the module's tensor
         self.attr_ids: set[int] = set()  # ids of those tensors: device values, never folded
         self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object
@@ -83,10 +85,9 @@ class Walker(GraphBuilder):
         if isinstance(value, torch.Tensor):
             if qualified not in self.attrs:  # one tensor object per attribute, so one weight value
                 self.attrs[qualified] = value
-                if self.training:  # a device value, never folded; in inference, a constant
+                if self.builder.training:  # a device value, never folded; in inference, a constant
                     self.attr_ids.add(id(value))
-                self.hints[id(value)] = qualified
-                self.hold.append(value)
+                self.builder.name_constant(value, qualified)
             return self.attrs[qualified]
         return value
 
@@ -100,7 +101,7 @@ class Walker(GraphBuilder):
             if not param.type().isSubtypeOf(torch._C.TensorType.get()):
                 raise UnsupportedError(f"{self.name} input '{name}' is a {param.type()}, not a "
                                        "Tensor; nimble takes models whose inputs are all tensors")
-            self.env[param.unique()] = self.add_input(name, spec)
+            self.env[param.unique()] = self.builder.add_input(name, spec)
 
     def block(self, block) -> None:
         for node in block.nodes():
@@ -122,8 +123,7 @@ class Walker(GraphBuilder):
         if kind == "prim::Constant":
             value = outs[0].toIValue() if outs[0].type().kind() != "NoneType" else None
             if isinstance(value, torch.Tensor):
-                self.hints[id(value)] = outs[0].debugName()
-                self.hold.append(value)
+                self.builder.name_constant(value, outs[0].debugName())
             self.env[outs[0].unique()] = value
         elif kind == "prim::ListConstruct":
             self.env[outs[0].unique()] = list(ins)
@@ -151,7 +151,7 @@ class Walker(GraphBuilder):
         elif kind == "prim::NumToTensor":
             self.env[outs[0].unique()] = torch.tensor(ins[0])
         elif kind == "prim::dtype":
-            self.env[outs[0].unique()] = self.tensor_of(ins[0]).dtype
+            self.env[outs[0].unique()] = self.builder.tensor_of(ins[0]).dtype
         elif kind == "prim::device":
             self.env[outs[0].unique()] = torch.device("cpu")  # any device argument means "the run's"
         elif kind == "prim::If":
@@ -215,23 +215,23 @@ class Walker(GraphBuilder):
         refs = any(isinstance(a, Ref) or id(a) in self.attr_ids for a in flat(ins))
         tensor_out = any(_is_tensor_type(o.type()) for o in outs)
         short = target.split("::")[1].split(".")[0]
-        self.check_reads(schema, target, ins, source)
-        if not refs and not (self.training and short in NONDETERMINISTIC):
+        self.builder.check_reads(schema, target, ins, source)
+        if not refs and not (self.builder.training and short in NONDETERMINISTIC):
             python = host_op(schema.name) if not tensor_out else None
-            self._bind_host(outs, python(*ins) if python else self.fold(schema, target, ins, source))
+            self._bind_host(outs, python(*ins) if python else self.builder.fold(schema, target, ins, source))
         elif schema.name == "aten::_shape_as_tensor":  # a traced x.shape: static here, so a host tensor
-            shape = self.meta[ins[0].id].shape if isinstance(ins[0], Ref) else ins[0].shape
+            shape = self.builder.meta[ins[0].id].shape if isinstance(ins[0], Ref) else ins[0].shape
             self._bind_host(outs, torch.tensor(shape, dtype=torch.long))
         elif not tensor_out:
             if schema.name not in METADATA_OPS:
                 self._data_dependent(node)
-            args = [self.tensor_of(a) if isinstance(a, Ref) else a for a in ins]
+            args = [self.builder.tensor_of(a) if isinstance(a, Ref) else a for a in ins]
             python = host_op(schema.name)
             self._bind_host(outs, python(*args) if python else call_schema(schema, target, args))
         elif schema.name in IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         elif target == "aten::_native_multi_head_attention.default":
-            self._bind_host(outs, self.multi_head_attention(ins, source))
+            self._bind_host(outs, self.builder.multi_head_attention(ins, source))
         else:
             if target in _CANONICAL:
                 target, keep = _CANONICAL[target]
@@ -246,7 +246,7 @@ class Walker(GraphBuilder):
                 self.env[o.unique()] = r
 
     def _device_op(self, node, schema, target, ins, outs, source) -> None:
-        result = self.emit(schema, target, ins, source)
+        result = self.builder.emit(schema, target, ins, source)
         listed = len(outs) == 1 and outs[0].type().kind() == "ListType"  # Tensor[] (split, chunk, unbind)
         if isinstance(result, Ref):  # one result, or a split that hands back its input
             self.env[outs[0].unique()] = [result] if listed else result
@@ -259,7 +259,7 @@ class Walker(GraphBuilder):
         out = []
         for obj in flat([self._get(v) for v in graph.outputs()]):
             if isinstance(obj, torch.Tensor):
-                obj = self.as_ref(obj)
+                obj = self.builder.as_ref(obj)
             if not isinstance(obj, Ref):
                 raise UnsupportedError(f"{self.name} returns a {type(obj).__name__}; nimble needs "
                                        "models that return tensors (or tuples, lists and dicts of them)")
