@@ -20,6 +20,7 @@ from pathlib import Path
 
 import report
 import torch
+from hf_trust import ByName
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,16 +40,8 @@ def artifacts(tmp: Path) -> dict[str, Path]:
     except ImportError:
         return out
 
-    class ByName(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids, mask):
-            return self.model(input_ids=ids, attention_mask=mask, return_dict=False)
-
     torch.manual_seed(0)
-    model = ByName(hf.BertModel(hf.BertConfig()).eval())
+    model = ByName(hf.BertModel(hf.BertConfig()).eval(), tuples=True)  # as hf_trust.py traces it
     xs = (torch.randint(0, 30522, (1, 128)), torch.ones(1, 128, dtype=torch.long))
     with torch.no_grad():
         torch.jit.save(torch.jit.trace(model, xs, check_trace=False), str(tmp / "bert_base.pt"))

@@ -66,9 +66,6 @@ def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     return gpu_ms(call, torch.device("cuda"), calls, repeats, warmup=10)
 
 
-def latency_ms(call, n: int = 200) -> float:
-    return report.median_ms(call, n)
-
 
 def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
     from nimble.runtime.executable import Executable
@@ -122,7 +119,7 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
 
     def record(variant, call, sync_call=None):
         row["gpu_bound_ms"][variant] = gpu_bound_ms(call)
-        row["latency_ms"][variant] = latency_ms(sync_call or call)
+        row["latency_ms"][variant] = report.median_ms(sync_call or call)
 
     with torch.no_grad():
         gpu_model = model.cuda()

@@ -29,30 +29,17 @@ MAX_NODES = 64  # nodes in one body
 
 CONVOLUTIONS = frozenset({"aten::conv2d.default", "aten::convolution.default", "aten::_convolution.default"})
 
-# Elementwise ops a body may hold: target -> the positions of its tensor operands. Every other
-# argument is a number (or None), so every op here is elementwise over broadcast operands.
-POINTWISE: dict[str, tuple[int, ...]] = {
-    "aten::relu.default": (0,), "aten::relu6.default": (0,), "aten::sigmoid.default": (0,),
-    "aten::silu.default": (0,), "aten::hardswish.default": (0,), "aten::hardsigmoid.default": (0,),
-    "aten::tanh.default": (0,), "aten::gelu.default": (0,), "aten::hardtanh.default": (0,),
-    "aten::leaky_relu.default": (0,), "aten::clamp.default": (0,), "aten::clamp_min.default": (0,),
-    "aten::clamp_max.default": (0,), "aten::neg.default": (0,), "aten::exp.default": (0,),
-    "aten::sqrt.default": (0,), "aten::rsqrt.default": (0,), "aten::reciprocal.default": (0,),
-    "aten::abs.default": (0,), "aten::erf.default": (0,),
-    "aten::add.Tensor": (0, 1), "aten::sub.Tensor": (0, 1), "aten::mul.Tensor": (0, 1),
-    "aten::div.Tensor": (0, 1), "aten::maximum.default": (0, 1), "aten::minimum.default": (0, 1),
-    "aten::add.Scalar": (0,), "aten::sub.Scalar": (0,), "aten::mul.Scalar": (0,), "aten::div.Scalar": (0,),
-}
-FLOATS = frozenset({"float32", "float16", "bfloat16"})  # the dtypes a fused body computes in
-
-# Each body op's schema as a fused body may use it: its positional slots ("tensor": a Ref or Local,
-# "number": an int or float, "number?": that or None), how many of them are required, and its
-# keyword-only arguments. Nothing else is accepted, so the CPU, cuDNN and generated paths all see
-# the same call.
+# Elementwise ops a body may hold, each with its schema as a fused body may use it: its positional
+# slots ("tensor": a Ref or Local, "number": an int or float, "number?": that or None), how many of
+# them are required, and its keyword-only arguments. Nothing else is accepted, so the CPU, cuDNN
+# and generated paths all see the same call. Every non-tensor slot is a number (or None), so every
+# op here is elementwise over broadcast operands.
 _UNARY_SIGNATURE = (("tensor",), 1, {})
 _BINARY_SIGNATURE = (("tensor", "tensor"), 2, {})
 SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
-    **{t: _UNARY_SIGNATURE for t, pos in POINTWISE.items() if pos == (0,) and not t.endswith(".Scalar")},
+    **{f"aten::{name}.default": _UNARY_SIGNATURE for name in (
+        "relu", "relu6", "sigmoid", "silu", "hardswish", "hardsigmoid", "tanh", "neg", "exp", "sqrt", "rsqrt",
+        "reciprocal", "abs", "erf")},
     "aten::gelu.default": (("tensor",), 1, {"approximate": "approximate"}),
     "aten::hardtanh.default": (("tensor", "number", "number"), 1, {}),
     "aten::leaky_relu.default": (("tensor", "number"), 1, {}),
@@ -67,6 +54,10 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
     "aten::sub.Scalar": (("tensor", "number", "number"), 2, {}),
     "aten::mul.Scalar": (("tensor", "number"), 2, {}), "aten::div.Scalar": (("tensor", "number"), 2, {}),
 }
+# target -> the positions of its tensor operands
+POINTWISE: dict[str, tuple[int, ...]] = {
+    target: tuple(i for i, kind in enumerate(slots) if kind == "tensor") for target, (slots, _, _) in SIGNATURES.items()}
+FLOATS = frozenset({"float32", "float16", "bfloat16"})  # the dtypes a fused body computes in
 _CONV_SIGNATURES = {  # input, weight, bias, then int lists and flags
     "aten::conv2d.default": (("tensor?", "ints", "ints", "ints", "int"), 2),
     "aten::convolution.default": (("tensor?", "ints", "ints", "ints", "bool", "ints", "int"), 9),
@@ -117,13 +108,24 @@ def check(op: Op) -> None:
             raise GraphError(f"fused op {op.id} holds an argument of kind {type(a).__name__}")
 
 
+def _number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+def _int(a) -> bool:
+    return isinstance(a, int) and not isinstance(a, bool)
+
+
+_KINDS = {  # slot kind -> what an argument in it may be
+    "tensor": lambda a: isinstance(a, (Ref, Local)), "tensor?": lambda a: a is None or isinstance(a, Ref),
+    "number": _number, "number?": lambda a: a is None or _number(a), "approximate": lambda a: a in ("none", "tanh"),
+    "int": _int, "bool": lambda a: isinstance(a, bool),
+    "ints": lambda a: isinstance(a, tuple) and 1 <= len(a) <= 3 and all(_int(n) and 0 <= n <= 2**16 for n in a),
+}
+
+
 def _is(kind: str, a) -> bool:
-    number = isinstance(a, (int, float)) and not isinstance(a, bool)
-    return {"tensor": isinstance(a, (Ref, Local)), "tensor?": a is None or isinstance(a, Ref),
-            "number": number, "number?": a is None or number, "approximate": a in ("none", "tanh"),
-            "int": isinstance(a, int) and not isinstance(a, bool), "bool": isinstance(a, bool),
-            "ints": isinstance(a, tuple) and 1 <= len(a) <= 3
-            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 2**16 for n in a)}[kind]
+    return _KINDS[kind](a)
 
 
 def _pointwise_problem(node) -> str | None:

@@ -27,9 +27,9 @@ import torch
 
 from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError
 from ..ir import WEIGHT
+from ..ops import types
 from ..ops.execute import run_ops
 from ..stages import Stages
-from ..ops import types
 from . import indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
 from .device import resolve_device
@@ -251,8 +251,7 @@ class Executable:
         if len(inputs) != len(g.inputs):
             raise ShapeError(f"the model takes {len(g.inputs)} input(s) "
                              f"({', '.join(g.values[i].name for i in g.inputs)}), got {len(inputs)}")
-        checked = []
-        for vid, buf, x in zip(g.inputs, self._inputs, inputs):
+        for k, (vid, buf, x) in enumerate(zip(g.inputs, self._inputs, inputs)):  # all checked before any copy
             spec = g.values[vid].spec
             if not isinstance(x, torch.Tensor):
                 raise ShapeError(f"input '{g.values[vid].name}' must be a tensor, got {type(x).__name__}")
@@ -260,9 +259,8 @@ class Executable:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
                                  f"{types.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
                                  "other shapes")
-            indices.check_input(x, self._indices.inputs.get(len(checked), []), g.values[vid].name)
-            checked.append(x)
-        for buf, x in zip(self._inputs, checked):
+            indices.check_input(x, self._indices.inputs.get(k, ()), g.values[vid].name)
+        for buf, x in zip(self._inputs, inputs):
             buf.copy_(x, non_blocking=True)
 
     def verify(self, rtol: float | None = None, atol: float | None = None):
