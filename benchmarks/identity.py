@@ -7,6 +7,7 @@ byte.
 
     python benchmarks/identity.py --base HEAD~1        # exit 1 on any difference
     python benchmarks/identity.py --emit out.json      # this tree's digests only
+    python benchmarks/identity.py --base REF --ignore-pass-log  # a change that adds or renames passes
 
 The base side runs in a subprocess from a package tree assembled out of `git worktree` (nimble's
 three source folders under one `nimble` package), so the installed editable package does not
@@ -27,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WITHOUT_PASS_LOG = "manifest.json without its pass log"
 
 
 def member_digests(path: Path) -> dict[str, str]:
@@ -36,6 +38,9 @@ def member_digests(path: Path) -> dict[str, str]:
     with zipfile.ZipFile(path) as z:
         for name in sorted(z.namelist()):
             out[name] = hashlib.sha256(z.read(name)).hexdigest()
+            if name == "manifest.json":  # and without the pass log, which names the passes that ran
+                manifest = {k: v for k, v in json.loads(z.read(name)).items() if k != "passes"}
+                out[WITHOUT_PASS_LOG] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
     return out
 
 
@@ -94,6 +99,8 @@ def base_tree(ref: str, work: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="git ref to compare the working tree with")
+    parser.add_argument("--ignore-pass-log", action="store_true",
+                        help="compare the manifest without its pass log (a change to the pass list itself)")
     parser.add_argument("--emit", type=Path, help=argparse.SUPPRESS)  # write this side's digests here
     parser.add_argument("--programs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,7 +126,8 @@ def main() -> int:
     differ = []
     for artifact in sorted(set(base) | set(now)):
         b, n = base.get(artifact, {}), now.get(artifact, {})
-        members = sorted(m for m in set(b) | set(n) if b.get(m) != n.get(m))
+        members = sorted(m for m in set(b) | set(n) if b.get(m) != n.get(m)
+                         and not (args.ignore_pass_log and m == "manifest.json"))
         print(f"{artifact}: {'identical' if not members else 'DIFFERS in ' + ', '.join(members)}")
         differ += members
     print(f"{len(now)} artifacts, {'all byte-identical' if not differ else f'{len(differ)} members differ'} "

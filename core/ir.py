@@ -146,6 +146,31 @@ def renumber(values, ops, inputs, outputs) -> Graph:
     return Graph(new_values, new_ops, tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))
 
 
+def with_ordering_edges(graph: "Graph") -> "Graph":
+    """`graph` with every op's ordering edges worked out again from its writes: in-place writes and
+    reads through aliases need edges that data flow alone does not give. A write waits for earlier
+    readers of the same storage, and later readers wait for the write."""
+    last_write: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    ops = []
+    for op in graph.ops:
+        data = {graph.values[r].producer for r in op.refs()}
+        after: set[int] = set()
+        for r in op.refs():
+            storage = graph.root(r)
+            if storage in last_write:
+                after.add(last_write[storage])
+            readers.setdefault(storage, []).append(op.id)
+        for m in op.mutates:
+            storage = graph.root(m)
+            after.update(x for x in readers.get(storage, []) if x != op.id)
+            readers[storage] = []
+            last_write[storage] = op.id
+        after -= data | {op.id}
+        ops.append(replace(op, after=tuple(sorted(after))))
+    return replace(graph, ops=tuple(ops))
+
+
 @dataclass(frozen=True)
 class Graph:
     values: tuple[Value, ...]  # values[i].id == i

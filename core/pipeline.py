@@ -1,6 +1,6 @@
 """The one place that states the order of nimble's stages (DESIGN.md, "Data flow").
 
-    frontend (model -> Graph) -> PASSES (Graph -> Graph) -> check against the model
+    frontend (model -> Graph) -> REWRITES, FUSION (Graph -> Graph) -> check against the model
         -> schedule (Graph -> Schedule) -> memory (Graph, Schedule -> MemoryPlan) -> Compiled
 
 `compile_model` reads a file, `compile_script` and `compile_program` take a module or a program in
@@ -22,7 +22,7 @@ import torch
 from . import dtypes, frontend, passes
 from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
-from .ir import Graph, TensorSpec
+from .ir import WEIGHT, Graph, TensorSpec
 from .specs import NEED_SHAPES
 from .ops import arguments, types
 from .runtime.device import resolve_device
@@ -32,9 +32,14 @@ from .runtime import reference
 from .runtime.compare import Comparison, compare, default_tolerance
 from .stages import Stages
 
-# Graph -> Graph passes, in the order they run (each is one file under passes/).
-PASSES: tuple = (passes.fuse_conv, passes.fuse_pointwise)
-TRAINING_PASSES: tuple = (passes.chain_loose_ops,)
+# Graph -> Graph passes, in the order they run (each is one file under passes/). The frontends emit
+# what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
+# remove_mutation does, so that common subexpressions and fusion see pure ops.
+REWRITES: tuple = (passes.functionalise, passes.fold_batch_norm, passes.flatten_concats,
+                   passes.eliminate_common_subexpressions, passes.name_values, passes.eliminate_dead_ops)
+FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
+PASSES: tuple = REWRITES + FUSION
+TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)
 
 
 @dataclass
@@ -87,7 +92,7 @@ def one_thread():
 class CompileOptions:
     """How to compile, as `nimble compile`'s options say: where the check runs (`device`), the
     stream cap (`streams`: "auto", 1 or a cap), whether to check the op list against the model,
-    and whether to run the fusion PASSES."""
+    and whether to run the FUSION passes (the REWRITES always run)."""
 
     device: str = "auto"
     streams: str | int = "auto"
@@ -139,7 +144,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
     program's own input specs), check the op list against the model, and schedule it on
     `streams` ("auto", 1, or a cap).
 
-    `progress(stage)` is called as each stage starts. `fuse` runs the fusion PASSES; without it
+    `progress(stage)` is called as each stage starts. `fuse` runs the FUSION passes; without it
     every op stays a single aten op. The check runs the op list on `device`
     and compares it with the model run on the CPU; a mismatch raises MismatchError.
     """
@@ -192,7 +197,7 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     streams = parse_streams(options.streams)
     with stages.stage("lower", "lowering"):
         lowered = lower()
-    lowered = dataclasses.replace(lowered, graph=stages.run_passes(lowered.graph, PASSES if options.fuse else ()))
+    lowered = rewrite(lowered, PASSES if options.fuse else REWRITES, stages)
     with stages.stage("check", "running the reference"):
         xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check)
     with stages.stage("schedule", "scheduling"):
@@ -244,6 +249,13 @@ def compile_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], n
                      streams: str | int = "auto") -> TrainingPlan:
     """The training-mode pipeline: lower unfrozen, run TRAINING_PASSES, schedule. There is no
     arena plan: autograd keeps saved activations alive until the backward."""
-    lowered = frontend.lower_training(module, inputs, name)
-    graph = Stages().run_passes(lowered.graph, TRAINING_PASSES)
-    return TrainingPlan(graph, lowered.weights, assign_streams(graph, parse_streams(streams)))
+    lowered = rewrite(frontend.lower_training(module, inputs, name), TRAINING_PASSES)
+    return TrainingPlan(lowered.graph, lowered.weights, assign_streams(lowered.graph, parse_streams(streams)))
+
+
+def rewrite(lowered: frontend.Lowered, order: tuple = REWRITES, stages: Stages | None = None) -> frontend.Lowered:
+    """`lowered` after the passes in `order` (by default the REWRITES: a frontend's graph as fusion
+    takes it), with only the weights its graph still reads."""
+    graph, weights = (stages or Stages()).run_passes(lowered.graph, lowered.weights, order, passes.REWRITES_WEIGHTS)
+    kept = {v.name: weights[v.name] for v in graph.values if v.kind == WEIGHT}  # in the order the graph reads them
+    return dataclasses.replace(lowered, graph=graph, weights=kept)

@@ -53,16 +53,18 @@ class Stages:
         self.add(source, -seconds)
         self.add(target, seconds)
 
-    def run_passes(self, graph: Graph, passes, lowered_label: str = "lowered") -> Graph:
-        """Run `passes` in order, each a stage named by its function, linting after each."""
+    def run_passes(self, graph: Graph, weights: dict, passes, rewrites_weights=frozenset(),
+                   lowered_label: str = "lowered") -> tuple[Graph, dict]:
+        """Run `passes` in order, each a stage named by its function, linting after each. A pass in
+        `rewrites_weights` takes and returns the weights beside the graph."""
         self.passes.append((lowered_label, len(graph.ops)))
         for run in passes:
             name = run.__name__
             with self.stage(name, f"pass {name}"):
-                graph = run(graph)
+                graph, weights = run(graph, weights) if run in rewrites_weights else (run(graph), weights)
                 try:
                     graph.lint()
                 except GraphError as e:
                     raise GraphError(f"pass {name} broke the graph: {e}") from None
             self.passes.append((name, len(graph.ops)))
-        return graph
+        return graph, weights

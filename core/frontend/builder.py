@@ -3,9 +3,10 @@ meta device (or, where this torch lacks a meta kernel, on the CPU).
 
 A frontend reads its format (a TorchScript graph, a torch.export program) and calls `emit` for
 each device op, `fold` for host work on constants, and `add_input` for each input; `as_ref` turns
-a host tensor into a weight. The builder also applies, as ops arrive, the rewrites that depend on
-what was emitted before: common subexpressions (`cse`), repeated views of one value, canonical
-overloads (`x / 4.0` as `div.Scalar`). `finalize` turns what it built into a `Graph`.
+a host tensor into a weight. It emits what the model says and rewrites nothing: common
+subexpressions, repeated views and the rest are passes (`passes/`). It only skips what needs no op
+(a view with its input's exact geometry, an op that hands back its input) and picks the canonical
+overload (`x / 4.0` as `div.Scalar`). `finalize` turns what it built into a `Graph`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from ..errors import ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import arguments, shapes, targets, types
 from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, NONDETERMINISTIC
-from . import reuse
-from .reuse import SharedWrite
 
 _META = torch.device("meta")
 IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
@@ -36,19 +35,16 @@ _SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "s
 class GraphBuilder:
     """The values, ops and weights of one model as a frontend emits them."""
 
-    def __init__(self, name: str, training: bool = False, cse: bool = True, strict_folding: bool = False,
+    def __init__(self, name: str, training: bool = False, strict_folding: bool = False,
                  fold_limit: int = FOLD_LIMIT):
-        """`training`: random ops stay device ops, training-mode batch norm counts as writing its
-        running statistics, and nothing is computed once for two ops (`cse`). `strict_folding`:
+        """`training`: random ops stay device ops, and training-mode batch norm counts as writing
+        its running statistics. `strict_folding`:
         fold on the host only allowlisted ops and HOST_FOLDABLE ones (a `.pt2` is data; a
         TorchScript `.pt` is a program that the check runs anyway). Every fold is sized first and
         refused beyond `fold_limit` bytes."""
         self.name = name
         self.strict_folding, self.fold_limit, self.folded_bytes = strict_folding, fold_limit, 0
         self.training = training
-        self.cse = cse and not training  # computing the same op on the same values once
-        self.pure: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each pure op since the last write
-        self.shared: set[int] = set()  # values that stand for more than one op of the model
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self.meta: dict[int, torch.Tensor] = {}  # value id -> meta tensor
@@ -60,16 +56,11 @@ class GraphBuilder:
         self.unset: set[int] = set()  # ids of host tensors from torch.empty not yet filled
         self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
         self.inputs: list[int] = []
-        self.views: dict[tuple, list[Ref]] = {}  # (target, args, kwargs) of each view op made -> its results
 
     def name_constant(self, tensor: torch.Tensor, name: str) -> None:
         """Name the weight `tensor` becomes if a device op reads it ('layer1.0.weight')."""
         self.hints[id(tensor)] = name
         self.hold.append(tensor)  # its id stays unique while the hint is read
-
-    def is_shared(self, vid: int) -> bool:
-        """Whether value `vid` stands for more than one op of the model (common subexpressions)."""
-        return vid in self.shared
 
     # values -----------------------------------------------------------------------------------
     def _new_value(self, kind, tensor, name, producer=None, alias_of=None) -> Ref:
@@ -240,13 +231,6 @@ class GraphBuilder:
             (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
         fn = targets.resolve(target, self.training)
         refs = refs_in(args + [v for _, v in kwargs])
-        view_key = reuse.view_key(schema, target, args, kwargs)
-        if view_key in self.views:  # the same view of the same value, made again: one op serves
-            return self.views[view_key]
-        pure_key = reuse.pure_key(schema, target, args, kwargs) if self.cse else None
-        if pure_key in self.pure:  # computed before from the same values, with no write since
-            self.shared.update(r.id for r in self.pure[pure_key])
-            return self.pure[pure_key]
         try:
             results, used = self._call(fn, args, kwargs, refs, _META, target)
         except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
@@ -259,15 +243,11 @@ class GraphBuilder:
         writes = _written_args(schema, args, kwargs)
         if self.training and schema.name in _UPDATES_RUNNING_STATS and args[5] is True:
             writes += refs_in(args[3:5])  # running_mean, running_var: updated in place, unannotated
-        if writes:
-            self.pure.clear()  # what was computed before may differ after this
-            if any(self._root(w) in self.shared for w in writes):
-                raise SharedWrite(f"{self.name}: {target} at {source} writes a value that stands for two ops")
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
             return Ref(passed[id(results[0])])
-        same = reuse.same_view(schema, args, results, used)
+        same = _same_view(schema, args, results, used)
         if not writes and same is not None:  # a view with its input's exact geometry (x[:, :]): nothing to run
             return Ref(same)
         op_id = len(self.ops)
@@ -284,10 +264,6 @@ class GraphBuilder:
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
-        if view_key is not None and not writes and all(self.values[r.id].alias_of is not None for r in out_refs):
-            self.views[view_key] = out_refs  # real views only: `to`, `reshape` and `contiguous` may copy
-        if pure_key is not None and not writes and all(self.values[r.id].alias_of is None for r in out_refs):
-            self.pure[pure_key] = out_refs
         return out_refs
 
     def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
@@ -320,6 +296,20 @@ def short_name(target: str) -> str:
     return target.split("::")[-1].split(".")[0]
 
 
+def _same_view(schema, args, results, used) -> int | None:
+    """The input's value id where a view op (its result aliases its first argument) returns a
+    tensor of the very same shape, strides, offset and dtype as that input; else None."""
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    if ret is None or ret.is_write or len(results) != 1 or not args or not isinstance(args[0], Ref):
+        return None
+    x, y = used.get(args[0].id), results[0]
+    if x is None or not isinstance(y, torch.Tensor) or not y._is_view():  # a copy (`.to(copy=True)`) is no view
+        return None
+    if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
+        return args[0].id
+    return None
+
+
 def _shape_from_values(schema, ins: list, meta: dict) -> bool:
     """The op's result shape depends on the values of a device tensor: a DATA_DEPENDENT op,
     `where(condition)`, or indexing with a boolean mask that the model computed."""
@@ -337,8 +327,6 @@ _OVERWRITES = {  # read no element of their first argument, only its shape and d
 }
 
 
-
-
 def flat(objs):
     for o in objs:
         if isinstance(o, dict):
@@ -351,9 +339,6 @@ def flat(objs):
 
 def refs_in(args):
     return [a.id for a in flat(args) if isinstance(a, Ref)]
-
-
-
 
 
 def _written_args(schema, args, kwargs) -> list[int]:

@@ -2,13 +2,12 @@
 -> IR `Graph` plus its weights, through the same builder as TorchScript (`GraphBuilder.emit`).
 
 The program's graph is lowered as exported, in its default op set, which keeps convolution,
-linear and batch norm whole. Parameters, buffers and lifted constants are host tensors, so ops on
-them alone fold on the host, as under freezing; a convolution whose only reader is an inference
-batch norm gets the norm folded into its weight and bias, as `torch.jit.freeze` does (named
-`<conv>.weight_fused_bn`, `<conv>.bias_fused_bn`). Input shapes and dtypes come from the
-program's example inputs; specs are needed only for dimensions the program left dynamic. Reading
-the archive is `program.py`'s job; the attention pattern and concatenation flattening are rules
-of their own (`attention.py`, `concat.py`).
+linear and batch norm whole, and in-place ops as they are. Parameters, buffers and lifted
+constants are host tensors, so ops on them alone fold on the host, as under freezing. What
+freezing does beyond that (batch-norm folding, functionalisation, concatenation flattening) is
+left to the passes (`passes/`). Input shapes and dtypes come from the program's example inputs;
+specs are needed only for dimensions the program left dynamic. Reading the archive is
+`program.py`'s job; the attention pattern is a rule of its own (`attention.py`).
 """
 
 from __future__ import annotations
@@ -20,16 +19,14 @@ import re
 import torch
 
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
-from ..ir import ACTIVATION, Ref, TensorSpec
+from ..ir import Ref, TensorSpec
 from ..ops import targets, types
 from .attention import attention_blocks
-from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, SharedWrite, refs_in
-from .concat import flat_concat, nested_concats
+from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in
 from .finalize import finalize
 from .schema import schema_order
 from .torchscript import Lowered
 
-_CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -83,10 +80,7 @@ def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec
     """Lower an ExportedProgram's graph for these input specs (None: the program's own)."""
     specs = input_specs_for(program, inputs, name)
     with torch.no_grad():
-        try:
-            graph, weights = _Lowering(program, name).run(specs)
-        except SharedWrite:  # a value that stands for two ops is written in place: keep them apart
-            graph, weights = _Lowering(program, name, cse=False).run(specs)
+        graph, weights = _Lowering(program, name).run(specs)
     return Lowered(graph, weights, _reference(program))
 
 
@@ -107,22 +101,17 @@ def _reference(program: torch.export.ExportedProgram):
 
 
 class _Lowering:
-    def __init__(self, program: torch.export.ExportedProgram, name: str, cse: bool = True):
+    def __init__(self, program: torch.export.ExportedProgram, name: str):
         self.program, self.name = program, name
         state = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
         limit = max(FOLD_LIMIT, sum(t.numel() * t.element_size() for t in state))  # a fold may copy every weight
-        self.builder = GraphBuilder(name, training=False, cse=cse, strict_folding=True, fold_limit=limit)
+        self.builder = GraphBuilder(name, training=False, strict_folding=True, fold_limit=limit)
         self.env: dict[torch.fx.Node, object] = {}
-        self.renamed: dict[int, Ref] = {}  # value written in place -> the functional op's result
-        self.viewed: set[int] = set()  # values that have views, among the first `scanned` values
-        self.scanned = 0
 
     def run(self, specs: list[TensorSpec]):
         sig = self.program.graph_signature
         kinds = {s.arg.name: s for s in sig.input_specs}
         state = {**self.program.state_dict, **self.program.constants}
-        folds, skipped = self._conv_batch_norm_folds(kinds, state)
-        self.absorbed = nested_concats(self.program.graph)
         self.attention, self.inside = attention_blocks(self.program.graph, kinds, state)
         user = iter(specs)
         w = self.builder
@@ -140,7 +129,7 @@ class _Lowering:
                         raise UnsupportedError(f"{self.name}: input '{node.name}' is a {spec.kind.name.lower()}, "
                                                "which nimble does not take")
                 elif node.op == "call_function":
-                    self.env[node] = self._call(node, folds, skipped)
+                    self.env[node] = self._call(node)
                 elif node.op == "output":
                     outputs = self._outputs(node)
                 else:
@@ -154,22 +143,19 @@ class _Lowering:
 
     def _value(self, arg):
         if isinstance(arg, torch.fx.Node):
-            value = self.env[arg]
-            return self.renamed.get(value.id, value) if isinstance(value, Ref) else value
+            return self.env[arg]
         if isinstance(arg, tuple):
             return tuple(self._value(a) for a in arg)
         if isinstance(arg, list):
             return [self._value(a) for a in arg]
         return arg
 
-    def _call(self, node, folds, skipped):
+    def _call(self, node):
         if node.target is operator.getitem:
             return self._value(node.args[0])[node.args[1]]
         if not isinstance(node.target, torch._ops.OpOverload):
             raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)} "
                                    "is not an aten op; nimble needs a program whose graph holds aten ops only")
-        if node in skipped:  # a batch norm folded into the convolution before it
-            return self.env[skipped[node]]
         if node in self.inside:  # inside an nn.MultiheadAttention lowered whole at its last node
             return None
         if node in self.attention:
@@ -177,16 +163,10 @@ class _Lowering:
             x = self._value(x)
             ins = [x, x, x, embed, heads, *(self._value(a) for a in weights), None, False]
             return self.builder.multi_head_attention(ins, _source(node))[0]
-        if node in self.absorbed:  # a concatenation that the one after it takes in whole
-            return None
-        if node.target is torch.ops.aten.cat.default and any(a in self.absorbed for a in node.args[0]):
-            node = flat_concat(node, self.absorbed)
         schema = node.target._schema
         target = targets.target_of(schema)
         ins = schema_order(schema, [self._value(a) for a in node.args],
                             {k: self._value(v) for k, v in node.kwargs.items()})
-        if node in folds:
-            ins[1], ins[2] = folds[node]
         if schema.name == "aten::_assert_tensor_metadata":  # export's dtype guard: static here, so check it now
             x, dtype = ins[0], dict(zip((a.name for a in schema.arguments), ins)).get("dtype")
             actual = self.builder.tensor_of(x).dtype if isinstance(x, (Ref, torch.Tensor)) else None
@@ -198,35 +178,12 @@ class _Lowering:
         self.builder.check_reads(schema, target, ins, _source(node))
         if not refs_in(ins):  # weights and constants alone: fold on the host, as freezing does
             return self.builder.fold(schema, target, ins, _source(node))
-        functional = self._functional(schema, target, ins)
-        if functional is not None:  # x.relu_() -> relu(x), as TorchScript's remove_mutation does
-            written, (schema, target) = ins[0], functional
-            result = self.builder.emit(schema, target, ins, _source(node))[0]
-            self.renamed[written.id] = result
-            return result
         result = self.builder.emit(schema, target, ins, _source(node))
         if not isinstance(result, list):  # the op hands back its input (a split into one piece, say)
             return [result] if _returns_list(schema) else result
         if len(schema.returns) == 1 and not _returns_list(schema):
             return result[0]
         return result if len(schema.returns) == 1 else tuple(result)
-
-    def _functional(self, schema, target: str, ins: list):
-        """The out-of-place twin of an in-place op, where writing a fresh value instead is safe: the
-        written value is an activation that owns its storage and has no views."""
-        twin = _functional_of(schema, target)
-        written = ins[0] if ins else None
-        if twin is None or not isinstance(written, Ref):
-            return None
-        values = self.builder.values
-        for v in values[self.scanned:]:  # values with views, kept up to date as values are added
-            if v.alias_of is not None:
-                self.viewed.add(v.alias_of)
-        self.scanned = len(values)
-        if values[written.id].kind != ACTIVATION or values[written.id].alias_of is not None \
-                or written.id in self.viewed or self.builder.is_shared(written.id):
-            return None
-        return twin
 
     def _outputs(self, node) -> list[int]:
         kinds = [s.kind for s in self.program.graph_signature.output_specs]
@@ -242,66 +199,6 @@ class _Lowering:
                                        "that return tensors")
             out.append(obj.id)
         return out
-
-    def _conv_batch_norm_folds(self, kinds, state):
-        """{conv node: (weight, bias)} and {batch norm node: conv node} for each inference batch
-        norm whose input is a convolution that nothing else reads, all of whose parameters are
-        the program's own tensors. Folded as torch's FoldFrozenConvBatchnorm does."""
-        def tensor(arg):
-            if arg is None:
-                return None
-            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder" and arg.name in kinds:
-                value = state.get(kinds[arg.name].target)
-                return value.detach() if isinstance(value, torch.Tensor) else False
-            return False
-
-        folds, skipped = {}, {}
-        for bn in self.program.graph.nodes:
-            if bn.op != "call_function" or getattr(bn.target, "_schema", None) is None \
-                    or bn.target._schema.name != "aten::batch_norm":
-                continue
-            args = schema_order(bn.target._schema, list(bn.args), dict(bn.kwargs))
-            conv = args[0]
-            if args[5] is not False or not isinstance(conv, torch.fx.Node) or len(conv.users) != 1 \
-                    or getattr(conv.target, "_schema", None) is None or conv.target._schema.name not in _CONVOLUTIONS:
-                continue
-            cargs = schema_order(conv.target._schema, list(conv.args), dict(conv.kwargs))
-            if conv.target._schema.name == "aten::convolution" and cargs[6]:
-                continue  # transposed
-            w, b = tensor(cargs[1]), tensor(cargs[2])
-            gamma, beta, mean, var = (tensor(a) for a in args[1:5])
-            if any(t is False for t in (w, b, gamma, beta, mean, var)) or mean is None or var is None \
-                    or not w.is_floating_point():
-                continue
-            scale = torch.rsqrt(var + args[7])
-            scale = scale * gamma if gamma is not None else scale
-            bias = (b if b is not None else torch.zeros_like(mean)) - mean
-            bias = bias * scale + (beta if beta is not None else 0)
-            weight = (w * scale.reshape(-1, *[1] * (w.dim() - 1))).to(w.dtype)
-            bias = bias.to(w.dtype)
-            base = kinds[cargs[1].name].target.removesuffix(".weight")
-            self.builder.name_constant(weight, f"{base}.weight_fused_bn")
-            self.builder.name_constant(bias, f"{base}.bias_fused_bn")
-            folds[conv] = (weight, bias)
-            skipped[bn] = conv
-        return folds, skipped
-
-
-def _functional_of(schema, target: str):
-    """The out-of-place twin of an in-place overload ('aten::relu_.default' -> 'aten::relu.default'),
-    with the same arguments, or None."""
-    name = schema.name
-    if not name.endswith("_") or name.endswith("__") or not schema.arguments \
-            or schema.arguments[0].alias_info is None or not schema.arguments[0].alias_info.is_write:
-        return None
-    twin = target.replace(name, name[:-1], 1)
-    try:
-        fn = targets.schema_op(twin)
-    except Exception:
-        return None
-    same = [(a.name, str(a.type)) for a in fn._schema.arguments] == [(a.name, str(a.type)) for a in schema.arguments]
-    return (fn._schema, twin) if same and targets.is_allowed(twin) else None
-
 
 def _returns_list(schema) -> bool:
     """The op returns Tensor[] (split, chunk, unbind), whatever its alias annotation."""

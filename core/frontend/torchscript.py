@@ -25,7 +25,6 @@ from ..errors import ModelError, UnsupportedError, first_line
 from ..ir import Graph, TensorSpec
 from ..ops import shapes
 from .finalize import finalize
-from .builder import SharedWrite
 from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)
@@ -200,16 +199,11 @@ def lower_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], nam
 def _walk(module: torch.jit.ScriptModule, graph: torch._C.Graph, inputs: list[TensorSpec], name: str,
           training: bool):
     torch._C._jit_pass_remove_mutation(graph)
-    for cse in (True, False):
-        walker = Walker(name, training, cse)
-        walker.bind_module(graph, module)
-        walker.bind_inputs(graph, inputs)
-        try:
-            with shapes.without_dynamo_import():  # meta kernels without a shape rule, on their first call
-                walker.block(graph.block())
-            break
-        except SharedWrite:  # a value that stands for two ops is written in place: keep them apart
-            continue
+    walker = Walker(name, training)
+    walker.bind_module(graph, module)
+    walker.bind_inputs(graph, inputs)
+    with shapes.without_dynamo_import():  # meta kernels without a shape rule, on their first call
+        walker.block(graph.block())
     outputs = walker.graph_outputs(graph)
     built = walker.builder
     return finalize(built.values, built.ops, built.inputs, outputs, built.weights)

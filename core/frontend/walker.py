@@ -63,9 +63,9 @@ class Walker:
     qualified names ('layer1.0.bn1.running_mean'), random ops stay device ops, and training-mode
     batch norm counts as writing its running statistics."""
 
-    def __init__(self, name: str, training: bool = False, cse: bool = True):
+    def __init__(self, name: str, training: bool = False):
         self.name = name
-        self.builder = GraphBuilder(name, training, cse)  # the one way ops are emitted
+        self.builder = GraphBuilder(name, training)  # the one way ops are emitted
         self.attrs: dict[str, torch.Tensor] = {}  # qualified name -> the module's tensor
         self.attr_ids: set[int] = set()  # ids of those tensors: device values, never folded
         self.env: dict[int, object] = {}  # jit value unique() -> Ref or host object

@@ -1,11 +1,23 @@
 """Graph -> Graph passes, one file each; `pipeline.py` lists the order in which they run.
 
 A pass is a pure function over the IR: it takes a linted `Graph` and returns a linted `Graph`,
-imports no runtime, and runs on a builder with no GPU. Fusion and precision passes go here.
+imports no runtime, and runs on a builder with no GPU. A pass that rewrites weights
+(`fold_batch_norm`) takes and returns the weights beside the graph (`REWRITES_WEIGHTS`).
+The rewrites come first (the frontends emit what the model says, no more), then naming and dead-op
+removal, then fusion; precision passes go here too.
 """
 
 from .chain_loose_ops import chain_loose_ops
+from .eliminate_common_subexpressions import eliminate_common_subexpressions
+from .eliminate_dead_ops import eliminate_dead_ops
+from .flatten_concats import flatten_concats
+from .fold_batch_norm import fold_batch_norm
+from .functionalise import functionalise
 from .fuse_conv import fuse_conv
 from .fuse_pointwise import fuse_pointwise
+from .name_values import name_values
 
-__all__ = ["chain_loose_ops", "fuse_conv", "fuse_pointwise"]
+REWRITES_WEIGHTS = frozenset({fold_batch_norm})  # (graph, weights) -> (graph, weights)
+
+__all__ = ["REWRITES_WEIGHTS", "chain_loose_ops", "eliminate_common_subexpressions", "eliminate_dead_ops",
+           "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise", "name_values"]

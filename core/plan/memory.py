@@ -171,7 +171,6 @@ def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after
     (stream order and event waits, whose closure is happens-before), and each producer leads to
     its buffers' starts. So i's end reaches j's start exactly when i is ordered before j."""
     n_ops = len(schedule.stream)
-    index = {r: k for k, r in enumerate(roots)}
     n = len(roots)
     src, sink = 2 * n + n_ops, 2 * n + n_ops + 1  # node 2k: buffer k's end; 2k + 1: its start; 2n + v: op v
     net = FlowNetwork(2 * n + n_ops + 2)

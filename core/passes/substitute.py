@@ -1,0 +1,43 @@
+"""What the rewrite passes share: ops that read one value in place of another, and the graph
+rebuilt from the ops a pass keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import Graph, Op, Ref, Value, map_refs, renumber, with_ordering_edges
+
+
+def substitute(op: Op, image) -> Op:
+    """`op` reading and writing `image(id)` wherever it read or wrote value `id`."""
+    def ref(r: Ref) -> Ref:
+        return Ref(image(r.id))
+
+    return dataclasses.replace(op, args=map_refs(op.args, ref), kwargs=tuple((k, map_refs(v, ref)) for k, v in op.kwargs),
+                               mutates=tuple(image(m) for m in op.mutates))
+
+
+def rebuild(graph: Graph, ops: list[Op], same: dict[int, int] | None = None,
+            values: list[Value] | None = None, added: dict[int, list[Value]] | None = None) -> Graph:
+    """The graph of `ops` (the ops a pass kept, in order, with their old ids), where every use of a
+    value in `same` (graph outputs and aliases included) is a use of its image. `values` replaces
+    the graph's values (old ids); `added` places new values (ids past the old ones) just before the
+    value they are keyed by. Values that no op, input or output uses any more are dropped, ids are
+    made dense, and the ordering edges are worked out again."""
+    same = same or {}
+
+    def image(v: int) -> int:
+        return same.get(v, v)
+
+    ops = [dataclasses.replace(substitute(op, image), after=()) for op in ops]
+    outputs = tuple(image(o) for o in graph.outputs)
+    used = set(graph.inputs) | set(outputs)
+    for op in ops:
+        used.update(op.refs())
+        used.update(op.outputs)
+    kept = []
+    for v in values if values is not None else graph.values:
+        kept.extend((added or {}).get(v.id, ()))
+        if v.id in used:
+            kept.append(v if v.alias_of is None else dataclasses.replace(v, alias_of=image(v.alias_of)))
+    return with_ordering_edges(renumber(kept, ops, graph.inputs, outputs))
