@@ -10,7 +10,7 @@ from nimble.runtime.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError
 from nimble.ir import TensorSpec
 from nimble.ops.targets import is_allowed
-from nimble.pipeline import sample_inputs
+from nimble.pipeline import rewrite, sample_inputs
 
 from .. import models
 from ..conftest import SAMPLES, save_script
@@ -19,7 +19,9 @@ HOST_KINDS = ("aten::size", "aten::Int", "prim::NumToTensor", "prim::ListConstru
 
 
 def lower_file(path, shapes):
-    return frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], path.stem)
+    """The graph fusion starts from: the frontend's, after the rewrite passes."""
+    return rewrite(frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes],
+                                  path.stem))
 
 
 def test_every_sample_matches_torchscript(sample):

@@ -11,7 +11,7 @@ from nimble.ops import arguments
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.ir import TensorSpec
-from nimble.pipeline import sample_inputs
+from nimble.pipeline import rewrite, sample_inputs
 
 from ..conftest import ROOT
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def test_sample_models_match_on_cuda(sample):
     name, path, shapes = sample
-    lowered = frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name)
+    lowered = rewrite(frontend.lower(frontend.load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name))
     xs = sample_inputs([lowered.graph.values[i].spec for i in lowered.graph.inputs])
     with torch.no_grad():
         expected = arguments.flatten_result(lowered.module(*xs))

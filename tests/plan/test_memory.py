@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
+from nimble.pipeline import rewrite
 from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
 from nimble.plan.memory import ALIGNMENT, plan
 from nimble.plan.schedule import Schedule, assign_streams
@@ -146,7 +147,7 @@ def test_one_stream_lower_bound_is_the_peak_of_live_bytes(n, seed):
 @pytest.mark.parametrize("streams", [1, "auto"])
 def test_sample_arenas_are_within_10_percent_of_the_lower_bound(sample, streams):
     name, path, shapes = sample
-    graph = lower(load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name).graph
+    graph = rewrite(lower(load_module(path), [TensorSpec(tuple(s), "float32") for s in shapes], name)).graph
     schedule = assign_streams(graph, streams)
     memory = plan(graph, schedule)
     check_plan(graph, schedule, memory)
@@ -155,7 +156,7 @@ def test_sample_arenas_are_within_10_percent_of_the_lower_bound(sample, streams)
 
 
 def test_views_share_their_base_buffer():
-    graph = lower(load_module(SAMPLES / "transformer.pt"), [TensorSpec((1, 64, 128), "float32")]).graph
+    graph = rewrite(lower(load_module(SAMPLES / "transformer.pt"), [TensorSpec((1, 64, 128), "float32")])).graph
     memory = plan(graph, assign_streams(graph))
     for v in graph.values:
         if v.alias_of is not None and graph.values[v.alias_of].kind == ACTIVATION:

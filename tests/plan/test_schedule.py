@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
+from nimble.pipeline import rewrite
 from nimble.ir import TensorSpec
 from nimble.plan.matching import hopcroft_karp
 from nimble.plan.schedule import AUTO_STREAMS, assign_streams, schedule_dag, transitive_reduction
@@ -154,7 +155,7 @@ def test_bad_stream_counts_are_rejected(bad):
 
 
 def test_inception_blocks_run_their_four_branches_on_four_streams():
-    graph = lower(load_module(SAMPLES / "inception.pt"), [TensorSpec((1, 3, 224, 224), "float32")]).graph
+    graph = rewrite(lower(load_module(SAMPLES / "inception.pt"), [TensorSpec((1, 3, 224, 224), "float32")])).graph
     s = assign_streams(graph)
     for cat in (op for op in graph.ops if op.target == "aten::cat.default"):
         branch_streams = {s.stream[graph.values[r].producer] for r in cat.refs()}
@@ -163,7 +164,7 @@ def test_inception_blocks_run_their_four_branches_on_four_streams():
 
 
 def test_a_pure_chain_needs_one_stream_and_no_waits():
-    graph = lower(load_module(SAMPLES / "mobilenet.pt"), [TensorSpec((1, 3, 224, 224), "float32")]).graph
+    graph = rewrite(lower(load_module(SAMPLES / "mobilenet.pt"), [TensorSpec((1, 3, 224, 224), "float32")])).graph
     s = assign_streams(graph)
     assert s.num_streams == 1 and s.num_waits == 0
 
