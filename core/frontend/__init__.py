@@ -1,13 +1,13 @@
 """Frontends: a model file plus static input specs -> IR `Graph` and its weights.
 
 Each frontend reads its format and emits through the one `GraphBuilder` (`builder.py`), which
-types every device op, folds host work on constants, and applies the rewrites that depend on what
-was emitted before (`reuse.py`: common subexpressions, repeated views).
+types every device op and folds host work on constants. A frontend emits what the model says:
+every rewrite of the graph is a pass (`passes/`, listed in `pipeline.REWRITES`).
 - TorchScript: `torchscript` loads an archive and freezes its forward; `walker` interprets its
   graph once, folding host-side work (`hostops`).
 - torch.export: `program` reads a `.pt2` archive (checked first by `archive`); `export` lowers
-  its graph, with the attention pattern (`attention`) and concatenation flattening (`concat`).
-`finalize` drops dead ops, adds ordering edges for in-place writes and numbers the result densely.
+  its graph; an exported nn.MultiheadAttention is read as the ops a trace records (`attention`).
+`finalize` makes what was emitted a `Graph`, with ordering edges for in-place writes.
 A frontend never imports the runtime.
 """
 

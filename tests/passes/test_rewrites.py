@@ -1,0 +1,171 @@
+"""The rewrite passes (`pipeline.REWRITES`): each one changes the op graph as its name says, keeps
+what the model computes (checked by running the rewritten graph against the model itself), and
+leaves alone what it must not touch. The frontends emit what the model says; these passes are
+the only place a graph is rewritten before fusion."""
+
+import torch
+from torch import nn
+
+from nimble import frontend, passes
+from nimble.ir import WEIGHT, TensorSpec
+from nimble.pipeline import REWRITES, rewrite, sample_inputs
+from nimble.runtime import reference
+from nimble.runtime.compare import compare
+
+from ..conftest import save_script
+
+
+def exported(module: nn.Module, *example):
+    return frontend.lower_program(torch.export.export(module.eval(), example), None, type(module).__name__)
+
+
+def scripted(tmp_path, module: nn.Module, *example):
+    specs = [TensorSpec(tuple(x.shape), "float32") for x in example]
+    return frontend.lower(frontend.load_module(save_script(tmp_path, module.eval(), "m")), specs, "m")
+
+
+def targets(lowered) -> list[str]:
+    return [op.target for op in lowered.graph.ops]
+
+
+def assert_reproduces(lowered, module: nn.Module):
+    """The graph's outputs equal the model's for the same sample inputs."""
+    xs = sample_inputs([lowered.graph.values[i].spec for i in lowered.graph.inputs])
+    with torch.no_grad():
+        expected = module(*[x.clone() for x in xs])
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    got = reference.run(lowered.graph, lowered.weights, xs, "cpu")
+    result = compare(got, expected, 1e-5, 1e-5)
+    assert result.passed, result.describe()
+
+
+class ConvNorm(nn.Module):
+    def __init__(self, tap: bool = False):
+        super().__init__()
+        self.conv, self.norm, self.tap = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), tap
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-1, 1)
+            self.norm.running_var.uniform_(0.5, 2)
+            self.norm.weight.uniform_(0.5, 2)
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = self.norm(y).relu_()
+        return (z, y) if self.tap else z
+
+
+def test_batch_norm_folds_into_the_convolution_before_it():
+    model = ConvNorm().eval()
+    raw = exported(model, torch.randn(1, 3, 16, 16))
+    assert "aten::batch_norm.default" in targets(raw)
+    folded = rewrite(raw)
+    assert "aten::batch_norm.default" not in targets(folded)
+    weights = [v.name for v in folded.graph.values if v.kind == WEIGHT]
+    assert weights == ["conv.weight_fused_bn", "conv.bias_fused_bn"] and set(folded.weights) == set(weights)
+    assert_reproduces(folded, model)
+
+
+def test_a_convolution_read_twice_keeps_its_batch_norm():
+    model = ConvNorm(tap=True).eval()
+    lowered = rewrite(exported(model, torch.randn(1, 3, 16, 16)))
+    assert "aten::batch_norm.default" in targets(lowered)
+    assert_reproduces(lowered, model)
+
+
+def test_in_place_ops_become_functional_unless_a_view_would_see_the_write():
+    class InPlace(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.relu_()  # y owns its storage and has no views: relu(y)
+            z = x + 1
+            v = z[0]
+            z.add_(1)  # v sees this write: stays in place
+            return y, v
+
+    model = InPlace()
+    raw = exported(model, torch.randn(2, 3))
+    assert {"aten::relu_.default", "aten::add_.Tensor"} <= set(targets(raw))
+    lowered = rewrite(raw, (passes.functionalise,))
+    assert "aten::relu.default" in targets(lowered) and "aten::relu_.default" not in targets(lowered)
+    assert "aten::add_.Tensor" in targets(lowered)
+    assert_reproduces(lowered, model)
+
+
+def test_common_subexpressions_and_repeated_views_are_computed_once(tmp_path):
+    class Twice(nn.Module):
+        def forward(self, x):
+            a = torch.relu(x).transpose(0, 1)
+            b = torch.relu(x).transpose(0, 1)  # the same relu, then the same view of it
+            return a.exp() + b.exp()
+
+    model = Twice()
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(2, 3)))
+    assert targets(lowered).count("aten::relu.default") == 1
+    assert targets(lowered).count("aten::transpose.int") == 1 and targets(lowered).count("aten::exp.default") == 1
+    assert_reproduces(lowered, model)
+
+
+def test_a_merged_value_written_in_place_later_keeps_its_two_ops(tmp_path):
+    """Before the passes, such a write made the frontend lower the whole model again without CSE."""
+    class WriteAfter(nn.Module):
+        def forward(self, x):
+            a = torch.relu(x)
+            b = torch.relu(x)
+            b[0].add_(1)  # a write through a view: `a` must not see it
+            return a, b
+
+    model = WriteAfter()
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(2, 3)))
+    assert targets(lowered).count("aten::relu.default") == 2
+    assert_reproduces(lowered, model)
+
+
+def test_pure_ops_on_either_side_of_a_write_are_not_merged(tmp_path):
+    class Around(nn.Module):
+        def forward(self, x):
+            y = x * 1
+            a = y.sum()
+            y[0].fill_(3.0)
+            b = y.sum()  # reads y after the write
+            return a, b
+
+    model = Around()
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(2, 3)))
+    assert targets(lowered).count("aten::sum.default") == 2
+    assert_reproduces(lowered, model)
+
+
+def test_a_cat_read_only_by_a_cat_along_the_same_dimension_hands_over_its_parts():
+    class Cats(nn.Module):
+        def forward(self, x):
+            inner = torch.cat([x.exp(), x.sin()], 1)
+            kept = torch.cat([x.cos(), x.tanh()], 0)  # along another dimension: stays
+            return torch.cat([inner, x.abs()], 1), torch.cat([kept, kept], 1)
+
+    model = Cats()
+    raw = exported(model, torch.randn(2, 3))
+    lowered = rewrite(raw)
+    cats = [op for op in lowered.graph.ops if op.target == "aten::cat.default"]
+    assert targets(raw).count("aten::cat.default") == 4 and len(cats) == 3
+    assert sorted(len(op.args[0]) for op in cats) == [2, 2, 3]
+    assert_reproduces(lowered, model)
+
+
+def test_dead_ops_go_and_values_are_named_after_their_op():
+    class Dead(nn.Module):
+        def forward(self, x):
+            unused = x.exp()  # noqa: F841 (read by nothing)
+            return x.relu()
+
+    model = Dead()
+    raw = exported(model, torch.randn(2, 3))
+    assert targets(raw) == ["aten::exp.default", "aten::relu.default"]
+    lowered = rewrite(raw)
+    assert targets(lowered) == ["aten::relu.default"]
+    assert lowered.graph.values[lowered.graph.ops[0].outputs[0]].name == "relu_1"  # op 1 as lowered
+    assert_reproduces(lowered, model)
+
+
+def test_the_rewrites_are_named_in_the_order_they_run():
+    assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_batch_norm", "flatten_concats",
+                                             "eliminate_common_subexpressions", "name_values", "eliminate_dead_ops"]
