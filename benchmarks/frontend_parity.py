@@ -27,6 +27,7 @@ from nimble.ops import arguments
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 from nimble.ir import TensorSpec
+from nimble.pipeline import rewrite
 
 MODELS = {
     "resnet50": (224, {}),
@@ -50,7 +51,7 @@ def check_model(name: str, device: str, workdir: Path, rtol: float = 1e-3) -> di
     with frontend.quiet_torchscript(), torch.no_grad():
         torch.jit.save(torch.jit.trace(model, x), str(path))
     t = time.perf_counter()
-    lowered = frontend.lower(frontend.load_module(path), [TensorSpec(tuple(x.shape), "float32")], name)
+    lowered = rewrite(frontend.lower(frontend.load_module(path), [TensorSpec(tuple(x.shape), "float32")], name))
     lower_s = time.perf_counter() - t
     with frontend.quiet_torchscript(), torch.no_grad():
         expected = arguments.flatten_result(lowered.module(x))

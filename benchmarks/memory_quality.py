@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from nimble import frontend  # noqa: E402
 from nimble.ir import TensorSpec  # noqa: E402
+from nimble.pipeline import rewrite  # noqa: E402
 from nimble.plan.memory import plan  # noqa: E402
 from nimble.plan.schedule import assign_streams  # noqa: E402
 from sample_models.build import MODELS as SAMPLES  # noqa: E402
@@ -42,7 +43,7 @@ from sample_models.build import MODELS as SAMPLES  # noqa: E402
 def graphs(tmp: Path):
     for name, (_, shapes, _) in SAMPLES.items():
         specs = [TensorSpec(tuple(s), "float32") for s in shapes]
-        yield name, frontend.lower(frontend.load_module(ROOT / "sample_models" / f"{name}.pt"), specs, name).graph
+        yield name, rewrite(frontend.lower(frontend.load_module(ROOT / "sample_models" / f"{name}.pt"), specs, name)).graph
     try:
         from zoo import import_torchvision  # beside a CPU torch too (see zoo.py)
 
@@ -58,7 +59,7 @@ def graphs(tmp: Path):
         path = tmp / f"{name}.pt"
         with frontend.quiet_torchscript(), torch.no_grad():
             torch.jit.save(torch.jit.trace(model, torch.randn(1, 3, size, size)), str(path))
-        yield name, frontend.lower(frontend.load_module(path), [TensorSpec((1, 3, size, size), "float32")], name).graph
+        yield name, rewrite(frontend.lower(frontend.load_module(path), [TensorSpec((1, 3, size, size), "float32")], name)).graph
 
 
 def generated(n: int) -> tuple[list[str], bool]:
