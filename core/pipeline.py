@@ -36,7 +36,8 @@ from .stages import Stages
 # what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
 # remove_mutation does, so that common subexpressions and fusion see pure ops.
 REWRITES: tuple = (passes.functionalise, passes.fold_batch_norm, passes.flatten_concats,
-                   passes.eliminate_common_subexpressions, passes.name_values, passes.eliminate_dead_ops)
+                   passes.match_multi_head_attention, passes.eliminate_common_subexpressions, passes.name_values,
+                   passes.eliminate_dead_ops)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)

@@ -6,7 +6,7 @@ every rewrite of the graph is a pass (`passes/`, listed in `pipeline.REWRITES`).
 - TorchScript: `torchscript` loads an archive and freezes its forward; `walker` interprets its
   graph once, folding host-side work (`hostops`).
 - torch.export: `program` reads a `.pt2` archive (checked first by `archive`); `export` lowers
-  its graph; an exported nn.MultiheadAttention is read as the ops a trace records (`attention`).
+  its graph.
 `finalize` makes what was emitted a `Graph`, with ordering edges for in-place writes.
 A frontend never imports the runtime.
 """

@@ -180,36 +180,6 @@ class GraphBuilder:
         result = self.emit(schema, target, ins, source)
         return result if isinstance(result, Ref) else result[0]
 
-    def multi_head_attention(self, ins, source: str):
-        """nn.MultiheadAttention's inference fast path (what a trace of it records, in torchvision's
-        ViT say) as the ops it stands for: the input projections, scaled dot-product attention over
-        the heads, and the output projection. Without attention weights or a mask only."""
-        query, key, value, embed, heads, w, b, proj_w, proj_b, mask, need_weights = ins[:11]
-        if mask is not None or need_weights:
-            raise UnsupportedError(f"{self.name}: nn.MultiheadAttention at {source} with an attention mask or "
-                                   "need_weights=True; nimble lowers it without either")
-        if not isinstance(w, torch.Tensor) or (b is not None and not isinstance(b, torch.Tensor)):
-            raise UnsupportedError(f"{self.name}: nn.MultiheadAttention at {source} with computed weights")
-        if query is key is value:  # self-attention: one projection, split three ways
-            q, k, v = self.emit(targets.resolve("aten::split.Tensor")._schema, "aten::split.Tensor",
-                                [self.op("aten::linear.default", [query, w, b], source), embed, -1], source)
-        else:
-            q, k, v = (self.op("aten::linear.default", [x, w[i * embed:(i + 1) * embed],
-                                                        None if b is None else b[i * embed:(i + 1) * embed]], source)
-                       for i, x in enumerate((query, key, value)))
-        batch, length = self.meta[q.id].shape[:2]
-
-        def heads_first(x: Ref) -> Ref:
-            n = self.meta[x.id].shape[1]
-            return self.op("aten::transpose.int", [self.op("aten::reshape.default", [x, [batch, n, heads, -1]], source),
-                                                   1, 2], source)
-
-        attended = self.op("aten::scaled_dot_product_attention.default",
-                           [heads_first(q), heads_first(k), heads_first(v)], source)
-        merged = self.op("aten::reshape.default",
-                         [self.op("aten::transpose.int", [attended, 1, 2], source), [batch, length, embed]], source)
-        return self.op("aten::linear.default", [merged, proj_w, proj_b], source), None
-
     def emit(self, schema, target: str, ins: list, source: str) -> Ref | list[Ref]:
         """Append the device op `target` applied to `ins` (in schema order: Refs, host tensors,
         which become weights, and plain values), typed on the meta device. Returns its results'

@@ -7,7 +7,7 @@ constants are host tensors, so ops on them alone fold on the host, as under free
 freezing does beyond that (batch-norm folding, functionalisation, concatenation flattening) is
 left to the passes (`passes/`). Input shapes and dtypes come from the program's example inputs;
 specs are needed only for dimensions the program left dynamic. Reading the archive is
-`program.py`'s job; the attention pattern is a rule of its own (`attention.py`).
+`program.py`'s job.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import Ref, TensorSpec
 from ..ops import targets, types
-from .attention import attention_blocks
 from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in
 from .finalize import finalize
 from .schema import schema_order
@@ -112,7 +111,6 @@ class _Lowering:
         sig = self.program.graph_signature
         kinds = {s.arg.name: s for s in sig.input_specs}
         state = {**self.program.state_dict, **self.program.constants}
-        self.attention, self.inside = attention_blocks(self.program.graph, kinds, state)
         user = iter(specs)
         w = self.builder
         for node in self.program.graph.nodes:
@@ -156,13 +154,6 @@ class _Lowering:
         if not isinstance(node.target, torch._ops.OpOverload):
             raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)} "
                                    "is not an aten op; nimble needs a program whose graph holds aten ops only")
-        if node in self.inside:  # inside an nn.MultiheadAttention lowered whole at its last node
-            return None
-        if node in self.attention:
-            x, embed, heads, *weights = self.attention[node]
-            x = self._value(x)
-            ins = [x, x, x, embed, heads, *(self._value(a) for a in weights), None, False]
-            return self.builder.multi_head_attention(ins, _source(node))[0]
         schema = node.target._schema
         target = targets.target_of(schema)
         ins = schema_order(schema, [self._value(a) for a in node.args],

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
 from ..ir import Ref, TensorSpec
-from ..ops import targets
+from ..ops import attention, targets
 from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
 from .builder import IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, call_schema, flat
 from .hostops import host_op
@@ -231,7 +231,7 @@ class Walker:
         elif schema.name in IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             self.env[outs[0].unique()] = ins[0]
         elif target == "aten::_native_multi_head_attention.default":
-            self._bind_host(outs, self.builder.multi_head_attention(ins, source))
+            self._bind_host(outs, native_attention(self.builder, ins, source))
         else:
             if target in _CANONICAL:
                 target, keep = _CANONICAL[target]
@@ -272,3 +272,25 @@ def _is_tensor_type(t) -> bool:
     if t.isSubtypeOf(tensor):
         return True
     return any(_is_tensor_type(c) for c in t.containedTypes())
+
+
+def native_attention(builder: GraphBuilder, ins: list, source: str):
+    """`aten::_native_multi_head_attention`, nn.MultiheadAttention's inference fast path (what a
+    trace of it records, in torchvision's ViT say), as the ops it stands for: the input
+    projections, then `ops.attention.attend`. Without attention weights or a mask only."""
+    query, key, value, embed, heads, w, b, proj_w, proj_b, mask, need_weights = ins[:11]
+    if mask is not None or need_weights:
+        raise UnsupportedError(f"{builder.name}: nn.MultiheadAttention at {source} with an attention mask or "
+                               "need_weights=True; nimble lowers it without either")
+    if not isinstance(w, torch.Tensor) or (b is not None and not isinstance(b, torch.Tensor)):
+        raise UnsupportedError(f"{builder.name}: nn.MultiheadAttention at {source} with computed weights")
+    if query is key is value:  # self-attention: one projection, split three ways
+        q, k, v = builder.emit(targets.resolve(attention.SPLIT)._schema, attention.SPLIT,
+                               [builder.op(attention.LINEAR, [query, w, b], source), embed, -1], source)
+    else:
+        q, k, v = (builder.op(attention.LINEAR, [x, w[i * embed:(i + 1) * embed],
+                                                 None if b is None else b[i * embed:(i + 1) * embed]], source)
+                   for i, x in enumerate((query, key, value)))
+    batch, length = builder.tensor_of(q).shape[:2]
+    return attention.attend(lambda target, args: builder.op(target, args, source), q, k, v, batch, length, embed,
+                            heads, lambda x: builder.tensor_of(x).shape[1], proj_w, proj_b), None

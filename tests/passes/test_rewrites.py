@@ -168,4 +168,62 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 
 def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_batch_norm", "flatten_concats",
-                                             "eliminate_common_subexpressions", "name_values", "eliminate_dead_ops"]
+                                             "match_multi_head_attention", "eliminate_common_subexpressions",
+                                             "name_values", "eliminate_dead_ops"]
+
+
+class GeneralPath(nn.Module):
+    """nn.MultiheadAttention's general path written out (batch first, 4 heads), as torch.export
+    records it; `swap` feeds the value projection in as the key and the key as the value."""
+
+    def __init__(self, swap: bool = False):
+        super().__init__()
+        self.inp, self.out, self.swap = nn.Linear(16, 48), nn.Linear(16, 16), swap
+
+    def forward(self, x):
+        batch, length, embed = x.shape
+        packed = self.inp(x.transpose(1, 0)).unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+        packed = packed.contiguous()
+        q, k, v = packed[0], packed[1], packed[2]
+        if self.swap:
+            k, v = v, k
+
+        def heads(t):
+            return t.view(length, batch * 4, 4).transpose(0, 1).view(batch, 4, length, 4)
+
+        attended = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        merged = attended.permute(2, 0, 1, 3).reshape(length * batch, embed)
+        return self.out(merged).view(length, batch, embed).transpose(1, 0)
+
+
+def test_an_exported_multi_head_attention_becomes_the_ops_a_trace_records(tmp_path):
+    model = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = model
+
+        def forward(self, x):
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    x = torch.randn(2, 5, 16)
+    program = rewrite(exported(SelfAttention(), x))
+    trace = tmp_path / "mha.pt"
+    with torch.no_grad():
+        torch.jit.save(torch.jit.trace(SelfAttention().eval(), x), str(trace))
+    traced = rewrite(frontend.lower(frontend.load_module(trace), [TensorSpec((2, 5, 16), "float32")], "mha"))
+    assert targets(program) == targets(traced) and targets(program).count("aten::select.int") == 0
+    assert_reproduces(program, SelfAttention())
+
+
+def test_a_written_out_general_path_is_proven_before_it_is_replaced():
+    x = torch.randn(2, 5, 16)
+    right, swapped = GeneralPath(), GeneralPath(swap=True)
+    swapped.load_state_dict(right.state_dict())
+    matched = rewrite(exported(right, x))
+    kept = rewrite(exported(swapped, x))
+    assert "aten::split.Tensor" in targets(matched) and "aten::select.int" not in targets(matched)
+    assert "aten::split.Tensor" not in targets(kept) and "aten::select.int" in targets(kept)
+    assert_reproduces(matched, right)
+    assert_reproduces(kept, swapped)
