@@ -9,6 +9,8 @@ value in several branches.
 
 from __future__ import annotations
 
+import functools
+
 from ..ir import Graph, Ref
 from ..ops import targets
 from ..ops.allowlist import NONDETERMINISTIC
@@ -30,7 +32,7 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
     views: dict[tuple, tuple[int, ...]] = {}
     kept = []
     for op in graph.ops:
-        op = substitute(op, lambda v: same.get(v, v))
+        op = substitute(op, lambda v: same.get(v, v)) if same else op
         kind, key = _key(op.target, op.args, op.kwargs)
         results = [graph.values[o] for o in op.outputs]
         if op.mutates:
@@ -50,24 +52,33 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
 
 
 def _key(target: str, args, kwargs) -> tuple[str | None, tuple | None]:
-    """("view", key), ("pure", key) or (None, None) for an op, from its schema's alias annotations."""
-    try:
-        schema = targets.schema_op(target)._schema
-    except Exception:  # not an aten op (a fused body): never merged
+    """("view", key), ("pure", key) or (None, None) for an op."""
+    kind = _kind(target)
+    if kind is None:
         return None, None
     try:
         key = (target, _frozen(args), _frozen(kwargs))
         hash(key)
     except TypeError:
         return None, None
+    return kind, key
+
+
+@functools.cache
+def _kind(target: str) -> str | None:
+    """"view", "pure" or None for a target, from its schema's alias annotations."""
+    try:
+        schema = targets.schema_op(target)._schema
+    except Exception:  # not an aten op (a fused body): never merged
+        return None
     arguments, returns = schema.arguments, schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) \
             and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
-        return "view", key
+        return "view"
     if any(a.alias_info is not None for a in arguments) or any(r.alias_info is not None for r in returns) \
             or target.split("::")[1].split(".")[0] in NONDETERMINISTIC:
-        return None, None
-    return "pure", key
+        return None
+    return "pure"
 
 
 def _frozen(obj):

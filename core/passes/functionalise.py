@@ -5,6 +5,7 @@ common subexpressions merge, and fusion takes them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -29,7 +30,7 @@ def functionalise(graph: Graph) -> Graph:
 
     values, ops = list(graph.values), []
     for op in graph.ops:
-        op = substitute(op, current)
+        op = substitute(op, current) if latest else op
         for o in op.outputs:  # a view made after a write made functional views the fresh value
             alias = values[o].alias_of
             if alias is not None and current(alias) != alias:
@@ -50,6 +51,7 @@ def functionalise(graph: Graph) -> Graph:
     return rebuild(dataclasses.replace(graph, outputs=tuple(current(o) for o in graph.outputs)), ops, values=values)
 
 
+@functools.cache
 def _twin(target: str) -> str | None:
     """The out-of-place twin of an in-place overload ('aten::relu_.default' -> 'aten::relu.default')
     with the same arguments, if nimble runs it; else None."""
