@@ -10,6 +10,7 @@ every element exactly where the fast path does. Any block that differs stays as 
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -21,6 +22,7 @@ _MOVES = {"aten::transpose", "aten::unflatten", "aten::unsqueeze", "aten::squeez
           "aten::view", "aten::reshape", "aten::permute", "aten::_unsafe_view", "aten::clone", "aten::expand"}
 _LINEAR, _ATTENTION = attention.LINEAR, attention.ATTENTION
 _META, _CPU = torch.device("meta"), torch.device("cpu")
+PROOF_LIMIT = 2**28  # elements of the input projection's result; a larger block stays op by op
 
 
 def match_multi_head_attention(graph: Graph) -> Graph:
@@ -37,7 +39,8 @@ def match_multi_head_attention(graph: Graph) -> Graph:
     last_of = {b["ops"][-1]: b for b in blocks}
     for b in blocks:
         removed.update(b["ops"])
-    moved = {w for b in blocks for w in b["weights"] if readers[w] <= set(b["ops"])}  # placed where the new ops read them
+    # weights only a block reads: placed where the new ops first read them, as the builder places them
+    moved = {w for b in blocks for w in b["weights"] if readers[w] <= set(b["ops"])}
     for op in graph.ops:
         if op.id in last_of:
             b = last_of[op.id]
@@ -81,7 +84,8 @@ def _block(graph: Graph, attention: Op, readers) -> dict | None:
         return None
     proj_in = graph.ops[projection]
     first = _producer(graph, proj_in.args[0])
-    if first is None or first.target != "aten::transpose.int" or sorted(a % 3 for a in first.args[1:3]) != [0, 1]:
+    if first is None or first.target != "aten::transpose.int" or not isinstance(first.args[0], Ref) \
+            or sorted(a % 3 for a in first.args[1:3]) != [0, 1]:
         return None
     x = first.args[0]
     # forwards from the attention through movement ops, the output projection, and back to batch first
@@ -101,9 +105,9 @@ def _block(graph: Graph, attention: Op, readers) -> dict | None:
                 and values[at].spec.shape == values[x.id].spec.shape:
             last = op
     members = sorted({first.id, projection, *inside, attention.id, *chain})
-    if members[-1] != last.id or any(r not in members for m in members[:-1] for o in graph.ops[m].outputs for r in readers.get(o, ())) \
-            or any(o in graph.outputs for m in members[:-1] for o in graph.ops[m].outputs) \
-            or any(graph.ops[m].mutates for m in members):
+    inner = [o for m in members[:-1] for o in graph.ops[m].outputs]  # read by the block alone
+    if members[-1] != last.id or any(r not in members for o in inner for r in readers.get(o, ())) \
+            or any(o in graph.outputs for o in inner) or any(graph.ops[m].mutates for m in members):
         return None
     found = _weights(graph, proj_in, proj_out, values[x.id].spec, values[attention.outputs[0]].spec)
     if found is None:
@@ -111,7 +115,11 @@ def _block(graph: Graph, attention: Op, readers) -> dict | None:
     embed, heads, w, b, pw, pb = found
     block = {"ops": members, "x": x, "embed": embed, "heads": heads, "w": w, "b": b, "pw": pw, "pb": pb,
              "weights": [r for r in (w, b, pw, pb) if r is not None]}
-    return block if _proven(graph, block, first, proj_in, attention, proj_out, chain, inside) else None
+    try:
+        proven = _proven(graph, block, first, proj_in, attention, proj_out, chain, inside)
+    except (RuntimeError, ValueError, IndexError):  # a movement op that refuses these sizes: no proof
+        proven = False
+    return block if proven else None
 
 
 def _weights(graph: Graph, proj_in: Op, proj_out: Op, x: TensorSpec, attended: TensorSpec):
@@ -138,32 +146,37 @@ def _proven(graph, block, first, proj_in, attention, proj_out, chain, inside) ->
     x = graph.values[block["x"].id].spec.shape
     batch, length, embed = x
     heads = block["heads"]
-    rows_t = torch.arange(batch * length).reshape(batch, length).transpose(0, 1).reshape(-1)  # x row of each row of xᵀ
-    packed = torch.arange(length * batch * 3 * embed).reshape(*graph.values[proj_in.outputs[0]].spec.shape)
-    got = _run(graph, sorted(inside), {proj_in.outputs[0]: packed})
-    fast = torch.arange(batch * length * 3 * embed).reshape(batch, length, 3 * embed)
+    if 3 * batch * length * embed > PROOF_LIMIT:
+        return False
+    rows_t = _indices((batch, length)).transpose(0, 1).reshape(-1)  # the x row of each row of xᵀ
+    got = _run(graph, sorted(inside), {proj_in.outputs[0]: _indices(graph.values[proj_in.outputs[0]].spec.shape)})
+    fast = _indices((batch, length, 3 * embed))
     for k, r in enumerate(attention.args[:3]):
         want = fast.split(embed, -1)[k].reshape(batch, length, heads, -1).transpose(1, 2)
         have = got.get(r.id)
         if have is None or have.shape != want.shape:
             return False
-        row, col = rows_t[torch.div(have, 3 * embed, rounding_mode="floor")], have % (3 * embed)
+        row, col = rows_t[torch.div(have, 3 * embed, rounding_mode="floor").long()], have % (3 * embed)
         if not (torch.equal(row, torch.div(want, 3 * embed, rounding_mode="floor"))
                 and torch.equal(col, want % (3 * embed))):
             return False
-    attended = torch.arange(graph.values[attention.outputs[0]].spec.numel).reshape(
-        *graph.values[attention.outputs[0]].spec.shape)
+    attended = _indices(graph.values[attention.outputs[0]].spec.shape)
     out_at = chain.index(proj_out.id)
     read = _run(graph, chain[:out_at], {attention.outputs[0]: attended}).get(proj_out.args[0].id)
     spec = graph.values[proj_out.outputs[0]].spec
-    written = _run(graph, chain[out_at + 1:], {proj_out.outputs[0]: torch.arange(spec.numel).reshape(*spec.shape)})
+    written = _run(graph, chain[out_at + 1:], {proj_out.outputs[0]: _indices(spec.shape)})
     final = written.get(graph.ops[chain[-1]].outputs[0])
     if read is None or final is None or final.shape != (batch, length, embed) or read.shape[-1] != embed:
         return False
-    if not torch.equal(final % embed, torch.arange(embed).expand(batch, length, embed)):
+    if not torch.equal(final % embed, _indices((embed,)).expand(batch, length, embed)):
         return False  # the columns of each row stay in order
-    rows = read.reshape(-1, embed)[torch.div(final[..., 0], embed, rounding_mode="floor")]
+    rows = read.reshape(-1, embed)[torch.div(final[..., 0], embed, rounding_mode="floor").long()]
     return torch.equal(rows, attended.transpose(1, 2).reshape(batch, length, embed))
+
+
+def _indices(shape) -> torch.Tensor:
+    """Each element's own flat index, in a tensor of `shape`."""
+    return torch.arange(math.prod(shape), dtype=torch.int32).reshape(*shape)
 
 
 def _run(graph: Graph, op_ids: list[int], tensors: dict) -> dict:

@@ -13,8 +13,8 @@ def substitute(op: Op, image) -> Op:
     def ref(r: Ref) -> Ref:
         return Ref(image(r.id))
 
-    return dataclasses.replace(op, args=map_refs(op.args, ref), kwargs=tuple((k, map_refs(v, ref)) for k, v in op.kwargs),
-                               mutates=tuple(image(m) for m in op.mutates))
+    kwargs, mutates = tuple((k, map_refs(v, ref)) for k, v in op.kwargs), tuple(image(m) for m in op.mutates)
+    return dataclasses.replace(op, args=map_refs(op.args, ref), kwargs=kwargs, mutates=mutates)
 
 
 def rebuild(graph: Graph, ops: list[Op], same: dict[int, int] | None = None,
