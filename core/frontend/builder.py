@@ -36,12 +36,14 @@ class GraphBuilder:
     """The values, ops and weights of one model as a frontend emits them."""
 
     def __init__(self, name: str, training: bool = False, strict_folding: bool = False,
-                 fold_limit: int = FOLD_LIMIT):
+                 fold_limit: int = FOLD_LIMIT, views_may_copy: bool = False):
         """`training`: random ops stay device ops, and training-mode batch norm counts as writing
         its running statistics. `strict_folding`:
         fold on the host only allowlisted ops and HOST_FOLDABLE ones (a `.pt2` is data; a
         TorchScript `.pt` is a program that the check runs anyway). Every fold is sized first and
-        refused beyond `fold_limit` bytes."""
+        refused beyond `fold_limit` bytes. `views_may_copy`: a view that nimble's layout does not
+        allow becomes a copy (`_copied_view`), for graphs recorded from an eager run, where it
+        worked."""
         self.name = name
         self.strict_folding, self.fold_limit, self.folded_bytes = strict_folding, fold_limit, 0
         self.training = training
@@ -56,6 +58,8 @@ class GraphBuilder:
         self.unset: set[int] = set()  # ids of host tensors from torch.empty not yet filled
         self.hints: dict[int, str] = {}  # id(host tensor) -> name of the constant it came from
         self.inputs: list[int] = []
+        self.views_may_copy = views_may_copy  # a graph recorded from eager runs (export): `_copied_view`
+        self.copied: set[int] = set()  # storage roots of views that had to be copies
 
     def name_constant(self, tensor: torch.Tensor, name: str) -> None:
         """Name the weight `tensor` becomes if a device op reads it ('layer1.0.weight')."""
@@ -206,6 +210,8 @@ class GraphBuilder:
         except NotImplementedError:  # no meta kernel in this torch: run it for real on zeros
             results, used = self._call(fn, args, kwargs, refs, torch.device("cpu"))
         except Exception as e:
+            if self.views_may_copy and target == "aten::view.default" and _NOT_VIEWABLE in str(e):
+                return self._copied_view(ins, source)
             shapes = ", ".join(str(list(self.meta[r].shape)) for r in refs_in(args))
             raise ShapeError(f"{self.name}: op {target} at {source} rejects its inputs "
                              f"(tensor shapes {shapes}): {first_line(e)}") from e
@@ -213,6 +219,10 @@ class GraphBuilder:
         writes = _written_args(schema, args, kwargs)
         if self.training and schema.name in _UPDATES_RUNNING_STATS and args[5] is True:
             writes += refs_in(args[3:5])  # running_mean, running_var: updated in place, unannotated
+        if any(self._root(w) in self.copied for w in writes):
+            raise UnsupportedError(f"{self.name}: {target} at {source} writes in place a tensor that a view shares "
+                                   "storage with, where nimble's layout made that view a copy; export the model "
+                                   "without the in-place write")
         if not writes and len(results) == 1 and id(results[0]) in passed:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
@@ -235,6 +245,17 @@ class GraphBuilder:
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
         return out_refs
+
+    def _copied_view(self, ins: list, source: str) -> Ref | list[Ref]:
+        """`x.view(shape)` where nimble's layout of x (a result whose strides nimble chose, such as
+        attention's) does not allow that view, though the layout the model was exported with did:
+        the same elements, as a reshape, which copies. Its input and result are noted, and an op
+        that later writes in place into either storage is refused (a copy would not see it)."""
+        schema = targets.resolve("aten::reshape.default")._schema
+        result = self.emit(schema, "aten::reshape.default", ins[:2], source)
+        copy = result if isinstance(result, Ref) else result[0]
+        self.copied.update(self._root(r.id) for r in (copy, ins[0]) if isinstance(r, Ref))
+        return result
 
     def _call(self, fn, args, kwargs, refs, device, target: str | None = None):
         """Run `fn` on stand-ins for its tensors: meta tensors (through the op's shape rule where
@@ -290,6 +311,7 @@ def _shape_from_values(schema, ins: list, meta: dict) -> bool:
     return False
 
 
+_NOT_VIEWABLE = "view size is not compatible with input tensor's size and stride"
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 _OVERWRITES = {  # read no element of their first argument, only its shape and dtype
     "aten::fill_", "aten::zero_", "aten::fill", "aten::zero", "aten::full_like", "aten::zeros_like", "aten::ones_like",

@@ -104,7 +104,7 @@ class _Lowering:
         self.program, self.name = program, name
         state = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
         limit = max(FOLD_LIMIT, sum(t.numel() * t.element_size() for t in state))  # a fold may copy every weight
-        self.builder = GraphBuilder(name, training=False, strict_folding=True, fold_limit=limit)
+        self.builder = GraphBuilder(name, training=False, strict_folding=True, fold_limit=limit, views_may_copy=True)
         self.env: dict[torch.fx.Node, object] = {}
 
     def run(self, specs: list[TensorSpec]):

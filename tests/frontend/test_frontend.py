@@ -370,3 +370,21 @@ def test_the_same_op_on_the_same_values_runs_once_unless_one_result_is_written(t
         got = reference.run(c.graph, c.weights, [x])
         for g, w in zip(got, module(x)):
             torch.testing.assert_close(g, w)
+
+
+def test_a_view_that_only_the_exported_layout_allows_becomes_a_copy_that_nothing_may_write():
+    """torch.export records x.view(...) where eager's strides allowed it; nimble may lay x out
+    otherwise (attention's result, in torch 2.11). The export frontend's builder then copies, as
+    reshape does, and refuses a later in-place write that the copy would hide; TorchScript's does not."""
+    def build(views_may_copy):
+        b = builder.GraphBuilder("m", views_may_copy=views_may_copy)
+        x = b.add_input("x", TensorSpec((2, 3), "float32"))
+        return b, b.op("aten::view.default", [b.op("aten::transpose.int", [x, 0, 1], "m.py:1"), [6]], "m.py:2")
+
+    b, flat = build(True)
+    assert [op.target for op in b.ops] == ["aten::transpose.int", "aten::reshape.default"]
+    assert b.values[flat.id].alias_of is None and b.values[flat.id].spec.shape == (6,)
+    with pytest.raises(UnsupportedError, match="writes in place a tensor that a view shares storage with"):
+        b.op("aten::relu_.default", [flat], "m.py:3")
+    with pytest.raises(ShapeError, match="view size is not compatible"):
+        build(False)
