@@ -208,7 +208,11 @@ def unpicklers_blocked():
     try:
         yield
     finally:
-        _package.pickle, torch._C._pickle_load_obj = old_pickle, old_obj
+        torch._C._pickle_load_obj = old_obj
+        if old_pickle is None:  # this torch's archive reader has no `pickle` of its own
+            del _package.pickle
+        else:
+            _package.pickle = old_pickle
         if old_env is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
         else:
