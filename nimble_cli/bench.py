@@ -48,7 +48,7 @@ def bench_command(
 
     Example: nimble bench sample_models/inception.nimble --duration-s 2
     """
-    with user_errors(debug):
+    with user_errors(debug, json_out):
         import time
 
         import torch

@@ -30,35 +30,56 @@ def literal(text) -> str:
 
 
 @contextlib.contextmanager
-def user_errors(debug: bool):
+def user_errors(debug: bool, json_out: bool = False):
     """Turn a NimbleError into one line on stderr and its exit code; anything else into one
-    line that asks for --debug. With --debug, the traceback comes too."""
+    line that asks for --debug. With --debug, the traceback comes too. With --json, stdout also
+    gets the error as a JSON document (`error_document`)."""
     from nimble.errors import NimbleError, first_line
+
+    def fail(kind: str, message: str, code: int, label: str = "error", report: dict | None = None) -> typer.Exit:
+        console.print(f"[bold red]{label}:[/] {literal(message)}", soft_wrap=True)
+        if json_out:
+            print_json(error_document(kind, message, code) | ({"report": report} if report else {}))
+        return typer.Exit(code)
 
     try:
         yield
     except NimbleError as e:
         if debug:
             traceback.print_exc()
-        console.print(f"[bold red]error:[/] {literal(e)}", soft_wrap=True)
-        raise typer.Exit(e.exit_code) from None
+        raise fail(type(e).__name__, str(e), e.exit_code, report=getattr(e, "document", None)) from None
     except OSError as e:  # the file system said no: permissions, a full disk, a path that vanished
         if debug:
             traceback.print_exc()
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        console.print(f"[bold red]error:[/] {literal(e.strerror or str(e))}{literal(where)}", soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise fail("OSError", f"{e.strerror or str(e)}{where}", 1) from None
     except KeyboardInterrupt:
         console.print("interrupted")
+        if json_out:
+            print_json(error_document("Interrupted", "interrupted", 130))
         raise typer.Exit(130) from None
     except (typer.Exit, typer.Abort):
         raise
     except Exception as e:  # a bug in nimble: still one line, unless --debug
         if debug:
             traceback.print_exc()
-        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {literal(first_line(e))} "
-                      "(rerun with --debug for the traceback, and please report it)", soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise fail("InternalError", f"{type(e).__name__}: {first_line(e)} (rerun with --debug for the traceback, "
+                   "and please report it)", 1, "internal error") from None
+
+
+ERROR_SCHEMA_VERSION = 1
+_OP = re.compile(r"\bop (?:\d+ \()?((?:aten|nimble|prim)::[\w.]+)")
+_SOURCE = re.compile(r" at ([^\s(),;]+:\d+)")
+
+
+def error_document(kind: str, message: str, exit_code: int) -> dict:
+    """What `--json` prints on stdout when a command fails: the error's class, its one-line
+    message, the op and the model's source line where the message names them, and the exit code.
+    A command that had a result when it failed (`run --check` that mismatched) adds it as `report`."""
+    op, source = _OP.search(message), _SOURCE.search(message)
+    return {"schema_version": ERROR_SCHEMA_VERSION,
+            "error": {"kind": kind, "message": message, "op": op.group(1) if op else None,
+                      "source": source.group(1) if source else None, "exit_code": exit_code}}
 
 
 def writable(path, option: str, inputs: dict | None = None):
@@ -110,8 +131,9 @@ TUNE_HELP = ("How to choose, on CUDA, the layout (NCHW or channels_last), the st
 
 # Options every command that takes them takes alike: `debug: DebugOption = False`.
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (the README's "
-                                          "'--json' section gives its schema); messages stay on stderr.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, on success and on "
+                                          "failure alike (schemas/ holds their JSON Schemas); messages stay on "
+                                          "stderr.")]
 DeviceOption = Annotated[str, typer.Option("--device", metavar="auto|cuda|cpu",
                                            help="Where the model runs (compile: where the lowered op list is "
                                                 "checked against the model): auto (CUDA if present, else the "

@@ -45,7 +45,7 @@ def compile_command(
     Examples: nimble compile sample_models/inception.pt --shape 1x3x224x224;
     nimble compile model.pt2 (its shapes come from the program's example inputs).
     """
-    with user_errors(debug):
+    with user_errors(debug, json_out):
         from nimble.specs import input_specs
 
         specs = input_specs(shape, dtype) if shape else None  # the pipeline asks for them where needed
@@ -56,7 +56,6 @@ def compile_command(
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
         writable(dot, "--dot", {"the model": model, "the artifact": target})
-        from nimble.plan.document import plan_document
         from nimble.pipeline import compile_model
 
         with console.status("compiling", spinner="dots") as status:
@@ -71,12 +70,32 @@ def compile_command(
         if dot is not None:
             write_dot(dot, compiled.graph, compiled.schedule, model.name)
         if json_out:
-            print_json(plan_document(compiled.graph, model=model.name, schedule=compiled.schedule,
-                                     memory=compiled.memory, passes=compiled.passes))
+            print_json(compile_document(compiled, target, size))
         _summary(compiled)
         console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
         if dot is not None:
             console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
+
+
+def compile_document(compiled, target: Path, size: int) -> dict:
+    """`compile --json`: the plan document, and beside it the artifact written (path, bytes,
+    sha256), the check against the model, each stage's seconds and the versions."""
+    import torch
+
+    from nimble import __version__
+    from nimble.fileio import sha256_file
+    from nimble.formats.spec import FORMAT_VERSION
+    from nimble.plan.document import plan_document
+
+    c = compiled.check
+    return plan_document(compiled.graph, model=compiled.model, schedule=compiled.schedule, memory=compiled.memory,
+                         passes=compiled.passes) | {
+        "artifact": {"path": str(target), "bytes": size, "sha256": sha256_file(target)},
+        "check": None if c is None else {"device": compiled.check_device, "passed": c.passed, "max_abs": c.max_abs,
+                                         "max_rel": c.max_rel, "rtol": c.rtol, "atol": c.atol},
+        "stages_seconds": {k: round(v, 4) for k, v in compiled.seconds.items()},
+        "versions": {"nimble": __version__, "torch": torch.__version__, "format": FORMAT_VERSION},
+    }
 
 
 def artifact_path(model: Path, output: Path | None) -> Path:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import DebugOption, JsonOption, console, human_bytes, literal, print_json, user_errors, writable
+from .common import DebugOption, JsonOption, human_bytes, literal, print_json, user_errors, writable
 from .compile import describe_passes
 
 
@@ -19,13 +19,15 @@ def inspect_command(
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
     debug: DebugOption = False,
 ) -> None:
-    """Validate an artifact and show what it holds; needs no GPU.
+    """Validate an artifact and show what it holds, on stdout; needs no GPU.
 
-    Shows inputs, outputs, schedule, memory plan and one row per op; --json prints the plan document.
+    Shows inputs, outputs, schedule, memory plan and one row per op (plain columns, nothing cut,
+    when stdout is not a terminal, so grep and logs see every row); --json prints the plan
+    document with the manifest.
 
     Example: nimble inspect sample_models/inception.nimble --json
     """
-    with user_errors(debug):
+    with user_errors(debug, json_out):
         from nimble.plan.document import plan_document
         from nimble.formats import read_artifact
 
@@ -36,15 +38,29 @@ def inspect_command(
 
             write_dot(dot, art.graph, art.schedule, art.model)
         if json_out:
+            man = art.manifest
             print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory,
-                                     passes=art.passes))
+                                     passes=art.passes) | {
+                "manifest": {k: man.get(k) for k in ("format_version", "nimble_version", "torch_version", "model",
+                                                     "source_sha256", "options")},
+                "input_names": [art.graph.values[i].name for i in art.graph.inputs],
+                "output_names": [art.graph.values[o].name for o in art.graph.outputs]})
             return
         _summary(art, artifact, ops)
 
 
 def _summary(art, path: Path, show_ops: bool) -> None:
+    import sys
+
+    from rich import box
+    from rich.console import Console
+
+    terminal = sys.stdout.isatty()
+    # a terminal gets rich's tables at its width; a pipe or a log gets plain columns, never cut
+    console = Console(highlight=False, width=None if terminal else 1_000_000, soft_wrap=not terminal)
+    lines = box.SIMPLE_HEAD if terminal else None
     g, s, m, man = art.graph, art.schedule, art.memory, art.manifest
-    table = Table(title=literal(path.name), title_justify="left", show_header=False, show_edge=False)
+    table = Table(title=literal(path.name), title_justify="left", show_header=False, show_edge=False, box=lines)
     table.add_column(style="bold")
     table.add_column()
     for label, ids in (("input", g.inputs), ("output", g.outputs)):
@@ -67,7 +83,7 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     if not show_ops:
         return
     ops = Table(show_edge=False, pad_edge=False, title="ops (offset: byte offset in the arena; "
-                "'=vN': shares value N's storage)", title_justify="left")
+                "'=vN': shares value N's storage)", title_justify="left", box=lines)
     for col in ("op", "target", "stream", "order", "waits", "output shape", "offset", "bytes"):
         ops.add_column(col, no_wrap=True, justify="right" if col in ("op", "stream", "order", "offset", "bytes")
                        else "left")

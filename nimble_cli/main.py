@@ -33,7 +33,12 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # help paragraphs reflow to the terminal's width
     name="nimble",
     help="Ahead-of-time multi-stream scheduling and packaging for static PyTorch models.\n\n"
-         "Start with: nimble compile MODEL.pt --shape 1x3x224x224",
+         "Start with: nimble compile MODEL.pt --shape 1x3x224x224\n\n"
+         "Exit codes, for every command: 0 ok; 1 bad input (a missing or corrupt file, a shape the model "
+         "rejects, an unsupported op, out of memory); 2 usage (a malformed or missing option, a wrong number "
+         "of --shape); 3 outputs mismatched (compile's check, run --check); 130 interrupted. With --json, "
+         "a failure prints {\"error\": {kind, message, op, source, exit_code}} on stdout (schemas/ in the "
+         "repository holds the JSON Schema of every document).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

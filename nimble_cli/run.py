@@ -13,7 +13,7 @@ import typer
 from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, literal, print_json, user_errors,
                      writable)
 
-RUN_SCHEMA_VERSION = 1
+RUN_SCHEMA_VERSION = 2  # 2: `wrote`
 
 
 def run_command(
@@ -39,7 +39,7 @@ def run_command(
 
     Example: nimble run sample_models/inception.nimble --check
     """
-    with user_errors(debug):
+    with user_errors(debug, json_out):
         from nimble.runtime.compare import MismatchError, compare, default_tolerance
         from nimble.errors import UsageError
         from nimble.runtime.executable import load
@@ -80,12 +80,15 @@ def run_command(
                              atol if atol is not None else at)
             report["check"] = {"passed": result.passed, "max_abs": result.max_abs, "max_rel": result.max_rel,
                                "rtol": result.rtol, "atol": result.atol}
+        report["wrote"] = None
         if output is not None and (result is None or result.passed):  # a failed check writes nothing
             from nimble.fileio import write_atomic
             from nimble.formats.tensors import save
 
             write_atomic(output, save({g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)}))
-        if json_out:
+            report["wrote"] = {"path": str(output), "format": "safetensors", "tensors": [o["name"] for o in
+                                                                                         report["outputs"]]}
+        if json_out and (result is None or result.passed):  # else the error's document carries it
             print_json(report)
         console.print(f"{literal(artifact.name)} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
                       f"first inference after {first:.2f} s")
@@ -97,9 +100,11 @@ def run_command(
         if result is not None:
             console.print(f"  check: {result.describe()}")
             if not result.passed:
-                raise MismatchError(f"outputs differ from the stored reference beyond the tolerance; "
-                                    f"--rtol {result.passing_rtol} would accept them"
-                                    + (f" ({output} was not written)" if output is not None else ""))
+                error = MismatchError(f"outputs differ from the stored reference beyond the tolerance; "
+                                      f"--rtol {result.passing_rtol} would accept them"
+                                      + (f" ({output} was not written)" if output is not None else ""))
+                error.document = report  # what --json prints beside the error
+                raise error
 
 
 def _describe(name: str, t) -> dict:

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
+from ..errors import NimbleError, ShapeError, UnsupportedError, UsageError, first_line
 from ..ir import Ref, TensorSpec
 from ..ops import targets, types
 from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in
@@ -53,11 +53,11 @@ def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpe
         dynamic = [(n, i) for n, shape, _ in inputs for i, d in enumerate(shape) if d is None]
         if dynamic:
             n, i = dynamic[0]
-            raise ShapeError(f"{name}: dimension {i} of input '{n}' is dynamic in the program; give every "
+            raise UsageError(f"{name}: dimension {i} of input '{n}' is dynamic in the program; give every "
                              "input a static shape with --shape")
         return [TensorSpec(shape, types.dtype_name(dtype)) for _, shape, dtype in inputs]
     if len(given) != len(inputs):
-        raise ShapeError(f"{name} takes {len(inputs)} input(s) ({', '.join(n for n, _, _ in inputs)}) but "
+        raise UsageError(f"{name} takes {len(inputs)} input(s) ({', '.join(n for n, _, _ in inputs)}) but "
                          f"{len(given)} shape(s) were given; pass one --shape per input, or none")
     specs = []
     for (n, shape, dtype), spec in zip(inputs, given):

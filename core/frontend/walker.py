@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ..errors import NimbleError, ShapeError, UnsupportedError, first_line
+from ..errors import NimbleError, ShapeError, UnsupportedError, UsageError, first_line
 from ..ir import Ref, TensorSpec
 from ..ops import attention, targets
 from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
@@ -95,7 +95,7 @@ class Walker:
         params = list(graph.inputs())[1:]  # inputs()[0] is the module itself
         names = [p.debugName().split(".")[0] for p in params]
         if len(specs) != len(params):
-            raise ShapeError(f"{self.name} takes {len(params)} input(s) ({', '.join(names)}) "
+            raise UsageError(f"{self.name} takes {len(params)} input(s) ({', '.join(names)}) "
                              f"but {len(specs)} shape(s) were given; pass one --shape per input")
         for param, name, spec in zip(params, names, specs):
             if not param.type().isSubtypeOf(torch._C.TensorType.get()):

@@ -116,9 +116,15 @@ def test_bad_dtype_is_a_usage_error():
     assert "float33" in line
 
 
-def test_wrong_number_of_shapes():
-    line = one_line_error(invoke("compile", SAMPLES / "two_io.pt", "--shape", "1x3x64x64"), 1)
+def test_wrong_number_of_shapes_is_a_usage_error_from_either_frontend(tmp_path):
+    line = one_line_error(invoke("compile", SAMPLES / "two_io.pt", "--shape", "1x3x64x64"), 2)
     assert "takes 2 input(s)" in line
+    dynamic = tmp_path / "dynamic.pt2"
+    batch = torch.export.Dim("batch", min=2)
+    torch.export.save(torch.export.export(torch.nn.Linear(4, 2), (torch.randn(3, 4),),
+                                          dynamic_shapes=({0: batch},)), str(dynamic))
+    assert "is dynamic in the program" in one_line_error(invoke("compile", dynamic), 2)  # a missing --shape
+    assert "takes 1 input(s)" in one_line_error(invoke("compile", dynamic, "-s", "3x4", "-s", "3x4"), 2)
 
 
 def test_shape_the_model_rejects():

@@ -210,8 +210,9 @@ def test_names_print_literally(tmp_path):
     path = write(tmp_path, relu_model(hostile))
     result = CliRunner().invoke(app, ["inspect", str(path)])
     expect(result.exit_code == 0, result.stderr)
-    expect("\x1b" not in result.stderr and "\x07" not in result.stderr, repr(result.stderr))
-    expect("[link=https://evil.example]click[/link]" in result.stderr, result.stderr)
+    shown = result.stdout + result.stderr  # the table goes to stdout, messages to stderr
+    expect("\x1b" not in shown and "\x07" not in shown, repr(shown))
+    expect("[link=https://evil.example]click[/link]" in result.stdout, result.stdout)
 
 
 # ------------------------------------------------------------------ 8. the same suite under python -O

@@ -101,7 +101,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_run(tmp_path):
 def test_dynamic_dimensions_need_a_shape_and_static_ones_must_match(tmp_path):
     batch = torch.export.Dim("batch", min=2, max=16)
     path = export(tmp_path, nn.Linear(4, 2), (torch.randn(3, 4),), dynamic_shapes={"input": {0: batch}})
-    line = one_line_error(invoke("compile", path, "--device", "cpu"), 1)
+    line = one_line_error(invoke("compile", path, "--device", "cpu"), 2)  # a missing --shape: usage
     assert "dimension 0 of input" in line and "dynamic" in line and "--shape" in line
     assert invoke("compile", path, "--device", "cpu", "--shape", "8x4").exit_code == 0
     line = one_line_error(invoke("compile", path, "--device", "cpu", "--shape", "8x5"), 1)

@@ -7,7 +7,7 @@ from nimble import frontend
 from nimble.frontend import builder
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
-from nimble.errors import ModelError, ShapeError, UnsupportedError
+from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
 from nimble.ir import TensorSpec
 from nimble.ops.targets import is_allowed
 from nimble.pipeline import rewrite, sample_inputs
@@ -96,7 +96,7 @@ def test_shape_the_model_rejects_names_the_op():
 
 
 def test_wrong_number_of_inputs():
-    with pytest.raises(ShapeError, match=r"takes 2 input\(s\) \(image, features\) but 1 shape"):
+    with pytest.raises(UsageError, match=r"takes 2 input\(s\) \(image, features\) but 1 shape"):
         lower_file(SAMPLES / "two_io.pt", [(1, 3, 64, 64)])
 
 

@@ -76,7 +76,7 @@ def test_run_check_passes_and_reports(artifacts):
     result = runner.invoke(app, ["run", str(path), "--check", "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["schema_version"] == 1 and report["check"]["passed"]
+    assert report["schema_version"] == 2 and report["check"]["passed"]
     assert report["outputs"][0]["shape"] == [1, 10]
     assert "would pass" in result.stderr
 
