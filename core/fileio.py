@@ -38,7 +38,10 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
         fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)  # unnamed: a kill leaves nothing
     except (AttributeError, OSError):  # not Linux, or a file system without O_TMPFILE
         named = _temp_name(path)
-        fd = os.open(named, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            fd = os.open(named, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError as e:  # name the file the user asked for, not the temporary one
+            raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -49,6 +52,11 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
                 named = _temp_name(path)
                 _link(f.fileno(), named)
         os.replace(named, path)
+    except OSError as e:  # name the file the user asked for, not the temporary one
+        if named is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(named)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         if named is not None:
             with contextlib.suppress(FileNotFoundError):

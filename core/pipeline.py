@@ -152,6 +152,7 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
     path = Path(path)
     options, stages = CompileOptions(device, streams, check, fuse), Stages(progress)
     with stages.stage("load", "loading"):
+        frontend.check_model_file(path)
         program = frontend.is_program(path)
         module = frontend.load_program(path) if program else frontend.load_module(path)
         digest = sha256_file(path)

@@ -266,8 +266,10 @@ def _check_manifest(m: dict, name: str) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ArtifactError(f"{name}: manifest has no valid format_version")
     if version > FORMAT_VERSION:
-        raise ArtifactError(f"{name} has format version {version}; this nimble ({__version__}) reads up to "
-                            f"{FORMAT_VERSION}: this artifact needs nimble >= {m.get('nimble_version', '?')}")
+        writer = m.get("nimble_version") if isinstance(m.get("nimble_version"), str) else "?"
+        raise ArtifactError(f"{name} has format version {version}, newer than the {FORMAT_VERSION} this nimble "
+                            f"({__version__}) reads; it was written by nimble {writer[:40]}: upgrade nimble to that "
+                            "build or later, or compile the model again with this one")
     for key, kind in (("nimble_version", str), ("torch_version", str), ("model", str), ("source_sha256", str),
                       ("options", dict), ("inputs", list), ("outputs", list), ("members", dict)):
         if not isinstance(m.get(key), kind):

@@ -68,7 +68,7 @@ def user_errors(debug: bool, json_out: bool = False):
 
 
 ERROR_SCHEMA_VERSION = 1
-_OP = re.compile(r"\bop (?:\d+ \()?((?:aten|nimble|prim)::[\w.]+)")
+_OP = re.compile(r"\b((?:aten|nimble|prim|torchvision)::[\w.]+)")  # the first op a message names
 _SOURCE = re.compile(r" at ([^\s(),;]+:\d+)")
 
 
@@ -87,6 +87,7 @@ def writable(path, option: str, inputs: dict | None = None):
     exist or cannot be written, when the output is a folder, or when it is one of the command's own
     `inputs` (label -> path), reached by the same path or another (a link, `..`)."""
     import os
+    import tempfile
     from pathlib import Path
 
     from nimble.errors import UsageError
@@ -102,6 +103,11 @@ def writable(path, option: str, inputs: dict | None = None):
         raise UsageError(f"{option} {path} is a folder; give a file name")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: folder {folder} is not writable")
+    try:  # what the permission bits do not tell: /proc, a read-only or full file system
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option} {path}: nothing can be written in folder {folder} ({e.strerror or e})") from None
     for label, other in (inputs or {}).items():
         if other is not None and same_file(path, other):
             raise UsageError(f"{option} {path} is {label} itself; writing it would destroy the input, so "

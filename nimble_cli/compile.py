@@ -53,6 +53,9 @@ def compile_command(
             from nimble.errors import UsageError
 
             raise UsageError("--dtype goes with --shape; a .pt2 program brings its own input dtypes")
+        from nimble.frontend import check_model_file
+
+        check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
         writable(dot, "--dot", {"the model": model, "the artifact": target})

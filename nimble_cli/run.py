@@ -21,7 +21,8 @@ def run_command(
     inputs: Optional[list[str]] = typer.Option(None, "--input", "-i", help="NAME=FILE.npy or NAME=FILE.safetensors "
                                                "(or just FILE for a one-input model). Repeat per input."),
     random: bool = typer.Option(False, "--random", help="Run on random inputs of the right shapes."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs to this .safetensors file."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the outputs here: a .safetensors file "
+                                          "(every output, by name) or a .npy file (a model with one output)."),
     device: DeviceOption = "auto",
     check: bool = typer.Option(False, "--check", help="Run the artifact's stored sample input and compare with the "
                                "stored reference outputs; exit 3 on a mismatch."),
@@ -47,6 +48,9 @@ def run_command(
         given = {"the artifact": artifact}
         given.update({f"--input {item}": item.partition("=")[2] or item for item in inputs or []})
         writable(output, "--output", given)
+        if output is not None and output.suffix.lower() not in (".safetensors", ".npy"):
+            raise UsageError(f"--output {output}: nimble writes .safetensors (every output, by name) or .npy (a "
+                             "model with one output); give the file one of those suffixes")
         for name, value in (("--rtol", rtol), ("--atol", atol)):
             if value is not None and not value >= 0:
                 raise UsageError(f"{name} {value}: a tolerance is a number of at least 0")
@@ -82,12 +86,7 @@ def run_command(
                                "rtol": result.rtol, "atol": result.atol}
         report["wrote"] = None
         if output is not None and (result is None or result.passed):  # a failed check writes nothing
-            from nimble.fileio import write_atomic
-            from nimble.formats.tensors import save
-
-            write_atomic(output, save({g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)}))
-            report["wrote"] = {"path": str(output), "format": "safetensors", "tensors": [o["name"] for o in
-                                                                                         report["outputs"]]}
+            report["wrote"] = _write_outputs(output, {g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)})
         if json_out and (result is None or result.passed):  # else the error's document carries it
             print_json(report)
         console.print(f"{literal(artifact.name)} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
@@ -105,6 +104,31 @@ def run_command(
                                       + (f" ({output} was not written)" if output is not None else ""))
                 error.document = report  # what --json prints beside the error
                 raise error
+
+
+def _write_outputs(path: Path, named: dict) -> dict:
+    """The outputs in `path`: safetensors by name, or one array in NumPy's .npy format."""
+    import io
+
+    import numpy as np
+
+    from nimble.errors import UsageError
+    from nimble.fileio import write_atomic
+    from nimble.formats.tensors import save
+
+    if path.suffix.lower() == ".npy":
+        if len(named) != 1:
+            raise UsageError(f"--output {path}: a .npy file holds one array and the model has {len(named)} outputs "
+                             f"({', '.join(named)}); write a .safetensors file instead")
+        (tensor,) = named.values()
+        if str(tensor.dtype) == "torch.bfloat16":
+            raise UsageError(f"--output {path}: NumPy has no bfloat16, the output's dtype; write a .safetensors file")
+        buffer = io.BytesIO()
+        np.save(buffer, tensor.numpy())
+        write_atomic(path, buffer.getvalue())
+        return {"path": str(path), "format": "npy", "tensors": list(named)}
+    write_atomic(path, save(named))
+    return {"path": str(path), "format": "safetensors", "tensors": list(named)}
 
 
 def _describe(name: str, t) -> dict:

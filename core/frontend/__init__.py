@@ -13,8 +13,9 @@ A frontend never imports the runtime.
 
 from . import export
 from .export import lower_program
+from .model_file import check_model_file
 from .program import is_program, load_program
 from .torchscript import Lowered, load_module, lower, lower_training, quiet_torchscript, source_of
 
-__all__ = ["Lowered", "export", "is_program", "load_module", "load_program", "lower", "lower_program",
+__all__ = ["Lowered", "check_model_file", "export", "is_program", "load_module", "load_program", "lower", "lower_program",
            "lower_training", "quiet_torchscript", "source_of"]

@@ -212,6 +212,18 @@ class GraphBuilder:
         except Exception as e:
             if self.views_may_copy and target == "aten::view.default" and _NOT_VIEWABLE in str(e):
                 return self._copied_view(ins, source)
+            given = [self.values[r] for r in refs_in(args) if self.values[r].kind == INPUT]
+            if given:  # the model's own input does not fit the first op that reads it: a --shape mistake
+                x = given[0]
+                weights = {self.values[r].spec.dtype for r in refs_in(args) if self.values[r].kind == WEIGHT}
+                if weights and x.spec.dtype not in weights:  # a precision mistake: say so, not the shape
+                    theirs = sorted(weights)[0]
+                    raise ShapeError(f"{self.name}: input '{x.name}' is {x.spec.dtype} but the weights of {target} at "
+                                     f"{source}, which reads it, are {theirs}: give --dtype {theirs} (the model's own), "
+                                     f"or convert the model to {x.spec.dtype} before saving it") from e
+                raise ShapeError(f"{self.name}: input '{x.name}' of shape {'x'.join(map(str, x.spec.shape)) or 'scalar'} "
+                                 f"({x.spec.dtype}) does not fit {target} at {source}, which reads it: "
+                                 f"{first_line(e)}; check --shape (and --dtype) for this input") from e
             shapes = ", ".join(str(list(self.meta[r].shape)) for r in refs_in(args))
             raise ShapeError(f"{self.name}: op {target} at {source} rejects its inputs "
                              f"(tensor shapes {shapes}): {first_line(e)}") from e

@@ -25,6 +25,7 @@ from ..errors import ModelError, UnsupportedError, first_line
 from ..ir import Graph, TensorSpec
 from ..ops import shapes
 from .finalize import finalize
+from .model_file import SAVE_HINT, check_model_file
 from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)
@@ -48,19 +49,16 @@ def quiet_torchscript():
 def load_module(path: str | os.PathLike) -> torch.jit.ScriptModule:
     """Load a TorchScript archive on the CPU, in eval mode; one-line ModelError on any defect."""
     path = Path(path)
-    if not path.exists():
-        raise ModelError(f"{path}: no such file; pass a TorchScript model saved with torch.jit.save")
-    if not path.is_file():
-        raise ModelError(f"{path} is not a file; pass a TorchScript model saved with torch.jit.save")
-    hint = ("save it with torch.jit.save(torch.jit.script(model), path) "
-            "or torch.jit.save(torch.jit.trace(model, example), path)")
+    check_model_file(path)
+    hint = SAVE_HINT
     if not zipfile.is_zipfile(path):
-        raise ModelError(f"{path} is not a TorchScript archive (not a zip file); {hint}")
+        raise ModelError(f"{path} is neither a torch.export program nor a TorchScript archive (not a zip file); "
+                         f"{hint}")
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
     if not any("/code/" in n or n.startswith("code/") for n in names):
-        raise ModelError(f"{path} is a torch.save checkpoint (state_dict or pickled module), "
-                         f"not TorchScript; {hint}")
+        raise ModelError(f"{path} is a torch.save checkpoint (a state_dict or a pickled module), not a saved "
+                         f"program; {hint}")
     for attempt in range(2):
         try:
             with quiet_torchscript():

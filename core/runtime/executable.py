@@ -255,10 +255,13 @@ class Executable:
             spec = g.values[vid].spec
             if not isinstance(x, torch.Tensor):
                 raise ShapeError(f"input '{g.values[vid].name}' must be a tensor, got {type(x).__name__}")
-            if tuple(x.shape) != spec.shape or x.dtype != buf.dtype:
+            if tuple(x.shape) != spec.shape:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
-                                 f"{types.dtype_name(x.dtype)}{list(x.shape)}; recompile with --shape for "
-                                 "other shapes")
+                                 f"{types.dtype_name(x.dtype)}{list(x.shape)}; the artifact was compiled for that "
+                                 "shape alone: compile the model again for another")
+            if x.dtype != buf.dtype:
+                raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}, got "
+                                 f"{types.dtype_name(x.dtype)}; convert it first (x.to(torch.{spec.dtype}))")
             indices.check_input(x, self._indices.inputs.get(k, ()), g.values[vid].name)
         for buf, x in zip(self._inputs, inputs):
             buf.copy_(x, non_blocking=True)

@@ -141,7 +141,10 @@ def test_changed_hash_is_caught(blob, tmp_path):
         read_bytes(tmp_path, rebuild(blob, {"graph.json": graph}, fix_hashes=False))
 
 
-@pytest.mark.parametrize("version,match", [(FORMAT_VERSION + 1, r"needs nimble >= 0.1.0"),
+NEWER = r"format version 3, newer than the 2 this nimble \(0.1.0\) reads; it was written by nimble 0.1.0: upgrade"
+
+
+@pytest.mark.parametrize("version,match", [(FORMAT_VERSION + 1, NEWER),
                                            (0, "no valid format_version"), ("1", "no valid format_version"),
                                            (None, "no valid format_version")])
 def test_format_versions(blob, tmp_path, version, match):

@@ -130,7 +130,7 @@ def test_a_zip_that_is_not_a_program_is_not_taken_for_one(tmp_path):
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("hello.txt", "hi")
     line = one_line_error(invoke("compile", path, "--shape", "1x3"), 1)
-    assert "not a TorchScript archive" in line or "torch.save checkpoint" in line or "torch.export" in line
+    assert "nor a TorchScript archive" in line or "torch.save checkpoint" in line or "torch.export" in line
 
 
 def test_int64_inputs_keep_their_dtype(tmp_path):

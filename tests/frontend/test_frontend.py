@@ -91,7 +91,7 @@ def test_unsupported_op_is_named_with_its_source_line(tmp_path):
 
 
 def test_shape_the_model_rejects_names_the_op():
-    with pytest.raises(ShapeError, match=r"conv2d.* rejects its inputs"):
+    with pytest.raises(ShapeError, match=r"input .x. of shape 1x4x64x64 \(float32\) does not fit aten::conv2d"):
         lower_file(SAMPLES / "resnet.pt", [(1, 4, 64, 64)])
 
 
@@ -109,7 +109,7 @@ def test_a_different_batch_size_lowers_and_matches():
 
 @pytest.mark.parametrize("content,match", [
     (None, "no such file"),
-    (b"\x00\x01garbage" * 10, "not a TorchScript archive"),
+    (b"\x00\x01garbage" * 10, "nor a TorchScript archive"),
     ("state_dict", "torch.save checkpoint"),
 ])
 def test_files_that_are_not_torchscript(tmp_path, content, match):

@@ -188,9 +188,9 @@ def test_file_system_errors_are_one_line(artifacts, tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(nimble.fileio, "write_atomic", denied)
-    result = runner.invoke(app, ["run", str(artifacts["two_io"][0]), "--device", "cpu", "-o", str(tmp_path / "o.st")])
+    result = runner.invoke(app, ["run", str(artifacts["two_io"][0]), "--device", "cpu", "-o", str(tmp_path / "o.safetensors")])
     assert result.exit_code == 1 and "Traceback" not in result.stderr and "internal error" not in result.stderr
-    assert "Permission denied" in result.stderr and "o.st" in result.stderr
+    assert "Permission denied" in result.stderr and "o.safetensors" in result.stderr
 
 
 def test_the_preflight_leaves_no_dynamo_stand_in_behind():

@@ -1,0 +1,33 @@
+"""What kind of file `nimble compile` was handed, told before any loader reads it: a TorchScript
+archive or a torch.export program goes on; a nimble artifact, an ONNX model, a checkpoint, a
+missing path or a folder gets one line that says what to pass instead."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+from ..errors import ModelError, UnsupportedError
+
+SAVE_HINT = ("save the model with torch.export.save(torch.export.export(model, example_inputs), 'model.pt2') "
+             "(or, deprecated, torch.jit.save(torch.jit.trace(model, example_inputs), 'model.pt'))")
+_ARTIFACT = {"manifest.json", "graph.json", "schedule.json"}  # members every .nimble artifact has
+
+
+def check_model_file(path: str | os.PathLike) -> None:
+    """Refuse, in one line, a path that is no model nimble reads."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file; pass a model saved with torch.export.save (.pt2) or torch.jit.save "
+                         "(.pt)")
+    if not path.is_file():
+        raise ModelError(f"{path} is not a file; pass a model saved with torch.export.save (.pt2) or torch.jit.save "
+                         "(.pt)")
+    if path.suffix.lower() == ".onnx":
+        raise UnsupportedError(f"{path} is an ONNX model; nimble compiles PyTorch models: {SAVE_HINT}")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            if _ARTIFACT <= set(z.namelist()):
+                raise ModelError(f"{path} is a nimble artifact, compiled already: run it with nimble run or nimble "
+                                 "bench, or look inside with nimble inspect; compile takes the model itself")
