@@ -23,7 +23,7 @@ from . import dtypes, frontend, passes
 from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
 from .ir import WEIGHT, Graph, TensorSpec
-from .specs import NEED_SHAPES
+from .specs import NEED_SHAPES, parse_streams
 from .ops import arguments, types
 from .runtime.device import resolve_device
 from .plan.memory import MemoryPlan, plan
@@ -109,15 +109,6 @@ class Source:
     model: str  # the source file's name
     digest: str  # its sha256
     frontend: str  # "torchscript" or "torch.export"
-
-
-def parse_streams(streams: str | int) -> str | int:
-    if streams == "auto":
-        return streams
-    if isinstance(streams, int) or (isinstance(streams, str) and streams.isdigit()):
-        if int(streams) >= 1:
-            return int(streams)
-    raise UsageError(f"--streams {streams!r}: use auto (one stream per chain), 1, or a cap such as 8")
 
 
 def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:

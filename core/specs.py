@@ -59,3 +59,12 @@ def input_specs(shapes: list[str], dtypes: list[str] | None = None) -> list[Tens
                              "NIMBLE_MAX_INPUT_BYTES")
         specs.append(spec)
     return specs
+
+
+def parse_streams(streams: str | int) -> str | int:
+    if streams == "auto":
+        return streams
+    if isinstance(streams, int) or (isinstance(streams, str) and streams.isdigit()):
+        if int(streams) >= 1:
+            return int(streams)
+    raise UsageError(f"--streams {streams!r}: use auto (one stream per chain), 1, or a cap such as 8")

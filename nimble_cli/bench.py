@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, human_bytes, literal, print_json,
-                     user_errors, writable)
+from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, human_bytes, literal,
+                     print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
 VARIANTS = {
@@ -51,6 +51,10 @@ def bench_command(
     with user_errors(debug, json_out):
         import time
 
+        from nimble.model_files import check_artifact_file
+
+        early_checks(device=device, tune=tune)
+        check_artifact_file(artifact)
         import torch
 
         from nimble.errors import UsageError

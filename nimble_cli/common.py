@@ -67,6 +67,21 @@ def user_errors(debug: bool, json_out: bool = False):
                    "and please report it)", 1, "internal error") from None
 
 
+def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None) -> None:
+    """The option values a command can refuse before it imports torch (seconds on a GPU machine), in
+    the words the later checks use."""
+    from nimble.errors import UsageError
+
+    if device is not None and device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
+    if tune is not None and tune not in ("off", "cached", "full"):
+        raise UsageError(f"--tune {tune!r}: use off, cached or full")
+    if streams is not None:
+        from nimble.specs import parse_streams
+
+        parse_streams(streams)
+
+
 ERROR_SCHEMA_VERSION = 1
 _OP = re.compile(r"\b((?:aten|nimble|prim|torchvision)::[\w.]+)")  # the first op a message names
 _SOURCE = re.compile(r" at ([^\s(),;]+:\d+)")

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, DeviceOption, JsonOption, console, human_bytes, literal, print_json, user_errors,
-                     writable)
+from .common import (DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
+                     user_errors, writable)
 
 
 def compile_command(
@@ -53,8 +53,9 @@ def compile_command(
             from nimble.errors import UsageError
 
             raise UsageError("--dtype goes with --shape; a .pt2 program brings its own input dtypes")
-        from nimble.frontend import check_model_file
+        from nimble.model_files import check_model_file
 
+        early_checks(device=device, streams=streams)
         check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})

@@ -28,6 +28,9 @@ def inspect_command(
     Example: nimble inspect sample_models/inception.nimble --json
     """
     with user_errors(debug, json_out):
+        from nimble.model_files import check_artifact_file
+
+        check_artifact_file(artifact)
         from nimble.plan.document import plan_document
         from nimble.formats import read_artifact
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, literal, print_json, user_errors,
-                     writable)
+from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, literal, print_json,
+                     user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
 
@@ -41,8 +41,12 @@ def run_command(
     Example: nimble run sample_models/inception.nimble --check
     """
     with user_errors(debug, json_out):
-        from nimble.runtime.compare import MismatchError, compare, default_tolerance
         from nimble.errors import UsageError
+        from nimble.model_files import check_artifact_file
+
+        early_checks(device=device, tune=tune)
+        check_artifact_file(artifact)
+        from nimble.runtime.compare import MismatchError, compare, default_tolerance
         from nimble.runtime.executable import load
 
         given = {"the artifact": artifact}

@@ -13,7 +13,7 @@ A frontend never imports the runtime.
 
 from . import export
 from .export import lower_program
-from .model_file import check_model_file
+from ..model_files import check_model_file
 from .program import is_program, load_program
 from .torchscript import Lowered, load_module, lower, lower_training, quiet_torchscript, source_of
 

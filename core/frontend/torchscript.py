@@ -25,7 +25,7 @@ from ..errors import ModelError, UnsupportedError, first_line
 from ..ir import Graph, TensorSpec
 from ..ops import shapes
 from .finalize import finalize
-from .model_file import SAVE_HINT, check_model_file
+from ..model_files import SAVE_HINT, check_model_file
 from .walker import Walker, source_of  # noqa: F401  (source_of is part of the API)
 
 @dataclass(frozen=True)

@@ -76,3 +76,25 @@ def test_the_python_api_names_a_wrong_input_dtype_without_cli_flags(artifacts):
     assert "--" not in str(caught.value)
     with pytest.raises(ShapeError, match=r"compiled for that shape alone"):
         exe(torch.randn(1, 3, 16, 16))
+
+
+@pytest.mark.parametrize("args", [
+    ["compile", "missing.pt", "-s", "1x3"],
+    ["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3", "--device", "gpu"],
+    ["compile", str(SAMPLES / "resnet.pt"), "-s", "1xx3"],
+    ["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3", "--streams", "0"],
+    ["run", "missing.nimble"],
+    ["bench", str(SAMPLES), "--device", "cpu"],
+    ["bench", "missing.nimble", "--tune", "fast"],
+    ["inspect", "missing.nimble"],
+])
+def test_a_flag_or_file_mistake_is_refused_before_torch_is_imported(args):
+    """torch takes seconds to import (6 s on the GPU machine); these mistakes need none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom nimble.cli.main import app\n"
+            f"r = CliRunner().invoke(app, {args!r})\nprint(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    exit_code, imported = out.stdout.split()
+    assert exit_code in ("1", "2") and imported == "False", out.stdout + out.stderr

@@ -1,6 +1,7 @@
-"""What kind of file `nimble compile` was handed, told before any loader reads it: a TorchScript
-archive or a torch.export program goes on; a nimble artifact, an ONNX model, a checkpoint, a
-missing path or a folder gets one line that says what to pass instead."""
+"""What kind of file a command was handed, told before any loader reads it, and before torch is
+imported (which takes seconds): for `compile`, a TorchScript archive or a torch.export program goes
+on, and a nimble artifact, an ONNX model, a missing path or a folder gets one line that says what
+to pass instead; for the other commands, the artifact must be a file."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from ..errors import ModelError, UnsupportedError
+from .errors import ArtifactError, ModelError, UnsupportedError
 
 SAVE_HINT = ("save the model with torch.export.save(torch.export.export(model, example_inputs), 'model.pt2') "
              "(or, deprecated, torch.jit.save(torch.jit.trace(model, example_inputs), 'model.pt'))")
@@ -31,3 +32,12 @@ def check_model_file(path: str | os.PathLike) -> None:
             if _ARTIFACT <= set(z.namelist()):
                 raise ModelError(f"{path} is a nimble artifact, compiled already: run it with nimble run or nimble "
                                  "bench, or look inside with nimble inspect; compile takes the model itself")
+
+
+def check_artifact_file(path: str | os.PathLike) -> None:
+    """Refuse a missing artifact or a folder, in one line."""
+    path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a folder; pass a .nimble artifact written by nimble compile")
+    if not path.exists():
+        raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")
