@@ -24,29 +24,42 @@ class Comparison:
     max_rel: float  # largest |out - ref| / max|ref|, per output, over all outputs
     rtol: float
     atol: float
+    rel_l2: tuple[float, ...] = ()  # per output: ||out - ref|| / ||ref|| (0 where both are 0)
+    tiny: tuple[int, ...] = ()  # outputs whose every reference value is below atol in magnitude
 
     @property
     def passed(self) -> bool:
+        """Within atol or within rtol; and an output too small for atol to tell anything (random
+        weights can make one 1e-9) must also be within rtol by its relative L2 error."""
+        if any(not self.rel_l2[k] <= self.rtol for k in self.tiny):
+            return False
         return self.max_abs <= self.atol or self.max_rel <= self.rtol
 
     @property
     def passing_rtol(self) -> str:
         """The smallest one-digit rtol that would have passed."""
-        return _ceil(self.max_rel)
+        return _ceil(max([self.max_rel, *(self.rel_l2[k] for k in self.tiny)]))
 
     def describe(self) -> str:
         verdict = "ok" if self.passed else "MISMATCH"
-        return (f"{verdict}: max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g} "
+        text = (f"{verdict}: max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g} "
                 f"(rtol {self.rtol:g}, atol {self.atol:g}; rtol {self.passing_rtol} would pass)")
+        if self.tiny:
+            worst = max(self.rel_l2[k] for k in self.tiny)
+            text += (f"; output(s) {', '.join(map(str, self.tiny))} are smaller than atol throughout, so they were "
+                     f"compared by relative L2 error too (worst {worst:.3g})")
+        return text
 
 
 def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> Comparison:
     """Relative error is taken against each output's largest magnitude, so that entries near zero
-    do not dominate; NaN or inf where the reference is finite counts as an infinite error."""
+    do not dominate; NaN or inf where the reference is finite counts as an infinite error. An
+    output whose reference is below atol throughout is also held to rtol by relative L2 error."""
     if len(outputs) != len(expected):
         raise MismatchError(f"got {len(outputs)} outputs, expected {len(expected)}")
     max_abs = max_rel = 0.0
-    for out, ref in zip(outputs, expected):
+    rel_l2, tiny = [], []
+    for k, (out, ref) in enumerate(zip(outputs, expected)):
         if tuple(out.shape) != tuple(ref.shape):
             raise MismatchError(f"output shape {list(out.shape)} differs from the reference's {list(ref.shape)}")
         if out.is_complex() or ref.is_complex():  # compare real and imaginary parts alike
@@ -60,7 +73,13 @@ def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: flo
         scale = ref[torch.isfinite(ref)].abs().max().item() if torch.isfinite(ref).any() else 1.0
         max_abs = max(max_abs, err)
         max_rel = max(max_rel, err / scale if scale > 0 else err)
-    return Comparison(max_abs, max_rel, rtol, atol)
+        finite = diff[torch.isfinite(diff)] if torch.isfinite(diff).all() else None
+        norm = ref[torch.isfinite(ref)].norm().item() if ref.numel() else 0.0
+        gap = finite.norm().item() if finite is not None else math.inf
+        rel_l2.append(gap / norm if norm > 0 else (0.0 if gap == 0 else math.inf))
+        if ref.numel() and scale < atol:
+            tiny.append(k)
+    return Comparison(max_abs, max_rel, rtol, atol, tuple(rel_l2), tuple(tiny))
 
 
 def _ceil(x: float) -> str:
