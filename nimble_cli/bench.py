@@ -14,7 +14,7 @@ from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console,
 
 BENCH_SCHEMA_VERSION = 2
 VARIANTS = {
-    "nimble": "nimble: planned streams, planned arena, one CUDA graph",
+    "nimble": "planned streams, planned arena, one CUDA graph",
     "eager": "the same op list run eagerly, one op at a time, no graph",
     "pytorch_graph_1stream": "one-stream CUDA graph of the op list in PyTorch's graph pool",
     "pytorch_graph_streams": "the planned multi-stream CUDA graph in PyTorch's graph pool",
@@ -151,7 +151,9 @@ def _print(r: dict, pcts) -> None:
                       + (f", {len(k['interpreted_fused_ops'])} fused ops interpreted" if k["interpreted_fused_ops"]
                          else ""))
     names = list(r["results"])
-    table = Table(show_edge=False, pad_edge=False, title="latency per inference, ms", title_justify="left")
+    counts = {r["results"][n]["iterations"] for n in names}
+    table = Table(show_edge=False, pad_edge=False, title_justify="left",
+                  title=f"latency per inference, ms, over {'/'.join(map(str, sorted(counts)))} timed inferences")
     table.add_column("")
     for name in names:
         table.add_column(SHORT[name], justify="right", no_wrap=True)
@@ -159,12 +161,15 @@ def _print(r: dict, pcts) -> None:
             ("min", "min_ms"), ("max", "max_ms"), ("GPU compute", "gpu_mean_ms"), ("host enqueue", "enqueue_mean_ms")]
     for label, key in rows:
         table.add_row(label, *("-" if r["results"][n][key] is None else f"{r['results'][n][key]:.3f}" for n in names))
-    table.add_row("throughput /s", *(f"{r['results'][n]['throughput_per_s']:.0f}" for n in names))
+    table.add_row("inferences timed", *(str(r["results"][n]["iterations"]) for n in names))
+    table.add_row("throughput /s (timed run)", *(f"{r['results'][n]['throughput_per_s']:.0f}" for n in names))
+    table.add_row("back to back /s (no sync)", *(f"{r['results'][n]['back_to_back_per_s']:.0f}" for n in names))
     table.add_row("CV %", *(f"{r['results'][n]['cv_percent']:.1f}" for n in names))
-    table.add_row("nimble speedup", *("-" if n == "nimble" else f"{r['speedup_vs'][n]:.2f}x" for n in names))
+    if len(names) > 1:
+        table.add_row("nimble speedup", *("-" if n == "nimble" else f"{r['speedup_vs'][n]:.2f}x" for n in names))
     console.print(table)
     for name in names:
-        what = VARIANTS[name] if r["gpu"] or name != "nimble" else "nimble: the placed op list in its arena, serially"
+        what = VARIANTS[name] if r["gpu"] or name != "nimble" else "the placed op list in its arena, serially"
         console.print(f"  {SHORT[name]}: {what}")
     m = r["memory"]
     line = (f"memory: weights {human_bytes(m['weights_bytes'])}, arena {human_bytes(m['arena_bytes'])}, "
@@ -177,7 +182,15 @@ def _print(r: dict, pcts) -> None:
         ours = m["arena_bytes"] + m["scratch_bytes"]
         console.print(f"PyTorch's graph pool for the same multi-stream capture: {human_bytes(pool)}; nimble's arena "
                       f"plus scratch is {ours / max(pool, 1):.2f}x of it")
+    from nimble.runtime.timing import samples_behind
+
+    more = "raise --iterations" if r["settings"]["iterations"] else "raise --duration-s"
     for name, s in r["results"].items():
         if s["cv_percent"] > 2.5:
             console.print(f"[yellow]warning:[/] {name}: coefficient of variation {s['cv_percent']:.1f}% is above "
-                          "2.5%; the machine may be busy, or raise --duration-s")
+                          f"2.5%; the machine may be busy, or {more}")
+    n = min(s["iterations"] for s in r["results"].values())
+    thin = [f"p{p:g}" for p in pcts if samples_behind(p, n) < 1]
+    if thin:
+        console.print(f"[yellow]warning:[/] {', '.join(thin)} rest on {n} timed inferences, too few to differ from "
+                      f"the max; {more}")

@@ -2,7 +2,10 @@
 
 Latency is host wall time from launching one inference until the GPU finished it (the inputs
 already sit in the runner's buffers). GPU compute time comes from CUDA events around the launch,
-host enqueue time from the host clock around it. Throughput comes from back-to-back launches.
+host enqueue time from the host clock around it. Throughput is the timed inferences over the
+timed run's wall time; `back_to_back_per_s` is a separate, short run with no synchronization
+between launches (the GPU-bound rate). Every percentile, the median among them, is a nearest-rank
+percentile of the same sorted latencies.
 """
 
 from __future__ import annotations
@@ -20,18 +23,31 @@ class Timing:
     latency_ms: list[float] = field(default_factory=list)
     gpu_ms: list[float] = field(default_factory=list)
     enqueue_ms: list[float] = field(default_factory=list)
-    throughput: float = 0.0  # inferences per second, back to back
+    throughput: float = 0.0  # timed inferences per second of the timed run's wall time
+    back_to_back: float = 0.0  # inferences per second, launched back to back with no sync between
 
     def summary(self, percentiles=(90, 95, 99)) -> dict:
         lat = sorted(self.latency_ms)
         mean = statistics.fmean(lat)
-        out = {"iterations": len(lat), "min_ms": lat[0], "mean_ms": mean, "median_ms": statistics.median(lat),
+        out = {"iterations": len(lat), "min_ms": lat[0], "mean_ms": mean, "median_ms": percentile(lat, 50),
                "max_ms": lat[-1], "cv_percent": 100 * statistics.pstdev(lat) / mean if mean else 0.0,
                "gpu_mean_ms": statistics.fmean(self.gpu_ms) if self.gpu_ms else None,
-               "enqueue_mean_ms": statistics.fmean(self.enqueue_ms), "throughput_per_s": self.throughput}
+               "enqueue_mean_ms": statistics.fmean(self.enqueue_ms), "throughput_per_s": self.throughput,
+               "back_to_back_per_s": self.back_to_back}
         for p in percentiles:
-            out[f"p{p:g}_ms"] = lat[min(len(lat) - 1, max(0, math.ceil(p / 100 * len(lat)) - 1))]
+            out[f"p{p:g}_ms"] = percentile(lat, p)
         return out
+
+
+def percentile(ordered: list[float], p: float) -> float:
+    """The nearest-rank percentile of sorted values: the smallest value with at least p % of the
+    values at or below it."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+def samples_behind(p: float, n: int) -> int:
+    """How many measured values lie above the p-th percentile of n: none means it is the max."""
+    return n - 1 - min(n - 1, max(0, math.ceil(p / 100 * n) - 1))
 
 
 def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0,
@@ -47,7 +63,8 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
     timing = Timing()
     start_ev, stop_ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
         else (None, None)
-    deadline = time.perf_counter() + duration_s
+    began = time.perf_counter()
+    deadline = began + duration_s
     while (len(timing.latency_ms) < iterations) if iterations else (time.perf_counter() < deadline):
         t0 = time.perf_counter()
         if cuda:
@@ -62,10 +79,12 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
         timing.enqueue_ms.append((t1 - t0) * 1000)
         if cuda:
             timing.gpu_ms.append(start_ev.elapsed_time(stop_ev))
-    n = max(1, min(len(timing.latency_ms), 1000))
+    timing.throughput = len(timing.latency_ms) / (time.perf_counter() - began)
+    # the back-to-back rate: at most a tenth of the timed run's length, and at most 1000 launches
+    n = max(1, min(len(timing.latency_ms) // 10, 1000))
     t0 = time.perf_counter()
     for _ in range(n):
         replay()
     sync()
-    timing.throughput = n / (time.perf_counter() - t0)
+    timing.back_to_back = n / (time.perf_counter() - t0)
     return timing

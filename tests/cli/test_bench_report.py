@@ -1,0 +1,26 @@
+"""bench reports as trtexec does: how many inferences it timed, percentiles computed one way (the
+median among them), throughput from the timed run itself and, labelled, back to back; and it warns
+when a percentile rests on too few inferences to differ from the max."""
+
+from nimble.runtime.timing import Timing, percentile, samples_behind
+
+from ..conftest import SAMPLES
+from .test_cli import invoke
+
+
+def test_the_median_is_the_50th_percentile_of_the_same_sorted_values():
+    t = Timing(latency_ms=[4.0, 1.0, 3.0, 2.0], enqueue_ms=[0.1] * 4)
+    s = t.summary((50, 75))
+    assert s["median_ms"] == s["p50_ms"] == percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0
+    assert samples_behind(99, 7) == 0 and samples_behind(99, 1000) == 10 and samples_behind(90, 100) == 10
+
+
+def test_the_report_counts_inferences_and_warns_on_thin_percentiles(tmp_path):
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    result = invoke("bench", out, "--device", "cpu", "-n", "7", "--no-baselines")
+    text = " ".join(result.stderr.replace("│", " ").split())
+    assert result.exit_code == 0 and "over 7 timed inferences" in text and "inferences timed 7" in text
+    assert "p90, p95, p99 rest on 7 timed inferences" in text and "raise --iterations" in text
+    assert "speedup" not in text and "nimble: nimble" not in text and "raise --duration-s" not in text
+    assert "throughput /s (timed run)" in text and "back to back /s (no sync)" in text
