@@ -32,6 +32,9 @@ def bench_command(
     percentiles: str = typer.Option("90,95,99", "--percentiles", help="Latency percentiles to report."),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
                                    "PyTorch-pool CUDA graphs in the same process."),
+    inputs: Optional[list[str]] = typer.Option(None, "--input", "-i", help="Time on these inputs instead of the "
+                                               "artifact's stored sample: NAME=FILE.npy or NAME=FILE.safetensors (or "
+                                               "just FILE for a one-input model), as for nimble run."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
     json_out: JsonOption = False,
@@ -69,6 +72,8 @@ def bench_command(
         if not all(0 < p <= 100 for p in pcts):
             raise UsageError("--percentiles must lie in (0, 100]")
         writable(export_times, "--export-times", {"the artifact": artifact})
+        from .run import read_inputs
+
         if iterations is not None and iterations < 1:
             raise UsageError("--iterations must be at least 1")
         if duration_s <= 0 or warmup_ms < 0:
@@ -85,9 +90,8 @@ def bench_command(
                 exe = load(artifact, device, tune=tune, graph_dump=dump)
                 kernels = count_kernels(dump) if exe.device.type == "cuda" else None
             cuda = exe.device.type == "cuda"
-            for buf, x in zip(exe.input_buffers, exe.artifact.sample_inputs):
-                buf.copy_(x)
-            exe.replay()
+            xs = read_inputs(inputs, exe.graph) if inputs else exe.artifact.sample_inputs
+            exe(*[x.to(exe.device) for x in xs])  # checked (shapes, dtypes, index ranges) into the input buffers
             if cuda:
                 torch.cuda.synchronize()
             first = time.perf_counter() - t0
@@ -99,7 +103,7 @@ def bench_command(
                       "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
             if baselines:
                 status.update("building baselines")
-                for name, baseline in build_baselines(exe).items():
+                for name, baseline in build_baselines(exe, xs).items():
                     runners[name] = baseline.replay
                     if baseline.pool_bytes is not None:
                         memory[f"{name}_pool_bytes"] = baseline.pool_bytes
@@ -119,6 +123,7 @@ def bench_command(
             "kernels": {"per_inference": kernels, "generated": exe.stats.kernels_generated,
                         "source_cache_hits": exe.stats.kernel_source_hits,
                         "interpreted_fused_ops": exe.stats.kernel_fallbacks},
+            "inputs": "given" if inputs else "stored sample",
             "settings": {"warmup_ms": warmup_ms, "duration_s": None if iterations else duration_s,
                          "iterations": iterations, "percentiles": list(pcts)},
             "results": summaries,

@@ -24,3 +24,20 @@ def test_the_report_counts_inferences_and_warns_on_thin_percentiles(tmp_path):
     assert "p90, p95, p99 rest on 7 timed inferences" in text and "raise --iterations" in text
     assert "speedup" not in text and "nimble: nimble" not in text and "raise --duration-s" not in text
     assert "throughput /s (timed run)" in text and "back to back /s (no sync)" in text
+
+
+def test_bench_times_the_users_inputs_checked_as_run_checks_them(tmp_path):
+    import numpy as np
+
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    good, bad = tmp_path / "x.npy", tmp_path / "bad.npy"
+    np.save(good, np.random.randn(1, 3, 32, 32).astype("float32"))
+    np.save(bad, np.random.randn(1, 3, 16, 16).astype("float32"))
+    result = invoke("bench", out, "--device", "cpu", "-n", "5", "-i", good, "--json")
+    import json
+
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["inputs"] == "given" and set(doc["results"]) == {"nimble", "eager"}
+    result = invoke("bench", out, "--device", "cpu", "-n", "5", "-i", bad)
+    assert result.exit_code == 1 and "must be float32[1, 3, 32, 32], got float32[1, 3, 16, 16]" in result.stderr
