@@ -56,6 +56,15 @@ class Nimble:
         self.frontend: str | None = None  # "torch.export", "torchscript (traced)" or "torchscript"
         self.fallback: str | None = None  # why torch.export was not used, where it was tried
 
+    def __repr__(self) -> str:
+        name = type(self.module).__name__
+        if self._runner is None:
+            return f"<nimble.Nimble {name}: not prepared; call prepare(example_inputs)>"
+        shapes = ", ".join(f"{s.dtype}{list(s.shape)}" for s in self._specs)
+        mode = "training" if self._training else "inference"
+        return (f"<nimble.Nimble {name} for {mode} on {self._device}: inputs ({shapes}); through "
+                f"{self.frontend}; outputs are fresh tensors, as the module's own>")
+
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto",
                 strict: bool = True) -> Nimble:

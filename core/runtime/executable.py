@@ -239,6 +239,17 @@ class Executable:
             outputs = [env[o] for o in self.graph.outputs]
         return [t.clone() for t in outputs] if copy else list(outputs)
 
+    def __repr__(self) -> str:
+        g = self.graph
+
+        def specs(ids):
+            return ", ".join(f"{g.values[i].name}: {g.values[i].spec.dtype}{list(g.values[i].spec.shape)}" for i in ids)
+
+        runs = self.choice.describe() if self.device.type == "cuda" else "the placed op list, serially"
+        return (f"<nimble.Executable {self.artifact.model} on {self.device}: ({specs(g.inputs)}) -> "
+                f"({specs(g.outputs)}); {len(g.ops)} ops on {self.schedule.num_streams} stream(s), runs as {runs}; "
+                "outputs are views of its buffers until the next call (copy=True for your own)>")
+
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
         if self._cuda_graph is not None:

@@ -234,3 +234,17 @@ def test_unsupported_ops_and_misuse_are_one_line():
     with pytest.raises(ModelError):
         nimble.Nimble(build_module("resnet").requires_grad_(False)).prepare(torch.randn(2, 3, 32, 32),
                                                                            training=True)
+
+
+def test_both_runtimes_say_what_they_hold_and_their_aliasing_rule(tmp_path):
+    from ..cli.test_cli import invoke
+    from ..conftest import SAMPLES
+
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    text = repr(nimble.load(out, device="cpu"))
+    assert "x: float32[1, 3, 32, 32]" in text and "on cpu" in text and "views of its buffers" in text
+    module = nimble.Nimble(torch.nn.Linear(4, 2))
+    assert "not prepared" in repr(module)
+    module.prepare(torch.randn(3, 4))
+    assert "float32[3, 4]" in repr(module) and "fresh tensors" in repr(module)
