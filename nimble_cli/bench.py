@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, human_bytes, literal,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, human_bytes, literal,
                      print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -79,7 +79,7 @@ def bench_command(
         if duration_s <= 0 or warmup_ms < 0:
             raise UsageError("--duration-s must be positive and --warmup-ms not negative")
 
-        with console.status(f"loading {artifact.name}", spinner="dots") as status:
+        with progress(f"loading {artifact.name}") as update:
             import tempfile
 
             from nimble.runtime.streams import count_kernels
@@ -102,14 +102,14 @@ def bench_command(
             memory = {"weights_bytes": exe.stats.weight_bytes, "arena_bytes": exe.stats.arena_bytes,
                       "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
             if baselines:
-                status.update("building baselines")
+                update("building baselines")
                 for name, baseline in build_baselines(exe, xs).items():
                     runners[name] = baseline.replay
                     if baseline.pool_bytes is not None:
                         memory[f"{name}_pool_bytes"] = baseline.pool_bytes
             results = {}
             for name, replay in runners.items():
-                status.update(f"timing {name}")
+                update(f"timing {name}")
                 results[name] = measure(replay, cuda=cuda, warmup_ms=warmup_ms, duration_s=duration_s,
                                         iterations=iterations)
         summaries = {k: t.summary(pcts) for k, t in results.items()}

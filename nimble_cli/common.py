@@ -67,6 +67,24 @@ def user_errors(debug: bool, json_out: bool = False):
                    "and please report it)", 1, "internal error") from None
 
 
+@contextlib.contextmanager
+def progress(label: str):
+    """Tell the user what is happening: a spinner on a terminal; where stderr is not one (a CI
+    log), one `... <stage>` line per stage, passes left out, so that a log shows where a long
+    command is. Yields `update(text)`."""
+    if console.is_terminal:
+        with console.status(label, spinner="dots") as status:
+            yield status.update
+        return
+
+    def say(text: str) -> None:
+        if ": pass " not in text:
+            console.print(f"... {literal(text)}", soft_wrap=True)
+
+    say(label)
+    yield say
+
+
 def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None) -> None:
     """The option values a command can refuse before it imports torch (seconds on a GPU machine), in
     the words the later checks use."""

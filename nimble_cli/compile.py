@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
                      user_errors, writable)
 
 
@@ -62,10 +62,10 @@ def compile_command(
         writable(dot, "--dot", {"the model": model, "the artifact": target})
         from nimble.pipeline import compile_model
 
-        with console.status("compiling", spinner="dots") as status:
+        with progress(f"{model.name}: compiling") as update:
             compiled = compile_model(model, specs, device=device, streams=streams,
-                                     progress=lambda stage: status.update(f"{model.name}: {stage}"), fuse=fuse)
-            status.update(f"{model.name}: writing {target.name}")
+                                     progress=lambda stage: update(f"{model.name}: {stage}"), fuse=fuse)
+            update(f"{model.name}: writing {target.name}")
             from nimble.formats import write_artifact
 
             t = time.perf_counter()

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .common import (DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, literal, print_json,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, literal, print_json,
                      user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
@@ -62,7 +62,7 @@ def run_command(
             raise UsageError("--check runs the stored sample input; leave out --input and --random")
         if inputs and random:
             raise UsageError("give --input files or --random, not both")
-        with console.status(f"loading {artifact.name}", spinner="dots"):
+        with progress(f"loading {artifact.name}"):
             t = time.perf_counter()
             exe = load(artifact, device, tune=tune)
         if exe.notice:

@@ -41,3 +41,11 @@ def test_bench_times_the_users_inputs_checked_as_run_checks_them(tmp_path):
     assert result.exit_code == 0 and doc["inputs"] == "given" and set(doc["results"]) == {"nimble", "eager"}
     result = invoke("bench", out, "--device", "cpu", "-n", "5", "-i", bad)
     assert result.exit_code == 1 and "must be float32[1, 3, 32, 32], got float32[1, 3, 16, 16]" in result.stderr
+
+
+def test_progress_shows_in_a_log(tmp_path):
+    """Where stderr is not a terminal (a CI log, here CliRunner), each stage is one '... ' line."""
+    result = invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", tmp_path / "r.nimble")
+    stages = [line for line in result.stderr.splitlines() if line.startswith("... ")]
+    assert result.exit_code == 0 and "... resnet.pt: lowering" in stages and "... resnet.pt: writing r.nimble" in stages
+    assert not any("pass " in line for line in stages)  # one line per stage, not per pass

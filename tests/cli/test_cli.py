@@ -20,7 +20,7 @@ def invoke(*args):
 
 def one_line_error(result, code):
     assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip() and not line.startswith("... ")]
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     return " ".join(lines)
 

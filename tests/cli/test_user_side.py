@@ -32,7 +32,7 @@ def invoke(*args, **kwargs):
 
 def one_line(result, code: int) -> str:
     assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip() and not line.startswith("... ")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     return lines[0]
 
