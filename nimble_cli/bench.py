@@ -25,10 +25,13 @@ SHORT = {"nimble": "nimble", "eager": "eager", "pytorch_graph_1stream": "pt grap
 
 def bench_command(
     artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .nimble artifact written by nimble compile."),
-    warmup_ms: float = typer.Option(200, "--warmup-ms", help="Warm-up time before measuring, per variant."),
-    duration_s: float = typer.Option(3.0, "--duration-s", help="Measuring time per variant."),
-    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Measure exactly N inferences per "
-                                             "variant instead of --duration-s."),
+    warmup_ms: float = typer.Option(200, "--warmup", "--warmup-ms", metavar="MS",
+                                    help="Warm-up time before measuring, per variant, in ms (trtexec's --warmUp)."),
+    duration_s: float = typer.Option(3.0, "--duration", "--duration-s", metavar="S",
+                                     help="Measure for at least S seconds per variant (trtexec's --duration); 0 "
+                                     "leaves --iterations alone to decide."),
+    iterations: int = typer.Option(10, "--iterations", "-n", help="Measure at least N inferences per variant "
+                                   "(trtexec's --iterations); with --duration 0, exactly N."),
     percentiles: str = typer.Option("90,95,99", "--percentiles", help="Latency percentiles to report."),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
                                    "PyTorch-pool CUDA graphs in the same process."),
@@ -49,7 +52,7 @@ def bench_command(
     inference and GPU memory. Three baselines run in the same process: the eager op list, and
     one-stream and multi-stream CUDA graphs in PyTorch's graph pool.
 
-    Example: nimble bench sample_models/inception.nimble --duration-s 2
+    Example: nimble bench sample_models/inception.nimble --duration 2
     """
     with user_errors(debug, json_out):
         import time
@@ -74,10 +77,10 @@ def bench_command(
         writable(export_times, "--export-times", {"the artifact": artifact})
         from .run import read_inputs
 
-        if iterations is not None and iterations < 1:
+        if iterations < 1:
             raise UsageError("--iterations must be at least 1")
-        if duration_s <= 0 or warmup_ms < 0:
-            raise UsageError("--duration-s must be positive and --warmup-ms not negative")
+        if duration_s < 0 or warmup_ms < 0:
+            raise UsageError("--duration and --warmup must not be negative")
 
         with progress(f"loading {artifact.name}") as update:
             import tempfile
@@ -124,7 +127,7 @@ def bench_command(
                         "source_cache_hits": exe.stats.kernel_source_hits,
                         "interpreted_fused_ops": exe.stats.kernel_fallbacks},
             "inputs": "given" if inputs else "stored sample",
-            "settings": {"warmup_ms": warmup_ms, "duration_s": None if iterations else duration_s,
+            "settings": {"warmup_ms": warmup_ms, "duration_s": duration_s,
                          "iterations": iterations, "percentiles": list(pcts)},
             "results": summaries,
             "speedup_vs": {k: s["mean_ms"] / summaries["nimble"]["mean_ms"] for k, s in summaries.items()
@@ -189,7 +192,7 @@ def _print(r: dict, pcts) -> None:
                       f"plus scratch is {ours / max(pool, 1):.2f}x of it")
     from nimble.runtime.timing import samples_behind
 
-    more = "raise --iterations" if r["settings"]["iterations"] else "raise --duration-s"
+    more = "raise --duration or --iterations"
     for name, s in r["results"].items():
         if s["cv_percent"] > 2.5:
             console.print(f"[yellow]warning:[/] {name}: coefficient of variation {s['cv_percent']:.1f}% is above "

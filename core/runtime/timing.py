@@ -50,9 +50,9 @@ def samples_behind(p: float, n: int) -> int:
     return n - 1 - min(n - 1, max(0, math.ceil(p / 100 * n) - 1))
 
 
-def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0,
-            iterations: int | None = None) -> Timing:
-    """Time `replay()`: warm up for warmup_ms, then run for duration_s or exactly `iterations` times."""
+def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0, iterations: int = 10) -> Timing:
+    """Time `replay()` as trtexec does: warm up for warmup_ms, then run for at least duration_s
+    and at least `iterations` times (duration_s 0: exactly `iterations` times)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     end = time.perf_counter() + warmup_ms / 1000
     while True:
@@ -65,7 +65,7 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
         else (None, None)
     began = time.perf_counter()
     deadline = began + duration_s
-    while (len(timing.latency_ms) < iterations) if iterations else (time.perf_counter() < deadline):
+    while len(timing.latency_ms) < iterations or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         if cuda:
             start_ev.record()

@@ -18,11 +18,11 @@ def test_the_median_is_the_50th_percentile_of_the_same_sorted_values():
 def test_the_report_counts_inferences_and_warns_on_thin_percentiles(tmp_path):
     out = tmp_path / "r.nimble"
     assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
-    result = invoke("bench", out, "--device", "cpu", "-n", "7", "--no-baselines")
+    result = invoke("bench", out, "--device", "cpu", "-n", "7", "--duration", "0", "--no-baselines")
     text = " ".join(result.stderr.replace("│", " ").split())
     assert result.exit_code == 0 and "over 7 timed inferences" in text and "inferences timed 7" in text
-    assert "p90, p95, p99 rest on 7 timed inferences" in text and "raise --iterations" in text
-    assert "speedup" not in text and "nimble: nimble" not in text and "raise --duration-s" not in text
+    assert "p90, p95, p99 rest on 7 timed inferences" in text and "raise --duration or --iterations" in text
+    assert "speedup" not in text and "nimble: nimble" not in text
     assert "throughput /s (timed run)" in text and "back to back /s (no sync)" in text
 
 
@@ -34,12 +34,12 @@ def test_bench_times_the_users_inputs_checked_as_run_checks_them(tmp_path):
     good, bad = tmp_path / "x.npy", tmp_path / "bad.npy"
     np.save(good, np.random.randn(1, 3, 32, 32).astype("float32"))
     np.save(bad, np.random.randn(1, 3, 16, 16).astype("float32"))
-    result = invoke("bench", out, "--device", "cpu", "-n", "5", "-i", good, "--json")
+    result = invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "-i", good, "--json")
     import json
 
     doc = json.loads(result.stdout)
     assert result.exit_code == 0 and doc["inputs"] == "given" and set(doc["results"]) == {"nimble", "eager"}
-    result = invoke("bench", out, "--device", "cpu", "-n", "5", "-i", bad)
+    result = invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "-i", bad)
     assert result.exit_code == 1 and "must be float32[1, 3, 32, 32], got float32[1, 3, 16, 16]" in result.stderr
 
 
@@ -49,3 +49,15 @@ def test_progress_shows_in_a_log(tmp_path):
     stages = [line for line in result.stderr.splitlines() if line.startswith("... ")]
     assert result.exit_code == 0 and "... resnet.pt: lowering" in stages and "... resnet.pt: writing r.nimble" in stages
     assert not any("pass " in line for line in stages)  # one line per stage, not per pass
+
+
+def test_iterations_and_duration_are_minimums_as_in_trtexec(tmp_path):
+    import json
+
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    doc = json.loads(invoke("bench", out, "--device", "cpu", "-n", "3", "--duration", "0.3", "--warmup", "0",
+                            "--no-baselines", "--json").stdout)
+    row = doc["results"]["nimble"]
+    assert row["iterations"] > 3 and row["iterations"] * row["mean_ms"] >= 0.3 * 1000 * 0.9  # the duration ruled
+    assert doc["settings"] == {"warmup_ms": 0.0, "duration_s": 0.3, "iterations": 3, "percentiles": [90.0, 95.0, 99.0]}

@@ -73,7 +73,7 @@ def test_run_names_the_file_it_wrote(compiled, tmp_path):
 
 def test_bench_document(compiled):
     out, _ = compiled
-    doc = validate(document(invoke("bench", out, "--device", "cpu", "-n", "5", "--no-baselines", "--json"), 0),
+    doc = validate(document(invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "--no-baselines", "--json"), 0),
                    "bench")
     assert doc["results"]["nimble"]["iterations"] == 5
 

@@ -120,7 +120,8 @@ def test_load_never_schedules_or_plans_on_cuda(artifacts, monkeypatch):
 def test_bench_runs_with_baselines(artifacts):
     import json
 
-    result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "20", "--json"])
+    result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "20", "--duration", "0.2",
+                                      "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["results"]) == {"nimble", "eager", "pytorch_graph_1stream", "pytorch_graph_streams"}

@@ -146,7 +146,7 @@ def test_run_on_a_corrupt_artifact(tmp_path):
 def test_bench_json_report(artifacts, tmp_path):
     path, _ = artifacts["transformer"]
     times = tmp_path / "times.json"
-    result = runner.invoke(app, ["bench", str(path), "--device", "cpu", "--iterations", "5", "--warmup-ms", "0",
+    result = runner.invoke(app, ["bench", str(path), "--device", "cpu", "--iterations", "5", "--duration", "0", "--warmup-ms", "0",
                                  "--json", "--export-times", str(times)])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
@@ -158,7 +158,8 @@ def test_bench_json_report(artifacts, tmp_path):
     assert len(json.loads(times.read_text())) == 5
 
 
-@pytest.mark.parametrize("args", [["--percentiles", "abc"], ["--iterations", "0"], ["--duration-s", "0"]])
+@pytest.mark.parametrize("args", [["--percentiles", "abc"], ["--iterations", "0"], ["--duration-s", "-1"],
+                                  ["--warmup", "-5"]])
 def test_bench_usage_errors(artifacts, args):
     path, _ = artifacts["transformer"]
     result = runner.invoke(app, ["bench", str(path), "--device", "cpu", *args])
