@@ -39,5 +39,5 @@ def check_artifact_file(path: str | os.PathLike) -> None:
     path = Path(path)
     if path.is_dir():
         raise ArtifactError(f"{path} is a folder; pass a .nimble artifact written by nimble compile")
-    if not path.exists():
+    if not path.is_file():
         raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")

@@ -68,3 +68,17 @@ def parse_streams(streams: str | int) -> str | int:
         if int(streams) >= 1:
             return int(streams)
     raise UsageError(f"--streams {streams!r}: use auto (one stream per chain), 1, or a cap such as 8")
+
+
+DEVICES = ("auto", "cpu", "cuda")  # --device
+TUNE_MODES = ("off", "cached", "full")  # --tune (runtime/tuning.py says what each does)
+
+
+def check_device_name(device: str) -> None:
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
+
+
+def check_tune_mode(tune: str) -> None:
+    if tune not in TUNE_MODES:
+        raise UsageError(f"--tune {tune!r}: use off, cached or full")

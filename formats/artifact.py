@@ -37,6 +37,7 @@ import torch
 from nimble import __version__
 from nimble.errors import ArtifactError, GraphError, NimbleError, first_line
 from nimble.fileio import atomic_file
+from nimble.model_files import check_artifact_file
 from nimble.ir import WEIGHT, Graph
 from nimble.ops import fusion
 from nimble.plan.memory import MemoryPlan
@@ -133,10 +134,7 @@ def _digest(chunks) -> dict:
 def read_artifact(path: str | Path) -> Artifact:
     """Read and validate an artifact. Any defect raises ArtifactError with one line naming it."""
     path = Path(path)
-    if path.is_dir():
-        raise ArtifactError(f"{path} is a folder; pass a .nimble artifact written by nimble compile")
-    if not path.is_file():
-        raise ArtifactError(f"{path}: no such file; pass a .nimble artifact written by nimble compile")
+    check_artifact_file(path)
     try:
         with paused_gc():
             return _read(path)

@@ -88,15 +88,13 @@ def progress(label: str):
 def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None) -> None:
     """The option values a command can refuse before it imports torch (seconds on a GPU machine), in
     the words the later checks use."""
-    from nimble.errors import UsageError
+    from nimble.specs import check_device_name, check_tune_mode, parse_streams
 
-    if device is not None and device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
-    if tune is not None and tune not in ("off", "cached", "full"):
-        raise UsageError(f"--tune {tune!r}: use off, cached or full")
+    if device is not None:
+        check_device_name(device)
+    if tune is not None:
+        check_tune_mode(tune)
     if streams is not None:
-        from nimble.specs import parse_streams
-
         parse_streams(streams)
 
 

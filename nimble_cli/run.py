@@ -86,9 +86,7 @@ def run_command(
             rt, at = default_tolerance(exe.device)
             result = compare(outs, exe.artifact.sample_outputs, rtol if rtol is not None else rt,
                              atol if atol is not None else at)
-            report["check"] = {"passed": result.passed, "max_abs": result.max_abs, "max_rel": result.max_rel,
-                               "rtol": result.rtol, "atol": result.atol, "rel_l2": list(result.rel_l2),
-                               "tiny_outputs": list(result.tiny)}
+            report["check"] = result.document()
         report["wrote"] = None
         if output is not None and (result is None or result.passed):  # a failed check writes nothing
             report["wrote"] = _write_outputs(output, {g.values[o].name: t.cpu() for o, t in zip(g.outputs, outs)})

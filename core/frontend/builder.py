@@ -199,10 +199,7 @@ class GraphBuilder:
         if not targets.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
                                    "see the README's list of supported ops")
-        args, kwargs = [], []
-        for spec, obj in zip(schema.arguments, ins):
-            ir = arguments.from_ivalue(self.as_ref(obj), str(spec.type))
-            (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
+        args, kwargs = arguments.by_schema(schema, [self.as_ref(obj) for obj in ins])
         fn = targets.resolve(target, self.training)
         refs = refs_in(args + [v for _, v in kwargs])
         try:
@@ -239,7 +236,7 @@ class GraphBuilder:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
             return Ref(passed[id(results[0])])
-        same = _same_view(schema, args, results, used)
+        same = arguments.same_view(schema, args, results, used)
         if not writes and same is not None:  # a view with its input's exact geometry (x[:, :]): nothing to run
             return Ref(same)
         op_id = len(self.ops)
@@ -297,20 +294,6 @@ class GraphBuilder:
 
 def short_name(target: str) -> str:
     return target.split("::")[-1].split(".")[0]
-
-
-def _same_view(schema, args, results, used) -> int | None:
-    """The input's value id where a view op (its result aliases its first argument) returns a
-    tensor of the very same shape, strides, offset and dtype as that input; else None."""
-    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
-    if ret is None or ret.is_write or len(results) != 1 or not args or not isinstance(args[0], Ref):
-        return None
-    x, y = used.get(args[0].id), results[0]
-    if x is None or not isinstance(y, torch.Tensor) or not y._is_view():  # a copy (`.to(copy=True)`) is no view
-        return None
-    if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
-        return args[0].id
-    return None
 
 
 def _shape_from_values(schema, ins: list, meta: dict) -> bool:

@@ -1,12 +1,14 @@
 """IR arguments <-> torch arguments. The frontend and every executor build an op's torch arguments
-through `to_torch`, so they agree by construction on what an op is called with."""
+through `to_torch`, so they agree by construction on what an op is called with; the frontend's
+builder and the passes that emit ops build IR arguments through `by_schema` and type results on
+meta tensors from `meta_tensor`, so they agree on what an op looks like."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import UnsupportedError
-from ..ir import Ref, Special
+from ..ir import Ref, Special, TensorSpec, contiguous_strides
 from . import types
 
 
@@ -75,3 +77,37 @@ def flatten_result(result) -> list:
     for r in result:
         out.extend(flatten_result(r))
     return out
+
+
+def by_schema(schema, ins: list) -> tuple[list, list]:
+    """IR (args, kwargs) for values given in schema order (Refs or host constants): kwarg-only
+    arguments go by name, as torch.ops requires."""
+    args, kwargs = [], []
+    for spec, obj in zip(schema.arguments, ins):
+        ir = from_ivalue(obj, str(spec.type))
+        (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
+    return args, kwargs
+
+
+def meta_tensor(spec: TensorSpec, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """A meta tensor of `spec`'s geometry, a view of `storage` (by default a fresh storage the
+    spec's size; its `_base`)."""
+    dtype = types.DTYPES[spec.dtype]
+    if storage is None:
+        storage = torch.empty(spec.storage_nbytes // dtype.itemsize, dtype=dtype, device="meta")
+    return storage.as_strided(spec.shape, spec.strides or contiguous_strides(spec.shape), spec.offset)
+
+
+def same_view(schema, args, results, used) -> int | None:
+    """The input's value id where a view op (its result aliases its first argument) returns a
+    tensor of the very same shape, strides, offset and dtype as that input (`x[:, :]`), so that
+    there is nothing to run; else None. `used`: value id -> the stand-in tensor it was called with."""
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    if ret is None or ret.is_write or len(results) != 1 or not args or not isinstance(args[0], Ref):
+        return None
+    x, y = used.get(args[0].id), results[0]
+    if x is None or not isinstance(y, torch.Tensor) or not y._is_view():  # a copy (`.to(copy=True)`) is no view
+        return None
+    if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
+        return args[0].id
+    return None

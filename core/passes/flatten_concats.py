@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import Graph, Ref
+from .rewrite import Facts
 from .substitute import rebuild
 
 _CAT = "aten::cat.default"
@@ -15,11 +16,7 @@ _CAT = "aten::cat.default"
 def flatten_concats(graph: Graph) -> Graph:
     """Splice the parts of every absorbed cat (one reader, a cat along the same dimension; not a
     graph output, not viewed) into the cat that reads it, and drop the absorbed cat."""
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(r, set()).add(op.id)
-    aliased = {v.alias_of for v in graph.values if v.alias_of is not None}
+    facts = Facts(graph)
     absorbed = set()
     for op in graph.ops:
         dim = _dim(graph, op)
@@ -29,8 +26,7 @@ def flatten_concats(graph: Graph) -> Graph:
             if not isinstance(part, Ref) or graph.values[part.id].producer is None:
                 continue
             inner = graph.ops[graph.values[part.id].producer]
-            if _dim(graph, inner) == dim and readers.get(part.id) == {op.id} and part.id not in graph.outputs \
-                    and part.id not in aliased:
+            if _dim(graph, inner) == dim and facts.only_reader(part.id) == op.id:
                 absorbed.add(inner.id)
     if not absorbed:
         return graph

@@ -11,6 +11,7 @@ import torch
 
 from ..ir import WEIGHT, Graph, Ref, TensorSpec, Value
 from ..ops import types
+from .rewrite import Facts
 from .substitute import rebuild
 
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
@@ -19,17 +20,13 @@ _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolut
 def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Fold each inference `aten::batch_norm` (running statistics, not training) into the 2-D, 1-D
     or 3-D convolution (not transposed) before it, when every parameter of both is a weight."""
-    readers: dict[int, int] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers[r] = readers.get(r, 0) + 1
-    aliased = {v.alias_of for v in graph.values if v.alias_of is not None}
+    facts = Facts(graph)
     weights = dict(weights)
     ops = list(graph.ops)
     same, added, dropped = {}, {}, set()
     next_id = len(graph.values)
     for bn in graph.ops:
-        found = _foldable(graph, bn, readers, aliased, weights)
+        found = _foldable(graph, bn, facts, weights)
         if found is None:
             continue
         conv, (w, b, gamma, beta, mean, var) = found
@@ -58,15 +55,14 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
     return folded, {k: t for k, t in weights.items() if k in names}
 
 
-def _foldable(graph: Graph, bn, readers, aliased, weights):
+def _foldable(graph: Graph, bn, facts: Facts, weights):
     """(the convolution, its weight and bias and the norm's weight, bias, mean and variance as
     tensors) if `bn` folds into the op before it, else None."""
     if bn.target.split(".")[0] != "aten::batch_norm" or len(bn.args) < 8 or bn.args[5] is not False \
             or bn.kwargs or len(bn.outputs) != 1 or not isinstance(bn.args[0], Ref):
         return None
     x = graph.values[bn.args[0].id]
-    if x.producer is None or readers.get(x.id) != 1 or x.id in graph.outputs or x.id in aliased \
-            or x.alias_of is not None:
+    if x.producer is None or facts.only_reader(x.id) != bn.id or x.alias_of is not None:
         return None
     conv = graph.ops[x.producer]
     if conv.target.split(".")[0] not in _CONVOLUTIONS or conv.kwargs or conv.mutates or len(conv.args) < 3 \

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ..ir import ACTIVATION, Graph, Ref, TensorSpec, Value, contiguous_strides
+from ..ir import ACTIVATION, Graph, Ref, TensorSpec, Value
 from ..ops import arguments, targets, types
 from .substitute import rebuild, substitute
 
@@ -74,14 +74,8 @@ def _twin(target: str) -> str | None:
 
 def _result_spec(twin: str, op, values: list[Value]) -> TensorSpec:
     """The twin's result, typed on the meta device."""
-    tensors = {r: _meta(values[r].spec) for r in op.refs()}
+    tensors = {r: arguments.meta_tensor(values[r].spec) for r in op.refs()}
     args, kwargs = arguments.op_arguments(op, tensors, _META)
     result = targets.schema_op(twin)(*args, **kwargs)
     return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),
                       result.storage_offset())
-
-
-def _meta(spec: TensorSpec) -> torch.Tensor:
-    dtype = types.DTYPES[spec.dtype]
-    storage = torch.empty(spec.storage_nbytes // dtype.itemsize, dtype=dtype, device=_META)
-    return storage.as_strided(spec.shape, spec.strides or contiguous_strides(spec.shape), spec.offset)

@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value, contiguous_strides
+from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value, refs_of
 from ..ops import arguments, attention, shapes, targets, types
+from .rewrite import Facts
 from .substitute import rebuild
 
 _MOVES = {"aten::transpose", "aten::unflatten", "aten::unsqueeze", "aten::squeeze", "aten::contiguous", "aten::select",
@@ -27,10 +28,7 @@ PROOF_LIMIT = 2**28  # elements of the input projection's result; a larger block
 
 def match_multi_head_attention(graph: Graph) -> Graph:
     """Replace each proven block with the fast path's ops, at the place of the block's last op."""
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(r, set()).add(op.id)
+    readers = Facts(graph).readers
     blocks = [b for b in (_block(graph, op, readers) for op in graph.ops if op.target == _ATTENTION) if b]
     if not blocks:
         return graph
@@ -207,23 +205,20 @@ class _Emitter:
     view of a value's storage aliases that value's root."""
 
     def __init__(self, graph: Graph):
-        self.graph = graph
         self.values: dict[int, Value] = {v.id: v for v in graph.values}
         self.meta: dict[int, torch.Tensor] = {}
         self.root_of: dict[int, int] = {}  # id(meta storage tensor) -> root value id
         self.next_value, self.next_op = len(graph.values), len(graph.ops)
 
     def tensor(self, vid: int) -> torch.Tensor:
+        """Value `vid` on the meta device: a view of its root's storage."""
         if vid not in self.meta:
             v = self.values[vid]
-            root = v.alias_of if v.alias_of is not None else vid
-            base = self.tensor(root)._base if root != vid else None
-            if base is None:
-                dtype = types.DTYPES[v.spec.dtype]
-                base = torch.empty(v.spec.storage_nbytes // dtype.itemsize, dtype=dtype, device=_META)
-                self.root_of[id(base)] = vid
-            self.meta[vid] = base.as_strided(v.spec.shape, v.spec.strides or contiguous_strides(v.spec.shape),
-                                             v.spec.offset)
+            if v.alias_of is not None:
+                self.meta[vid] = arguments.meta_tensor(v.spec, self.tensor(v.alias_of)._base)
+            else:
+                self.meta[vid] = t = arguments.meta_tensor(v.spec)
+                self.root_of[id(t._base)] = vid
         return self.meta[vid]
 
     def fast_path(self, b: dict, source: str, moved: set[int]):
@@ -242,22 +237,23 @@ class _Emitter:
 
     def op(self, target: str, given: list, source: str) -> list[Ref]:
         schema = targets.resolve(target)._schema
-        ins = list(given) + [a.default_value for a in schema.arguments[len(given):]]
-        args, kwargs = [], []
-        for spec, obj in zip(schema.arguments, ins):
-            ir = arguments.from_ivalue(obj, str(spec.type))
-            (kwargs.append((spec.name, ir)) if spec.kwarg_only else args.append(ir))
+        args, kwargs = arguments.by_schema(schema, list(given) + [a.default_value
+                                                                  for a in schema.arguments[len(given):]])
         for r in (a for a in args if isinstance(a, Ref)):
             if r.id in self.moved and r.id not in self.placed:  # a weight: placed at its first reader
                 self.new.append(self.values[r.id])
                 self.placed.add(r.id)
-        call_args = [arguments.to_torch(a, {r.id: self.tensor(r.id) for r in _refs(args)}, _META) for a in args]
-        call_kwargs = {k: arguments.to_torch(a, {}, _META) for k, a in kwargs}
+        used = {r: self.tensor(r) for r in refs_of(tuple(args))}
+        call_args = [arguments.to_torch(a, used, _META) for a in args]
+        call_kwargs = {k: arguments.to_torch(a, used, _META) for k, a in kwargs}
         results = shapes.infer(target, call_args, call_kwargs) or \
             arguments.flatten_result(targets.resolve(target)(*call_args, **call_kwargs))
-        first = call_args[0] if call_args and isinstance(call_args[0], torch.Tensor) else None
-        if len(results) == 1 and first is not None and (results[0] is first or _same_geometry(first, results[0])):
-            return [args[0]]  # the op hands back its input, or a view with its exact geometry: nothing to run
+        passed = {id(t): r for r, t in used.items()}
+        if len(results) == 1 and id(results[0]) in passed:  # the op hands back its input: nothing to run
+            return [Ref(passed[id(results[0])])]
+        same = arguments.same_view(schema, args, results, used)
+        if same is not None:  # a view with its input's exact geometry: nothing to run
+            return [Ref(same)]
         op_id, outs = self.next_op, []
         self.next_op += 1
         name = f"{target.split('::')[-1].split('.')[0]}_{op_id}"
@@ -277,20 +273,5 @@ class _Emitter:
         return outs
 
 
-def _same_geometry(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return y._is_view() and (x.shape, x.stride(), x.storage_offset(), x.dtype) == \
-        (y.shape, y.stride(), y.storage_offset(), y.dtype)
-
-
 def _ref(vid: int | None) -> Ref | None:
     return None if vid is None else Ref(vid)
-
-
-def _refs(args) -> list[Ref]:
-    out = []
-    for a in args:
-        if isinstance(a, Ref):
-            out.append(a)
-        elif isinstance(a, tuple):
-            out.extend(_refs(a))
-    return out

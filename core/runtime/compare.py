@@ -35,6 +35,11 @@ class Comparison:
             return False
         return self.max_abs <= self.atol or self.max_rel <= self.rtol
 
+    def document(self) -> dict:
+        """The comparison as `compile --json` and `run --json` print it."""
+        return {"passed": self.passed, "max_abs": self.max_abs, "max_rel": self.max_rel, "rtol": self.rtol,
+                "atol": self.atol, "rel_l2": list(self.rel_l2), "tiny_outputs": list(self.tiny)}
+
     @property
     def passing_rtol(self) -> str:
         """The smallest one-digit rtol that would have passed."""
@@ -73,9 +78,8 @@ def compare(outputs: list[torch.Tensor], expected: list[torch.Tensor], rtol: flo
         scale = ref[torch.isfinite(ref)].abs().max().item() if torch.isfinite(ref).any() else 1.0
         max_abs = max(max_abs, err)
         max_rel = max(max_rel, err / scale if scale > 0 else err)
-        finite = diff[torch.isfinite(diff)] if torch.isfinite(diff).all() else None
         norm = ref[torch.isfinite(ref)].norm().item() if ref.numel() else 0.0
-        gap = finite.norm().item() if finite is not None else math.inf
+        gap = diff.norm().item() if torch.isfinite(diff).all() else math.inf
         rel_l2.append(gap / norm if norm > 0 else (0.0 if gap == 0 else math.inf))
         if ref.numel() and scale < atol:
             tiny.append(k)

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError
+from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError
 from ..ir import WEIGHT
 from ..ops import types
 from ..ops.execute import run_ops
+from ..specs import check_tune_mode
 from ..stages import Stages
 from . import indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
@@ -67,8 +68,7 @@ class Executable:
         On CUDA, `tune` (off, cached or full) says how the layout, streams, convolution algorithms
         and convolution fusion are chosen (`tuning.py`), and `choice` forces them."""
         t0 = time.perf_counter()
-        if tune not in tuning.TUNE_MODES:
-            raise UsageError(f"--tune {tune!r}: use off, cached or full")
+        check_tune_mode(tune)
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
         with stages.stage("prepare"):
             self.artifact = artifact

@@ -37,7 +37,6 @@ from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ..ops import fusion
 from . import cache
 
-TUNE_MODES = ("off", "cached", "full")
 LAYOUTS = ("contiguous", "channels_last")
 STREAMS = ("planned", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
