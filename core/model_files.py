@@ -28,10 +28,14 @@ def check_model_file(path: str | os.PathLike) -> None:
     if path.suffix.lower() == ".onnx":
         raise UnsupportedError(f"{path} is an ONNX model; nimble compiles PyTorch models: {SAVE_HINT}")
     if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            if _ARTIFACT <= set(z.namelist()):
-                raise ModelError(f"{path} is a nimble artifact, compiled already: run it with nimble run or nimble "
-                                 "bench, or look inside with nimble inspect; compile takes the model itself")
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = set(z.namelist())
+        except (zipfile.BadZipFile, OSError, ValueError) as e:  # an end record with a broken directory
+            raise ModelError(f"{path} is a damaged zip archive ({e}); {SAVE_HINT}") from None
+        if _ARTIFACT <= names:
+            raise ModelError(f"{path} is a nimble artifact, compiled already: run it with nimble run or nimble "
+                             "bench, or look inside with nimble inspect; compile takes the model itself")
 
 
 def check_artifact_file(path: str | os.PathLike) -> None:

@@ -56,6 +56,23 @@ def test_compile_names_an_artifact_and_an_onnx_file_for_what_they_are(artifacts,
     assert "is an ONNX model" in line and "torch.export.save" in line
 
 
+def test_a_zip_with_a_broken_directory_is_one_line(tmp_path):
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("manifest.json", "{}")
+    data = bytearray(buffer.getvalue())
+    at = data.rfind(b"PK\x01\x02")
+    data[at:at + 4] = b"XXXX"  # the end record still points at a central directory that is not there
+    path = tmp_path / "model.pt"
+    path.write_bytes(bytes(data))
+    for args in (["-s", "1x3"], []):
+        line = one_line_error(invoke("compile", path, *args), 1)
+        assert "is a damaged zip archive" in line and "internal error" not in line
+
+
 def test_a_wrong_file_points_to_torch_export_first(tmp_path):
     junk = tmp_path / "model.pt"
     junk.write_bytes(b"not a zip")
