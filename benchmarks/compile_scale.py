@@ -78,7 +78,7 @@ art = read_artifact(f"{folder}/m.nimble")
 exe = Executable(art, "cpu")
 load_s = time.perf_counter() - t
 t = time.perf_counter()
-ok = compare(exe(*art.sample_inputs, copy=True), art.sample_outputs, 1e-4, 1e-5).passed
+ok = compare(exe.run(*art.sample_inputs), art.sample_outputs, 1e-4, 1e-5).passed
 check_s = time.perf_counter() - t
 print(json.dumps({"ops": len(c.graph.ops), "stages_s": c.seconds, "compile_s": compile_s,
                   "compile_peak_rss_mb": compile_rss, "lower_bound": c.memory.lower_bound,

@@ -57,7 +57,7 @@ def check(name: str, device: str, tmp: Path) -> dict:
         exe = Executable(read_artifact(tmp / f"{name}.nimble"), device)
         load = time.perf_counter() - t
         art = exe.artifact
-        got = exe(*art.sample_inputs, copy=True)
+        got = exe.run(*art.sample_inputs)
         if device == "cuda":
             torch.cuda.synchronize()
         result = compare([g.cpu() for g in got], art.sample_outputs, *default_tolerance(device))

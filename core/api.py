@@ -40,7 +40,9 @@ from .ops import arguments, types
 
 class Nimble:
     """A module run by nimble. Call `prepare(example_inputs, training=...)`, then call it like the
-    module: `out = model(x)`. Outputs are fresh tensors, as the module's own would be."""
+    module: `out = model(x)`: a tensor for one output, else a tuple. Outputs are fresh tensors, as
+    the module's own would be; for inference `model(x, copy=False)` returns views of nimble's
+    buffers instead, valid until the next call. `nimble.load(path)(x)` follows the same rules."""
 
     def __init__(self, module: torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
@@ -60,10 +62,15 @@ class Nimble:
         name = type(self.module).__name__
         if self._runner is None:
             return f"<nimble.Nimble {name}: not prepared; call prepare(example_inputs)>"
-        shapes = ", ".join(f"{s.dtype}{list(s.shape)}" for s in self._specs)
+        g = self._runner.graph
         mode = "training" if self._training else "inference"
-        return (f"<nimble.Nimble {name} for {mode} on {self._device}: inputs ({shapes}); through "
-                f"{self.frontend}; outputs are fresh tensors, as the module's own>")
+        if self._training:
+            runs = "forward and backward as CUDA graphs" if self._device.type == "cuda" else "serially"
+        else:
+            runs = self._runner.choice.describe() if self._device.type == "cuda" else "serially"
+        return (f"<nimble.Nimble {name} for {mode} on {self._device}: ({g.describe(g.inputs)}) -> "
+                f"({g.describe(g.outputs)}); through {self.frontend}, {len(g.ops)} ops on "
+                f"{self._runner.schedule.num_streams} stream(s), runs {runs}; outputs are fresh tensors>")
 
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto",
@@ -191,7 +198,7 @@ class Nimble:
             inputs = xs if variant is None else [_vary(x, variant, gen) for x in xs]
             with torch.no_grad():
                 want = arguments.flatten_result(self.module(*inputs))
-            got = self._runner(*inputs, copy=True)
+            got = self._runner.run(*inputs)
             result = compare(got, [w.detach() for w in want], rtol, atol)
             if not result.passed:
                 raise MismatchError(f"{type(self.module).__name__}: the traced model differs from the module on "
@@ -200,7 +207,10 @@ class Nimble:
                                     "exportable or pass a torch.jit.script of it")
 
     # ------------------------------------------------------------------------------ calls
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs: torch.Tensor, copy: bool = True):
+        """Run the prepared model, as the module would: a tensor for one output, else a tuple.
+        The outputs are fresh tensors; for inference, `copy=False` returns views of nimble's
+        buffers instead (no copy), which the next call overwrites, as `nimble.load`'s do."""
         if self._runner is None:
             raise UsageError("call prepare(example_inputs) before running the model")
         if self.module.training != self._training:
@@ -212,7 +222,7 @@ class Nimble:
         if self._training:
             outs = self._runner(xs)
         else:
-            outs = self._runner(*xs, copy=True)
+            outs = self._runner.run(*xs, copy=copy)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _check_inputs(self, inputs) -> list[torch.Tensor]:

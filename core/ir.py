@@ -187,6 +187,11 @@ class Graph:
         alias = self.values[value].alias_of
         return value if alias is None else alias
 
+    def describe(self, ids) -> str:
+        """`name: dtype[shape]` of each value in `ids`, for a repr or a message."""
+        return ", ".join(f"{self.values[i].name}: {self.values[i].spec.dtype}{list(self.values[i].spec.shape)}"
+                         for i in ids)
+
     def deps(self, op: Op) -> tuple[int, ...]:
         """Ops that must finish before `op` starts: producers of its inputs plus ordering edges."""
         producers = {self.values[r].producer for r in op.refs()}

@@ -76,7 +76,7 @@ def run_command(
             xs = sample_inputs([g.values[i].spec for i in g.inputs], seed=int(time.time()))
         else:
             xs = exe.artifact.sample_inputs
-        outs = exe(*[x.to(exe.device) for x in xs], copy=True)
+        outs = exe.run(*[x.to(exe.device) for x in xs])
         first = time.perf_counter() - t
         report = {"schema_version": RUN_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
                   "load_seconds": round(exe.stats.seconds["total"], 4), "first_inference_seconds": round(first, 4),

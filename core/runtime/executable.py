@@ -53,10 +53,13 @@ class LoadStats:
 
 
 class Executable:
-    """A loaded artifact. Calling it runs one inference: `outputs = exe(x)` or `exe(x, y)`.
+    """A loaded artifact. Calling it runs one inference, as the module would: `y = exe(x)` gives a
+    tensor when the model has one output and a tuple when it has several; `exe.run(x)` always
+    gives a list.
 
-    Outputs are views of nimble's buffers, valid until the next call; pass `copy=True` for tensors
-    of your own."""
+    The rule on aliasing is `nimble.Nimble`'s: outputs are fresh tensors of your own. With
+    `copy=False` they are views of nimble's buffers instead (no copy, for the lowest latency),
+    which the next call overwrites."""
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
@@ -229,7 +232,15 @@ class Executable:
         self._tensors = env
 
     # ------------------------------------------------------------------------------ calls
-    def __call__(self, *inputs: torch.Tensor, copy: bool = False) -> list[torch.Tensor]:
+    def __call__(self, *inputs: torch.Tensor, copy: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """One inference: a tensor for a model with one output, else a tuple (fresh tensors; views
+        of nimble's buffers until the next call with `copy=False`)."""
+        outs = self.run(*inputs, copy=copy)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def run(self, *inputs: torch.Tensor, copy: bool = True) -> list[torch.Tensor]:
+        """One inference, its outputs always as a list (for code that handles any number of
+        outputs); `copy` as for a call."""
         self._load_inputs(inputs)
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
@@ -241,14 +252,10 @@ class Executable:
 
     def __repr__(self) -> str:
         g = self.graph
-
-        def specs(ids):
-            return ", ".join(f"{g.values[i].name}: {g.values[i].spec.dtype}{list(g.values[i].spec.shape)}" for i in ids)
-
         runs = self.choice.describe() if self.device.type == "cuda" else "the placed op list, serially"
-        return (f"<nimble.Executable {self.artifact.model} on {self.device}: ({specs(g.inputs)}) -> "
-                f"({specs(g.outputs)}); {len(g.ops)} ops on {self.schedule.num_streams} stream(s), runs as {runs}; "
-                "outputs are views of its buffers until the next call (copy=True for your own)>")
+        return (f"<nimble.Executable {self.artifact.model} on {self.device}: ({g.describe(g.inputs)}) -> "
+                f"({g.describe(g.outputs)}); {len(g.ops)} ops on {self.schedule.num_streams} stream(s), runs as "
+                f"{runs}; outputs are fresh tensors (copy=False: views of its buffers until the next call)>")
 
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
@@ -281,7 +288,7 @@ class Executable:
         """Run the stored sample input and compare with the stored sample outputs (the load-time
         self-check `nimble.load(..., verify=True)` asks for). Returns the comparison."""
         rt, at = default_tolerance(self.device.type)
-        result = compare(self(*self.artifact.sample_inputs, copy=True), self.artifact.sample_outputs,
+        result = compare(self.run(*self.artifact.sample_inputs), self.artifact.sample_outputs,
                          rt if rtol is None else rtol, at if atol is None else atol)
         if not result.passed:
             raise MismatchError(f"{self.artifact.model}: on the stored sample input the loaded artifact does not "

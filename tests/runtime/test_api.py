@@ -92,7 +92,7 @@ def test_save_writes_the_artifact_compile_would(tmp_path):
     model = nimble.Nimble(module).prepare(x, streams=2)
     model.save(tmp_path / "m.nimble")
     exe = nimble.load(tmp_path / "m.nimble", device="cpu")  # beside the module, also on a GPU machine
-    torch.testing.assert_close(exe(x)[0], model(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exe(x), model(x), rtol=1e-5, atol=1e-6)
     assert exe.artifact.manifest["options"]["streams"] == "2"
 
 
@@ -105,7 +105,7 @@ def test_save_after_training_holds_the_trained_weights(tmp_path):
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         want = module.eval()(x)
-    torch.testing.assert_close(nimble.load(tmp_path / "trained.nimble", device="cpu")(x)[0], want, rtol=1e-4,
+    torch.testing.assert_close(nimble.load(tmp_path / "trained.nimble", device="cpu")(x), want, rtol=1e-4,
                                atol=1e-5)
 
 
@@ -243,8 +243,47 @@ def test_both_runtimes_say_what_they_hold_and_their_aliasing_rule(tmp_path):
     out = tmp_path / "r.nimble"
     assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
     text = repr(nimble.load(out, device="cpu"))
-    assert "x: float32[1, 3, 32, 32]" in text and "on cpu" in text and "views of its buffers" in text
+    assert "x: float32[1, 3, 32, 32]" in text and "on cpu" in text and "fresh tensors" in text
+    assert "-> (" in text and "serially" in text
     module = nimble.Nimble(torch.nn.Linear(4, 2))
     assert "not prepared" in repr(module)
     module.prepare(torch.randn(3, 4))
-    assert "float32[3, 4]" in repr(module) and "fresh tensors" in repr(module)
+    text = repr(module)
+    assert "float32[3, 4]" in text and "float32[3, 2]" in text and "on cpu" in text and "fresh tensors" in text
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.relu(), y * 2
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_both_runtimes_return_what_the_module_would_under_one_aliasing_rule(tmp_path, heads):
+    net = _TwoHeads().eval() if heads == 2 else nn.Linear(4, 3).eval()
+    x, other = torch.randn(2, 4), torch.randn(2, 4)
+    prepared = nimble.Nimble(net).prepare(x)
+    prepared.save(tmp_path / "m.nimble")
+    loaded = nimble.load(tmp_path / "m.nimble", device="cpu")
+    with torch.no_grad():
+        want = net(x)
+    for runtime in (prepared, loaded):
+        first = runtime(x)
+        assert type(first) is type(want)  # a tensor for one output, a tuple for several
+        if heads == 2:
+            assert len(first) == 2
+        kept = [t.clone() for t in (first if heads == 2 else [first])]
+        runtime(other)  # fresh tensors: the next call leaves them alone
+        for t, k in zip(first if heads == 2 else [first], kept):
+            assert torch.equal(t, k)
+        torch.testing.assert_close(first, want)
+        views = runtime(x, copy=False)  # no copy: the next call writes the same storage
+        again = runtime(other, copy=False)
+        for a, b in zip(views if heads == 2 else [views], again if heads == 2 else [again]):
+            assert a.data_ptr() == b.data_ptr()
+    listed = loaded.run(x)
+    assert isinstance(listed, list) and len(listed) == heads

@@ -30,7 +30,7 @@ def test_every_forced_choice_reproduces_the_model(sample_artifacts, name):
     for choice in tuning.every_choice():
         exe = Executable(art, "cuda", choice=choice)
         assert exe.stats.tuning == "forced" and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
-        result = compare(exe(*art.sample_inputs, copy=True), art.sample_outputs, rtol=1e-2, atol=1e-3)
+        result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
         assert result.passed, f"{choice}: {result.describe()}"
         fused = {op.outputs[0]: op for op in exe.graph.ops if op.target == fusion.FUSED}
         for vid in exe.outside_arena():  # only cuDNN's fused convolutions allocate their own result
@@ -71,7 +71,7 @@ def test_generated_kernels_match_the_interpreted_body(shape):
         assert any(op.target == fusion.FUSED for op in exe.graph.ops)
         exe = Executable(exe.artifact, "cuda", choice=tuning.Choice(layout))
         assert exe.stats.kernel_fallbacks == [] and exe.stats.kernels_generated > 0
-        got = exe(x.cuda(), copy=True)[0].cpu()
+        got = exe(x.cuda()).cpu()
         interpreted = reference.run(exe.graph, exe.artifact.weights, [x], "cpu")[0]
         torch.testing.assert_close(got, interpreted, rtol=2e-3, atol=2e-4)
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)

@@ -30,7 +30,7 @@ def artifacts(sample_artifacts):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parity_and_placement_on_cuda(artifacts, name):
     exe = nimble.load(artifacts[name], device="cuda")
-    outs = exe(*exe.artifact.sample_inputs, copy=True)
+    outs = exe.run(*exe.artifact.sample_inputs)
     result = compare(outs, exe.artifact.sample_outputs, rtol=1e-2, atol=1e-3)
     assert result.passed, result.describe()
     base, env = exe.arena.data_ptr(), exe.tensors()
@@ -50,7 +50,7 @@ def test_100_replays_with_fresh_inputs_agree_with_serial_execution(artifacts, na
     torch.manual_seed(0)
     for _ in range(100):
         xs = [torch.randn_like(t).cuda() for t in exe.artifact.sample_inputs]
-        got = exe(*xs)
+        got = exe.run(*xs, copy=False)
         want = reference.run(exe.graph, weights, xs, "cuda")
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
@@ -96,7 +96,7 @@ def test_the_captured_graph_really_forks_into_parallel_branches(tmp_path):
         exe = Executable(read_artifact(art_path), "cuda", graph_dump=str(dump))
         shapes[streams] = _graph_shape(dump.read_text())
         x = torch.randn(64, 1024, device="cuda")
-        torch.testing.assert_close(exe(x)[0], reference.run(exe.graph, {k: t.cuda() for k, t in c.weights.items()},
+        torch.testing.assert_close(exe(x), reference.run(exe.graph, {k: t.cuda() for k, t in c.weights.items()},
                                                              [x], "cuda")[0], rtol=1e-3, atol=1e-3)
     roots, forks, joins = shapes["auto"]
     assert (roots >= 2 or forks >= 2) and joins >= 2, shapes  # branches that start apart and join
@@ -147,6 +147,6 @@ def test_topk_sort_and_boolean_ops_capture_and_match(tmp_path):
     out = tmp_path / "top.nimble"
     write_artifact(out, compiled.artifact())
     exe = nimble.load(out, device="cuda")
-    got = exe(x.cuda(), copy=True)
+    got = exe.run(x.cuda())
     for g, w in zip(got, module(x)):
         torch.testing.assert_close(g.cpu(), w)

@@ -35,12 +35,12 @@ def placement_errors(exe):
 def test_cpu_executable_matches_and_uses_planned_offsets(artifacts, name):
     path, c = artifacts[name]
     exe = nimble.load(path, device="cpu")
-    outs = exe(*c.sample_inputs, copy=True)
+    outs = exe.run(*c.sample_inputs)
     for o, r in zip(outs, c.sample_outputs):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
     assert placement_errors(exe) == []
     x = [torch.randn_like(t) for t in c.sample_inputs]
-    for o, r in zip(exe(*x), reference.run(exe.graph, exe.artifact.weights, x)):
+    for o, r in zip(exe.run(*x), reference.run(exe.graph, exe.artifact.weights, x)):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
 
 
