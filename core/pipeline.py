@@ -34,10 +34,11 @@ from .stages import Stages
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/). The frontends emit
 # what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
-# remove_mutation does, so that common subexpressions and fusion see pure ops.
+# remove_mutation does, so that common subexpressions and fusion see pure ops. The op order is made
+# canonical before anything that decides by order (fusion, the schedule) or names by it.
 REWRITES: tuple = (passes.functionalise, passes.fold_batch_norm, passes.flatten_concats,
-                   passes.match_multi_head_attention, passes.eliminate_common_subexpressions, passes.name_values,
-                   passes.eliminate_dead_ops)
+                   passes.match_multi_head_attention, passes.eliminate_common_subexpressions,
+                   passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)

@@ -3,8 +3,8 @@
 A pass is a pure function over the IR: it takes a linted `Graph` and returns a linted `Graph`,
 imports no runtime, and runs on a builder with no GPU. A pass that rewrites weights
 (`fold_batch_norm`) takes and returns the weights beside the graph (`REWRITES_WEIGHTS`).
-The rewrites come first (the frontends emit what the model says, no more), then naming and dead-op
-removal, then fusion; precision passes go here too.
+The rewrites come first (the frontends emit what the model says, no more), then dead-op removal,
+a canonical op order and naming, then fusion; precision passes go here too.
 """
 
 from .chain_loose_ops import chain_loose_ops
@@ -17,9 +17,10 @@ from .fuse_conv import fuse_conv
 from .fuse_pointwise import fuse_pointwise
 from .match_multi_head_attention import match_multi_head_attention
 from .name_values import name_values
+from .order_canonically import order_canonically
 
 REWRITES_WEIGHTS = frozenset({fold_batch_norm})  # (graph, weights) -> (graph, weights)
 
 __all__ = ["REWRITES_WEIGHTS", "chain_loose_ops", "eliminate_common_subexpressions", "eliminate_dead_ops",
            "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
-           "match_multi_head_attention", "name_values"]
+           "match_multi_head_attention", "name_values", "order_canonically"]

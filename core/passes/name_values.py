@@ -8,8 +8,9 @@ from ..ir import Graph
 
 
 def name_values(graph: Graph) -> Graph:
-    """`relu_12`: the result of op 12, a relu. Ops are numbered as the rewrites left them, before
-    dead ops go, so a name does not move when a later pass removes or fuses ops."""
+    """`relu_12`: the result of op 12, a relu. Ops are numbered in the canonical order the rewrites
+    leave, before fusion, so a name does not move when a later pass fuses ops, and the same model
+    gets the same names from either frontend."""
     values = list(graph.values)
     for op in graph.ops:
         name = f"{op.target.split('::')[-1].split('.')[0]}_{op.id}"
