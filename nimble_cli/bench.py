@@ -43,6 +43,9 @@ def bench_command(
     json_out: JsonOption = False,
     export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
                                                 "times (latency, GPU, enqueue; ms) to this JSON file."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE", help="Write a Chrome/Perfetto trace "
+                                         "(JSON; open in ui.perfetto.dev): each op on its stream, one track per "
+                                         "stream, with GPU times, and a few CUDA graph replays."),
     debug: DebugOption = False,
 ) -> None:
     """Measure latency, throughput, load time and memory, beside PyTorch baselines.
@@ -75,6 +78,7 @@ def bench_command(
         if not all(0 < p <= 100 for p in pcts):
             raise UsageError("--percentiles must lie in (0, 100]")
         writable(export_times, "--export-times", {"the artifact": artifact})
+        writable(trace, "--trace", {"the artifact": artifact, "--export-times": export_times})
         from .run import read_inputs
 
         if iterations < 1:
@@ -101,6 +105,10 @@ def bench_command(
             peak = torch.cuda.max_memory_allocated() if cuda else None
             if exe.notice:
                 console.print(f"[yellow]note:[/] {exe.notice}")
+            traced = None
+            if trace is not None:
+                update("tracing")
+                traced = _write_trace(exe, trace)
             runners = {"nimble": exe.replay}
             memory = {"weights_bytes": exe.stats.weight_bytes, "arena_bytes": exe.stats.arena_bytes,
                       "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
@@ -127,6 +135,7 @@ def bench_command(
                         "source_cache_hits": exe.stats.kernel_source_hits,
                         "interpreted_fused_ops": exe.stats.kernel_fallbacks},
             "inputs": "given" if inputs else "stored sample",
+            "trace": traced,
             "settings": {"warmup_ms": warmup_ms, "duration_s": duration_s,
                          "iterations": iterations, "percentiles": list(pcts)},
             "results": summaries,
@@ -143,6 +152,20 @@ def bench_command(
         if json_out:
             print_json(report)
         _print(report, pcts)
+
+
+def _write_trace(exe, path: Path) -> dict:
+    """Write `exe`'s trace (`runtime/trace.py`) to `path`; what the report says of it."""
+    from nimble.fileio import write_atomic
+    from nimble.runtime.trace import chrome_trace
+
+    doc = chrome_trace(exe)
+    write_atomic(path, json.dumps(doc).encode())
+    other = doc["otherData"]
+    replays = sorted(other["replay ms"])
+    return {"path": str(path), "events": len(doc["traceEvents"]),
+            "streams": len({e["tid"] for e in doc["traceEvents"] if e.get("cat") == "op"}),
+            "op_list_ms": other["op list ms"], "replay_median_ms": replays[len(replays) // 2] if replays else None}
 
 
 def _print(r: dict, pcts) -> None:
@@ -179,6 +202,11 @@ def _print(r: dict, pcts) -> None:
     for name in names:
         what = VARIANTS[name] if r["gpu"] or name != "nimble" else "the placed op list in its arena, serially"
         console.print(f"  {SHORT[name]}: {what}")
+    if r["trace"]:
+        t = r["trace"]
+        replay = f"; a graph replay takes {t['replay_median_ms']:.3f} ms" if t["replay_median_ms"] is not None else ""
+        console.print(f"trace: {literal(t['path'])} (open in ui.perfetto.dev): the op list issued op by op on "
+                      f"{t['streams']} stream(s) took {t['op_list_ms']:.3f} ms{replay}")
     m = r["memory"]
     line = (f"memory: weights {human_bytes(m['weights_bytes'])}, arena {human_bytes(m['arena_bytes'])}, "
             f"scratch {human_bytes(m['scratch_bytes'])}")

@@ -2,7 +2,8 @@
 on the planned streams and arena, replay it), `streams` (issuing an op list on planned streams,
 and capture), `placement` (ops writing into their arena views), `training` (captured forward and
 backward on a live module), `reference` (the serial executor every result is checked against),
-`compare` (output comparison) and `timing` (benchmark timers)."""
+`trace` (the timeline `bench --trace` writes), `compare` (output comparison) and `timing`
+(benchmark timers)."""
 
 from .executable import Executable, load
 

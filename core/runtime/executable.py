@@ -257,6 +257,52 @@ class Executable:
                 f"({g.describe(g.outputs)}); {len(g.ops)} ops on {self.schedule.num_streams} stream(s), runs as "
                 f"{runs}; outputs are fresh tensors (copy=False: views of its buffers until the next call)>")
 
+    def timeline(self) -> list[tuple[int, int, float, float]]:
+        """(op, stream, start ms, end ms) of each op of one inference on the current input
+        buffers, issued op by op as it runs: on CUDA on its stream, bracketed by timing events
+        there (GPU times, from one origin); on the CPU serially, wall-clock. For `trace.py`."""
+        marks: list = []
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+
+        def place(order, step):
+            def timed(i: int) -> None:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()  # on the op's stream: issue() made it current
+                    step(i)
+                    end.record()
+                else:
+                    start = time.perf_counter()
+                    step(i)
+                    end = time.perf_counter()
+                marks.append((i, start, end))
+
+            streams.issue(order, timed, self.device, self._streams if cuda else (), self._stream_of, self._waits)
+
+        t0 = time.perf_counter()
+        run_ops(self._placed, PlacedRun(self._env(), self._views, self.device, name_failures=True), self._order, place)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            return [(i, self._stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
+        return [(i, 0, (a - t0) * 1000, (b - t0) * 1000) for i, a, b in marks]
+
+    def replay_timeline(self, replays: int) -> list[tuple[float, float]]:
+        """(start ms, end ms) of `replays` CUDA graph replays issued back to back (GPU times)."""
+        if self._cuda_graph is None:
+            return []
+        torch.cuda.synchronize(self.device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        marks[0].record()
+        for k in range(replays):
+            self._cuda_graph.replay()
+            marks[k + 1].record()
+        torch.cuda.synchronize(self.device)
+        return [(marks[0].elapsed_time(marks[k]), marks[0].elapsed_time(marks[k + 1])) for k in range(replays)]
+
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
         if self._cuda_graph is not None:

@@ -61,3 +61,39 @@ def test_iterations_and_duration_are_minimums_as_in_trtexec(tmp_path):
     row = doc["results"]["nimble"]
     assert row["iterations"] > 3 and row["iterations"] * row["mean_ms"] >= 0.3 * 1000 * 0.9  # the duration ruled
     assert doc["settings"] == {"warmup_ms": 0.0, "duration_s": 0.3, "iterations": 3, "percentiles": [90.0, 95.0, 99.0]}
+
+
+def test_trace_writes_a_perfetto_timeline_with_every_op_on_its_stream_track(tmp_path):
+    import json
+
+    out, trace = tmp_path / "i.nimble", tmp_path / "t.json"
+    assert invoke("compile", SAMPLES / "inception.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    result = invoke("bench", out, "--device", "cpu", "-n", "3", "--duration", "0", "--no-baselines", "--trace", trace,
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    doc, events = json.loads(result.stdout), json.loads(trace.read_text())["traceEvents"]
+    ops = [e for e in events if e.get("cat") == "op"]
+    from nimble.formats import read_artifact
+
+    graph = read_artifact(out).graph
+    assert sorted(e["args"]["op"] for e in ops) == list(range(len(graph.ops)))  # each op once
+    assert all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] >= 0 for e in ops)
+    tracks = {e["tid"] for e in ops}
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == 1}
+    assert tracks == set(names) and all(names[t] == f"stream {t}" for t in tracks)
+    assert any(e["name"].startswith("fused(") for e in ops) and all(e["args"]["source"] for e in ops)
+    by_op = sorted(ops, key=lambda e: e["ts"])  # the CPU runs them serially, in the planned order
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(by_op, by_op[1:]))
+    assert doc["trace"] == {"path": str(trace), "events": len(events), "streams": 1,
+                            "op_list_ms": doc["trace"]["op_list_ms"], "replay_median_ms": None}
+    assert "ui.perfetto.dev" in invoke("bench", out, "--device", "cpu", "-n", "1", "--duration", "0",
+                                       "--no-baselines", "--trace", trace).stderr
+
+
+def test_trace_refuses_a_path_it_cannot_write_before_loading(tmp_path):
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    result = invoke("bench", out, "--device", "cpu", "--trace", tmp_path / "missing" / "t.json")
+    assert result.exit_code == 2 and "--trace" in result.stderr and "does not exist" in result.stderr
+    result = invoke("bench", out, "--device", "cpu", "--trace", out)
+    assert result.exit_code == 2 and "the artifact itself" in result.stderr

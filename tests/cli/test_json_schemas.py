@@ -71,11 +71,14 @@ def test_run_names_the_file_it_wrote(compiled, tmp_path):
     assert doc["wrote"]["path"] == str(written) and written.exists() and doc["check"]["passed"]
 
 
-def test_bench_document(compiled):
+def test_bench_document(compiled, tmp_path):
     out, _ = compiled
     doc = validate(document(invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "--no-baselines", "--json"), 0),
                    "bench")
-    assert doc["results"]["nimble"]["iterations"] == 5
+    assert doc["results"]["nimble"]["iterations"] == 5 and doc["trace"] is None
+    doc = validate(document(invoke("bench", out, "--device", "cpu", "-n", "1", "--duration", "0", "--no-baselines",
+                                   "--trace", tmp_path / "t.json", "--json"), 0), "bench")
+    assert doc["trace"]["path"] == str(tmp_path / "t.json")
 
 
 @pytest.mark.parametrize("args, code, kind", [

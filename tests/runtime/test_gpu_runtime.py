@@ -128,6 +128,31 @@ def test_bench_runs_with_baselines(artifacts):
     assert report["memory"]["arena_bytes"] > 0 and report["results"]["nimble"]["gpu_mean_ms"] > 0
 
 
+def test_trace_has_a_track_per_planned_stream_and_the_replays(artifacts, tmp_path):
+    import json
+
+    from nimble.formats import read_artifact
+
+    trace = tmp_path / "t.json"
+    result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "5", "--duration", "0",
+                                      "--no-baselines", "--tune", "off", "--trace", str(trace), "--json"])
+    assert result.exit_code == 0, result.stderr
+    art = read_artifact(artifacts["inception"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    ops = [e for e in events if e.get("cat") == "op"]
+    assert sorted(e["args"]["op"] for e in ops) == list(range(len(art.graph.ops)))
+    assert all(e["tid"] == art.schedule.stream[e["args"]["op"]] for e in ops)  # --tune off: the planned streams
+    assert len({e["tid"] for e in ops}) == art.schedule.num_streams > 1
+    start = {e["args"]["op"]: e["ts"] for e in ops}
+    end = {e["args"]["op"]: e["ts"] + e["dur"] for e in ops}
+    for e in ops:  # GPU times: an op starts after the ops it waits for end
+        assert all(end[w] <= e["ts"] + 1e-3 for w in e["args"]["waits for ops"]), e
+    assert min(start.values()) >= 0
+    replays = [e for e in events if e.get("cat") == "replay"]
+    assert len(replays) == 10 and all(e["dur"] > 0 for e in replays)
+    assert json.loads(result.stdout)["trace"]["replay_median_ms"] > 0
+
+
 class _TopScores(nn.Module):
     """Ops the detection models brought in: topk, sort, and boolean & and | of two conditions."""
 
