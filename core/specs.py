@@ -79,6 +79,21 @@ def check_device_name(device: str) -> None:
         raise UsageError(f"--device {device!r}: use auto, cpu or cuda")
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, option: str = "--max-memory") -> int:
+    """`512MiB`, `2GB`, `1.5GiB` or a plain number of bytes, as a positive int."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise UsageError(f"{option} {text!r}: give a size such as 4GiB, 512MiB, 2GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 def check_tune_mode(tune: str) -> None:
     if tune not in TUNE_MODES:
         raise UsageError(f"--tune {tune!r}: use off, cached or full")

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, human_bytes, literal,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, human_bytes, literal,
                      print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -40,6 +40,7 @@ def bench_command(
                                                "just FILE for a one-input model), as for nimble run."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
+    max_memory: MaxMemoryOption = None,
     json_out: JsonOption = False,
     export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
                                                 "times (latency, GPU, enqueue; ms) to this JSON file."),
@@ -62,7 +63,7 @@ def bench_command(
 
         from nimble.model_files import check_artifact_file
 
-        early_checks(device=device, tune=tune)
+        budget = early_checks(device=device, tune=tune, max_memory=max_memory)
         check_artifact_file(artifact)
         import torch
 
@@ -94,7 +95,7 @@ def bench_command(
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 dump = str(Path(tmp) / "graph.dot") if torch.cuda.is_available() and device != "cpu" else None
-                exe = load(artifact, device, tune=tune, graph_dump=dump)
+                exe = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump)
                 kernels = count_kernels(dump) if exe.device.type == "cuda" else None
             cuda = exe.device.type == "cuda"
             xs = read_inputs(inputs, exe.graph) if inputs else exe.artifact.sample_inputs
@@ -111,7 +112,8 @@ def bench_command(
                 traced = _write_trace(exe, trace)
             runners = {"nimble": exe.replay}
             memory = {"weights_bytes": exe.stats.weight_bytes, "arena_bytes": exe.stats.arena_bytes,
-                      "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak}
+                      "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak,
+                      "footprint": exe.stats.footprint.document() if exe.stats.footprint else None}
             if baselines:
                 update("building baselines")
                 for name, baseline in build_baselines(exe, xs).items():
@@ -213,6 +215,14 @@ def _print(r: dict, pcts) -> None:
     if m["process_peak_bytes"] is not None:
         line += f", process peak {human_bytes(m['process_peak_bytes'])}"
     console.print(line)
+    if m["footprint"]:
+        f = m["footprint"]
+        kinds = ", ".join(f"{label} {human_bytes(f[k])}" for k, label in (
+            ("weights", "weights"), ("arena", "arena"), ("inputs", "inputs"), ("outside_arena", "results outside the arena"),
+            ("pool_free", "graph-pool workspaces and slack"), ("other_allocated", "other"), ("cached", "cached")))
+        streams = len(f["pool_segments_per_stream"])
+        console.print(f"GPU footprint: {human_bytes(f['growth'])} grown by the load = {kinds}; the graph pool has "
+                      f"{sum(f['pool_segments_per_stream'].values())} segment(s) over {streams} stream(s)")
     if "pytorch_graph_streams_pool_bytes" in m:
         pool = m["pytorch_graph_streams_pool_bytes"]
         ours = m["arena_bytes"] + m["scratch_bytes"]

@@ -8,7 +8,7 @@ import json
 import re
 import sys
 import traceback
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -85,10 +85,11 @@ def progress(label: str):
     yield say
 
 
-def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None) -> None:
+def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None,
+                 max_memory: str | None = None) -> int | None:
     """The option values a command can refuse before it imports torch (seconds on a GPU machine), in
-    the words the later checks use."""
-    from nimble.specs import check_device_name, check_tune_mode, parse_streams
+    the words the later checks use. Returns --max-memory in bytes (None without it)."""
+    from nimble.specs import check_device_name, check_tune_mode, parse_bytes, parse_streams
 
     if device is not None:
         check_device_name(device)
@@ -96,6 +97,7 @@ def early_checks(device: str | None = None, tune: str | None = None, streams: st
         check_tune_mode(tune)
     if streams is not None:
         parse_streams(streams)
+    return parse_bytes(max_memory) if max_memory is not None else None
 
 
 ERROR_SCHEMA_VERSION = 1
@@ -176,3 +178,7 @@ DeviceOption = Annotated[str, typer.Option("--device", metavar="auto|cuda|cpu",
                                                 "checked against the model): auto (CUDA if present, else the "
                                                 "CPU), cuda or cpu.")]
 TuneOption = Annotated[str, typer.Option("--tune", metavar="cached|full|off", help=TUNE_HELP)]
+MaxMemoryOption = Annotated[Optional[str], typer.Option(
+    "--max-memory", metavar="SIZE", help="Refuse to load if the artifact would hold more than SIZE (4GiB, 512MiB, 2GB "
+    "or bytes) on the device: checked against its weights, arena and inputs before anything is allocated, and on "
+    "CUDA against the whole footprint once loaded.")]

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, TuneOption, console, early_checks, literal, print_json,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, literal, print_json,
                      user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
@@ -31,6 +31,7 @@ def run_command(
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
                                          "CUDA, 1e-5 on the CPU)."),
     tune: TuneOption = "cached",
+    max_memory: MaxMemoryOption = None,
     json_out: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -44,7 +45,7 @@ def run_command(
         from nimble.errors import UsageError
         from nimble.model_files import check_artifact_file
 
-        early_checks(device=device, tune=tune)
+        budget = early_checks(device=device, tune=tune, max_memory=max_memory)
         check_artifact_file(artifact)
         from nimble.runtime.compare import MismatchError, compare, default_tolerance
         from nimble.runtime.executable import load
@@ -64,7 +65,7 @@ def run_command(
             raise UsageError("give --input files or --random, not both")
         with progress(f"loading {artifact.name}"):
             t = time.perf_counter()
-            exe = load(artifact, device, tune=tune)
+            exe = load(artifact, device, tune=tune, max_memory=budget)
         if exe.notice:
             console.print(f"[yellow]note:[/] {exe.notice}")
         g = exe.graph

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError
+from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, UsageError
 from ..ir import WEIGHT
 from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import indices, kernels, streams, tuning
+from . import footprint, indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
 from .device import resolve_device
 from .placement import PlacedOp, PlacedRun, arena_views, prepare
@@ -50,6 +50,7 @@ class LoadStats:
     kernels_generated: int = 0  # fused kernels built in this load
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
+    footprint: footprint.Footprint | None = None  # CUDA: what the load holds on the GPU, by kind
 
 
 class Executable:
@@ -63,13 +64,15 @@ class Executable:
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
-                 choice: tuning.Choice | None = None):
+                 choice: tuning.Choice | None = None, max_memory: int | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
         `name` names the artifact in errors (its file's name; by default its model's).
         On CUDA, `tune` (off, cached or full) says how the layout, streams, convolution algorithms
-        and convolution fusion are chosen (`tuning.py`), and `choice` forces them."""
+        and convolution fusion are chosen (`tuning.py`), and `choice` forces them. `max_memory`
+        (bytes) refuses a load whose planned tensors would exceed it before allocating anything,
+        and on CUDA one whose device footprint (`footprint.py`) ends up above it."""
         t0 = time.perf_counter()
         check_tune_mode(tune)
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
@@ -78,6 +81,9 @@ class Executable:
             self.graph, self.schedule, self.memory = artifact.graph, artifact.schedule, artifact.memory
             self.device, self.notice = resolve_device(device)
             self.stats = LoadStats()
+            self._closed = False
+            self._name = name or artifact.model
+            self._mark = footprint.Mark.now(self.device) if self.device.type == "cuda" else None
             self._placed: list[PlacedOp] = prepare(self.graph)
             self._cuda_graph = None
             self._with_arena = arena
@@ -94,6 +100,7 @@ class Executable:
             for p in self._placed:
                 p.clamps = tuple(self._indices.clamps.get(p.op.id, ()))
         with stages.stage("allocate"):
+            self._check_budget(max_memory, self._planned_bytes())
             self._allocate()
         if self.device.type == "cuda":
             kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
@@ -103,7 +110,63 @@ class Executable:
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
             stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
+            torch.cuda.empty_cache()  # what warm-ups and tuning freed goes back to the device
+            self.stats.footprint = self.footprint()
+            if max_memory is not None and self.stats.footprint.growth > max_memory:
+                grown = self.stats.footprint.growth
+                self.close()
+                raise ExecutionError(f"{self._name}: loaded, it holds {_mib(grown)} on {self.device}, above the "
+                                     f"memory budget of {_mib(max_memory)}; raise the budget, or compile with fewer "
+                                     "streams (--streams) or a smaller batch")
         self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
+
+    def _planned_bytes(self) -> dict[str, int]:
+        g = self.graph
+        return footprint.planned_bytes(
+            sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
+            self.memory.arena_bytes if self._with_arena else 0,
+            sum(g.values[i].spec.nbytes for i in g.inputs))
+
+    def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
+        need = sum(planned.values())
+        if max_memory is not None and need > max_memory:
+            raise ExecutionError(f"{self._name} needs {_mib(need)} for its weights, arena and inputs alone, above "
+                                 f"the memory budget of {_mib(max_memory)}; nothing was allocated. Raise the budget, "
+                                 "or compile for a smaller batch")
+
+    def footprint(self) -> footprint.Footprint | None:
+        """What this artifact holds on its GPU now, by kind (`footprint.py`); None on the CPU."""
+        if self._mark is None or self._closed:
+            return None
+        views = {t.untyped_storage().data_ptr() for t in [self.arena, *self._inputs, *self._weights.values()]}
+        outside: dict[int, int] = {}
+        for t in (self._tensors or {}).values():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in views and t.is_cuda:
+                outside[storage.data_ptr()] = storage.nbytes()
+        pool = self._cuda_graph.pool() if self._cuda_graph is not None else None
+        return footprint.measure(self.device, self._mark, self._planned_bytes(), pool, sum(outside.values()))
+
+    def close(self) -> None:
+        """Give back what the artifact holds: the captured graph, its pool, the arena, the weights
+        and the input buffers (on CUDA, to the device). Calling it afterwards is refused. Also
+        `with nimble.load(path) as exe: ...`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cuda_graph = self._tensors = self._outputs = self._env_after = None
+        self._views, self._weights, self._stored_weights, self._inputs = {}, {}, {}, []
+        self.arena = None
+        self._streams = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Executable:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------------ set-up
     def _choose(self, tune: str, forced, graph_dump) -> None:
@@ -174,6 +237,7 @@ class Executable:
             with self._stages.stage("warmup"):
                 self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
                 torch.cuda.synchronize(self.device)
+                self._env_after = None  # its results outside the arena are not kept
             with self._stages.stage("capture"):
                 self._capture(graph_dump)
         finally:
@@ -241,6 +305,8 @@ class Executable:
     def run(self, *inputs: torch.Tensor, copy: bool = True) -> list[torch.Tensor]:
         """One inference, its outputs always as a list (for code that handles any number of
         outputs); `copy` as for a call."""
+        if self._closed:
+            raise UsageError(f"{self._name} was closed; load it again to run it")
         self._load_inputs(inputs)
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
@@ -305,6 +371,8 @@ class Executable:
 
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
+        if self._closed:
+            raise UsageError(f"{self._name} was closed; load it again to run it")
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
         else:
@@ -361,19 +429,26 @@ class Executable:
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None,
-         verify: bool = False) -> Executable:
+         verify: bool = False, max_memory: int | None = None) -> Executable:
     """Read and validate an artifact, then prepare it for execution on `device`, choosing its
     layout, streams and convolution algorithms as `tune` says (off, cached or full; see
     `tuning.py`). `graph_dump` writes the captured CUDA graph as Graphviz DOT. `verify` runs the
     stored sample input once and raises MismatchError unless the stored outputs come back (within
-    the device's default tolerance): a self-check at load, one inference long."""
+    the device's default tolerance): a self-check at load, one inference long. `max_memory`
+    (bytes) refuses, in one line, a load that would hold more: before allocating, against the
+    weights, arena and inputs; on CUDA also against the footprint once loaded (which is then freed).
+    `exe.close()`, or `with nimble.load(path) as exe:`, gives the memory back."""
     from nimble.formats import read_artifact
 
     t = time.perf_counter()
     art = read_artifact(path)
     read_s = time.perf_counter() - t
-    exe = Executable(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump)
+    exe = Executable(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     if verify:
         exe.verify()

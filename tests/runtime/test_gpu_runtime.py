@@ -153,6 +153,39 @@ def test_trace_has_a_track_per_planned_stream_and_the_replays(artifacts, tmp_pat
     assert json.loads(result.stdout)["trace"]["replay_median_ms"] > 0
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, name):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    exe = nimble.load(artifacts[name], device="cuda")
+    f = exe.stats.footprint
+    kinds = (f.weights, f.arena, f.inputs, f.outside_arena, f.pool_free, f.other_allocated, f.cached)
+    assert sum(kinds) == f.growth == torch.cuda.memory_reserved() - before
+    assert f.arena == exe.memory.arena_bytes and f.weights == exe.stats.weight_bytes
+    assert abs(f.other_allocated) < 2**20, f  # nothing left behind by warm-up or tuning but allocator rounding
+    assert f.cached == 0, f  # what the load freed went back to the device
+    assert (f.outside_arena > 0) == bool(exe.outside_arena()), f  # only results placed elsewhere count
+    exe.close()
+    assert torch.cuda.memory_reserved() - before < 2**20  # close() gives it all back
+    with pytest.raises(nimble.UsageError, match="closed"):
+        exe.replay()
+
+
+def test_a_memory_budget_is_enforced_before_and_after_allocating(artifacts):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    with pytest.raises(nimble.ExecutionError, match="nothing was allocated"):
+        nimble.load(artifacts["inception"], device="cuda", max_memory=1000)
+    with nimble.load(artifacts["inception"], device="cuda") as exe:
+        grown, planned = exe.stats.footprint.growth, sum(exe._planned_bytes().values())
+    assert grown > planned  # the graph pool: workspaces at least
+    with pytest.raises(nimble.ExecutionError, match="above the memory budget"):
+        nimble.load(artifacts["inception"], device="cuda", max_memory=(planned + grown) // 2)
+    assert torch.cuda.memory_reserved() - before < 2**20
+
+
 class _TopScores(nn.Module):
     """Ops the detection models brought in: topk, sort, and boolean & and | of two conditions."""
 

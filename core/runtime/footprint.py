@@ -1,0 +1,78 @@
+"""What a loaded artifact holds on its GPU, by kind, from the caching allocator's own books
+(`torch.cuda.memory_snapshot()`), so that the kinds add up to what the process grew by while
+loading: the number `nvidia-smi` shows for it, less the CUDA context.
+
+- `weights`, `arena`, `inputs`: the tensors the plan names;
+- `outside_arena`: results the captured graph holds in its pool rather than at their planned
+  offset (cuDNN's fused convolutions allocate their own output);
+- `pool_free`: the rest of the graph pool: op workspaces and temporaries the replay reuses, and
+  the slack of its segments. The pool keeps a segment per stream that allocated in it, which
+  `pool_segments_per_stream` counts;
+- `other_allocated`: anything else the load left allocated (copies made while tuning, say);
+- `cached`: memory the load reserved and freed again, outside the pool, that `torch.cuda.empty_cache()`
+  hands back (nimble does so at the end of a load on CUDA, and at `close()`).
+
+`growth` is the process's reserved memory after the load less before it: the sum of the kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+KINDS = ("weights", "arena", "inputs", "outside_arena", "pool_free", "other_allocated", "cached")
+
+
+@dataclass
+class Footprint:
+    weights: int = 0
+    arena: int = 0
+    inputs: int = 0
+    outside_arena: int = 0
+    pool_free: int = 0
+    other_allocated: int = 0
+    cached: int = 0
+    growth: int = 0
+    pool_segments_per_stream: dict[str, int] = field(default_factory=dict)  # stream -> pool segments
+
+    def document(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The allocator's totals on one device at one moment."""
+
+    reserved: int
+    allocated: int
+
+    @staticmethod
+    def now(device: torch.device) -> Mark:
+        torch.cuda.synchronize(device)
+        return Mark(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+
+
+def measure(device: torch.device, before: Mark, planned: dict[str, int], pool_id, outside_arena: int) -> Footprint:
+    """The footprint on `device` since `before`: `planned` gives the bytes of weights, arena and
+    inputs; `pool_id` is the captured graph's pool (None: no graph); `outside_arena` the bytes of
+    results the graph holds outside the arena."""
+    after = Mark.now(device)
+    pool_reserved, per_stream = 0, {}
+    if pool_id is not None:
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id):
+                pool_reserved += seg["total_size"]
+                stream = f"{seg.get('stream', 0):#x}"
+                per_stream[stream] = per_stream.get(stream, 0) + 1
+    grown_allocated = after.allocated - before.allocated
+    fp = Footprint(weights=planned["weights"], arena=planned["arena"], inputs=planned["inputs"],
+                   outside_arena=outside_arena, pool_free=max(pool_reserved - outside_arena, 0),
+                   growth=after.reserved - before.reserved, pool_segments_per_stream=per_stream)
+    fp.other_allocated = grown_allocated - fp.weights - fp.arena - fp.inputs - fp.outside_arena
+    fp.cached = fp.growth - grown_allocated - fp.pool_free
+    return fp
+
+
+def planned_bytes(weights: int, arena: int, inputs: int) -> dict[str, int]:
+    return {"weights": weights, "arena": arena, "inputs": inputs}
