@@ -211,9 +211,12 @@ class Executable:
             self._order, self._stream_of, self._waits = list(range(n)), [0] * n, [()] * n
         elif choice.streams == "serial":
             self._order, self._stream_of, self._waits = list(self.schedule.order), [0] * n, [()] * n
-        else:
+        else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel
             self._order = list(self.schedule.order)
-            self._stream_of, self._waits = list(self.schedule.stream), list(self.schedule.waits)
+            self._waits = list(self.schedule.waits)
+            self._stream_of = streams.fold(self._order, self.schedule.stream, self._waits)
+        planned = not self._single_stream and choice.streams != "serial"
+        self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
         """Lay out the buffers and weights for `choice`, warm up every stream, and capture."""
@@ -227,7 +230,8 @@ class Executable:
         if channels_last:
             for vid in tuning.conv_weights(self.graph):
                 self._weights[vid] = self._weights[vid].contiguous(memory_format=torch.channels_last)
-        self._streams = [torch.cuda.Stream(self.device) for _ in range(max(self._stream_of, default=0) + 1)]
+        needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
+        self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
@@ -324,7 +328,7 @@ class Executable:
                 f"{runs}; outputs are fresh tensors (copy=False: views of its buffers until the next call)>")
 
     def timeline(self) -> list[tuple[int, int, float, float]]:
-        """(op, stream, start ms, end ms) of each op of one inference on the current input
+        """(op, planned stream, start ms, end ms) of each op of one inference on the current input
         buffers, issued op by op as it runs: on CUDA on its stream, bracketed by timing events
         there (GPU times, from one origin); on the CPU serially, wall-clock. For `trace.py`."""
         marks: list = []
@@ -353,7 +357,7 @@ class Executable:
         run_ops(self._placed, PlacedRun(self._env(), self._views, self.device, name_failures=True), self._order, place)
         if cuda:
             torch.cuda.synchronize(self.device)
-            return [(i, self._stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
+            return [(i, self._planned_stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
         return [(i, 0, (a - t0) * 1000, (b - t0) * 1000) for i, a, b in marks]
 
     def replay_timeline(self, replays: int) -> list[tuple[float, float]]:

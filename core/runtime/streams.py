@@ -57,6 +57,43 @@ def issue(order: Sequence[int], run: Callable[[int], None], device: torch.device
                     events[i].record(stream)
 
 
+def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
+    """The CUDA stream each op is issued on, when the planned streams share as few CUDA streams as
+    the schedule allows: a planned stream, at its first op, takes over a CUDA stream whose planned
+    stream has issued its last op and whose last op already precedes this one (through the planned
+    streams' order and waits), so capture records no ordering the schedule lacks and the captured
+    graph keeps its parallelism. Fewer CUDA streams mean fewer per-stream segments in the graph's
+    memory pool and fewer cuBLAS workspaces (one per stream that multiplies matrices)."""
+    last_on_planned: dict[int, int] = {}
+    for i in order:
+        last_on_planned[stream_of[i]] = i
+    before: dict[int, int] = {}  # op -> bitset of the ops that precede it
+    previous: dict[int, int] = {}  # planned stream -> its latest op so far
+    physical: dict[int, int] = {}  # planned stream -> CUDA stream
+    tail: list[int] = []  # CUDA stream -> the last op issued on it
+    free: list[bool] = []  # CUDA stream -> its planned stream is done
+    out = [0] * len(stream_of)
+    for i in order:
+        planned = stream_of[i]
+        preds = [*waits[i], *([previous[planned]] if planned in previous else [])]
+        mask = 0
+        for p in preds:
+            mask |= before[p] | (1 << p)
+        before[i] = mask
+        if planned not in physical:
+            reuse = next((k for k, (done, last) in enumerate(zip(free, tail)) if done and mask >> last & 1), None)
+            if reuse is None:
+                reuse = len(tail)
+                tail.append(-1)
+                free.append(False)
+            physical[planned], free[reuse] = reuse, False
+        k = physical[planned]
+        out[i], tail[k], previous[planned] = k, i, i
+        if last_on_planned[planned] == i:
+            free[k] = True
+    return out
+
+
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: torch.device, what: str,
               advice: str, pool=None) -> Iterator[None]:
