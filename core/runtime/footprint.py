@@ -8,7 +8,11 @@ loading: the number `nvidia-smi` shows for it, less the CUDA context.
 - `pool_free`: the rest of the graph pool: op workspaces and temporaries the replay reuses, and
   the slack of its segments. The pool keeps a segment per stream that allocated in it, which
   `pool_segments_per_stream` counts;
-- `other_allocated`: anything else the load left allocated (copies made while tuning, say);
+- `other_allocated`: anything else the load left allocated. Mostly cuBLAS workspaces: cuBLAS
+  keeps one per CUDA stream that multiplied matrices (32 MiB each on Hopper by default), which
+  PyTorch holds for the whole process and the captured graph uses; a later load on the same
+  streams reuses them (PyTorch hands out streams from a pool of 32). Folding the planned streams
+  onto fewer CUDA streams (`streams.fold`) keeps their number down;
 - `cached`: memory the load reserved and freed again, outside the pool, that `torch.cuda.empty_cache()`
   hands back (nimble does so at the end of a load on CUDA, and at `close()`).
 
@@ -59,9 +63,10 @@ def measure(device: torch.device, before: Mark, planned: dict[str, int], pool_id
     results the graph holds outside the arena."""
     after = Mark.now(device)
     pool_reserved, per_stream = 0, {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if pool_id is not None:
         for seg in torch.cuda.memory_snapshot():
-            if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id):
+            if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id):
                 pool_reserved += seg["total_size"]
                 stream = f"{seg.get('stream', 0):#x}"
                 per_stream[stream] = per_stream.get(stream, 0) + 1

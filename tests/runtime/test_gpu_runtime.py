@@ -163,11 +163,13 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     kinds = (f.weights, f.arena, f.inputs, f.outside_arena, f.pool_free, f.other_allocated, f.cached)
     assert sum(kinds) == f.growth == torch.cuda.memory_reserved() - before
     assert f.arena == exe.memory.arena_bytes and f.weights == exe.stats.weight_bytes
-    assert abs(f.other_allocated) < 2**20, f  # nothing left behind by warm-up or tuning but allocator rounding
+    workspaces = len(set(exe._stream_of)) * 32 * 2**20  # cuBLAS's, one per CUDA stream at most
+    assert -2**20 < f.other_allocated <= workspaces + 2**20, f  # nothing else left by warm-ups or tuning
     assert f.cached == 0, f  # what the load freed went back to the device
+    assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert (f.outside_arena > 0) == bool(exe.outside_arena()), f  # only results placed elsewhere count
     exe.close()
-    assert torch.cuda.memory_reserved() - before < 2**20  # close() gives it all back
+    assert torch.cuda.memory_reserved() - before <= max(f.other_allocated, 0) + 2**20  # all but cuBLAS's
     with pytest.raises(nimble.UsageError, match="closed"):
         exe.replay()
 
@@ -183,7 +185,7 @@ def test_a_memory_budget_is_enforced_before_and_after_allocating(artifacts):
     assert grown > planned  # the graph pool: workspaces at least
     with pytest.raises(nimble.ExecutionError, match="above the memory budget"):
         nimble.load(artifacts["inception"], device="cuda", max_memory=(planned + grown) // 2)
-    assert torch.cuda.memory_reserved() - before < 2**20
+    assert torch.cuda.memory_reserved() - before <= 8 * 32 * 2**20  # cuBLAS workspaces at most
 
 
 class _TopScores(nn.Module):
