@@ -5,16 +5,17 @@ loading: the number `nvidia-smi` shows for it, less the CUDA context.
 - `weights`, `arena`, `inputs`: the tensors the plan names;
 - `outside_arena`: results the captured graph holds in its pool rather than at their planned
   offset (cuDNN's fused convolutions allocate their own output);
-- `pool_free`: the rest of the graph pool: op workspaces and temporaries the replay reuses, and
-  the slack of its segments. The pool keeps a segment per stream that allocated in it, which
+- `pool_free`: the graph pool's segments less what is allocated in them: op workspaces and
+  temporaries the replay reuses, and the slack of its segments. The pool keeps a segment per stream that allocated in it, which
   `pool_segments_per_stream` counts;
 - `other_allocated`: anything else the load left allocated. Mostly cuBLAS workspaces: cuBLAS
   keeps one per CUDA stream that multiplied matrices (32 MiB each on Hopper by default), which
   PyTorch holds for the whole process and the captured graph uses; a later load on the same
   streams reuses them (PyTorch hands out streams from a pool of 32). Folding the planned streams
   onto fewer CUDA streams (`streams.fold`) keeps their number down;
-- `cached`: memory the load reserved and freed again, outside the pool, that `torch.cuda.empty_cache()`
-  hands back (nimble does so at the end of a load on CUDA, and at `close()`).
+- `cached`: the free parts of segments outside the pool that the load grew. Whole free segments
+  go back to the device at the end of a load (`torch.cuda.empty_cache()`), so what stays is the
+  free part of a segment that also holds something the load keeps.
 
 `growth` is the process's reserved memory after the load less before it: the sum of the kinds.
 """
@@ -62,20 +63,21 @@ def measure(device: torch.device, before: Mark, planned: dict[str, int], pool_id
     inputs; `pool_id` is the captured graph's pool (None: no graph); `outside_arena` the bytes of
     results the graph holds outside the arena."""
     after = Mark.now(device)
-    pool_reserved, per_stream = 0, {}
+    pool_reserved, pool_allocated, per_stream = 0, 0, {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     if pool_id is not None:
         for seg in torch.cuda.memory_snapshot():
             if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id):
                 pool_reserved += seg["total_size"]
+                pool_allocated += seg["allocated_size"]
                 stream = f"{seg.get('stream', 0):#x}"
                 per_stream[stream] = per_stream.get(stream, 0) + 1
     grown_allocated = after.allocated - before.allocated
     fp = Footprint(weights=planned["weights"], arena=planned["arena"], inputs=planned["inputs"],
-                   outside_arena=outside_arena, pool_free=max(pool_reserved - outside_arena, 0),
+                   outside_arena=outside_arena, pool_free=pool_reserved - pool_allocated,
                    growth=after.reserved - before.reserved, pool_segments_per_stream=per_stream)
     fp.other_allocated = grown_allocated - fp.weights - fp.arena - fp.inputs - fp.outside_arena
-    fp.cached = fp.growth - grown_allocated - fp.pool_free
+    fp.cached = fp.growth - grown_allocated - fp.pool_free  # free parts of segments outside the pool
     return fp
 
 
