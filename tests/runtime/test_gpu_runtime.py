@@ -163,7 +163,7 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     kinds = (f.weights, f.arena, f.inputs, f.outside_arena, f.pool_free, f.other_allocated, f.cached)
     assert sum(kinds) == f.growth == torch.cuda.memory_reserved() - before
     assert f.arena == exe.memory.arena_bytes and f.weights == exe.stats.weight_bytes
-    workspaces = len(set(exe._stream_of)) * 32 * 2**20  # cuBLAS's, one per CUDA stream at most
+    workspaces = len(set(exe._stream_of)) * 34 * 2**20  # cuBLAS and cuBLASLt (32 + 1 MiB), per CUDA stream
     assert -2**20 < f.other_allocated <= workspaces + 2**20, f  # nothing else left by warm-ups or tuning
     assert 0 <= f.cached < 32 * 2**20 and f.pool_free >= 0, f  # whole free segments went back to the device
     assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
