@@ -15,7 +15,8 @@ loading: the number `nvidia-smi` shows for it, less the CUDA context.
   onto fewer CUDA streams (`streams.fold`) keeps their number down;
 - `cached`: the free parts of segments outside the pool that the load grew. Whole free segments
   go back to the device at the end of a load (`torch.cuda.empty_cache()`), so what stays is the
-  free part of a segment that also holds something the load keeps.
+  free part of a segment that also holds something the load keeps. It is negative where the load
+  used room in segments the process had reserved before it.
 
 `growth` is the process's reserved memory after the load less before it: the sum of the kinds.
 """

@@ -158,6 +158,7 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
+    slack = before - torch.cuda.memory_allocated()  # free room in segments reserved already, which a load may use
     exe = nimble.load(artifacts[name], device="cuda")
     f = exe.stats.footprint
     kinds = (f.weights, f.arena, f.inputs, f.outside_arena, f.pool_free, f.other_allocated, f.cached)
@@ -165,7 +166,7 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     assert f.arena == exe.memory.arena_bytes and f.weights == exe.stats.weight_bytes
     workspaces = len(set(exe._stream_of)) * 34 * 2**20  # cuBLAS and cuBLASLt (32 + 1 MiB), per CUDA stream
     assert -2**20 < f.other_allocated <= workspaces + 2**20, f  # nothing else left by warm-ups or tuning
-    assert 0 <= f.cached < 32 * 2**20 and f.pool_free >= 0, f  # whole free segments went back to the device
+    assert -slack <= f.cached < 32 * 2**20 and f.pool_free >= 0, f  # whole free segments went back to the device
     assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert (f.outside_arena > 0) == bool(exe.outside_arena()), f  # only results placed elsewhere count
     exe.close()
