@@ -82,6 +82,7 @@ class Executable:
             self.device, self.notice = resolve_device(device)
             self.stats = LoadStats()
             self._closed = False
+            self._released: list[int] = []  # values dropped after their last reader in the last issue
             self._name = name or artifact.model
             self._mark = footprint.Mark.now(self.device) if self.device.type == "cuda" else None
             self._placed: list[PlacedOp] = prepare(self.graph)
@@ -277,13 +278,43 @@ class Executable:
 
     def _issue(self, validate: bool = False) -> dict[int, torch.Tensor]:
         """Issue every op in order on its stream, waiting on the planned events. With `validate`,
-        an op that fails is named with its source line."""
+        an op that fails is named with its source line. On CUDA, a result outside the arena is
+        dropped once its last reader is issued (`_release_plan`), so that the allocator hands its
+        memory to a later result on the same stream instead of holding every one of them."""
         env = self._env()
-        run_ops(self._placed, PlacedRun(env, self._views, self.device, name_failures=validate), self._order,
+        cuda = self.device.type == "cuda"
+        kept = frozenset(t.untyped_storage().data_ptr() for t in env.values()) | {self.arena.data_ptr()}
+        run = PlacedRun(env, self._views, self.device, name_failures=validate,
+                        release=self._release_plan() if cuda else None, kept=kept)
+        run_ops(self._placed, run, self._order,
                 lambda order, step: streams.issue(order, step, self.device, self._streams, self._stream_of,
                                                   self._waits))
-        self._env_after = env
+        self._env_after, self._released = env, run.released
         return env
+
+    def _release_plan(self) -> dict[int, list[int]]:
+        """op -> the values to drop once it is issued: each value after its last reader in issue
+        order (after its producer, if nothing reads it), unless it is a graph output or shares
+        storage with one, or a value sharing its storage is read on another CUDA stream than the
+        one that made the storage (its memory must outlive reads the allocator cannot see)."""
+        g, position = self.graph, {op: k for k, op in enumerate(self._order)}
+        last: dict[int, int] = {}
+        streams_of_root: dict[int, set[int]] = {}
+        for op in g.ops:
+            for v in op.outputs:
+                last.setdefault(v, op.id)
+                streams_of_root.setdefault(g.root(v), set()).add(self._stream_of[op.id])
+            for r in op.refs():
+                if r in last and position[op.id] > position[last[r]]:
+                    last[r] = op.id
+                streams_of_root.setdefault(g.root(r), set()).add(self._stream_of[op.id])
+        outputs = {g.root(o) for o in g.outputs}
+        plan: dict[int, list[int]] = {}
+        for v, op in last.items():
+            root = g.root(v)
+            if root not in outputs and g.values[root].producer is not None and len(streams_of_root[root]) == 1:
+                plan.setdefault(op, []).append(v)
+        return plan
 
     def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
@@ -425,11 +456,13 @@ class Executable:
         if self._cuda_graph is None or not self._with_arena:
             return []
         base = self.arena.data_ptr()
-        return [vid for vid, t in self._tensors.items() if self.memory.offset[vid] is not None
-                and vid in self._views and t.data_ptr() - base != self.memory.offset[vid]]
+        return sorted([vid for vid, t in self._tensors.items() if self.memory.offset[vid] is not None
+                       and vid in self._views and t.data_ptr() - base != self.memory.offset[vid]]
+                      + [vid for vid in self._released if vid in self._views])
 
     def tensors(self) -> dict[int, torch.Tensor]:
-        """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call."""
+        """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;
+        on CUDA, not the results outside the arena released after their last reader."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 

@@ -139,8 +139,13 @@ class PlacedRun(Executor):
     its source line."""
 
     def __init__(self, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device,
-                 name_failures: bool = True):
+                 name_failures: bool = True, release: dict[int, list[int]] | None = None,
+                 kept: frozenset[int] = frozenset()):
+        """`release` (op -> values) drops each listed value once that op is issued, where its tensor
+        lies outside the storages in `kept` (the arena, weights and inputs), so its memory goes
+        back to the allocator; the ids dropped gather in `released`."""
         self.env, self.views, self.device, self.name_failures = env, views, device, name_failures
+        self.release, self.kept, self.released = release or {}, kept, []
 
     def arguments(self, p: PlacedOp):
         args, kwargs = arguments.op_arguments(p.op, self.env, self.device)
@@ -166,6 +171,11 @@ class PlacedRun(Executor):
 
     def bind(self, p: PlacedOp, results) -> None:
         self.env.update(zip(p.op.outputs, results))
+        for v in self.release.get(p.op.id, ()):
+            t = self.env.get(v)
+            if t is not None and t.untyped_storage().data_ptr() not in self.kept:
+                del self.env[v]
+                self.released.append(v)
 
     def failed(self, p: PlacedOp, error):
         if not self.name_failures:
