@@ -170,7 +170,8 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert f.outside_arena == 0 or exe.outside_arena(), f  # only results placed elsewhere count
     exe.close()
-    assert torch.cuda.memory_reserved() - before <= max(f.other_allocated, 0) + 2**20  # all but cuBLAS's
+    # all but cuBLAS's workspaces, which PyTorch keeps per stream, and their segments' free room
+    assert torch.cuda.memory_reserved() - before <= max(f.other_allocated, 0) + max(f.cached, 0) + 2**20
     with pytest.raises(nimble.UsageError, match="closed"):
         exe.replay()
 
