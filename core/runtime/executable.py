@@ -14,6 +14,11 @@ planned streams or one, cuDNN's convolution algorithms and its fused convolution
 and timing a few candidates, or by reading the choice from the tuning cache. Fused ops run as
 cuDNN fused convolutions or generated kernels (`kernels.py`).
 
+The planned streams are folded onto as few CUDA streams as keep them all parallel
+(`streams.fold`), made once per load. During the warm-up and the capture, a result outside the
+arena is dropped once its last reader is issued, so the graph pool reuses its memory. What the
+load holds on the GPU is reported by kind (`footprint.py`), and `close()` gives it back.
+
 On the CPU, the same placed op list runs serially in issue order on each call.
 """
 
