@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, human_bytes, literal,
+from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, footprint_line, human_bytes, literal,
                      print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -216,13 +216,7 @@ def _print(r: dict, pcts) -> None:
         line += f", process peak {human_bytes(m['process_peak_bytes'])}"
     console.print(line)
     if m["footprint"]:
-        f = m["footprint"]
-        kinds = ", ".join(f"{label} {human_bytes(f[k])}" for k, label in (
-            ("weights", "weights"), ("arena", "arena"), ("inputs", "inputs"), ("outside_arena", "results outside the arena"),
-            ("pool_free", "graph-pool workspaces and slack"), ("other_allocated", "other"), ("cached", "cached")))
-        streams = len(f["pool_segments_per_stream"])
-        console.print(f"GPU footprint: {human_bytes(f['growth'])} grown by the load = {kinds}; the graph pool has "
-                      f"{sum(f['pool_segments_per_stream'].values())} segment(s) over {streams} stream(s)")
+        console.print(footprint_line(m["footprint"]))
     if "pytorch_graph_streams_pool_bytes" in m:
         pool = m["pytorch_graph_streams_pool_bytes"]
         ours = m["arena_bytes"] + m["scratch_bytes"]

@@ -148,12 +148,25 @@ def writable(path, option: str, inputs: dict | None = None):
     return path
 
 
+def footprint_line(f: dict) -> str:
+    """A load's GPU footprint (`runtime/footprint.py`, as a document) in one line."""
+    kinds = ", ".join(f"{label} {human_bytes(f[k])}" for k, label in (
+        ("weights", "weights"), ("arena", "arena"), ("inputs", "inputs"), ("outside_arena", "results outside the arena"),
+        ("pool_free", "graph-pool workspaces and slack"), ("other_allocated", "other (cuBLAS workspaces)"),
+        ("cached", "cached")))
+    streams = len(f["pool_segments_per_stream"])
+    return (f"GPU footprint: {human_bytes(f['growth'])} grown by the load = {kinds}; the graph pool has "
+            f"{sum(f['pool_segments_per_stream'].values())} segment(s) over {streams} stream(s)")
+
+
 def print_json(doc: dict) -> None:
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     sys.stdout.flush()
 
 
 def human_bytes(n: int) -> str:
+    if n < 0:
+        return "-" + human_bytes(-n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

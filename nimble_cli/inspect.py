@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import DebugOption, JsonOption, human_bytes, literal, print_json, user_errors, writable
+from .common import (DebugOption, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
+                     print_json, user_errors, writable)
 from .compile import describe_passes
 
 
@@ -17,6 +18,11 @@ def inspect_command(
     json_out: JsonOption = False,
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here."),
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
+    device: Optional[str] = typer.Option(None, "--device", metavar="cuda|cpu|auto", help="Also load the artifact "
+                                         "there and report what it holds on the device, by kind (weights, arena, "
+                                         "inputs, results outside the arena, graph-pool workspaces, cuBLAS "
+                                         "workspaces, cached). Without it nothing is loaded and no GPU is needed."),
+    tune: TuneOption = "cached",
     debug: DebugOption = False,
 ) -> None:
     """Validate an artifact and show what it holds, on stdout; needs no GPU.
@@ -30,6 +36,7 @@ def inspect_command(
     with user_errors(debug, json_out):
         from nimble.model_files import check_artifact_file
 
+        early_checks(device=device, tune=tune)
         check_artifact_file(artifact)
         from nimble.plan.document import plan_document
         from nimble.formats import read_artifact
@@ -40,6 +47,7 @@ def inspect_command(
             from .compile import write_dot
 
             write_dot(dot, art.graph, art.schedule, art.model)
+        footprint = _footprint(art, artifact, device, tune) if device is not None else None
         if json_out:
             man = art.manifest
             print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory,
@@ -47,9 +55,21 @@ def inspect_command(
                 "manifest": {k: man.get(k) for k in ("format_version", "nimble_version", "torch_version", "model",
                                                      "source_sha256", "options")},
                 "input_names": [art.graph.values[i].name for i in art.graph.inputs],
-                "output_names": [art.graph.values[o].name for o in art.graph.outputs]})
+                "output_names": [art.graph.values[o].name for o in art.graph.outputs],
+                "footprint": footprint})
             return
         _summary(art, artifact, ops)
+        if device is not None:
+            print(footprint_line(footprint) if footprint else
+                  "on the CPU, a loaded artifact holds its weights, arena and inputs as planned above")
+
+
+def _footprint(art, path: Path, device: str, tune: str) -> dict | None:
+    """Load `art` on `device` and return its GPU footprint as a document (None on the CPU)."""
+    from nimble.runtime.executable import Executable
+
+    with Executable(art, device, name=path.name, tune=tune) as exe:
+        return exe.stats.footprint.document() if exe.stats.footprint else None
 
 
 def _summary(art, path: Path, show_ops: bool) -> None:

@@ -61,7 +61,9 @@ def test_inspect_gives_the_manifest_and_the_names(compiled):
     out, _ = compiled
     doc = validate(document(invoke("inspect", out, "--json"), 0), "inspect")
     assert doc["manifest"]["options"]["frontend"] == "torchscript" and doc["input_names"] == ["x"]
-    assert len(doc["output_names"]) == len(doc["outputs"])
+    assert len(doc["output_names"]) == len(doc["outputs"]) and doc["footprint"] is None
+    doc = validate(document(invoke("inspect", out, "--device", "cpu", "--json"), 0), "inspect")
+    assert doc["footprint"] is None  # nimble's own books hold on the CPU: the plan
 
 
 def test_run_names_the_file_it_wrote(compiled, tmp_path):

@@ -176,6 +176,18 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
         exe.replay()
 
 
+def test_inspect_reports_the_footprint_on_cuda(artifacts):
+    import json
+
+    result = CliRunner().invoke(app, ["inspect", str(artifacts["inception"]), "--device", "cuda", "--json"])
+    assert result.exit_code == 0, result.stderr
+    f = json.loads(result.stdout)["footprint"]
+    assert f["growth"] == sum(f[k] for k in ("weights", "arena", "inputs", "outside_arena", "pool_free",
+                                             "other_allocated", "cached")) and f["arena"] > 0
+    text = CliRunner().invoke(app, ["inspect", str(artifacts["inception"]), "--device", "cuda", "--no-ops"]).stdout
+    assert "GPU footprint:" in text and "graph-pool workspaces" in text
+
+
 def test_a_memory_budget_is_enforced_before_and_after_allocating(artifacts):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

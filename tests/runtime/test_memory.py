@@ -51,3 +51,11 @@ def test_close_and_the_context_manager_give_the_artifact_up(artifact):
     exe.close()  # twice is fine
     again = nimble.load(artifact, device="cpu")
     torch.testing.assert_close(again(x), want)
+
+
+def test_inspect_loads_only_when_asked_and_checks_the_device_first(artifact):
+    result = invoke("inspect", artifact, "--no-ops", "--device", "cpu")
+    assert result.exit_code == 0 and "holds its weights, arena and inputs as planned" in result.stdout
+    assert "holds its weights" not in invoke("inspect", artifact, "--no-ops").stdout
+    result = invoke("inspect", artifact, "--device", "gpu")
+    assert result.exit_code == 2 and "--device 'gpu'" in result.stderr
