@@ -112,6 +112,7 @@ class Executable:
             kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
                               len(kernels.STATS.fallbacks))
             self._choose(tune, choice, graph_dump)
+            self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay (channels_last copies)
             self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
             stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
