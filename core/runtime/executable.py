@@ -258,8 +258,11 @@ class Executable:
         g, dev = self.graph, self.device
         need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
         try:
-            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in g.values
-                                    if v.kind == WEIGHT}
+            # the weights a channels_last choice copies come first, apart from the rest, so that the
+            # segments their NCHW originals free can go back to the device whole
+            convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
+            ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
+            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
             self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
