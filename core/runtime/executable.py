@@ -112,7 +112,8 @@ class Executable:
             kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
                               len(kernels.STATS.fallbacks))
             self._choose(tune, choice, graph_dump)
-            self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay (channels_last copies)
+            self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
+            self._channels_last_weights = {}
             self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
             stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
@@ -163,6 +164,7 @@ class Executable:
         self._closed = True
         self._cuda_graph = self._tensors = self._outputs = self._env_after = None
         self._views, self._weights, self._stored_weights, self._inputs = {}, {}, {}, []
+        self._channels_last_weights = {}
         self.arena = None
         self._streams = []
         if self.device.type == "cuda":
@@ -235,8 +237,7 @@ class Executable:
             if self._with_arena else {}
         self._weights = dict(self._stored_weights)
         if channels_last:
-            for vid in tuning.conv_weights(self.graph):
-                self._weights[vid] = self._weights[vid].contiguous(memory_format=torch.channels_last)
+            self._weights.update(self._channels_last_weights)
         needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
         self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
         for p in self._placed:
@@ -258,11 +259,14 @@ class Executable:
         g, dev = self.graph, self.device
         need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
         try:
-            # the weights a channels_last choice copies come first, apart from the rest, so that the
-            # segments their NCHW originals free can go back to the device whole
+            # the convolution weights come first, then the rest, then the convolutions' channels_last
+            # copies (made once, here, for every candidate that lays them out so): whichever layout is
+            # chosen, the copies it does not keep free whole segments, which go back to the device
             convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
             ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
             self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
+            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
+                                           for vid in sorted(convs)}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
             self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
