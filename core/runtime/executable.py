@@ -259,17 +259,18 @@ class Executable:
         g, dev = self.graph, self.device
         need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
         try:
-            # the convolution weights come first, then the rest, then the convolutions' channels_last
-            # copies (made once, here, for every candidate that lays them out so): whichever layout is
+            # the convolution weights come first, then the rest, the arena, the inputs, and last the
+            # convolutions' channels_last copies (made once, here, for every candidate that lays them
+            # out so): whichever layout is
             # chosen, the copies it does not keep free whole segments, which go back to the device
             convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
             ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
             self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
-            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
-                                           for vid in sorted(convs)}
             self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
             self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
                                         device=dev) for i in g.inputs]
+            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
+                                           for vid in sorted(convs)}
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
                                  f"and arena need {need} bytes "
