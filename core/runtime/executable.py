@@ -261,8 +261,8 @@ class Executable:
         try:
             # the convolution weights come first, then the rest, the arena, the inputs, and last the
             # convolutions' channels_last copies (made once, here, for every candidate that lays them
-            # out so): whichever layout is
-            # chosen, the copies it does not keep free whole segments, which go back to the device
+            # out so): whichever layout is chosen, the copies it does not keep free whole segments,
+            # which go back to the device
             convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
             ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
             self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
