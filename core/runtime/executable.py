@@ -136,6 +136,9 @@ class Executable:
             sum(g.values[i].spec.nbytes for i in g.inputs))
 
     def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
+        if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int)
+                                       or max_memory < 1):
+            raise UsageError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
         need = sum(planned.values())
         if max_memory is not None and need > max_memory:
             raise ExecutionError(f"{self._name} needs {_mib(need)} for its weights, arena and inputs alone, above "

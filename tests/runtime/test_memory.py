@@ -59,3 +59,9 @@ def test_inspect_loads_only_when_asked_and_checks_the_device_first(artifact):
     assert "holds its weights" not in invoke("inspect", artifact, "--no-ops").stdout
     result = invoke("inspect", artifact, "--device", "gpu")
     assert result.exit_code == 2 and "--device 'gpu'" in result.stderr
+
+
+def test_a_budget_that_is_no_number_of_bytes_is_refused(artifact):
+    for bad in (0, -5, 1.5, "1GiB", True):
+        with pytest.raises(UsageError, match="max_memory must be a positive number of bytes"):
+            nimble.load(artifact, device="cpu", max_memory=bad)
