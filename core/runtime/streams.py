@@ -65,9 +65,12 @@ def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequenc
     graph keeps its parallelism. Fewer CUDA streams mean fewer per-stream segments in the graph's
     memory pool and fewer cuBLAS workspaces (one per stream that multiplies matrices)."""
     last_on_planned: dict[int, int] = {}
+    waiters: dict[int, int] = {}  # op -> how many ops wait on it
     for i in order:
         last_on_planned[stream_of[i]] = i
-    before: dict[int, int] = {}  # op -> bitset of the ops that precede it
+        for u in waits[i]:
+            waiters[u] = waiters.get(u, 0) + 1
+    before: dict[int, int] = {}  # op -> bitset of the ops that precede it, while a later op may read it
     previous: dict[int, int] = {}  # planned stream -> its latest op so far
     physical: dict[int, int] = {}  # planned stream -> CUDA stream
     tail: list[int] = []  # CUDA stream -> the last op issued on it
@@ -80,6 +83,14 @@ def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequenc
         for p in preds:
             mask |= before[p] | (1 << p)
         before[i] = mask
+        if planned in previous and previous[planned] not in waiters:
+            del before[previous[planned]]  # its stream has moved on and no one waits on it
+        for u in waits[i]:
+            waiters[u] -= 1
+            if waiters[u] == 0:
+                del waiters[u]
+                if previous.get(stream_of[u]) != u:  # its own stream needs it no more either
+                    before.pop(u, None)
         if planned not in physical:
             reuse = next((k for k, (done, last) in enumerate(zip(free, tail)) if done and mask >> last & 1), None)
             if reuse is None:
