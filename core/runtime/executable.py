@@ -39,7 +39,7 @@ from ..stages import Stages
 from . import footprint, indices, kernels, streams, tuning
 from .compare import compare, default_tolerance
 from .device import resolve_device
-from .placement import PlacedOp, PlacedRun, arena_views, prepare
+from .placement import PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
 
 
@@ -296,42 +296,19 @@ class Executable:
     def _issue(self, validate: bool = False) -> dict[int, torch.Tensor]:
         """Issue every op in order on its stream, waiting on the planned events. With `validate`,
         an op that fails is named with its source line. On CUDA, a result outside the arena is
-        dropped once its last reader is issued (`_release_plan`), so that the allocator hands its
+        dropped once its last reader is issued (`placement.release_plan`), so that the allocator hands its
         memory to a later result on the same stream instead of holding every one of them."""
         env = self._env()
         cuda = self.device.type == "cuda"
         kept = frozenset(t.untyped_storage().data_ptr() for t in env.values()) | {self.arena.data_ptr()}
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
-                        release=self._release_plan() if cuda else None, kept=kept)
+                        release=release_plan(self.graph, self._order, self._stream_of) if cuda else None,
+                        kept=kept)
         run_ops(self._placed, run, self._order,
                 lambda order, step: streams.issue(order, step, self.device, self._streams, self._stream_of,
                                                   self._waits))
         self._env_after, self._released = env, run.released
         return env
-
-    def _release_plan(self) -> dict[int, list[int]]:
-        """op -> the values to drop once it is issued: each value after its last reader in issue
-        order (after its producer, if nothing reads it), unless it is a graph output or shares
-        storage with one, or a value sharing its storage is read on another CUDA stream than the
-        one that made the storage (its memory must outlive reads the allocator cannot see)."""
-        g, position = self.graph, {op: k for k, op in enumerate(self._order)}
-        last: dict[int, int] = {}
-        streams_of_root: dict[int, set[int]] = {}
-        for op in g.ops:
-            for v in op.outputs:
-                last.setdefault(v, op.id)
-                streams_of_root.setdefault(g.root(v), set()).add(self._stream_of[op.id])
-            for r in op.refs():
-                if r in last and position[op.id] > position[last[r]]:
-                    last[r] = op.id
-                streams_of_root.setdefault(g.root(r), set()).add(self._stream_of[op.id])
-        outputs = {g.root(o) for o in g.outputs}
-        plan: dict[int, list[int]] = {}
-        for v, op in last.items():
-            root = g.root(v)
-            if root not in outputs and g.values[root].producer is not None and len(streams_of_root[root]) == 1:
-                plan.setdefault(op, []).append(v)
-        return plan
 
     def _capture(self, dump: str | None = None) -> None:
         before = torch.cuda.memory_reserved(self.device)
@@ -374,52 +351,6 @@ class Executable:
         return (f"<nimble.Executable {self.artifact.model} on {self.device}: ({g.describe(g.inputs)}) -> "
                 f"({g.describe(g.outputs)}); {len(g.ops)} ops on {self.schedule.num_streams} stream(s), runs as "
                 f"{runs}; outputs are fresh tensors (copy=False: views of its buffers until the next call)>")
-
-    def timeline(self) -> list[tuple[int, int, float, float]]:
-        """(op, planned stream, start ms, end ms) of each op of one inference on the current input
-        buffers, issued op by op as it runs: on CUDA on its stream, bracketed by timing events
-        there (GPU times, from one origin); on the CPU serially, wall-clock. For `trace.py`."""
-        marks: list = []
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            origin = torch.cuda.Event(enable_timing=True)
-            origin.record()
-
-        def place(order, step):
-            def timed(i: int) -> None:
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()  # on the op's stream: issue() made it current
-                    step(i)
-                    end.record()
-                else:
-                    start = time.perf_counter()
-                    step(i)
-                    end = time.perf_counter()
-                marks.append((i, start, end))
-
-            streams.issue(order, timed, self.device, self._streams if cuda else (), self._stream_of, self._waits)
-
-        t0 = time.perf_counter()
-        run_ops(self._placed, PlacedRun(self._env(), self._views, self.device, name_failures=True), self._order, place)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            return [(i, self._planned_stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
-        return [(i, 0, (a - t0) * 1000, (b - t0) * 1000) for i, a, b in marks]
-
-    def replay_timeline(self, replays: int) -> list[tuple[float, float]]:
-        """(start ms, end ms) of `replays` CUDA graph replays issued back to back (GPU times)."""
-        if self._cuda_graph is None:
-            return []
-        torch.cuda.synchronize(self.device)
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-        marks[0].record()
-        for k in range(replays):
-            self._cuda_graph.replay()
-            marks[k + 1].record()
-        torch.cuda.synchronize(self.device)
-        return [(marks[0].elapsed_time(marks[k]), marks[0].elapsed_time(marks[k + 1])) for k in range(replays)]
 
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""

@@ -16,7 +16,14 @@ On the CPU there is one track and the times are wall-clock (the op list runs ser
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from ..ops import fusion
+from ..ops.execute import run_ops
+from . import streams
+from .placement import PlacedRun
 
 TRACE_REPLAYS = 10
 
@@ -34,7 +41,7 @@ def op_label(op) -> str:
 def chrome_trace(exe, replays: int = TRACE_REPLAYS) -> dict:
     """The trace document (Chrome's JSON trace format) of `exe`, a loaded Executable."""
     g, schedule = exe.graph, exe.schedule
-    spans = exe.timeline()
+    spans = timeline(exe)
     events: list[dict] = [_meta("process_name", 1, 0, "ops on their streams"),
                           _meta("process_sort_index", 1, 0, 1)]
     for stream in sorted({s for _, s, _, _ in spans}):
@@ -46,7 +53,7 @@ def chrome_trace(exe, replays: int = TRACE_REPLAYS) -> dict:
                        "args": {"op": op_id, "target": op.target, "source": op.source,
                                 "outputs": ["x".join(map(str, g.values[o].spec.shape)) for o in op.outputs],
                                 "waits for ops": list(schedule.waits[op_id])}})
-    replay_spans = exe.replay_timeline(replays) if exe.device.type == "cuda" else []
+    replay_spans = replay_timeline(exe, replays)
     if replay_spans:
         events += [_meta("process_name", 2, 0, "CUDA graph replays"), _meta("process_sort_index", 2, 0, 2),
                    _meta("thread_name", 2, 0, "replays, back to back")]
@@ -59,6 +66,56 @@ def chrome_trace(exe, replays: int = TRACE_REPLAYS) -> dict:
                           "ops": len(g.ops), "planned streams": schedule.num_streams,
                           "op list ms": round(max((e for *_, e in spans), default=0.0), 4),
                           "replay ms": [round(e - s, 4) for s, e in replay_spans]}}
+
+
+def timeline(exe) -> list[tuple[int, int, float, float]]:
+    """(op, planned stream, start ms, end ms) of each op of one inference of `exe` on its current
+    input buffers, issued op by op as it runs: on CUDA on its stream, bracketed by timing events
+    there (GPU times, from one origin); on the CPU serially, wall-clock."""
+    marks: list = []
+    cuda = exe.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(exe.device)
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+
+    def place(order, step):
+        def timed(i: int) -> None:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()  # on the op's stream: issue() made it current
+                step(i)
+                end.record()
+            else:
+                start = time.perf_counter()
+                step(i)
+                end = time.perf_counter()
+            marks.append((i, start, end))
+
+        streams.issue(order, timed, exe.device, exe._streams if cuda else (), exe._stream_of, exe._waits)
+
+    t0 = time.perf_counter()
+    run_ops(exe._placed, PlacedRun(exe._env(), exe._views, exe.device, name_failures=True), exe._order, place)
+    if cuda:
+        torch.cuda.synchronize(exe.device)
+        return [(i, exe._planned_stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
+    return [(i, 0, (a - t0) * 1000, (b - t0) * 1000) for i, a, b in marks]
+
+
+def replay_timeline(exe, replays: int) -> list[tuple[float, float]]:
+    """(start ms, end ms) of `replays` CUDA graph replays of `exe` back to back (GPU times); none
+    without a graph (the CPU)."""
+    graph = exe._cuda_graph
+    if graph is None:
+        return []
+    torch.cuda.synchronize(exe.device)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+    marks[0].record()
+    for k in range(replays):
+        graph.replay()
+        marks[k + 1].record()
+    torch.cuda.synchronize(exe.device)
+    return [(marks[0].elapsed_time(marks[k]), marks[0].elapsed_time(marks[k + 1])) for k in range(replays)]
 
 
 def _meta(name: str, pid: int, tid: int, value) -> dict:

@@ -52,7 +52,7 @@ def test_inception_needs_fewer_cuda_streams_than_it_plans():
 
 
 def test_results_are_released_after_their_last_reader_and_only_on_one_stream(tmp_path):
-    """`Executable._release_plan` (used on CUDA): each value once, at its last reader in issue
+    """`placement.release_plan` (used on CUDA): each value once, at its last reader in issue
     order; never a graph output's storage; never storage that another CUDA stream also uses."""
     import nimble
 
@@ -61,7 +61,10 @@ def test_results_are_released_after_their_last_reader_and_only_on_one_stream(tmp
     out = tmp_path / "i.nimble"
     assert invoke("compile", SAMPLES / "nasnet.pt", "-s", "1x3x64x64", "--device", "cpu", "-o", out).exit_code == 0
     exe = nimble.load(out, device="cpu")
-    g, plan = exe.graph, exe._release_plan()
+    from nimble.runtime.placement import release_plan
+
+    g = exe.graph
+    plan = release_plan(g, exe._order, exe._stream_of)
     position = {op: k for k, op in enumerate(exe._order)}
     released = [v for vs in plan.values() for v in vs]
     assert released and len(released) == len(set(released))
