@@ -17,10 +17,11 @@ from .fuse_conv import fuse_conv
 from .fuse_pointwise import fuse_pointwise
 from .match_multi_head_attention import match_multi_head_attention
 from .name_values import name_values
+from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 
 REWRITES_WEIGHTS = frozenset({fold_batch_norm})  # (graph, weights) -> (graph, weights)
 
 __all__ = ["REWRITES_WEIGHTS", "chain_loose_ops", "eliminate_common_subexpressions", "eliminate_dead_ops",
            "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
-           "match_multi_head_attention", "name_values", "order_canonically"]
+           "match_multi_head_attention", "name_values", "normalise_convolutions", "order_canonically"]

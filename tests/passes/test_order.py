@@ -56,7 +56,7 @@ def test_any_emission_order_gives_the_one_canonical_order(name):
 
 
 def schedules_from_both(tmp_path, module, example) -> dict:
-    """{frontend: (ops, streams, stream per op, waits per op)} of `module` compiled from each."""
+    """{frontend: (ops, streams, stream per op, waits per op, op targets)} of `module` compiled from each."""
     script, program = tmp_path / "m.pt", tmp_path / "m.pt2"
     with torch.no_grad(), frontend.quiet_torchscript():
         torch.jit.save(torch.jit.trace(module, example, check_trace=False), str(script))
@@ -67,18 +67,18 @@ def schedules_from_both(tmp_path, module, example) -> dict:
     for kind, path, given in (("torchscript", script, specs), ("export", program, None)):
         c = compile_model(path, given, device="cpu", check=False)
         out[kind] = (len(c.graph.ops), c.schedule.num_streams, list(c.schedule.stream),
-                     [tuple(w) for w in c.schedule.waits])
+                     [tuple(w) for w in c.schedule.waits], [op.target for op in c.graph.ops])
     return out
 
 
 def test_resnet18_gets_the_same_streams_and_waits_from_both_frontends(tmp_path):
     torch.manual_seed(0)
     both = schedules_from_both(tmp_path, ResNet18().eval(), (torch.randn(1, 3, 64, 64),))
-    assert both["torchscript"] == both["export"]
+    assert both["torchscript"] == both["export"]  # the same ops too: conv2d became convolution
     assert both["export"][1] > 1  # the shortcut convolutions run beside the blocks they skip
 
 
 @pytest.mark.parametrize("name", sorted([*MODELS, *TOKEN_MODELS]))
 def test_every_sample_gets_the_same_schedule_from_both_frontends(tmp_path, name):
     both = schedules_from_both(tmp_path, build_module(name), example_inputs(name))
-    assert both["torchscript"] == both["export"]
+    assert both["torchscript"][:4] == both["export"][:4]  # the ops themselves may differ (view or reshape)

@@ -167,9 +167,34 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 
 
 def test_the_rewrites_are_named_in_the_order_they_run():
-    assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_batch_norm", "flatten_concats",
+    assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
+                                             "flatten_concats",
                                              "match_multi_head_attention", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
+
+
+class Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, stride=2, bias=False, groups=2, dilation=2)
+        self.c = nn.Conv2d(8, 4, 1, padding="same")
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_conv2d_becomes_the_convolution_it_calls():
+    model = Convs().eval()
+    raw = exported(model, torch.randn(2, 3, 16, 16))
+    assert targets(raw) == ["aten::conv2d.default", "aten::conv2d.default", "aten::conv2d.padding"]
+    out = passes.normalise_convolutions(raw.graph)
+    assert [op.target for op in out.ops] == ["aten::convolution.default", "aten::convolution.default",
+                                             "aten::conv2d.padding"]  # "same" padding keeps its own overload
+    assert out.ops[1].args[2:] == (None, (2, 2), (0, 0), (2, 2), False, (0, 0), 2)
+    assert_reproduces(rewrite(raw), model)
+    unbatched = exported(nn.Conv2d(3, 4, 3).eval(), torch.randn(3, 8, 8))  # a 3-D input stays conv2d
+    assert passes.normalise_convolutions(unbatched.graph) == unbatched.graph
 
 
 class GeneralPath(nn.Module):
