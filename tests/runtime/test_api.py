@@ -210,6 +210,24 @@ def test_in_place_weight_changes_are_refused_for_inference_only(prepared):
     _train(trained, trained.module, 1)
 
 
+def test_new_storage_and_replaced_buffers_are_refused_and_an_untouched_module_is_not(prepared):
+    def new_storage(m):
+        m.fc.weight.data = m.fc.weight.data.clone()
+
+    def replaced_buffer(m):
+        m.layers[0].bn2.running_mean = m.layers[0].bn2.running_mean.clone()
+
+    for change, word in ((new_storage, "new storage"), (replaced_buffer, "replaced")):
+        module = build_module("resnet").eval()
+        model = nimble.Nimble(module).prepare(torch.randn(1, 3, 32, 32))
+        model(torch.randn(1, 3, 32, 32))  # unchanged: accepted, call after call
+        model(torch.randn(1, 3, 32, 32))
+        change(module)
+        with pytest.raises(ModelError) as e:
+            model(torch.randn(1, 3, 32, 32))
+        assert word in _one_line(e)
+
+
 def test_switching_mode_after_prepare_is_refused(prepared):
     module, model = prepared
     module.eval()
