@@ -60,14 +60,13 @@ def _walk(graph: Graph, start: int, done: set[int], order: list[int]) -> None:
 
 
 def _dependencies(graph: Graph, op_id: int) -> list[int]:
-    """The ops `op_id` waits for: the producers of its arguments in argument order (a view's
-    base producer as well), then its ordering edges."""
+    """The ops `op_id` waits for: the producers of its arguments in argument order, then its
+    ordering edges."""
     op = graph.ops[op_id]
     deps: list[int] = []
     for r in op.refs():
-        for v in (r, graph.root(r)):
-            producer = graph.values[v].producer
-            if producer is not None and producer not in deps:
-                deps.append(producer)
+        producer = graph.values[r].producer
+        if producer is not None and producer not in deps:
+            deps.append(producer)
     deps.extend(a for a in op.after if a not in deps)
     return deps

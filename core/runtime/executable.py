@@ -87,7 +87,6 @@ class Executable:
             self.device, self.notice = resolve_device(device)
             self.stats = LoadStats()
             self._closed = False
-            self._released: list[int] = []  # values dropped after their last reader in the last issue
             self._name = name or artifact.model
             self._mark = footprint.Mark.now(self.device) if self.device.type == "cuda" else None
             self._placed: list[PlacedOp] = prepare(self.graph)
@@ -129,11 +128,11 @@ class Executable:
         self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
 
     def _planned_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors the plan names: weights, arena and inputs."""
         g = self.graph
-        return footprint.planned_bytes(
-            sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
-            self.memory.arena_bytes if self._with_arena else 0,
-            sum(g.values[i].spec.nbytes for i in g.inputs))
+        return {"weights": sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
+                "arena": self.memory.arena_bytes if self._with_arena else 0,
+                "inputs": sum(g.values[i].spec.nbytes for i in g.inputs)}
 
     def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
         if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int)
@@ -149,14 +148,22 @@ class Executable:
         """What this artifact holds on its GPU now, by kind (`footprint.py`); None on the CPU."""
         if self._mark is None or self._closed:
             return None
-        views = {t.untyped_storage().data_ptr() for t in [self.arena, *self._inputs, *self._weights.values()]}
+        own = self._own_storages()
         outside: dict[int, int] = {}
         for t in (self._tensors or {}).values():
             storage = t.untyped_storage()
-            if storage.data_ptr() not in views and t.is_cuda:
+            if storage.data_ptr() not in own and t.is_cuda:
                 outside[storage.data_ptr()] = storage.nbytes()
         pool = self._cuda_graph.pool() if self._cuda_graph is not None else None
         return footprint.measure(self.device, self._mark, self._planned_bytes(), pool, sum(outside.values()))
+
+    def _own_storages(self) -> frozenset[int]:
+        """The storages a load allocates for the plan: the arena, the input buffers, the weights."""
+        return frozenset(t.untyped_storage().data_ptr() for t in [self.arena, *self._inputs, *self._weights.values()])
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"{self._name} was closed; load it again to run it")
 
     def close(self) -> None:
         """Give back what the artifact holds: the captured graph, its pool, the arena, the weights
@@ -252,7 +259,6 @@ class Executable:
             with self._stages.stage("warmup"):
                 self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
                 torch.cuda.synchronize(self.device)
-                self._env_after = None  # its results outside the arena are not kept
             with self._stages.stage("capture"):
                 self._capture(graph_dump)
         finally:
@@ -293,21 +299,22 @@ class Executable:
         env.update(zip(self.graph.inputs, self._inputs))
         return env
 
-    def _issue(self, validate: bool = False) -> dict[int, torch.Tensor]:
-        """Issue every op in order on its stream, waiting on the planned events. With `validate`,
-        an op that fails is named with its source line. On CUDA, a result outside the arena is
-        dropped once its last reader is issued (`placement.release_plan`), so that the allocator hands its
-        memory to a later result on the same stream instead of holding every one of them."""
+    def _issue(self, validate: bool = False, around=None) -> dict[int, torch.Tensor]:
+        """Issue every op in order on its stream, waiting on the planned events; `around(step)`,
+        where given, wraps each op's step (the trace times them so). With `validate`, an op that
+        fails is named with its source line. On CUDA, a result outside the arena is dropped once
+        its last reader is issued (`placement.release_plan`), so that the allocator hands its
+        memory to a later result on the same stream instead of holding every one of them; on the
+        CPU the last call's results are kept for `tensors()`."""
         env = self._env()
         cuda = self.device.type == "cuda"
-        kept = frozenset(t.untyped_storage().data_ptr() for t in env.values()) | {self.arena.data_ptr()}
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
                         release=release_plan(self.graph, self._order, self._stream_of) if cuda else None,
-                        kept=kept)
+                        kept=self._own_storages() if cuda else frozenset())
         run_ops(self._placed, run, self._order,
-                lambda order, step: streams.issue(order, step, self.device, self._streams, self._stream_of,
-                                                  self._waits))
-        self._env_after, self._released = env, run.released
+                lambda order, step: streams.issue(order, step if around is None else around(step), self.device,
+                                                  self._streams, self._stream_of, self._waits))
+        self._env_after = None if cuda else env
         return env
 
     def _capture(self, dump: str | None = None) -> None:
@@ -334,8 +341,7 @@ class Executable:
     def run(self, *inputs: torch.Tensor, copy: bool = True) -> list[torch.Tensor]:
         """One inference, its outputs always as a list (for code that handles any number of
         outputs); `copy` as for a call."""
-        if self._closed:
-            raise UsageError(f"{self._name} was closed; load it again to run it")
+        self._ensure_open()
         self._load_inputs(inputs)
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
@@ -354,8 +360,7 @@ class Executable:
 
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
-        if self._closed:
-            raise UsageError(f"{self._name} was closed; load it again to run it")
+        self._ensure_open()
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
         else:
@@ -399,14 +404,14 @@ class Executable:
         return list(self._inputs)
 
     def outside_arena(self) -> list[int]:
-        """Planned values that the captured graph holds elsewhere than at their planned offset: the
-        results of fused ops that a cuDNN fused kernel computes (it allocates its own result)."""
+        """Planned values that the captured graph holds elsewhere than at their planned offset, or
+        held there and released after their last reader: the results of fused ops that a cuDNN
+        fused kernel computes (it allocates its own result)."""
         if self._cuda_graph is None or not self._with_arena:
             return []
-        base = self.arena.data_ptr()
-        return sorted([vid for vid, t in self._tensors.items() if self.memory.offset[vid] is not None
-                       and vid in self._views and t.data_ptr() - base != self.memory.offset[vid]]
-                      + [vid for vid in self._released if vid in self._views])
+        base, held = self.arena.data_ptr(), self._tensors
+        return [vid for vid in sorted(self._views)  # a value the capture released is not held any more
+                if vid not in held or held[vid].data_ptr() - base != self.memory.offset[vid]]
 
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;

@@ -80,7 +80,3 @@ def measure(device: torch.device, before: Mark, planned: dict[str, int], pool_id
     fp.other_allocated = grown_allocated - fp.weights - fp.arena - fp.inputs - fp.outside_arena
     fp.cached = fp.growth - grown_allocated - fp.pool_free  # free parts of segments outside the pool
     return fp
-
-
-def planned_bytes(weights: int, arena: int, inputs: int) -> dict[str, int]:
-    return {"weights": weights, "arena": arena, "inputs": inputs}

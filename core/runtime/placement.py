@@ -143,9 +143,9 @@ class PlacedRun(Executor):
                  kept: frozenset[int] = frozenset()):
         """`release` (op -> values) drops each listed value once that op is issued, where its tensor
         lies outside the storages in `kept` (the arena, weights and inputs), so its memory goes
-        back to the allocator; the ids dropped gather in `released`."""
+        back to the allocator."""
         self.env, self.views, self.device, self.name_failures = env, views, device, name_failures
-        self.release, self.kept, self.released = release or {}, kept, []
+        self.release, self.kept = release or {}, kept
 
     def arguments(self, p: PlacedOp):
         args, kwargs = arguments.op_arguments(p.op, self.env, self.device)
@@ -175,7 +175,6 @@ class PlacedRun(Executor):
             t = self.env.get(v)
             if t is not None and t.untyped_storage().data_ptr() not in self.kept:
                 del self.env[v]
-                self.released.append(v)
 
     def failed(self, p: PlacedOp, error):
         if not self.name_failures:

@@ -21,9 +21,6 @@ import time
 import torch
 
 from ..ops import fusion
-from ..ops.execute import run_ops
-from . import streams
-from .placement import PlacedRun
 
 TRACE_REPLAYS = 10
 
@@ -79,7 +76,7 @@ def timeline(exe) -> list[tuple[int, int, float, float]]:
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
 
-    def place(order, step):
+    def around(step):
         def timed(i: int) -> None:
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -92,10 +89,10 @@ def timeline(exe) -> list[tuple[int, int, float, float]]:
                 end = time.perf_counter()
             marks.append((i, start, end))
 
-        streams.issue(order, timed, exe.device, exe._streams if cuda else (), exe._stream_of, exe._waits)
+        return timed
 
     t0 = time.perf_counter()
-    run_ops(exe._placed, PlacedRun(exe._env(), exe._views, exe.device, name_failures=True), exe._order, place)
+    exe._issue(validate=True, around=around)
     if cuda:
         torch.cuda.synchronize(exe.device)
         return [(i, exe._planned_stream_of[i], origin.elapsed_time(a), origin.elapsed_time(b)) for i, a, b in marks]
