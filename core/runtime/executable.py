@@ -119,6 +119,9 @@ class Executable:
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
             torch.cuda.empty_cache()  # what warm-ups and tuning freed goes back to the device
             self.stats.footprint = self.footprint()
+            # the graph pool as the footprint counts it (a difference of reserved bytes around the
+            # capture went negative once tuning's losing graphs were freed during it)
+            self.stats.scratch_bytes = self.stats.footprint.outside_arena + self.stats.footprint.pool_free
             if max_memory is not None and self.stats.footprint.growth > max_memory:
                 grown = self.stats.footprint.growth
                 self.close()
@@ -318,7 +321,6 @@ class Executable:
         return env
 
     def _capture(self, dump: str | None = None) -> None:
-        before = torch.cuda.memory_reserved(self.device)
         graph = streams.new_graph(debug=bool(dump))
         with streams.capturing(graph, self._streams[0], self.device, "the op list",
                                "try an artifact compiled with --streams 1"):
@@ -326,7 +328,6 @@ class Executable:
         torch.cuda.synchronize(self.device)
         if dump:
             graph.debug_dump(dump)
-        self.stats.scratch_bytes = torch.cuda.memory_reserved(self.device) - before
         self._cuda_graph = graph
         self._outputs = [env[o] for o in self.graph.outputs]
         self._tensors = env

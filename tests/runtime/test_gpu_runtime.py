@@ -169,6 +169,7 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     assert -slack <= f.cached < 32 * 2**20 and f.pool_free >= 0, f  # whole free segments went back to the device
     assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert f.outside_arena == 0 or exe.outside_arena(), f  # only results placed elsewhere count
+    assert exe.stats.scratch_bytes == f.outside_arena + f.pool_free  # bench's "scratch": the graph pool
     exe.close()
     # all but cuBLAS's workspaces, which PyTorch keeps per stream, and their segments' free room
     assert torch.cuda.memory_reserved() - before <= max(f.other_allocated, 0) + max(f.cached, 0) + 2**20
