@@ -23,13 +23,14 @@ from . import dtypes, frontend, passes
 from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
 from .ir import WEIGHT, Graph, TensorSpec
-from .specs import NEED_SHAPES, parse_streams
+from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams
 from .ops import arguments, types
 from .runtime.device import resolve_device
 from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
 from .runtime import reference
-from .runtime.compare import Comparison, compare, default_tolerance
+from .passes.reduce_precision import Precision
+from .runtime.compare import L2_TOLERANCE, Comparison, compare, default_tolerance
 from .stages import Stages
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/). The frontends emit
@@ -62,6 +63,7 @@ class Compiled:
     options: dict
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds, each counted once
     passes: list[tuple[str, int]] = field(default_factory=list)  # ("lowered", ops), then (pass, ops after it)
+    precision: dict | None = None  # reduced precision: dtype, io, tolerance, the float32 ops and why
 
     @property
     def lowered_ops(self) -> int:
@@ -74,6 +76,8 @@ class Compiled:
 
         manifest = {"model": self.model, "source_sha256": self.source_sha256, "options": self.options,
                     "passes": [[name, n] for name, n in self.passes]}
+        if self.precision is not None:
+            manifest["precision"] = self.precision
         return Artifact(manifest, self.graph, self.schedule, self.memory, self.weights,
                         self.sample_inputs, self.sample_outputs)
 
@@ -94,12 +98,18 @@ def one_thread():
 class CompileOptions:
     """How to compile, as `nimble compile`'s options say: where the check runs (`device`), the
     stream cap (`streams`: "auto", 1 or a cap), whether to check the op list against the model,
-    and whether to run the FUSION passes (the REWRITES always run)."""
+    whether to run the FUSION passes (the REWRITES always run), and the precision."""
 
     device: str = "auto"
     streams: str | int = "auto"
     check: bool = True
     fuse: bool = True
+    precision: str = "fp32"  # fp32, fp16 or bf16 (passes/reduce_precision.py)
+    io_dtype: str = "model"  # reduced precision: inputs and outputs keep float32 ("model") or not ("reduced")
+    tolerance: float | None = None  # reduced precision: search for the float32 ops this relative L2 error needs
+
+    def __post_init__(self):
+        check_precision(self.precision, self.io_dtype, self.tolerance)
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,8 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 
 def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
                   streams: str | int = "auto", check: bool = True, progress: Callable[[str], None] = lambda stage: None,
-                  fuse: bool = True) -> Compiled:
+                  fuse: bool = True, precision: str = "fp32", io_dtype: str = "model",
+                  tolerance: float | None = None) -> Compiled:
     """Load a TorchScript model or a torch.export `.pt2` program, lower it for `inputs` (None: a
     program's own input specs), check the op list against the model, and schedule it on
     `streams` ("auto", 1, or a cap).
@@ -140,9 +151,11 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
     `progress(stage)` is called as each stage starts. `fuse` runs the FUSION passes; without it
     every op stays a single aten op. The check runs the op list on `device`
     and compares it with the model run on the CPU; a mismatch raises MismatchError.
+    `precision`, `io_dtype` and `tolerance` as `CompileOptions` says.
     """
     path = Path(path)
-    options, stages = CompileOptions(device, streams, check, fuse), Stages(progress)
+    options = CompileOptions(device, streams, check, fuse, precision, io_dtype, tolerance)
+    stages = Stages(progress)
     with stages.stage("load", "loading"):
         frontend.check_model_file(path)
         program = frontend.is_program(path)
@@ -191,9 +204,16 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     streams = parse_streams(options.streams)
     with stages.stage("lower", "lowering"):
         lowered = lower()
-    lowered = rewrite(lowered, PASSES if options.fuse else REWRITES, stages)
+    lowered = rewrite(lowered, REWRITES, stages)
+    precision, record = None, None
+    if options.precision != "fp32":
+        with stages.stage("precision", f"choosing the {options.precision} ops"):
+            precision, record = _choose_precision(lowered, inputs, source.model, options, device, stages)
+    lowered = rewrite(lowered, ((passes.reduce_precision(precision),) if precision else ())
+                      + (FUSION if options.fuse else ()), stages, label=None)
     with stages.stage("check", "running the reference"):
-        xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check)
+        xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check,
+                                                record and record["tolerance"])
     with stages.stage("schedule", "scheduling"):
         schedule = assign_streams(lowered.graph, streams)
     with stages.stage("memory", "planning memory"):
@@ -201,13 +221,55 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     manifest_options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
                         "dtypes": [s.dtype for s in inputs], "fuse": options.fuse, "frontend": source.frontend}
     weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
-    return Compiled(source.name, source.model, source.digest, lowered.graph, weights, xs,
-                    [e.detach().contiguous() for e in expected], result, device, schedule, memory,
-                    manifest_options, dict(stages.seconds), list(stages.passes))
+    graph = lowered.graph
+    xs = [x.to(types.DTYPES[graph.values[i].spec.dtype]) for x, i in zip(xs, graph.inputs)]
+    expected = [e.detach().to(types.DTYPES[graph.values[o].spec.dtype]).contiguous()
+                for e, o in zip(expected, graph.outputs)]
+    compiled = Compiled(source.name, source.model, source.digest, graph, weights, xs, expected, result, device,
+                        schedule, memory, manifest_options, dict(stages.seconds), list(stages.passes))
+    compiled.precision = record
+    return compiled
 
 
-def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str, check: bool):
-    """(sample inputs, the model's outputs for them, the op list's comparison or None)."""
+def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: CompileOptions, device: str,
+                      stages: Stages):
+    """The Precision the reduce_precision pass runs with (the float32 ops a --tolerance needs, found
+    by `precision.search` on the sample inputs) and the record the manifest keeps of it."""
+    from .precision import search
+
+    dtype = PRECISIONS[options.precision]
+    limit = options.tolerance if options.tolerance is not None else L2_TOLERANCE[dtype]
+    xs = sample_inputs(inputs)
+
+    def run(graph, weights):
+        given = [x.to(types.DTYPES[graph.values[i].spec.dtype]) for x, i in zip(xs, graph.inputs)]
+        with torch.no_grad(), one_thread():
+            return reference.run_values(graph, weights, given, device)
+
+    try:
+        found = search(lowered.graph, lowered.weights, Precision(dtype, options.io_dtype), run, options.tolerance,
+                       limit, stages.progress)
+    except ValueError as e:
+        raise MismatchError(f"{model}: at {options.precision}, {e}; raise --tolerance") from None
+    graph = lowered.graph
+    kept = [{"op": graph.values[graph.ops[i].outputs[0]].name if graph.ops[i].outputs else f"op {i}",
+             "target": graph.ops[i].target, "source": graph.ops[i].source, "why": why}
+            for i, why in sorted(found.converted.fp32.items())]
+    floating = sum(1 for op in graph.ops if any(graph.values[o].spec.dtype == "float32" for o in op.outputs))
+    record = {"dtype": dtype, "io": options.io_dtype, "tolerance": limit, "searched": options.tolerance is not None,
+              "fp32_ops": kept, "floating_ops": floating, "errors": found.errors, "tries": found.tries}
+    if found.loss is not None:
+        raise MismatchError(f"{model}: at {options.precision} the outputs are {max(found.errors):.3g} off float32 (relative L2; "
+                            f"tolerance {limit:g}); the first op to lose accuracy is {found.loss}"
+                            + ("; or give --tolerance 1e-2 to keep the ops that need it in float32"
+                               if options.tolerance is None else "; or raise --tolerance"))
+    return found.precision, record
+
+
+def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str, check: bool,
+                     l2: float | None = None):
+    """(sample inputs, the model's outputs for them, the op list's comparison or None). `l2`: a
+    reduced-precision graph, held to that relative L2 error per output against the model."""
     try:
         xs = sample_inputs(inputs)
         home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
@@ -215,7 +277,8 @@ def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str,
         # optimization: on a first run it costs time that grows faster than the op count
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread(), torch.jit.optimized_execution(False):
             expected = [e.cpu() for e in arguments.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
-        got = reference.run(lowered.graph, lowered.weights, xs, device) if check else None
+        given = [x.to(types.DTYPES[lowered.graph.values[i].spec.dtype]) for x, i in zip(xs, lowered.graph.inputs)]
+        got = reference.run(lowered.graph, lowered.weights, given, device) if check else None
     except Exception as e:
         if not is_out_of_memory(e):
             raise
@@ -225,7 +288,7 @@ def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str,
     if not check:
         return xs, expected, None
     rtol, atol = default_tolerance(device)
-    result = compare(got, expected, rtol, atol)
+    result = compare(got, expected, rtol, atol, l2)
     if not result.passed:
         raise MismatchError(f"{model}: the lowered op list does not reproduce the model on "
                             f"{device}: {result.describe()}")
@@ -247,9 +310,12 @@ def compile_training(module: torch.jit.ScriptModule, inputs: list[TensorSpec], n
     return TrainingPlan(lowered.graph, lowered.weights, assign_streams(lowered.graph, parse_streams(streams)))
 
 
-def rewrite(lowered: frontend.Lowered, order: tuple = REWRITES, stages: Stages | None = None) -> frontend.Lowered:
+def rewrite(lowered: frontend.Lowered, order: tuple = REWRITES, stages: Stages | None = None,
+            label: str | None = "lowered") -> frontend.Lowered:
     """`lowered` after the passes in `order` (by default the REWRITES: a frontend's graph as fusion
-    takes it), with only the weights its graph still reads."""
-    graph, weights = (stages or Stages()).run_passes(lowered.graph, lowered.weights, order, passes.REWRITES_WEIGHTS)
+    takes it), with only the weights its graph still reads. `label` names the graph before them
+    in the list of passes (None: it continues an earlier call)."""
+    rewrites_weights = passes.REWRITES_WEIGHTS | {p for p in order if getattr(p, "rewrites_weights", False)}
+    graph, weights = (stages or Stages()).run_passes(lowered.graph, lowered.weights, order, rewrites_weights, label)
     kept = {v.name: weights[v.name] for v in graph.values if v.kind == WEIGHT}  # in the order the graph reads them
     return dataclasses.replace(lowered, graph=graph, weights=kept)

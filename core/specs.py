@@ -1,4 +1,5 @@
-"""Parsing of user-given input specs: `--shape 1x3x224x224` and `--dtype float32`. No torch."""
+"""Parsing of user-given input specs (`--shape 1x3x224x224`, `--dtype float32`) and the other
+options a command checks before it imports torch. No torch."""
 
 from __future__ import annotations
 
@@ -97,3 +98,18 @@ def parse_bytes(text: str, option: str = "--max-memory") -> int:
 def check_tune_mode(tune: str) -> None:
     if tune not in TUNE_MODES:
         raise UsageError(f"--tune {tune!r}: use off, cached or full")
+
+
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --precision -> dtype
+
+
+def check_precision(precision: str, io_dtype: str = "model", tolerance: float | None = None) -> None:
+    """--precision, --io-dtype and --tolerance, together."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision!r}: use fp32, fp16 or bf16")
+    if io_dtype not in ("model", "reduced"):
+        raise UsageError(f"--io-dtype {io_dtype!r}: use model (inputs and outputs keep the model's dtype) or reduced")
+    if tolerance is not None and not 0 < tolerance < 1:
+        raise UsageError(f"--tolerance {tolerance:g}: give a relative L2 error between 0 and 1, e.g. 1e-2")
+    if precision == "fp32" and (tolerance is not None or io_dtype != "model"):
+        raise UsageError("--tolerance and --io-dtype go with --precision fp16 or bf16")

@@ -43,6 +43,10 @@ class Stages:
             if self._open:
                 self._open[-1][1] += total
 
+    def progress(self, label: str) -> None:
+        """Tell the progress display something inside a stage (a search's rounds)."""
+        self._progress(label)
+
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
@@ -54,10 +58,12 @@ class Stages:
         self.add(target, seconds)
 
     def run_passes(self, graph: Graph, weights: dict, passes, rewrites_weights=frozenset(),
-                   lowered_label: str = "lowered") -> tuple[Graph, dict]:
+                   lowered_label: str | None = "lowered") -> tuple[Graph, dict]:
         """Run `passes` in order, each a stage named by its function, linting after each. A pass in
-        `rewrites_weights` takes and returns the weights beside the graph."""
-        self.passes.append((lowered_label, len(graph.ops)))
+        `rewrites_weights` takes and returns the weights beside the graph. `lowered_label` names
+        the graph they start from in `passes` (None: a run that continues an earlier one)."""
+        if lowered_label is not None:
+            self.passes.append((lowered_label, len(graph.ops)))
         for run in passes:
             name = run.__name__
             with self.stage(name, f"pass {name}"):

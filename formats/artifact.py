@@ -69,6 +69,12 @@ class Artifact:
         passes = self.manifest.get("passes")
         return None if passes is None else [(name, n) for name, n in passes]
 
+    @property
+    def precision(self) -> dict | None:
+        """A reduced-precision artifact's record (dtype, io, tolerance, the float32 ops and why);
+        None for float32."""
+        return self.manifest.get("precision")
+
 
 def _json(obj) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), sort_keys=False, allow_nan=False) + "\n").encode()
@@ -107,7 +113,8 @@ def _write_zip(file, art: Artifact) -> None:
         "format_version": FORMAT_VERSION,
         "nimble_version": __version__,
         "torch_version": torch.__version__,
-        **{k: art.manifest[k] for k in ("model", "source_sha256", "options", "passes") if k in art.manifest},
+        **{k: art.manifest[k] for k in ("model", "source_sha256", "options", "passes", "precision")
+           if k in art.manifest},
         "inputs": _io_specs(g, g.inputs),
         "outputs": _io_specs(g, g.outputs),
         "members": {name: _digest(chunks) for name, chunks in members.items()},
@@ -279,11 +286,35 @@ def _check_manifest(m: dict, name: str) -> None:
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] >= 0
             for p in passes)):
         raise ArtifactError(f"{name}: manifest field 'passes' is malformed")
+    if "precision" in m:
+        _check_precision(m["precision"], name)
     for member in MEMBERS[1:]:
         entry = m["members"].get(member)
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("size"), int) and entry["size"] >= 0):
             raise ArtifactError(f"{name}: manifest lists no valid sha256 and size for {member}")
+
+
+def _check_precision(p, name: str) -> None:
+    """A reduced-precision record (`pipeline._choose_precision`), field by field."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def count(x) -> bool:
+        return type(x) is int and 0 <= x <= 10**7
+
+    op_keys = {"op", "target", "source", "why"}
+    fine = (isinstance(p, dict) and set(p) == {"dtype", "io", "tolerance", "searched", "fp32_ops", "floating_ops",
+                                                "errors", "tries"}
+            and p["dtype"] in ("float16", "bfloat16") and p["io"] in ("model", "reduced")
+            and number(p["tolerance"]) and 0 < p["tolerance"] < 1 and isinstance(p["searched"], bool)
+            and count(p["floating_ops"]) and count(p["tries"])
+            and isinstance(p["errors"], list) and len(p["errors"]) <= 10**4 and all(number(e) for e in p["errors"])
+            and isinstance(p["fp32_ops"], list) and len(p["fp32_ops"]) <= 10**6
+            and all(isinstance(o, dict) and set(o) == op_keys and all(isinstance(o[k], str) for k in op_keys)
+                    and o["why"] in ("policy", "kept") for o in p["fp32_ops"]))
+    if not fine:
+        raise ArtifactError(f"{name}: manifest field 'precision' is malformed")
 
 
 def _longest_string(doc) -> int:

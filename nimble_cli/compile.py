@@ -34,6 +34,20 @@ def compile_command(
     fuse: bool = typer.Option(True, "--fuse/--no-fuse", help="Fuse each convolution with its bias, residual add "
                               "and relu, and chains of elementwise ops, into fused ops that load as cuDNN fused "
                               "convolutions and generated kernels on CUDA. --no-fuse keeps one aten op per op."),
+    precision: str = typer.Option("fp32", "--precision", metavar="fp32|fp16|bf16",
+                                  help="Compute in float16 or bfloat16, with weights stored so (half the bytes). "
+                                  "Softmax, the norms, exp, log, pow and large reductions stay float32, as "
+                                  "under autocast. The check then holds each output to a relative L2 error "
+                                  "against the float32 model (default 1e-2 for fp16, 5e-2 for bf16)."),
+    io_dtype: str = typer.Option("model", "--io-dtype", metavar="model|reduced",
+                                 help="With --precision fp16/bf16: inputs and outputs keep the model's float32, "
+                                 "cast inside the graph (model), or take the reduced dtype (reduced)."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", metavar="L2",
+                                              help="With --precision fp16/bf16: search for the fewest ops to keep "
+                                              "in float32 so that every output is within this relative L2 error "
+                                              "of float32 on the sample input, e.g. 1e-2. Without it, a compile "
+                                              "whose outputs are further off names the op that first loses "
+                                              "accuracy."),
     json_out: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -43,7 +57,8 @@ def compile_command(
     reference input and output. Compiling needs no GPU.
 
     Examples: nimble compile sample_models/inception.pt --shape 1x3x224x224;
-    nimble compile model.pt2 (its shapes come from the program's example inputs).
+    nimble compile model.pt2 (its shapes come from the program's example inputs);
+    nimble compile model.pt --shape 8x3x224x224 --precision fp16 --tolerance 1e-2.
     """
     with user_errors(debug, json_out):
         from nimble.specs import input_specs
@@ -56,6 +71,9 @@ def compile_command(
         from nimble.model_files import check_model_file
 
         early_checks(device=device, streams=streams)
+        from nimble.specs import check_precision
+
+        check_precision(precision, io_dtype, tolerance)
         check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
@@ -64,7 +82,8 @@ def compile_command(
 
         with progress(f"{model.name}: compiling") as update:
             compiled = compile_model(model, specs, device=device, streams=streams,
-                                     progress=lambda stage: update(f"{model.name}: {stage}"), fuse=fuse)
+                                     progress=lambda stage: update(f"{model.name}: {stage}"), fuse=fuse,
+                                     precision=precision, io_dtype=io_dtype, tolerance=tolerance)
             update(f"{model.name}: writing {target.name}")
             from nimble.formats import write_artifact
 
@@ -96,6 +115,7 @@ def compile_document(compiled, target: Path, size: int) -> dict:
                          passes=compiled.passes) | {
         "artifact": {"path": str(target), "bytes": size, "sha256": sha256_file(target)},
         "check": None if c is None else {"device": compiled.check_device} | c.document(),
+        "precision": compiled.precision,
         "stages_seconds": {k: round(v, 4) for k, v in compiled.seconds.items()},
         "versions": {"nimble": __version__, "torch": torch.__version__, "format": FORMAT_VERSION},
     }
@@ -117,6 +137,27 @@ def artifact_path(model: Path, output: Path | None) -> Path:
 def describe_passes(passes) -> str:
     """'lowered 71 ops, fuse_conv 60, fuse_pointwise 42'."""
     return ", ".join(f"{literal(name)} {n}" + (" ops" if k == 0 else "") for k, (name, n) in enumerate(passes))
+
+
+def describe_precision(record: dict | None) -> str:
+    """'float16 (inputs and outputs float32); 3 of 61 ops in float32: 3 by rule (softmax 1,
+    layer_norm 2), none searched; tolerance 1e-2 relative L2'."""
+    if record is None:
+        return "float32"
+    kept = record["fp32_ops"]
+    by_rule: dict[str, int] = {}
+    for o in kept:
+        if o["why"] == "policy":
+            short = o["target"].split("::")[-1].split(".")[0]
+            by_rule[short] = by_rule.get(short, 0) + 1
+    searched = [o["op"] for o in kept if o["why"] == "kept"]
+    rule = ", ".join(f"{k} {n}" for k, n in sorted(by_rule.items()))
+    io = "inputs and outputs float32" if record["io"] == "model" else f"inputs and outputs {record['dtype']}"
+    found = (f"{len(searched)} kept by the search ({', '.join(searched[:6])}{', ...' if len(searched) > 6 else ''})"
+             if searched else ("none needed by the search" if record["searched"] else "no search"))
+    return (f"{record['dtype']} ({io}); {len(kept)} of {record['floating_ops']} ops in float32: "
+            f"{sum(by_rule.values())} by rule{f' ({rule})' if rule else ''}, {found}; "
+            f"tolerance {record['tolerance']:g} relative L2")
 
 
 def write_dot(path: Path, graph, schedule, title: str) -> None:
@@ -162,6 +203,8 @@ def _summary(c) -> None:
         table.add_row(literal(v.name), literal(g.ops[v.producer].target), "x".join(map(str, v.spec.shape)), v.spec.dtype,
                       human_bytes(v.spec.nbytes))
     console.print(table)
+    if c.precision is not None:
+        console.print(f"  precision: {describe_precision(c.precision)}")
     if c.check is not None:
         console.print(f"  check on {c.check_device}: {c.check.describe()}")
     times = ", ".join(f"{k} {v:.2f} s" for k, v in c.seconds.items())

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .common import (DebugOption, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
                      print_json, user_errors, writable)
-from .compile import describe_passes
+from .compile import describe_passes, describe_precision
 
 
 def inspect_command(
@@ -54,6 +54,7 @@ def inspect_command(
                                      passes=art.passes) | {
                 "manifest": {k: man.get(k) for k in ("format_version", "nimble_version", "torch_version", "model",
                                                      "source_sha256", "options")},
+                "precision": art.precision,
                 "input_names": [art.graph.values[i].name for i in art.graph.inputs],
                 "output_names": [art.graph.values[o].name for o in art.graph.outputs],
                 "footprint": footprint})
@@ -92,6 +93,7 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     weights = [g.values[w] for w in g.weights]
     table.add_row("model", f"{literal(man['model'])} (sha256 {literal(man['source_sha256'][:12])})")
     table.add_row("ops", str(len(g.ops)))
+    table.add_row("precision", describe_precision(art.precision))
     if art.passes:
         table.add_row("passes", describe_passes(art.passes))
     table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}")
@@ -105,6 +107,16 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     console.print(table)
     if not show_ops:
         return
+    if art.precision and art.precision["fp32_ops"]:
+        kept = Table(show_edge=False, pad_edge=False, title=f"ops computed in float32 in this {art.precision['dtype']} "
+                     "artifact (rule: autocast's float32 list; kept: by the precision search)", title_justify="left",
+                     box=lines)
+        for col in ("value", "op", "why", "source"):
+            kept.add_column(col, no_wrap=True)
+        for o in art.precision["fp32_ops"]:
+            kept.add_row(literal(o["op"]), literal(o["target"]), "rule" if o["why"] == "policy" else "kept",
+                         literal(o["source"]))
+        console.print(kept)
     ops = Table(show_edge=False, pad_edge=False, title="ops (offset: byte offset in the arena; "
                 "'=vN': shares value N's storage)", title_justify="left", box=lines)
     for col in ("op", "target", "stream", "order", "waits", "output shape", "offset", "bytes"):

@@ -27,7 +27,9 @@ def run_command(
     check: bool = typer.Option(False, "--check", help="Run the artifact's stored sample input and compare with the "
                                "stored reference outputs; exit 3 on a mismatch."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for --check (default 1e-2 on "
-                                         "CUDA, where convolutions run in TF32; 1e-4 on the CPU)."),
+                                         "CUDA, where convolutions run in TF32; 1e-4 on the CPU). For an fp16 or "
+                                         "bf16 artifact, the relative L2 error each output may have against the "
+                                         "float32 model (default: the one it was compiled with)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
                                          "CUDA, 1e-5 on the CPU)."),
     tune: TuneOption = "cached",
@@ -47,7 +49,7 @@ def run_command(
 
         budget = early_checks(device=device, tune=tune, max_memory=max_memory)
         check_artifact_file(artifact)
-        from nimble.runtime.compare import MismatchError, compare, default_tolerance
+        from nimble.runtime.compare import MismatchError, compare, default_tolerance, l2_tolerance
         from nimble.runtime.executable import load
 
         given = {"the artifact": artifact}
@@ -86,7 +88,7 @@ def run_command(
         if check:
             rt, at = default_tolerance(exe.device)
             result = compare(outs, exe.artifact.sample_outputs, rtol if rtol is not None else rt,
-                             atol if atol is not None else at)
+                             atol if atol is not None else at, l2_tolerance(exe.artifact, rtol))
             report["check"] = result.document()
         report["wrote"] = None
         if output is not None and (result is None or result.passed):  # a failed check writes nothing

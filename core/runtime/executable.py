@@ -37,7 +37,7 @@ from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
 from . import footprint, indices, kernels, streams, tuning
-from .compare import compare, default_tolerance
+from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .placement import PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
@@ -392,7 +392,7 @@ class Executable:
         self-check `nimble.load(..., verify=True)` asks for). Returns the comparison."""
         rt, at = default_tolerance(self.device.type)
         result = compare(self.run(*self.artifact.sample_inputs), self.artifact.sample_outputs,
-                         rt if rtol is None else rtol, at if atol is None else atol)
+                         rt if rtol is None else rtol, at if atol is None else atol, l2_tolerance(self.artifact, rtol))
         if not result.passed:
             raise MismatchError(f"{self.artifact.model}: on the stored sample input the loaded artifact does not "
                                 f"reproduce the stored outputs: {result.describe()}")

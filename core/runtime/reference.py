@@ -16,11 +16,18 @@ from ..ops.execute import Executor, run_ops
 def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
         device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """Run `graph` on `inputs` and return its outputs, in graph order."""
+    tensors = run_values(graph, weights, inputs, device)
+    return [tensors[o] for o in graph.outputs]
+
+
+def run_values(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
+               device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
+    """Run `graph` on `inputs` and return every value's tensor, by value id."""
     device = torch.device(device)
     tensors = bind(graph, weights, inputs, device)
     with torch.no_grad():
         run_ops(graph.ops, _Serial(tensors, device))
-    return [tensors[o] for o in graph.outputs]
+    return tensors
 
 
 class _Serial(Executor):
