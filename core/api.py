@@ -36,6 +36,7 @@ import torch
 from . import frontend
 from .errors import MismatchError, ModelError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
 from .ir import TensorSpec
+from .specs import check_precision
 from .ops import arguments, types
 
 
@@ -75,14 +76,17 @@ class Nimble:
 
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, example_inputs, training: bool = False, streams: str | int = "auto",
-                strict: bool = True) -> Nimble:
+                strict: bool = True, precision: str = "fp32", tolerance: float | None = None) -> Nimble:
         """Lower (torch.export first, else a trace; see `frontend`), schedule and capture the module
         for inputs shaped like `example_inputs` (a tensor, or a tuple or list of them).
         `training=True` prepares forward and backward (traced), and puts the module in training
         mode; `training=False` puts it in eval mode. `streams` is "auto" (one
         stream per chain of the schedule), 1, or a cap. `strict=False` accepts a trace whose
         forward converts tensors to Python values (with a warning; see the module docstring).
-        Returns self."""
+        `precision` "fp16" or "bf16" computes in that dtype (inference only; inputs and outputs
+        keep the module's float32), each output held to a relative L2 error against float32
+        (`tolerance`, which also makes the precision search keep the ops that need float32; see
+        `nimble compile --precision`). Returns self."""
         from .pipeline import compile_training, parse_streams
         from .runtime.executable import Executable
         from .runtime.training import TrainingGraph
@@ -96,6 +100,10 @@ class Nimble:
             raise UsageError(f"the module is on {home} but example_inputs are on {device}; move both to one "
                              "device")
         self._streams = streams = parse_streams(streams)
+        check_precision(precision, tolerance=tolerance)
+        if training and precision != "fp32":
+            raise UsageError("precision applies to inference; prepare(..., training=True) runs in the module's dtype")
+        self._precision = (precision, tolerance)
         self._strict = bool(strict)
         self._runner = self._compiled = None
         self._specs = [TensorSpec(tuple(x.shape), types.dtype_name(x.dtype)) for x in xs]
@@ -120,7 +128,8 @@ class Nimble:
         from .pipeline import CompileOptions, compile_program, compile_script
 
         name = type(self.module).__name__
-        options = CompileOptions(self._device.type, self._streams, check=False)
+        options = CompileOptions(self._device.type, self._streams, check=False, precision=self._precision[0],
+                                 tolerance=self._precision[1])
         fallback = None
         if not isinstance(self.module, torch.jit.ScriptModule):
             try:
@@ -129,6 +138,8 @@ class Nimble:
                     program = torch.export.export(self.module, tuple(xs))
                 return (compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
                                         options), "torch.export", None)
+            except MismatchError:  # the precision asked for does not hold: tracing would not change that
+                raise
             except NimbleError as e:
                 fallback = f"the exported program did not lower ({first_line(e)})"
             except Exception as e:  # data-dependent control flow, untraceable Python...
@@ -194,13 +205,14 @@ class Nimble:
         from .runtime.compare import compare, default_tolerance
 
         rtol, atol = default_tolerance(self._device.type)
+        l2 = self._compiled.precision["tolerance"] if self._compiled.precision else None
         gen = torch.Generator().manual_seed(0)
         for k, variant in enumerate((None, *_VARIANTS)):
             inputs = xs if variant is None else [_vary(x, variant, gen) for x in xs]
             with torch.no_grad():
                 want = arguments.flatten_result(self.module(*inputs))
             got = self._runner.run(*inputs)
-            result = compare(got, [w.detach() for w in want], rtol, atol)
+            result = compare(got, [w.detach() for w in want], rtol, atol, l2)
             if not result.passed:
                 raise MismatchError(f"{type(self.module).__name__}: the traced model differs from the module on "
                                     f"{'the example' if variant is None else f'a {variant} input'} "

@@ -79,7 +79,9 @@ def test_the_walk_resolves_relative_and_lazy_imports():
 
 
 STAGES = ("frontend", "passes", "plan", "runtime")
-ORCHESTRATORS = {"nimble.pipeline", "nimble.api"}  # the two modules that state how the stages compose
+# the modules that state how the stages compose (the precision search runs the reduce_precision pass
+# and the reference runtime's comparison in turn)
+ORCHESTRATORS = {"nimble.pipeline", "nimble.api", "nimble.precision"}
 
 
 def stage_of(module: str) -> str | None:

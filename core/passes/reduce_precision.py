@@ -136,8 +136,8 @@ def convert(graph: Graph, weights: dict[str, torch.Tensor], precision: Precision
         statistics = STATISTICS.get(op.target, ())
         written = set(op.mutates)
 
-        def arg(a, position: int, kind: str):
-            if kind.rstrip("?") == "ScalarType" and type(a) is int:  # a dtype as TorchScript passes it
+        def arg(a, position: int, name: str):
+            if name == "dtype" and type(a) is int:  # a dtype as TorchScript passes it (its ScalarType number)
                 a = Special("dtype", types.SCALAR_TYPES[a])
             if isinstance(a, Ref):
                 v = graph.values[a.id]
@@ -160,9 +160,9 @@ def convert(graph: Graph, weights: dict[str, torch.Tensor], precision: Precision
         ins, position = [], 0
         for spec in schema.arguments:
             if spec.kwarg_only:
-                ins.append(arg(given[spec.name], -1, str(spec.type)) if spec.name in given else spec.default_value)
+                ins.append(arg(given[spec.name], -1, spec.name) if spec.name in given else spec.default_value)
             else:
-                ins.append(arg(op.args[position], position, str(spec.type)) if position < len(op.args)
+                ins.append(arg(op.args[position], position, spec.name) if position < len(op.args)
                            else spec.default_value)
                 position += 1
         result = b.emit(schema, op.target, ins, op.source)
@@ -187,9 +187,12 @@ def convert(graph: Graph, weights: dict[str, torch.Tensor], precision: Precision
 
 
 def _follows(schema) -> bool:
-    """A view (its result aliases an input, unwritten) or an op in FOLLOW_OPS."""
+    """A view (its result aliases an input, unwritten) or an op in FOLLOW_OPS; not a conversion
+    (`x.to(dtype)` may alias its input, but it makes the dtype it is given)."""
     if schema.name.split("::")[-1] in FOLLOW_OPS:
         return True
+    if any(a.name == "dtype" for a in schema.arguments):
+        return False
     ret = schema.returns[0].alias_info if schema.returns else None
     return ret is not None and not ret.is_write
 
