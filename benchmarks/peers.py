@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py --out DIR [--models resnet50 inception_v3 ...] [--batches 1 8]
     python benchmarks/peers.py --report DIR/peers_*.json --out benchmarks/results   # merge, no GPU
+    python benchmarks/peers.py --precision fp16|bf16 --out DIR [--models ...] [--batches 1 8]
 
 Per model and batch, in one process, it times: eager PyTorch; torch.compile(mode="reduce-overhead")
 with its compile time; nimble as it was before fused ops (`--no-fuse`, `--tune off`: one aten op
@@ -175,6 +176,133 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
     return row
 
 
+def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_inputs: int = 256) -> dict:
+    """One model at fp16 or bf16: eager and torch.compile(mode="reduce-overhead") on the module
+    cast whole, and nimble compiled with --precision (inputs and outputs in the reduced dtype, as
+    the cast module has them; the default tolerance, else --tolerance 1e-2), beside nimble at
+    fp32. Each variant's relative L2 error against the fp32 module; for a classifier, the top-1
+    agreement with it over `agreement_inputs` random inputs (in batches of `batch`)."""
+    import torch
+
+    from nimble.errors import MismatchError
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.frontend import quiet_torchscript
+    from nimble.pipeline import compile_model
+    from nimble.runtime.compare import relative_l2
+    from nimble.runtime.executable import Executable
+    from nimble.specs import input_specs
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    model, shapes = make_model(name)
+    torch.manual_seed(1)
+    xs_cpu = [torch.randn(batch, *s) for s in shapes]
+    xs, low_xs = [x.cuda() for x in xs_cpu], [x.cuda().to(dtype) for x in xs_cpu]
+    row: dict = {"model": name, "batch": batch, "precision": precision, "gpu_bound_ms": {}, "latency_ms": {},
+                 "rel_l2": {}, "top1_agreement": {}}
+
+    def record(variant, call, sync_call=None):
+        row["gpu_bound_ms"][variant] = gpu_bound_ms(call)
+        row["latency_ms"][variant] = report.median_ms(sync_call or call)
+
+    def first(out):
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    agree_xs = [[torch.randn(batch, *s, generator=torch.Generator().manual_seed(100 + k)) for s in shapes]
+                for k in range(max(1, agreement_inputs // batch))]
+    with torch.no_grad():
+        with quiet_torchscript():
+            pt = tmp / f"{name}_{batch}.pt"
+            torch.jit.save(torch.jit.trace(model.cpu(), tuple(xs_cpu)), str(pt))
+        fp32 = model.cuda()
+        ref = first(fp32(*xs)).float()
+        ref_top1 = [first(fp32(*[x.cuda() for x in ax])).argmax(-1) for ax in agree_xs]
+        half = model.cuda().to(dtype)
+        record("eager", lambda: half(*low_xs))
+        torch._dynamo.reset()
+        compiled = torch.compile(half, mode="reduce-overhead")
+        t = time.perf_counter()
+        for _ in range(3):
+            out = compiled(*low_xs)
+        torch.cuda.synchronize()
+        row["torch_compile_s"] = time.perf_counter() - t
+        record("torch_compile", lambda: compiled(*low_xs))
+        row["rel_l2"]["torch_compile"] = relative_l2(first(out).float(), ref)
+        row["top1_agreement"]["torch_compile"] = sum(
+            (first(compiled(*[x.cuda().to(dtype) for x in ax])).argmax(-1) == r).float().mean().item()
+            for ax, r in zip(agree_xs, ref_top1)) / len(agree_xs)
+        del compiled, half
+        torch._dynamo.reset()
+        model = model.float()
+
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu])
+    for variant, options in (("nimble_fp32", {}), ("nimble", {"precision": precision, "io_dtype": "reduced"})):
+        t = time.perf_counter()
+        # the default tolerance, else a search for what 1e-2 needs, else float32 inputs and outputs too
+        tries = [options] if not options else [options, {**options, "tolerance": 1e-2},
+                                               {**options, "tolerance": 1e-2, "io_dtype": "model"}]
+        for k, given_options in enumerate(tries):
+            try:
+                # the check (and the precision search's runs) on the GPU: minutes on a CPU at batch 8
+                c = compile_model(pt, specs, device="cuda" if given_options else "cpu", **given_options)
+                break
+            except MismatchError as e:
+                row.setdefault("compile_errors", []).append(str(e))
+                if k == len(tries) - 1:
+                    raise
+        options = given_options
+        if options:
+            row["compile_options"] = {k: v for k, v in options.items() if k != "precision"}
+        row.setdefault("compile_s", {})[variant] = time.perf_counter() - t
+        path = tmp / f"{name}_{batch}_{variant}.nimble"
+        write_artifact(path, c.artifact())
+        exe = Executable(read_artifact(path), "cuda", tune="full")
+        given = low_xs if options.get("io_dtype") == "reduced" else xs
+        row["rel_l2"][variant] = relative_l2(first(exe.run(*given)).float(), ref)
+        record(variant, exe.replay, lambda: exe(*given, copy=False))
+        row["top1_agreement"][variant] = sum(
+            (first(exe.run(*[x.cuda().to(given[0].dtype) for x in ax])).argmax(-1) == r).float().mean().item()
+            for ax, r in zip(agree_xs, ref_top1)) / len(agree_xs)
+        row.setdefault("choice", {})[variant] = exe.stats.choice
+        row.setdefault("weights_bytes", {})[variant] = exe.stats.weight_bytes
+        row.setdefault("arena_bytes", {})[variant] = exe.memory.arena_bytes
+        if options:
+            record_ = c.precision
+            row["fp32_ops"] = len(record_["fp32_ops"])
+            row["fp32_ops_searched"] = sum(o["why"] == "kept" for o in record_["fp32_ops"])
+            row["floating_ops"] = record_["floating_ops"]
+        exe.close()
+        del exe
+        torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def summary_reduced(rows: list[dict], meta: dict) -> str:
+    head = ["model", "batch", "precision", "torch.compile GPU-bound", "nimble GPU-bound", "ratio",
+            "torch.compile latency", "nimble latency", "ratio", "nimble fp32 GPU-bound", "fp32 / reduced",
+            "ops in fp32 (searched)", "nimble options", "rel L2 nimble", "rel L2 torch.compile", "top-1 nimble", "top-1 torch.compile"]
+    lines = [f"Reduced precision on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: "
+             f"`{meta['command']}`. torch.compile(mode=\"reduce-overhead\") and eager run the module cast whole; "
+             "nimble runs its --precision artifact with --io-dtype reduced (the same half inputs). Milliseconds "
+             "per inference, medians, one process. GPU-bound: 50 back-to-back calls between CUDA events (median "
+             "of 15); latency: copy in, run, synchronize (median of 200). ratio = nimble / torch.compile (target "
+             "0.9 GPU-bound). rel L2 = relative L2 error of the first output against the fp32 module; top-1 = "
+             "agreement of the argmax with the fp32 module over 256 random inputs.", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"])):
+        g, lat = r["gpu_bound_ms"], r["latency_ms"]
+        cells = [r["model"], str(r["batch"]), r["precision"], f"{g['torch_compile']:.3f}", f"{g['nimble']:.3f}",
+                 f"{g['nimble'] / g['torch_compile']:.2f}", f"{lat['torch_compile']:.3f}", f"{lat['nimble']:.3f}",
+                 f"{lat['nimble'] / lat['torch_compile']:.2f}", f"{g['nimble_fp32']:.3f}",
+                 f"{g['nimble_fp32'] / g['nimble']:.2f}",
+                 f"{r['fp32_ops']} of {r['floating_ops']} ({r['fp32_ops_searched']})",
+                 ", ".join(f"{k} {v}" for k, v in r.get("compile_options", {}).items()),
+                 f"{r['rel_l2']['nimble']:.1e}", f"{r['rel_l2']['torch_compile']:.1e}",
+                 f"{r['top1_agreement']['nimble']:.3f}", f"{r['top1_agreement']['torch_compile']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def summary(rows: list[dict], meta: dict) -> str:
     head = ["model", "batch", "torch.compile GPU-bound", "nimble GPU-bound", "ratio", "torch.compile latency",
             "nimble latency", "ratio", "eager GPU-bound", "unfused GPU-bound", "unfused latency", "kernels (unfused)",
@@ -212,6 +340,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--report", type=Path, nargs="*", help="merge these JSON files into a markdown table")
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
@@ -234,10 +363,14 @@ def main() -> int:
         for name in args.models:
             for batch in args.batches:
                 try:
-                    rows.append(bench_one(name, batch, Path(tmp)))
+                    rows.append(bench_one(name, batch, Path(tmp)) if args.precision == "fp32" else
+                                bench_reduced(name, batch, args.precision, Path(tmp)))
                 except Exception as e:  # record and go on: one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 report.write(args.out, f"peers_{args.tag}", doc={"meta": meta, "rows": rows})
+    if args.precision != "fp32" and rows:
+        report.write(args.out, f"peers_{args.precision}_{args.tag}", summary_reduced(rows, meta),
+                     {"meta": meta, "rows": rows})
     return 0
 
 

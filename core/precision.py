@@ -55,7 +55,8 @@ def search(graph: Graph, weights: dict, precision: Precision, run: Runner, toler
         tries += 1
         converted = convert(graph, weights, dataclasses.replace(precision, keep=keep))
         values = run(converted.graph, converted.weights)
-        errors = [relative_l2(values[converted.value_of[o]], reference[o]) for o in graph.outputs]
+        errors = [relative_l2(values[new], reference[o])  # as the graph hands them out (--io-dtype casts)
+                  for new, o in zip(converted.graph.outputs, graph.outputs)]
         return converted, values, errors
 
     def ok(errors: list[float]) -> bool:
@@ -69,7 +70,8 @@ def search(graph: Graph, weights: dict, precision: Precision, run: Runner, toler
         blamed = [op for op, _ in blame(graph, converted, values, reference, precision.dtype) if op not in keep]
         if not blamed:
             raise ValueError(f"with every op that differs kept in float32 the outputs are {max(errors):.3g} off "
-                             f"(relative L2), above the tolerance {tolerance:g}")
+                             f"(relative L2), above the tolerance {tolerance:g}"
+                             + _outputs_out_of_range(graph, reference, precision))
         added = blamed[:step]
         keep = keep | frozenset(added)
         progress(f"precision search: {len(keep)} op(s) kept in float32, error {max(errors):.3g}")
@@ -96,7 +98,7 @@ def search(graph: Graph, weights: dict, precision: Precision, run: Runner, toler
                 converted, values, errors = trial
         progress(f"precision search: {len(keep)} op(s) kept in float32, error {max(errors):.3g}")
     loss = None if all(e <= limit for e in errors) else first_loss(graph, converted, values, reference, limit,
-                                                                        precision.dtype)
+                                                                        precision)
     return Found(dataclasses.replace(precision, keep=keep), converted, errors, tries, loss)
 
 
@@ -138,7 +140,7 @@ def blame(graph: Graph, converted: Converted, values: dict, reference: dict, dty
 
 
 def first_loss(graph: Graph, converted: Converted, values: dict, reference: dict, tolerance: float,
-               dtype: str) -> str:
+               precision: Precision) -> str:
     """'silu_57 (aten::silu at model.py:12), whose result is inf or NaN where float32's is
     finite': the first op, in program order, whose result is not finite or is more than
     `tolerance` off float32 (relative L2), where no input of it was yet."""
@@ -156,8 +158,11 @@ def first_loss(graph: Graph, converted: Converted, values: dict, reference: dict
                 where = f" at {op.source}" if op.source else ""
                 what = "is inf or NaN where float32's is finite" if math.isinf(mine) else \
                     f"is {mine:.3g} off float32 (relative L2)"
-                return f"{v.name} ({short_target(op.target)}{where}), whose result {what}" + _range(reference[o], dtype)
-    return "no single op: the error builds up over many"
+                return (f"{v.name} ({short_target(op.target)}{where}), whose result {what}"
+                        + _range(reference[o], precision.dtype))
+    outside = _outputs_out_of_range(graph, reference, precision)
+    return (f"none: the outputs themselves{outside}" if outside else
+            "no single op: the error builds up over many")
 
 
 def _range(x: torch.Tensor, dtype: str) -> str:
@@ -170,4 +175,18 @@ def _range(x: torch.Tensor, dtype: str) -> str:
     if 0 < biggest < info.tiny:
         return (f"; float32's values are at most {biggest:.3g}, below {dtype}'s smallest normal number "
                 f"{info.tiny:.3g}, so {dtype} loses them: use --precision bf16 (float32's range)")
+    return ""
+
+
+def _outputs_out_of_range(graph: Graph, reference: dict, precision: Precision) -> str:
+    """With --io-dtype reduced, where float32's outputs lie outside what the reduced dtype holds:
+    why, and what to do; else ''."""
+    if precision.io != "reduced":
+        return ""
+    for o in graph.outputs:
+        if graph.values[o].spec.dtype == "float32":
+            why = _range(reference[o], precision.dtype)
+            if why:
+                return f", which --io-dtype reduced hands out in {precision.dtype}{why.split(': use')[0]}: use " \
+                       "--io-dtype model (float32 outputs)"
     return ""

@@ -222,3 +222,16 @@ def test_the_python_api_prepares_in_bfloat16_and_checks_against_float32():
         nimble.Nimble(net).prepare(x, training=True, precision="fp16")
     with pytest.raises(MismatchError, match="first op to lose accuracy"):
         nimble.Nimble(Tiny().eval()).prepare(torch.randn(2, 3, 6, 6), precision="fp16")
+
+
+def test_outputs_float16_cannot_hold_are_measured_as_handed_out(tmp_path):
+    """With --io-dtype reduced the outputs themselves are float16: a search cannot keep them in
+    float32, so the compile says to hand them out in float32 instead."""
+    class Huge(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 1e6
+
+    path = save_script(tmp_path, Huge().eval(), "huge")
+    with pytest.raises(MismatchError, match="--io-dtype model"):
+        compile_model(path, input_specs(["4x8"]), device="cpu", precision="fp16", io_dtype="reduced", tolerance=1e-2)
+    assert compile_model(path, input_specs(["4x8"]), device="cpu", precision="fp16", tolerance=1e-2).check.passed

@@ -17,7 +17,7 @@ from nimble.pipeline import compile_model
 from nimble.runtime.executable import Executable
 from nimble.specs import input_specs
 
-from ..conftest import MODELS, save_script
+from ..conftest import MODELS, SAMPLES, save_script
 
 pytestmark = pytest.mark.gpu
 
@@ -225,3 +225,32 @@ def test_topk_sort_and_boolean_ops_capture_and_match(tmp_path):
     got = exe.run(x.cuda())
     for g, w in zip(got, module(x)):
         torch.testing.assert_close(g.cpu(), w)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", [*sorted(MODELS), "bert"])
+def test_reduced_precision_artifacts_run_under_every_choice_on_cuda(tmp_path, name, precision):
+    """An fp16 or bf16 artifact (compiled on the CPU) loads on CUDA with its weights in that dtype,
+    and every layout, algorithm and stream choice (fused cuDNN convolutions, generated kernels)
+    meets its tolerance against the float32 model: relative L2 per output."""
+    from nimble.runtime import tuning
+
+    from sample_models.build import TOKEN_MODELS
+
+    shapes, dtypes = (MODELS[name][1], None) if name in MODELS else TOKEN_MODELS[name][1:3]
+    path = tmp_path / f"{name}_{precision}.nimble"
+    compiled = compile_model(SAMPLES / f"{name}.pt", input_specs(["x".join(map(str, s)) for s in shapes], dtypes),
+                             device="cpu", precision=precision, io_dtype="reduced")
+    write_artifact(path, compiled.artifact())
+    art = read_artifact(path)
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    exe = Executable(art, "cuda", tune="full")
+    assert exe.verify().l2 == art.precision["tolerance"]
+    held = {t.dtype for t in exe._weights.values() if t.is_floating_point()}
+    assert low in held and held <= {low, torch.float32, torch.float64}  # float64 constants stay as they were
+    for choice in tuning.candidates(art.graph, art.schedule.num_streams):
+        forced = Executable(art, "cuda", choice=choice)
+        result = forced.verify()
+        assert result.passed and result.l2 is not None, (choice.describe(), result.describe())
+        forced.close()
+    exe.close()
