@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, footprint_line, human_bytes, literal,
+from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, footprint_line, human_bytes, literal,
                      print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -137,6 +137,7 @@ def bench_command(
                         "source_cache_hits": exe.stats.kernel_source_hits,
                         "interpreted_fused_ops": exe.stats.kernel_fallbacks},
             "inputs": "given" if inputs else "stored sample",
+            "precision": exe.artifact.precision,
             "trace": traced,
             "settings": {"warmup_ms": warmup_ms, "duration_s": duration_s,
                          "iterations": iterations, "percentiles": list(pcts)},
@@ -175,6 +176,7 @@ def _print(r: dict, pcts) -> None:
                   f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
     load = ", ".join(f"{k} {v:.2f}" for k, v in r["load_breakdown_seconds"].items() if k != "total")
     console.print(f"  load breakdown, s: {load}")
+    console.print(f"  precision: {describe_precision(r['precision'])}")
     t, k = r["tuning"], r["kernels"]
     if t["choice"]:
         console.print(f"  runs as: {t['choice']} ({t['how']})")

@@ -195,3 +195,24 @@ MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE", help="Refuse to load if the artifact would hold more than SIZE (4GiB, 512MiB, 2GB "
     "or bytes) on the device: checked against its weights, arena and inputs before anything is allocated, and on "
     "CUDA against the whole footprint once loaded.")]
+
+
+def describe_precision(record: dict | None) -> str:
+    """'float16 (inputs and outputs float32); 3 of 61 ops in float32: 3 by rule (softmax 1,
+    layer_norm 2), none searched; tolerance 1e-2 relative L2'."""
+    if record is None:
+        return "float32"
+    kept = record["fp32_ops"]
+    by_rule: dict[str, int] = {}
+    for o in kept:
+        if o["why"] == "policy":
+            short = o["target"].split("::")[-1].split(".")[0]
+            by_rule[short] = by_rule.get(short, 0) + 1
+    searched = [o["op"] for o in kept if o["why"] == "kept"]
+    rule = ", ".join(f"{k} {n}" for k, n in sorted(by_rule.items()))
+    io = "inputs and outputs float32" if record["io"] == "model" else f"inputs and outputs {record['dtype']}"
+    found = (f"{len(searched)} kept by the search ({', '.join(searched[:6])}{', ...' if len(searched) > 6 else ''})"
+             if searched else ("none needed by the search" if record["searched"] else "no search"))
+    return (f"{record['dtype']} ({io}); {len(kept)} of {record['floating_ops']} ops in float32: "
+            f"{sum(by_rule.values())} by rule{f' ({rule})' if rule else ''}, {found}; "
+            f"tolerance {record['tolerance']:g} relative L2")

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
+from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
                      user_errors, writable)
 
 
@@ -137,27 +137,6 @@ def artifact_path(model: Path, output: Path | None) -> Path:
 def describe_passes(passes) -> str:
     """'lowered 71 ops, fuse_conv 60, fuse_pointwise 42'."""
     return ", ".join(f"{literal(name)} {n}" + (" ops" if k == 0 else "") for k, (name, n) in enumerate(passes))
-
-
-def describe_precision(record: dict | None) -> str:
-    """'float16 (inputs and outputs float32); 3 of 61 ops in float32: 3 by rule (softmax 1,
-    layer_norm 2), none searched; tolerance 1e-2 relative L2'."""
-    if record is None:
-        return "float32"
-    kept = record["fp32_ops"]
-    by_rule: dict[str, int] = {}
-    for o in kept:
-        if o["why"] == "policy":
-            short = o["target"].split("::")[-1].split(".")[0]
-            by_rule[short] = by_rule.get(short, 0) + 1
-    searched = [o["op"] for o in kept if o["why"] == "kept"]
-    rule = ", ".join(f"{k} {n}" for k, n in sorted(by_rule.items()))
-    io = "inputs and outputs float32" if record["io"] == "model" else f"inputs and outputs {record['dtype']}"
-    found = (f"{len(searched)} kept by the search ({', '.join(searched[:6])}{', ...' if len(searched) > 6 else ''})"
-             if searched else ("none needed by the search" if record["searched"] else "no search"))
-    return (f"{record['dtype']} ({io}); {len(kept)} of {record['floating_ops']} ops in float32: "
-            f"{sum(by_rule.values())} by rule{f' ({rule})' if rule else ''}, {found}; "
-            f"tolerance {record['tolerance']:g} relative L2")
 
 
 def write_dot(path: Path, graph, schedule, title: str) -> None:

@@ -8,9 +8,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
+from .common import (DebugOption, describe_precision, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
                      print_json, user_errors, writable)
-from .compile import describe_passes, describe_precision
+from .compile import describe_passes
 
 
 def inspect_command(

@@ -73,6 +73,20 @@ def test_run_names_the_file_it_wrote(compiled, tmp_path):
     assert doc["wrote"]["path"] == str(written) and written.exists() and doc["check"]["passed"]
 
 
+def test_a_reduced_precision_artifact_documents_its_record(tmp_path):
+    out = tmp_path / "r16.nimble"
+    doc = validate(document(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out,
+                                   "--precision", "bf16", "--json"), 0), "compile")
+    assert doc["precision"]["dtype"] == "bfloat16"
+    assert validate(document(invoke("inspect", out, "--json"), 0), "inspect")["precision"] == doc["precision"]
+    bench = validate(document(invoke("bench", out, "--device", "cpu", "-n", "2", "--duration", "0", "--no-baselines",
+                                     "--json"), 0), "bench")
+    assert bench["precision"] == doc["precision"]
+    broken = dict(doc, precision=dict(doc["precision"], io="half"))
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken, "compile")
+
+
 def test_bench_document(compiled, tmp_path):
     out, _ = compiled
     doc = validate(document(invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "--no-baselines", "--json"), 0),

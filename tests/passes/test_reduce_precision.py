@@ -4,7 +4,6 @@ float32, and that the search keeps what a tolerance needs and no more. Each grap
 reference executor on the CPU and compared with the float32 graph."""
 
 import json
-import math
 
 import pytest
 import torch
