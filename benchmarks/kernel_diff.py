@@ -1,0 +1,289 @@
+"""Where the GPU time goes: nimble against torch.compile(mode="reduce-overhead"), kernel by kernel,
+per op class. Run on a GPU machine.
+
+    python benchmarks/kernel_diff.py --models resnet50 densenet121 --batches 8 [--precision fp16] --out DIR
+
+torch.profiler records the CUDA kernels of REPS inferences of each, in one process:
+
+- nimble: its op list is issued op by op on its streams (the kernels its CUDA graph replays), each
+  op inside a `record_function` range named by its id. The profiler's correlation id ties each
+  kernel to the launch call that made it, and the launch call lies inside one op's range: so each
+  kernel maps to the op, or the fused group, that launched it. Its class comes from that op,
+  refined by the kernel's name inside a fused convolution or GEMM (the cuDNN or cuBLAS kernel is
+  the convolution or GEMM, a generated kernel after it the epilogue).
+- torch.compile: its CUDA graph replays; each kernel is classed by its name (Inductor names its
+  Triton kernels after the ops it fused: `triton_poi_fused_add_relu_3`, `triton_per_fused__softmax_1`).
+
+It prints, per op class (convolution, GEMM, epilogue, normalisation, softmax or attention,
+concatenation and copy, pooling, reduction, other), the kernel time per inference of each and the
+difference, and the ten nimble ops that take the most kernel time. Kernel times are the sum of
+kernel durations: they do not count the gaps between kernels or the overlap of streams, which the
+GPU-bound figures of `peers.py` do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import report
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+REPS = 20
+CLASSES = ("convolution", "GEMM", "epilogue", "normalisation", "softmax or attention", "concatenation and copy",
+           "pooling", "reduction", "other")
+_OP_CLASS = {  # aten op name -> class, for nimble's ops
+    **{k: "convolution" for k in ("convolution", "_convolution", "conv2d", "conv1d", "conv3d", "conv_transpose2d")},
+    **{k: "GEMM" for k in ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "einsum")},
+    **{k: "normalisation" for k in ("layer_norm", "native_layer_norm", "batch_norm", "group_norm", "native_group_norm",
+                                   "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm")},
+    **{k: "softmax or attention" for k in ("softmax", "_softmax", "log_softmax", "_log_softmax",
+                                          "scaled_dot_product_attention")},
+    **{k: "concatenation and copy" for k in ("cat", "stack", "clone", "contiguous", "copy", "_to_copy", "to",
+                                            "reshape", "permute", "transpose", "expand", "repeat", "pad",
+                                            "constant_pad_nd", "index_select", "gather", "embedding")},
+    **{k: "pooling" for k in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "max_pool2d_with_indices",
+                             "adaptive_max_pool2d", "avg_pool1d", "max_pool1d")},
+    **{k: "reduction" for k in ("mean", "sum", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp",
+                               "argmax", "cumsum")},
+}
+
+
+def by_name(kernel: str) -> str:
+    """The op class of a kernel from its name alone (torch.compile's, and ATen's)."""
+    k = kernel.lower()
+    if k.startswith("triton_"):
+        if "softmax" in k:
+            return "softmax or attention"
+        if "norm" in k or "var_mean" in k:
+            return "normalisation"
+        if "_cat" in k:
+            return "concatenation and copy"
+        if "pool" in k:
+            return "pooling"
+        return "reduction" if k.startswith(("triton_red", "triton_per")) and "mean" in k else "epilogue"
+    if any(w in k for w in ("softmax", "flash", "fmha", "attention", "sdpa")):
+        return "softmax or attention"
+    if any(w in k for w in ("fprop", "conv", "winograd", "implicit", "cudnn", "fft")):
+        return "convolution"
+    if any(w in k for w in ("gemm", "gemv", "cublas", "cutlass", "splitk", "matmul")):
+        return "GEMM"
+    if any(w in k for w in ("norm", "welford")):
+        return "normalisation"
+    if any(w in k for w in ("catarray", "copy", "transpose", "nchwtonhwc", "nhwctonchw", "memcpy", "memset",
+                            "permute")):
+        return "concatenation and copy"
+    if "pool" in k:
+        return "pooling"
+    if "reduce" in k:
+        return "reduction"
+    if any(w in k for w in ("elementwise", "functor", "kernel")):
+        return "epilogue"
+    return "other"
+
+
+def nimble_class(op, kernel: str) -> str:
+    """The class of `kernel`, launched by nimble's `op`."""
+    from nimble.ops import fusion
+
+    if fusion.is_fused(op):
+        lead = fusion.body_of(op)[0][0].split("::")[-1].split(".")[0]
+        named = by_name(kernel)
+        if lead in _OP_CLASS and _OP_CLASS[lead] == "convolution":
+            return named if named in ("convolution", "GEMM") else "epilogue"
+        return "epilogue"
+    short = op.target.split("::")[-1].split(".")[0]
+    cls = _OP_CLASS.get(short)
+    if cls in ("convolution", "GEMM"):
+        named = by_name(kernel)
+        return cls if named in ("convolution", "GEMM") else "epilogue"
+    return cls or by_name(kernel)
+
+
+def kernels_of(trace_file: Path) -> tuple[list[dict], dict[int, tuple[int, float]], list[dict]]:
+    """(kernels and device copies, launch call by correlation id -> (thread, ts), annotations)."""
+    doc = json.loads(trace_file.read_text())
+    kernels, launches, ranges = [], {}, []
+    for e in doc.get("traceEvents", []):
+        cat, args = e.get("cat", ""), e.get("args") or {}
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append({"name": e.get("name", ""), "dur": float(e.get("dur", 0.0)),
+                            "corr": args.get("correlation")})
+        elif cat in ("cuda_runtime", "cuda_driver") and args.get("correlation") is not None:
+            launches[args["correlation"]] = (e.get("tid"), float(e.get("ts", 0.0)))
+        elif cat == "user_annotation" and str(e.get("name", "")).startswith("nimble op "):
+            ranges.append({"tid": e.get("tid"), "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"]),
+                           "op": int(e["name"].split()[-1])})
+    return kernels, launches, ranges
+
+
+def profile(run, folder: Path, tag: str) -> Path:
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
+            run()
+        torch.cuda.synchronize()
+    path = folder / f"{tag}.json"
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
+    import torch
+
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.frontend import quiet_torchscript
+    from nimble.pipeline import compile_model
+    from nimble.runtime.executable import Executable
+    from nimble.specs import input_specs
+    from peers import make_model
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    model, shapes = make_model(name)
+    torch.manual_seed(1)
+    xs_cpu = [torch.randn(batch, *s) for s in shapes]
+    with quiet_torchscript():
+        pt = tmp / f"{name}_{batch}.pt"
+        torch.jit.save(torch.jit.trace(model.eval(), tuple(xs_cpu)), str(pt))
+    xs = [x.cuda().to(dtype) for x in xs_cpu]
+    row = {"model": name, "batch": batch, "precision": precision}
+    with torch.no_grad():
+        cast = model.cuda().to(dtype)
+        torch._dynamo.reset()
+        compiled = torch.compile(cast, mode="reduce-overhead")
+        for _ in range(3):
+            compiled(*xs)
+        theirs, _, _ = kernels_of(profile(lambda: compiled(*xs), tmp, f"{name}_{batch}_tc"))
+        compiled = cast = None  # its graphs go before nimble loads
+        torch._dynamo.reset()
+
+    options = {} if precision == "fp32" else {"precision": precision, "io_dtype": "reduced", "device": "cuda"}
+    c = compile_model(pt, input_specs(["x".join(map(str, x.shape)) for x in xs_cpu]), **({"device": "cpu"} | options))
+    path = tmp / f"{name}_{batch}.nimble"
+    write_artifact(path, c.artifact())
+    exe = Executable(read_artifact(path), "cuda", tune="full")
+    exe.run(*xs)
+    g = exe.graph
+
+    def around(step):
+        def labelled(i: int) -> None:
+            with torch.profiler.record_function(f"nimble op {i}"):
+                step(i)
+        return labelled
+
+    ours, launches, ranges = kernels_of(profile(lambda: exe._issue(validate=True, around=around), tmp,
+                                                f"{name}_{batch}_nimble"))
+    by_tid: dict = defaultdict(list)
+    for r in sorted(ranges, key=lambda r: r["start"]):
+        by_tid[r["tid"]].append(r)
+    starts = {tid: [r["start"] for r in rs] for tid, rs in by_tid.items()}
+
+    def op_of(corr) -> int | None:
+        if corr not in launches:
+            return None
+        tid, ts = launches[corr]
+        rs = by_tid.get(tid, [])
+        k = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        while k >= 0 and rs[k]["end"] < ts:
+            k -= 1
+        return rs[k]["op"] if k >= 0 and rs[k]["start"] <= ts <= rs[k]["end"] else None
+
+    per_class = {cls: {"torch_compile_ms": 0.0, "nimble_ms": 0.0, "torch_compile_kernels": 0, "nimble_kernels": 0}
+                 for cls in CLASSES}
+    for k in theirs:
+        cls = by_name(k["name"])
+        per_class[cls]["torch_compile_ms"] += k["dur"] / 1000 / REPS
+        per_class[cls]["torch_compile_kernels"] += 1
+    per_op: dict = defaultdict(float)
+    unmapped = 0
+    for k in ours:
+        op = op_of(k["corr"])
+        if op is None:
+            unmapped += 1
+            cls = by_name(k["name"])
+        else:
+            cls = nimble_class(g.ops[op], k["name"])
+            per_op[op] += k["dur"] / 1000 / REPS
+        per_class[cls]["nimble_ms"] += k["dur"] / 1000 / REPS
+        per_class[cls]["nimble_kernels"] += 1
+    for cls in per_class.values():
+        cls["torch_compile_kernels"] //= REPS
+        cls["nimble_kernels"] //= REPS
+    from nimble.runtime.trace import op_label
+
+    row["classes"] = per_class
+    row["unmapped_kernels"] = unmapped // REPS
+    row["choice"] = exe.stats.choice
+    row["top_ops"] = [{"op": i, "label": op_label(g.ops[i]), "value": g.values[g.ops[i].outputs[0]].name,
+                       "ms": ms} for i, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:10]]
+    exe.close()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict], meta: dict) -> list[str]:
+    lines = [f"Kernel time per inference by op class, nimble against torch.compile(mode=\"reduce-overhead\"), "
+             f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Sum of kernel "
+             f"durations over {REPS} inferences, per inference, in ms (gaps and stream overlap not counted). "
+             "diff = nimble - torch.compile: where nimble loses, positive.", ""]
+    for r in rows:
+        lines += [f"### {r['model']}, batch {r['batch']}, {r['precision']} (nimble runs as: {r['choice']})", "",
+                  *report.table(["class", "torch.compile ms", "nimble ms", "diff ms", "torch.compile kernels",
+                                 "nimble kernels"],
+                                [[cls, f"{v['torch_compile_ms']:.3f}", f"{v['nimble_ms']:.3f}",
+                                  f"{v['nimble_ms'] - v['torch_compile_ms']:+.3f}", v["torch_compile_kernels"],
+                                  v["nimble_kernels"]] for cls, v in r["classes"].items()
+                                 if v["torch_compile_kernels"] or v["nimble_kernels"]]
+                                + [["all", f"{sum(v['torch_compile_ms'] for v in r['classes'].values()):.3f}",
+                                    f"{sum(v['nimble_ms'] for v in r['classes'].values()):.3f}",
+                                    f"{sum(v['nimble_ms'] - v['torch_compile_ms'] for v in r['classes'].values()):+.3f}",
+                                    sum(v["torch_compile_kernels"] for v in r["classes"].values()),
+                                    sum(v["nimble_kernels"] for v in r["classes"].values())]]),
+                  "", "nimble's ten costliest ops: " + "; ".join(f"{o['value']} {o['label']} {o['ms']:.3f} ms"
+                                                                 for o in r["top_ops"]), ""]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["resnet50"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[8])
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--tag", default="run")
+    args = parser.parse_args()
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
+            "command": "python benchmarks/kernel_diff.py " + " ".join(sys.argv[1:])}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            for batch in args.batches:
+                t = time.perf_counter()
+                try:
+                    rows.append(diff_one(name, batch, args.precision, Path(tmp)))
+                except Exception as e:  # one model's failure is a result too
+                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(f"{name} batch {batch}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    report.write(args.out, f"kernel_diff_{args.tag}", table(rows, meta), {"meta": meta, "rows": rows})
+    print("\n".join(table(rows, meta)))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
