@@ -62,16 +62,16 @@ _OP_CLASS = {  # aten op name -> class, for nimble's ops
 def by_name(kernel: str) -> str:
     """The op class of a kernel from its name alone (torch.compile's, and ATen's)."""
     k = kernel.lower()
-    if k.startswith("triton_"):
+    if k.startswith("triton_"):  # Inductor's: poi(ntwise), red(uction), per(sistent reduction)
+        if k.startswith("triton_poi"):  # batch norm applied as a pointwise epilogue is an epilogue
+            return "concatenation and copy" if "_cat" in k else "epilogue"
         if "softmax" in k:
             return "softmax or attention"
         if "norm" in k or "var_mean" in k:
             return "normalisation"
-        if "_cat" in k:
-            return "concatenation and copy"
-        if "pool" in k:
-            return "pooling"
-        return "reduction" if k.startswith(("triton_red", "triton_per")) and "mean" in k else "epilogue"
+        return "pooling" if "pool" in k else "reduction"
+    if k.startswith("nvjet"):  # cuBLASLt's Hopper GEMMs
+        return "GEMM"
     if any(w in k for w in ("softmax", "flash", "fmha", "attention", "sdpa")):
         return "softmax or attention"
     if any(w in k for w in ("fprop", "conv", "winograd", "implicit", "cudnn", "fft")):
@@ -99,14 +99,14 @@ def nimble_class(op, kernel: str) -> str:
     if fusion.is_fused(op):
         lead = fusion.body_of(op)[0][0].split("::")[-1].split(".")[0]
         named = by_name(kernel)
-        if lead in _OP_CLASS and _OP_CLASS[lead] == "convolution":
-            return named if named in ("convolution", "GEMM") else "epilogue"
+        if _OP_CLASS.get(lead) == "convolution":
+            return "epilogue" if named in ("epilogue", "concatenation and copy") else "convolution"
         return "epilogue"
     short = op.target.split("::")[-1].split(".")[0]
     cls = _OP_CLASS.get(short)
-    if cls in ("convolution", "GEMM"):
+    if cls in ("convolution", "GEMM"):  # cuDNN names many convolution kernels *gemm*
         named = by_name(kernel)
-        return cls if named in ("convolution", "GEMM") else "epilogue"
+        return named if named in ("epilogue", "concatenation and copy") else cls
     return cls or by_name(kernel)
 
 
@@ -203,10 +203,21 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
 
     per_class = {cls: {"torch_compile_ms": 0.0, "nimble_ms": 0.0, "torch_compile_kernels": 0, "nimble_kernels": 0}
                  for cls in CLASSES}
+    # a library kernel (cuDNN, cuBLAS) that nimble launched for a known op has that op's class in
+    # torch.compile's graph too: names alone do not tell cuDNN's *gemm* convolutions from GEMMs
+    learned = {}
+    for k in ours:
+        op = op_of(k["corr"])
+        if op is not None and not k["name"].startswith(("triton", "kernel")):
+            learned[k["name"]] = nimble_class(g.ops[op], k["name"])
+    names: dict = defaultdict(float)
     for k in theirs:
-        cls = by_name(k["name"])
+        cls = learned.get(k["name"]) or by_name(k["name"])
         per_class[cls]["torch_compile_ms"] += k["dur"] / 1000 / REPS
         per_class[cls]["torch_compile_kernels"] += 1
+        names[(cls, k["name"][:90])] += k["dur"] / 1000 / REPS
+    row["torch_compile_top_kernels"] = [{"class": c, "kernel": n, "ms": ms}
+                                        for (c, n), ms in sorted(names.items(), key=lambda kv: -kv[1])[:12]]
     per_op: dict = defaultdict(float)
     unmapped = 0
     for k in ours:
@@ -253,7 +264,10 @@ def table(rows: list[dict], meta: dict) -> list[str]:
                                     sum(v["torch_compile_kernels"] for v in r["classes"].values()),
                                     sum(v["nimble_kernels"] for v in r["classes"].values())]]),
                   "", "nimble's ten costliest ops: " + "; ".join(f"{o['value']} {o['label']} {o['ms']:.3f} ms"
-                                                                 for o in r["top_ops"]), ""]
+                                                                 for o in r["top_ops"]),
+                  "", "torch.compile's costliest kernels: " + "; ".join(
+                      f"`{k['kernel']}` ({k['class']}) {k['ms']:.3f} ms" for k in r["torch_compile_top_kernels"][:8]),
+                  ""]
     return lines
 
 
