@@ -38,7 +38,7 @@ from .stages import Stages
 # remove_mutation does, so that common subexpressions and fusion see pure ops. The op order is made
 # canonical before anything that decides by order (fusion, the schedule) or names by it.
 REWRITES: tuple = (passes.functionalise, passes.normalise_convolutions, passes.fold_batch_norm,
-                   passes.flatten_concats, passes.match_multi_head_attention, passes.eliminate_common_subexpressions,
+                   passes.affine_batch_norm, passes.flatten_concats, passes.match_multi_head_attention, passes.eliminate_common_subexpressions,
                    passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION
@@ -259,7 +259,8 @@ def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: Co
     record = {"dtype": dtype, "io": options.io_dtype, "tolerance": limit, "searched": options.tolerance is not None,
               "fp32_ops": kept, "floating_ops": floating, "errors": found.errors, "tries": found.tries}
     if found.loss is not None:
-        raise MismatchError(f"{model}: at {options.precision} the outputs are {max(found.errors):.3g} off float32 (relative L2; "
+        raise MismatchError(f"{model}: at {options.precision} the outputs are {max(found.errors):.3g} off float32 "
+                            "(relative L2; "
                             f"tolerance {limit:g}); the first op to lose accuracy is {found.loss}"
                             + ("; or give --tolerance 1e-2 to keep the ops that need it in float32"
                                if options.tolerance is None else "; or raise --tolerance"))

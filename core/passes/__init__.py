@@ -7,6 +7,7 @@ The rewrites come first (the frontends emit what the model says, no more), then 
 a canonical op order and naming, then fusion; precision passes go here too.
 """
 
+from .affine_batch_norm import affine_batch_norm
 from .chain_loose_ops import chain_loose_ops
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
@@ -21,9 +22,9 @@ from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 from .reduce_precision import Precision, reduce_precision
 
-REWRITES_WEIGHTS = frozenset({fold_batch_norm})  # (graph, weights) -> (graph, weights)
+REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm})  # (graph, weights) -> (graph, weights)
 
-__all__ = ["REWRITES_WEIGHTS", "chain_loose_ops", "eliminate_common_subexpressions", "eliminate_dead_ops",
-           "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "chain_loose_ops", "eliminate_common_subexpressions",
+           "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
            "match_multi_head_attention", "name_values", "normalise_convolutions", "order_canonically", "Precision",
            "reduce_precision"]

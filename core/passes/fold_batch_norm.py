@@ -12,7 +12,7 @@ import torch
 from ..ir import WEIGHT, Graph, Ref, TensorSpec, Value
 from ..ops import types
 from .rewrite import Facts
-from .substitute import rebuild
+from .substitute import free_name, rebuild
 
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 
@@ -38,7 +38,7 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         base = graph.values[conv.args[1].id].name.removesuffix(".weight")
         new = []
         for tensor, suffix in ((weight, "weight_fused_bn"), (bias.to(w.dtype), "bias_fused_bn")):
-            name = _free_name(f"{base}.{suffix}", weights)
+            name = free_name(f"{base}.{suffix}", weights)
             weights[name] = tensor.contiguous()
             spec = TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype), tuple(tensor.contiguous().stride()))
             new.append(Value(next_id, WEIGHT, spec, name))
@@ -80,10 +80,3 @@ def _foldable(graph: Graph, bn, facts: Facts, weights):
             or not found[0].is_floating_point():
         return None
     return conv, found
-
-
-def _free_name(name: str, weights: dict) -> str:
-    base, n = name, 1
-    while name in weights:
-        name, n = f"{base}_{n}", n + 1
-    return name

@@ -11,8 +11,9 @@ The rule, op by op, in program order:
 - Every other op computes in the reduced dtype: its float32 inputs are cast down first, and a
   float32 dtype argument (`x.to(torch.float32)`, `torch.full(..., dtype=torch.float32)`) becomes
   the reduced dtype, as it would be had the model been converted with `.half()` before tracing.
-- Eval-mode batch norm applies the statistics it stores, which stay float32 (weight, bias,
-  running mean and variance); its kernels compute in float32 and store the reduced dtype.
+- A batch norm left after the rewrites (`affine_batch_norm` makes most a multiply-add) applies the
+  statistics it stores, which stay float32 (weight, bias, running mean and variance); its kernels
+  compute in float32 and store the reduced dtype.
 - A tensor an op writes in place is never cast (the write must land in the tensor itself).
 - Only float32 values change: float64, integer and boolean values stay as they are.
 - Weights are stored in the dtype their readers compute in: reduced, or float32 where only

@@ -41,3 +41,11 @@ def rebuild(graph: Graph, ops: list[Op], same: dict[int, int] | None = None,
         if v.id in used:
             kept.append(v if v.alias_of is None else dataclasses.replace(v, alias_of=image(v.alias_of)))
     return with_ordering_edges(renumber(kept, ops, graph.inputs, outputs))
+
+
+def free_name(name: str, weights: dict) -> str:
+    """`name`, or `name_1`, `name_2`, ...: the first that no weight has yet."""
+    base, n = name, 1
+    while name in weights:
+        name, n = f"{base}_{n}", n + 1
+    return name

@@ -8,7 +8,7 @@ from torch import nn
 
 from nimble import frontend, passes
 from nimble.ir import WEIGHT, TensorSpec
-from nimble.pipeline import REWRITES, rewrite, sample_inputs
+from nimble.pipeline import PASSES, REWRITES, rewrite, sample_inputs
 from nimble.runtime import reference
 from nimble.runtime.compare import compare
 
@@ -65,11 +65,44 @@ def test_batch_norm_folds_into_the_convolution_before_it():
     assert_reproduces(folded, model)
 
 
-def test_a_convolution_read_twice_keeps_its_batch_norm():
+def test_a_convolution_read_twice_keeps_its_batch_norm_as_a_multiply_and_add():
     model = ConvNorm(tap=True).eval()
     lowered = rewrite(exported(model, torch.randn(1, 3, 16, 16)))
-    assert "aten::batch_norm.default" in targets(lowered)
+    assert "aten::batch_norm.default" not in targets(lowered)
+    assert targets(lowered)[1:3] == ["aten::mul.Tensor", "aten::add.Tensor"]
+    g = lowered.graph
+    scale, shift = (g.values[next(r for r in op.refs() if g.values[r].kind == WEIGHT)] for op in g.ops[1:3])
+    assert (scale.name, shift.name) == ("norm.scale", "norm.shift") and scale.spec.shape == (1, 8, 1, 1)
     assert_reproduces(lowered, model)
+
+
+class PreActivation(nn.Module):
+    """densenet's order: concatenate, batch norm, relu, convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(6), nn.Conv2d(6, 4, 1)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-1, 1)
+            self.norm.running_var.uniform_(0.5, 2)
+            self.norm.weight.uniform_(0.5, 2)
+            self.norm.bias.uniform_(-1, 1)
+
+    def forward(self, x, y):
+        return self.conv(torch.relu(self.norm(torch.cat([x, y], 1))))
+
+
+def test_a_batch_norm_no_convolution_absorbs_fuses_with_its_relu(tmp_path):
+    model = PreActivation().eval()
+    example = (torch.randn(2, 2, 5, 5), torch.randn(2, 4, 5, 5))
+    for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
+        lowered = rewrite(raw)
+        assert "aten::batch_norm.default" not in targets(lowered)
+        assert_reproduces(lowered, model)
+        fused = rewrite(raw, PASSES)
+        bodies = [[node[0] for node in op.args[0]] for op in fused.graph.ops if op.target == "nimble::fused"]
+        assert ["aten::mul.Tensor", "aten::add.Tensor", "aten::relu.default"] in bodies, bodies
+        assert_reproduces(fused, model)
 
 
 def test_in_place_ops_become_functional_unless_a_view_would_see_the_write():
@@ -168,7 +201,7 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 
 def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
-                                             "flatten_concats",
+                                             "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
