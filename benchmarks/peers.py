@@ -165,7 +165,7 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
             row["streams"] = c.schedule.num_streams
             for forced in tuning.candidates(art.graph, art.schedule.num_streams):
                 other = Executable(art, "cuda", choice=forced)
-                row["check"][f"nimble[{forced.describe()}]"] = compare([o.clone() for o in other(*xs)], ref,
+                row["check"][f"nimble[{forced.describe()}]"] = compare([o.clone() for o in other.run(*xs)], ref,
                                                                        1e-2, 1e-3).max_rel
                 del other
             if name == "inception_v3" and batch == 1:
