@@ -68,6 +68,22 @@ def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
 
 
 
+def torch_compile(module, xs, row: dict, record):
+    """torch.compile(mode="reduce-overhead") of `module`: its first three calls (the compile) timed
+    into row["torch_compile_s"], then `record`ed; (the compiled module, its last output)."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, mode="reduce-overhead")
+    t = time.perf_counter()
+    for _ in range(3):
+        out = compiled(*xs)
+    torch.cuda.synchronize()
+    row["torch_compile_s"] = time.perf_counter() - t
+    record("torch_compile", lambda: compiled(*xs))
+    return compiled, out
+
+
 def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
     from nimble.runtime.executable import Executable
     from nimble.runtime.streams import count_kernels
@@ -131,15 +147,7 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
             traced = torch.jit.trace(model.cpu(), tuple(xs_cpu))
             pt = tmp / f"{name}_{batch}.pt"
             torch.jit.save(traced, str(pt))
-        gpu_model = model.cuda()
-        torch._dynamo.reset()
-        compiled = torch.compile(gpu_model, mode="reduce-overhead")
-        t = time.perf_counter()
-        for _ in range(3):
-            out = compiled(*xs)
-        torch.cuda.synchronize()
-        row["torch_compile_s"] = time.perf_counter() - t
-        record("torch_compile", lambda: compiled(*xs))
+        compiled, out = torch_compile(model.cuda(), xs, row, record)
         out = [out] if isinstance(out, torch.Tensor) else list(out)
         row["check"]["torch_compile"] = compare([o.clone() for o in out], ref, 1e-2, 1e-3).max_rel
         del compiled
@@ -218,14 +226,7 @@ def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_in
         ref_top1 = [first(fp32(*[x.cuda() for x in ax])).argmax(-1) for ax in agree_xs]
         half = model.cuda().to(dtype)
         record("eager", lambda: half(*low_xs))
-        torch._dynamo.reset()
-        compiled = torch.compile(half, mode="reduce-overhead")
-        t = time.perf_counter()
-        for _ in range(3):
-            out = compiled(*low_xs)
-        torch.cuda.synchronize()
-        row["torch_compile_s"] = time.perf_counter() - t
-        record("torch_compile", lambda: compiled(*low_xs))
+        compiled, out = torch_compile(half, low_xs, row, record)
         row["rel_l2"]["torch_compile"] = relative_l2(first(out).float(), ref)
         row["top1_agreement"]["torch_compile"] = sum(
             (first(compiled(*[x.cuda().to(dtype) for x in ax])).argmax(-1) == r).float().mean().item()
