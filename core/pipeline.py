@@ -38,7 +38,8 @@ from .stages import Stages
 # remove_mutation does, so that common subexpressions and fusion see pure ops. The op order is made
 # canonical before anything that decides by order (fusion, the schedule) or names by it.
 REWRITES: tuple = (passes.functionalise, passes.normalise_convolutions, passes.fold_batch_norm,
-                   passes.affine_batch_norm, passes.flatten_concats, passes.match_multi_head_attention, passes.eliminate_common_subexpressions,
+                   passes.affine_batch_norm, passes.flatten_concats, passes.match_multi_head_attention,
+                   passes.match_attention, passes.eliminate_common_subexpressions,
                    passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION

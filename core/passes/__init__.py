@@ -16,15 +16,18 @@ from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
 from .fuse_conv import fuse_conv
 from .fuse_pointwise import fuse_pointwise
+from .match_attention import match_attention
 from .match_multi_head_attention import match_multi_head_attention
 from .name_values import name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 from .reduce_precision import Precision, reduce_precision
 
-REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm})  # (graph, weights) -> (graph, weights)
+# (graph, weights) -> (graph, weights)
+REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention})
 
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "chain_loose_ops", "eliminate_common_subexpressions",
            "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
-           "match_multi_head_attention", "name_values", "normalise_convolutions", "order_canonically", "Precision",
+           "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
+           "order_canonically", "Precision",
            "reduce_precision"]

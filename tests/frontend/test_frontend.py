@@ -172,7 +172,7 @@ def test_views_alias_their_base_even_through_ops_that_return_views():
     """linear on 3-d input returns a view of a temporary; views of its result still alias it."""
     graph = lower_file(SAMPLES / "transformer.pt", [(1, 64, 128)]).graph
     view_ops = [op for op in graph.ops if op.target.split("::")[1].split(".")[0] in ("view", "transpose")]
-    assert len(view_ops) == 8
+    assert len(view_ops) == 7  # 8 as written; k's transpose went into scaled_dot_product_attention
     for op in view_ops:
         out = graph.values[op.outputs[0]]
         base = graph.values[out.alias_of]

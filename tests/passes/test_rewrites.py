@@ -3,6 +3,7 @@ what the model computes (checked by running the rewritten graph against the mode
 leaves alone what it must not touch. The frontends emit what the model says; these passes are
 the only place a graph is rewritten before fusion."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -202,7 +203,8 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
                                              "affine_batch_norm", "flatten_concats",
-                                             "match_multi_head_attention", "eliminate_common_subexpressions",
+                                             "match_multi_head_attention", "match_attention",
+                                             "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
 
@@ -285,3 +287,46 @@ def test_a_written_out_general_path_is_proven_before_it_is_replaced():
     assert "aten::split.Tensor" not in targets(kept) and "aten::select.int" in targets(kept)
     assert_reproduces(matched, right)
     assert_reproduces(kept, swapped)
+
+
+class HandAttention(nn.Module):
+    """Attention as BERT writes it: scores scaled by a divide, an additive mask, softmax, matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).split(16, -1)
+        q, k, v = (t.reshape(2, 5, 2, 8).permute(0, 2, 1, 3) for t in (q, k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / 8 ** 0.5 + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+class HandAttentionKeepingScores(HandAttention):
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).split(16, -1)
+        q, k, v = (t.reshape(2, 5, 2, 8).permute(0, 2, 1, 3) for t in (q, k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / 8 ** 0.5 + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v), scores
+
+
+def test_hand_written_attention_becomes_scaled_dot_product_attention(tmp_path):
+    model = HandAttention().eval()
+    example = (torch.randn(2, 5, 16), torch.randn(2, 1, 1, 5))
+    for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
+        lowered = rewrite(raw)
+        kinds = targets(lowered)
+        assert kinds.count("aten::scaled_dot_product_attention.default") == 1, kinds
+        assert "aten::softmax.int" not in kinds and "aten::matmul.default" not in kinds
+        attention = next(op for op in lowered.graph.ops if "attention" in op.target)
+        assert dict(attention.kwargs)["scale"] == pytest.approx(8 ** -0.5)
+        assert isinstance(attention.args[3], type(attention.args[0]))  # the mask
+        assert_reproduces(lowered, model)
+
+
+def test_attention_whose_scores_are_read_elsewhere_stays_as_written(tmp_path):
+    model = HandAttentionKeepingScores().eval()
+    lowered = rewrite(exported(model, torch.randn(2, 5, 16), torch.randn(2, 1, 1, 5)))
+    assert "aten::scaled_dot_product_attention.default" not in targets(lowered)
+    assert_reproduces(lowered, model)
