@@ -1,6 +1,6 @@
 """Inference graphs: attention written out by hand, as Hugging Face's BERT and many models do it,
 
-    scores = q @ k.transpose(-1, -2)  [/ c or * c]  [+ mask]
+    scores = q @ k.transpose(-1, -2)  [/ c or * c]  [+ mask, or where(allowed, ., very negative)]
     out = softmax(scores, -1) @ v
 
 becomes one `aten::scaled_dot_product_attention` (q, k, v, attn_mask=mask, scale), which runs as
@@ -9,7 +9,9 @@ writes the [batch, heads, n, n] scores (torch.compile recognises the same patter
 
 It matches only where nothing else reads the scores or the probabilities, q, k and v are 4-D,
 the transpose swaps k's last two dimensions, the scale is a number or a 0-d weight, and the mask
-is an additive floating or a boolean tensor that broadcasts to the scores. A pass that reads
+is an additive floating tensor, or a boolean one that `where` fills with -1e4 or less elsewhere
+(GPT-2's causal mask: a row that masks every key then differs, softmax of -inf being NaN), either
+broadcasting to the scores. A pass that reads
 weights (the scale), so it takes them beside the graph; dead-op removal drops what it replaced.
 """
 
@@ -67,6 +69,13 @@ def _match(graph: Graph, facts: Facts, out: Op, weights):
     if x is not None and x.target == "aten::add.Tensor" and dict(x.kwargs).get("alpha", 1) == 1:
         scores, mask = x.args
         x = _producer(graph, facts, scores, x)
+    elif x is not None and x.target == "aten::where.self" and isinstance(x.args[0], Ref) \
+            and graph.values[x.args[0].id].spec.dtype == "bool":
+        fill = _number(graph, x.args[2], weights)  # GPT-2's causal mask: where(allowed, scores, finfo.min)
+        if fill is None or fill > -1e4:
+            return None
+        mask = x.args[0]
+        x = _producer(graph, facts, x.args[1], x)
     scale = None
     if x is not None and x.target in ("aten::div.Tensor", "aten::mul.Tensor", "aten::div.Scalar", "aten::mul.Scalar"):
         c = _number(graph, x.args[1], weights)

@@ -330,3 +330,28 @@ def test_attention_whose_scores_are_read_elsewhere_stays_as_written(tmp_path):
     lowered = rewrite(exported(model, torch.randn(2, 5, 16), torch.randn(2, 1, 1, 5)))
     assert "aten::scaled_dot_product_attention.default" not in targets(lowered)
     assert_reproduces(lowered, model)
+
+
+class CausalAttention(nn.Module):
+    """GPT-2's eager attention: scores divided by a 0-d tensor, a causal mask by `where`."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("allowed", torch.tril(torch.ones(5, 5, dtype=torch.bool)).view(1, 1, 5, 5))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(16, -1)
+        q, k, v = (t.reshape(2, 5, 2, 8).permute(0, 2, 1, 3) for t in (q, k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8 ** 0.5)
+        scores = torch.where(self.allowed, scores, torch.full([], torch.finfo(torch.float32).min))
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def test_a_causal_mask_by_where_becomes_a_boolean_attention_mask(tmp_path):
+    model = CausalAttention().eval()
+    lowered = rewrite(exported(model, torch.randn(2, 5, 16)))
+    attention = [op for op in lowered.graph.ops if "attention" in op.target]
+    assert len(attention) == 1 and "aten::where.self" not in targets(lowered)
+    assert lowered.graph.values[attention[0].args[3].id].spec.dtype == "bool"
+    assert_reproduces(lowered, model)
