@@ -346,12 +346,17 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         docs = [json.loads(p.read_text()) for p in args.report]
-        latest = {(r["model"], r["batch"]): r for d in docs for r in d["rows"]}  # later runs win
-        rows = list(latest.values())
+        latest = {(r["model"], r["batch"], r.get("precision", "fp32")): r for d in docs for r in d["rows"]}
+        rows = list(latest.values())  # later runs win
         meta = docs[0]["meta"]
         meta["command"] = " ; ".join(d["meta"]["command"] for d in docs)
-        text = summary(rows, meta)
-        report.write(args.out, "peers", text, {"meta": meta, "rows": rows})
+        reduced = sorted({r["precision"] for r in rows if "precision" in r})
+        if reduced and len(reduced) + any("precision" not in r for r in rows) > 1:
+            print("--report: give the JSON of one precision at a time", file=sys.stderr)
+            return 2
+        text = summary_reduced(rows, meta) if reduced else summary(rows, meta)
+        name = f"peers_{reduced[0]}" if reduced else "peers"
+        report.write(args.out, name, text, {"meta": meta, "rows": rows})
         print(text)
         return 0
     import torch
