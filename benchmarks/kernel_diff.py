@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import datetime
 import json
 import sys
 import tempfile
@@ -282,8 +281,7 @@ def main() -> int:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
-            "command": "python benchmarks/kernel_diff.py " + " ".join(sys.argv[1:])}
+    meta = report.gpu_meta("kernel_diff.py")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

@@ -12,7 +12,6 @@ Writes parity_choices.md and .json to DIR.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -87,10 +86,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    import torch
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
-            "command": "python benchmarks/parity_choices.py " + " ".join(sys.argv[1:])}
+    meta = report.gpu_meta("parity_choices.py")
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,6 @@ tolerances).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -231,7 +230,7 @@ def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_in
         row["top1_agreement"]["torch_compile"] = sum(
             (first(compiled(*[x.cuda().to(dtype) for x in ax])).argmax(-1) == r).float().mean().item()
             for ax, r in zip(agree_xs, ref_top1)) / len(agree_xs)
-        del compiled, half
+        compiled = half = None  # its graphs go before nimble loads
         torch._dynamo.reset()
         model = model.float()
 
@@ -267,13 +266,11 @@ def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_in
         row.setdefault("weights_bytes", {})[variant] = exe.stats.weight_bytes
         row.setdefault("arena_bytes", {})[variant] = exe.memory.arena_bytes
         if options:
-            record_ = c.precision
-            row["fp32_ops"] = len(record_["fp32_ops"])
-            row["fp32_ops_searched"] = sum(o["why"] == "kept" for o in record_["fp32_ops"])
-            row["floating_ops"] = record_["floating_ops"]
-        exe.close()
-        del exe
-        torch.cuda.empty_cache()
+            kept = c.precision["fp32_ops"]
+            row["fp32_ops"] = len(kept)
+            row["fp32_ops_searched"] = sum(o["why"] == "kept" for o in kept)
+            row["floating_ops"] = c.precision["floating_ops"]
+        exe.close()  # its memory goes back to the device before the next variant loads
     print(json.dumps(row), flush=True)
     return row
 
@@ -362,8 +359,7 @@ def main() -> int:
     import torch
 
     torch.backends.cudnn.benchmark = False
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
-            "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:])}
+    meta = report.gpu_meta("peers.py")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

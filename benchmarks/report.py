@@ -52,3 +52,14 @@ def median_ms(call, iters: int = 200, warmup: int = 10) -> float:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t) * 1000)
     return statistics.median(samples)
+
+
+def gpu_meta(script: str) -> dict:
+    """Where and how a GPU benchmark ran: the GPU, torch, the date and the command line."""
+    import datetime
+    import sys
+
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
+            "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:])}

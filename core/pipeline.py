@@ -206,15 +206,17 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     with stages.stage("lower", "lowering"):
         lowered = lower()
     lowered = rewrite(lowered, REWRITES, stages)
-    precision, record = None, None
-    if options.precision != "fp32":
+    record = None
+    if options.precision != "fp32":  # the search converts the graph; its last conversion is the pass's result
         with stages.stage("precision", f"choosing the {options.precision} ops"):
-            precision, record = _choose_precision(lowered, inputs, source.model, options, device, stages)
-    lowered = rewrite(lowered, ((passes.reduce_precision(precision),) if precision else ())
-                      + (FUSION if options.fuse else ()), stages, label=None)
+            converted, record = _choose_precision(lowered, inputs, source.model, options, device, stages)
+        stages.passed("reduce_precision", converted.graph)
+        lowered = dataclasses.replace(lowered, graph=converted.graph, weights=converted.weights)
+    if options.fuse:
+        lowered = rewrite(lowered, FUSION, stages, label=None)
     with stages.stage("check", "running the reference"):
         xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check,
-                                                record and record["tolerance"])
+                                                record["tolerance"] if record else None)
     with stages.stage("schedule", "scheduling"):
         schedule = assign_streams(lowered.graph, streams)
     with stages.stage("memory", "planning memory"):
@@ -223,19 +225,22 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
                         "dtypes": [s.dtype for s in inputs], "fuse": options.fuse, "frontend": source.frontend}
     weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU
     graph = lowered.graph
-    xs = [x.to(types.DTYPES[graph.values[i].spec.dtype]) for x, i in zip(xs, graph.inputs)]
-    expected = [e.detach().to(types.DTYPES[graph.values[o].spec.dtype]).contiguous()
-                for e, o in zip(expected, graph.outputs)]
-    compiled = Compiled(source.name, source.model, source.digest, graph, weights, xs, expected, result, device,
-                        schedule, memory, manifest_options, dict(stages.seconds), list(stages.passes))
-    compiled.precision = record
-    return compiled
+    expected = _as_dtypes(graph, graph.outputs, [e.detach() for e in expected])
+    return Compiled(source.name, source.model, source.digest, graph, weights, _as_dtypes(graph, graph.inputs, xs),
+                    [e.contiguous() for e in expected], result, device, schedule, memory, manifest_options,
+                    dict(stages.seconds), list(stages.passes), record)
+
+
+def _as_dtypes(graph: Graph, ids, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` in the dtypes of the graph values `ids` (a reduced-precision graph's inputs or
+    outputs may be float16 where the model's are float32)."""
+    return [t.to(types.DTYPES[graph.values[i].spec.dtype]) for t, i in zip(tensors, ids)]
 
 
 def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: CompileOptions, device: str,
                       stages: Stages):
-    """The Precision the reduce_precision pass runs with (the float32 ops a --tolerance needs, found
-    by `precision.search` on the sample inputs) and the record the manifest keeps of it."""
+    """The graph converted by `reduce_precision` (keeping in float32 the ops a --tolerance needs,
+    found by `precision.search` on the sample inputs) and the record the manifest keeps of it."""
     from .precision import search
 
     dtype = PRECISIONS[options.precision]
@@ -243,9 +248,8 @@ def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: Co
     xs = sample_inputs(inputs)
 
     def run(graph, weights):
-        given = [x.to(types.DTYPES[graph.values[i].spec.dtype]) for x, i in zip(xs, graph.inputs)]
         with torch.no_grad(), one_thread():
-            return reference.run_values(graph, weights, given, device)
+            return reference.run_values(graph, weights, _as_dtypes(graph, graph.inputs, xs), device)
 
     try:
         found = search(lowered.graph, lowered.weights, Precision(dtype, options.io_dtype), run, options.tolerance,
@@ -265,7 +269,7 @@ def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: Co
                             f"tolerance {limit:g}); the first op to lose accuracy is {found.loss}"
                             + ("; or give --tolerance 1e-2 to keep the ops that need it in float32"
                                if options.tolerance is None else "; or raise --tolerance"))
-    return found.precision, record
+    return found.converted, record
 
 
 def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str, check: bool,
@@ -279,7 +283,7 @@ def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str,
         # optimization: on a first run it costs time that grows faster than the op count
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread(), torch.jit.optimized_execution(False):
             expected = [e.cpu() for e in arguments.flatten_result(lowered.module(*[x.to(home) for x in xs]))]
-        given = [x.to(types.DTYPES[lowered.graph.values[i].spec.dtype]) for x, i in zip(xs, lowered.graph.inputs)]
+        given = _as_dtypes(lowered.graph, lowered.graph.inputs, xs)
         got = reference.run(lowered.graph, lowered.weights, given, device) if check else None
     except Exception as e:
         if not is_out_of_memory(e):
@@ -317,7 +321,7 @@ def rewrite(lowered: frontend.Lowered, order: tuple = REWRITES, stages: Stages |
     """`lowered` after the passes in `order` (by default the REWRITES: a frontend's graph as fusion
     takes it), with only the weights its graph still reads. `label` names the graph before them
     in the list of passes (None: it continues an earlier call)."""
-    rewrites_weights = passes.REWRITES_WEIGHTS | {p for p in order if getattr(p, "rewrites_weights", False)}
-    graph, weights = (stages or Stages()).run_passes(lowered.graph, lowered.weights, order, rewrites_weights, label)
+    graph, weights = (stages or Stages()).run_passes(lowered.graph, lowered.weights, order, passes.REWRITES_WEIGHTS,
+                                                     label)
     kept = {v.name: weights[v.name] for v in graph.values if v.kind == WEIGHT}  # in the order the graph reads them
     return dataclasses.replace(lowered, graph=graph, weights=kept)

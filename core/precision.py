@@ -102,6 +102,22 @@ def search(graph: Graph, weights: dict, precision: Precision, run: Runner, toler
     return Found(dataclasses.replace(precision, keep=keep), converted, errors, tries, loss)
 
 
+class _Errors:
+    """The relative L2 error of each old value's reduced counterpart against float32, worked out
+    once per value (0 for values that are not floating or were not converted)."""
+
+    def __init__(self, graph: Graph, converted: Converted, values: dict, reference: dict):
+        self.graph, self.converted, self.values, self.reference = graph, converted, values, reference
+        self._of: dict[int, float] = {}
+
+    def __call__(self, vid: int) -> float:
+        if vid not in self._of:
+            new = self.converted.value_of.get(vid)
+            floating = new is not None and self.graph.values[vid].spec.dtype in ("float32", "float16", "bfloat16")
+            self._of[vid] = relative_l2(self.values[new], self.reference[vid]) if floating else 0.0
+        return self._of[vid]
+
+
 def blame(graph: Graph, converted: Converted, values: dict, reference: dict, dtype: str) -> list[tuple[int, float]]:
     """(op id, score) for every op that computes in the reduced dtype and writes a fresh floating
     result that differs from float32's, most to blame first: a result `dtype` cannot hold
@@ -110,15 +126,7 @@ def blame(graph: Graph, converted: Converted, values: dict, reference: dict, dty
     input (infinite for a result that turned inf or NaN from finite inputs); among equal scores,
     the furthest off first, then program order."""
     info = torch.finfo(getattr(torch, dtype))
-    error: dict[int, float] = {}
-
-    def off(vid: int) -> float:
-        if vid not in error:
-            new = converted.value_of.get(vid)
-            floating = new is not None and graph.values[vid].spec.dtype in ("float32", "float16", "bfloat16")
-            error[vid] = relative_l2(values[new], reference[vid]) if floating else 0.0
-        return error[vid]
-
+    off = _Errors(graph, converted, values, reference)
     scores = []
     for op in graph.ops:
         if op.id in converted.fp32 or len(op.outputs) != 1:
@@ -131,8 +139,7 @@ def blame(graph: Graph, converted: Converted, values: dict, reference: dict, dty
             continue
         inputs = max((off(r) for r in op.refs()), default=0.0)
         score = 0.0 if mine <= inputs else (math.inf if math.isinf(mine) else mine - inputs)
-        finite = reference[v.id][torch.isfinite(reference[v.id])]
-        biggest = finite.abs().max().item() if finite.numel() else 0.0
+        biggest = _largest(reference[v.id])
         if biggest > info.max or 0 < biggest < info.tiny / 16:
             score = math.inf
         scores.append((op.id, score, mine))
@@ -144,37 +151,39 @@ def first_loss(graph: Graph, converted: Converted, values: dict, reference: dict
     """'silu_57 (aten::silu at model.py:12), whose result is inf or NaN where float32's is
     finite': the first op, in program order, whose result is not finite or is more than
     `tolerance` off float32 (relative L2), where no input of it was yet."""
+    off = _Errors(graph, converted, values, reference)
     for op in graph.ops:
         for o in op.outputs:
             v = graph.values[o]
-            if v.kind != ACTIVATION or v.spec.dtype != "float32" or o not in converted.value_of:
+            if v.kind != ACTIVATION or v.spec.dtype != "float32" or (mine := off(o)) <= tolerance:
                 continue
-            mine = relative_l2(values[converted.value_of[o]], reference[o])
-            if mine <= tolerance:
-                continue
-            before = max((relative_l2(values[converted.value_of[r]], reference[r]) for r in op.refs()
-                          if graph.values[r].spec.dtype == "float32" and r in converted.value_of), default=0.0)
-            if before <= tolerance:
+            if max((off(r) for r in op.refs()), default=0.0) <= tolerance:
                 where = f" at {op.source}" if op.source else ""
                 what = "is inf or NaN where float32's is finite" if math.isinf(mine) else \
                     f"is {mine:.3g} off float32 (relative L2)"
+                fact = _outside(reference[o], precision.dtype)
                 return (f"{v.name} ({short_target(op.target)}{where}), whose result {what}"
-                        + _range(reference[o], precision.dtype))
+                        + (f"; {fact}: use --precision bf16 (float32's range)" if fact else ""))
     outside = _outputs_out_of_range(graph, reference, precision)
     return (f"none: the outputs themselves{outside}" if outside else
             "no single op: the error builds up over many")
 
 
-def _range(x: torch.Tensor, dtype: str) -> str:
-    """Where float32's values lie outside what `dtype` holds: why, and what to do."""
+def _largest(x: torch.Tensor) -> float:
+    """The largest finite magnitude in `x` (0 if none)."""
+    finite = x[torch.isfinite(x)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def _outside(x: torch.Tensor, dtype: str) -> str:
+    """How float32's values `x` lie outside what `dtype` holds, or ''."""
     info = torch.finfo(getattr(torch, dtype))
-    biggest = x[torch.isfinite(x)].abs().max().item() if x.numel() and torch.isfinite(x).any() else 0.0
+    biggest = _largest(x)
     if biggest > info.max:
-        return (f"; float32's values reach {biggest:.3g}, beyond {dtype}'s largest {info.max:.5g}: use "
-                "--precision bf16 (float32's range)")
+        return f"float32's values reach {biggest:.3g}, beyond {dtype}'s largest {info.max:.5g}"
     if 0 < biggest < info.tiny:
-        return (f"; float32's values are at most {biggest:.3g}, below {dtype}'s smallest normal number "
-                f"{info.tiny:.3g}, so {dtype} loses them: use --precision bf16 (float32's range)")
+        return (f"float32's values are at most {biggest:.3g}, below {dtype}'s smallest normal number "
+                f"{info.tiny:.3g}, so {dtype} loses them")
     return ""
 
 
@@ -184,9 +193,8 @@ def _outputs_out_of_range(graph: Graph, reference: dict, precision: Precision) -
     if precision.io != "reduced":
         return ""
     for o in graph.outputs:
-        if graph.values[o].spec.dtype == "float32":
-            why = _range(reference[o], precision.dtype)
-            if why:
-                return f", which --io-dtype reduced hands out in {precision.dtype}{why.split(': use')[0]}: use " \
-                       "--io-dtype model (float32 outputs)"
+        fact = _outside(reference[o], precision.dtype) if graph.values[o].spec.dtype == "float32" else ""
+        if fact:
+            return (f", which --io-dtype reduced hands out in {precision.dtype}; {fact}: use --io-dtype model "
+                    "(float32 outputs)")
     return ""

@@ -68,9 +68,14 @@ class Stages:
             name = run.__name__
             with self.stage(name, f"pass {name}"):
                 graph, weights = run(graph, weights) if run in rewrites_weights else (run(graph), weights)
-                try:
-                    graph.lint()
-                except GraphError as e:
-                    raise GraphError(f"pass {name} broke the graph: {e}") from None
-            self.passes.append((name, len(graph.ops)))
+            self.passed(name, graph)
         return graph, weights
+
+    def passed(self, name: str, graph: Graph) -> None:
+        """Record that pass `name` left `graph`, linting it first (a pass run outside `run_passes`,
+        such as the precision search's conversion, reports here too)."""
+        try:
+            graph.lint()
+        except GraphError as e:
+            raise GraphError(f"pass {name} broke the graph: {e}") from None
+        self.passes.append((name, len(graph.ops)))

@@ -4,7 +4,9 @@ A pass is a pure function over the IR: it takes a linted `Graph` and returns a l
 imports no runtime, and runs on a builder with no GPU. A pass that rewrites weights
 (`fold_batch_norm`) takes and returns the weights beside the graph (`REWRITES_WEIGHTS`).
 The rewrites come first (the frontends emit what the model says, no more), then dead-op removal,
-a canonical op order and naming, then fusion; precision passes go here too.
+a canonical op order and naming, then fusion. `reduce_precision` runs between the rewrites and
+fusion where a compile asks for fp16 or bf16; `precision.search` drives it, so the pipeline calls
+it directly rather than from a list.
 """
 
 from .affine_batch_norm import affine_batch_norm
@@ -21,7 +23,6 @@ from .match_multi_head_attention import match_multi_head_attention
 from .name_values import name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
-from .reduce_precision import Precision, reduce_precision
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention})
@@ -29,5 +30,4 @@ REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attentio
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "chain_loose_ops", "eliminate_common_subexpressions",
            "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
-           "order_canonically", "Precision",
-           "reduce_precision"]
+           "order_canonically"]

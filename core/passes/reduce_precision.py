@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import UsageError
 from ..frontend.builder import GraphBuilder
 from ..frontend.finalize import finalize
 from ..ir import WEIGHT, Graph, Ref, Special
@@ -65,12 +64,6 @@ class Precision:
     dtype: str  # "float16" or "bfloat16"
     io: str = "model"  # "model": inputs and outputs keep float32; "reduced": they take `dtype`
     keep: frozenset[int] = frozenset()  # ids of ops (in the graph `convert` takes) kept in float32
-
-    def __post_init__(self):
-        if self.dtype not in SHORT or self.dtype == "float32":
-            raise UsageError(f"precision {self.dtype!r}: use one of fp16, bf16")
-        if self.io not in ("model", "reduced"):
-            raise UsageError(f"--io-dtype {self.io!r}: use model or reduced")
 
 
 @dataclass
@@ -196,13 +189,3 @@ def _follows(schema) -> bool:
         return False
     ret = schema.returns[0].alias_info if schema.returns else None
     return ret is not None and not ret.is_write
-
-
-def reduce_precision(precision: Precision):
-    """The pass for `precision`: (graph, weights) -> (graph, weights), as `pipeline.rewrite` runs it."""
-    def reduce_precision(graph: Graph, weights: dict) -> tuple[Graph, dict]:
-        converted = convert(graph, weights, precision)
-        return converted.graph, converted.weights
-
-    reduce_precision.rewrites_weights = True  # (graph, weights) -> (graph, weights), as fold_batch_norm
-    return reduce_precision

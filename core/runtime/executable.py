@@ -48,7 +48,6 @@ class LoadStats:
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds, each counted once; and "total"
     weight_bytes: int = 0
     arena_bytes: int = 0
-    scratch_bytes: int = 0  # graph-pool memory the capture kept: op workspaces and temporaries
     choice: str = ""  # the layout, streams, algorithms and convolution fusion it runs with (CUDA)
     tuning: str = ""  # how they were chosen: off, forced, cache hit, or timed
     tuning_ms: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
@@ -56,6 +55,13 @@ class LoadStats:
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
     footprint: footprint.Footprint | None = None  # CUDA: what the load holds on the GPU, by kind
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Graph-pool memory the capture kept (op workspaces, temporaries, results outside the
+        arena), as the footprint counts it; 0 without a graph."""
+        f = self.footprint
+        return 0 if f is None else f.outside_arena + f.pool_free
 
 
 class Executable:
@@ -119,9 +125,6 @@ class Executable:
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
             torch.cuda.empty_cache()  # what warm-ups and tuning freed goes back to the device
             self.stats.footprint = self.footprint()
-            # the graph pool as the footprint counts it (a difference of reserved bytes around the
-            # capture went negative once tuning's losing graphs were freed during it)
-            self.stats.scratch_bytes = self.stats.footprint.outside_arena + self.stats.footprint.pool_free
             if max_memory is not None and self.stats.footprint.growth > max_memory:
                 grown = self.stats.footprint.growth
                 self.close()
