@@ -23,7 +23,7 @@ from . import dtypes, frontend, passes
 from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError, first_line, is_out_of_memory
 from .fileio import sha256_file
 from .ir import WEIGHT, Graph, TensorSpec
-from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams
+from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams, with_batch
 from .ops import arguments, types
 from .runtime.device import resolve_device
 from .plan.memory import MemoryPlan, plan
@@ -65,6 +65,12 @@ class Compiled:
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds, each counted once
     passes: list[tuple[str, int]] = field(default_factory=list)  # ("lowered", ops), then (pass, ops after it)
     precision: dict | None = None  # reduced precision: dtype, io, tolerance, the float32 ops and why
+    others: list[Compiled] = field(default_factory=list)  # --batch-sizes: the compilations of the larger ones
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes compiled, smallest first ([] when compiled for one)."""
+        return [c.graph.values[c.graph.inputs[0]].spec.shape[0] for c in [self, *self.others]] if self.others else []
 
     @property
     def lowered_ops(self) -> int:
@@ -80,7 +86,8 @@ class Compiled:
         if self.precision is not None:
             manifest["precision"] = self.precision
         return Artifact(manifest, self.graph, self.schedule, self.memory, self.weights,
-                        self.sample_inputs, self.sample_outputs)
+                        self.sample_inputs, self.sample_outputs,
+                        {b: (c.graph, c.schedule, c.memory) for b, c in zip(self.batch_sizes[1:], self.others)})
 
 
 @contextlib.contextmanager
@@ -144,10 +151,11 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
                   streams: str | int = "auto", check: bool = True, progress: Callable[[str], None] = lambda stage: None,
                   fuse: bool = True, precision: str = "fp32", io_dtype: str = "model",
-                  tolerance: float | None = None) -> Compiled:
+                  tolerance: float | None = None, batch_sizes: list[int] | None = None) -> Compiled:
     """Load a TorchScript model or a torch.export `.pt2` program, lower it for `inputs` (None: a
     program's own input specs), check the op list against the model, and schedule it on
-    `streams` ("auto", 1, or a cap).
+    `streams` ("auto", 1, or a cap). `batch_sizes` compiles it once for each, as the first
+    dimension of every input (`compile_batches`).
 
     `progress(stage)` is called as each stage starts. `fuse` runs the FUSION passes; without it
     every op stays a single aten op. The check runs the op list on `device`
@@ -162,30 +170,75 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
         program = frontend.is_program(path)
         module = frontend.load_program(path) if program else frontend.load_module(path)
         digest = sha256_file(path)
-    if program:
-        return compile_program(module, inputs, path.stem, path.name, digest, options, stages)
-    if inputs is None:
+    if inputs is None and not program:
         raise UsageError(NEED_SHAPES)
-    return compile_script(module, inputs, path.stem, path.name, digest, options, stages)
+    compile_one = compile_program if program else compile_script
+    if batch_sizes:
+        if inputs is None:  # a program's own input specs, its batch dimension set per batch size below
+            inputs = [TensorSpec(tuple(1 if d is None and k == 0 else d for k, d in enumerate(shape)),
+                                 types.dtype_name(dtype)) for _, shape, dtype in frontend.export.program_inputs(module)]
+        return compile_batches(lambda specs, samples, st: compile_one(module, specs, path.stem, path.name, digest,
+                                                                        options, st, samples),
+                               inputs, batch_sizes, path.name, stages)
+    return compile_one(module, inputs, path.stem, path.name, digest, options, stages)
+
+
+def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int], model: str,
+                    stages: Stages) -> Compiled:
+    """One compilation per batch size (the first dimension of every input), smallest first, the
+    larger ones in its `others`. The larger batch sizes are checked on the smallest one's sample
+    rows, repeated: the model must give each row's outputs from that row alone, because a call at
+    a batch size between two compiled ones runs the larger, padded. They must read the same weights."""
+    first, *rest = batch_sizes
+    progress = stages.progress
+    main = compile_one(with_batch(inputs, first, model), None, stages)
+    for b in rest:
+        rows = torch.arange(b) % first
+        st = Stages(lambda stage, b=b: progress(f"batch {b}: {stage}"))
+        samples = [x[rows].to(types.DTYPES[spec.dtype]) for x, spec in zip(main.sample_inputs, inputs)]
+        other = compile_one(with_batch(inputs, b, model), samples, st)
+        for k, (got, want) in enumerate(zip(other.sample_outputs, main.sample_outputs)):
+            # outputs stored in a reduced dtype are the model's rounded: one rounding step apart at most
+            tolerance = default_tolerance("cpu") if got.dtype not in (torch.float16, torch.bfloat16) else (1e-2, 1e-2)
+            result = compare([got.float()], [want[rows].float()], *tolerance)
+            if not result.passed:
+                raise MismatchError(f"{model}: at batch {b}, output {k} is not the batch-{first} output row by row "
+                                    f"({result.describe()}): the model mixes the rows of a batch, so a padded call "
+                                    "would change its results; compile one batch size per artifact")
+        if _weight_specs(other) != _weight_specs(main) or any(
+                not torch.equal(other.weights[n], main.weights[n]) for n in main.weights):
+            raise UnsupportedError(f"{model}: at batch {b} the compiled graph reads other weights than at batch "
+                                   f"{first}; compile one batch size per artifact")
+        for key, secs in st.seconds.items():
+            main.seconds[key] = main.seconds.get(key, 0.0) + secs
+        main.others.append(other)
+    return main
+
+
+def _weight_specs(c: Compiled) -> list:
+    return sorted((n, str(t.dtype), tuple(t.shape)) for n, t in c.weights.items())
 
 
 def compile_program(program, inputs: list[TensorSpec] | None, name: str, model: str, digest: str,
-                    options: CompileOptions = CompileOptions(), stages: Stages | None = None) -> Compiled:
+                    options: CompileOptions = CompileOptions(), stages: Stages | None = None,
+                    samples: list[torch.Tensor] | None = None) -> Compiled:
     """`compile_script` for a torch.export ExportedProgram. `inputs` may be None: the program's
     own input shapes, which must then be static."""
     _check_weight_dtypes({**program.state_dict, **program.constants}, model)
     specs = frontend.export.input_specs_for(program, inputs, model)
     return run_stages(lambda: frontend.lower_program(program, specs, model), specs,
-                      Source(name, model, digest, "torch.export"), options, stages)
+                      Source(name, model, digest, "torch.export"), options, stages, samples)
 
 
 def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
-                   digest: str, options: CompileOptions = CompileOptions(), stages: Stages | None = None) -> Compiled:
+                   digest: str, options: CompileOptions = CompileOptions(), stages: Stages | None = None,
+                   samples: list[torch.Tensor] | None = None) -> Compiled:
     """`compile_model` for a module already in memory. `model` and `digest` name its source in
-    the manifest. Its weights may live on any device; the check runs on `options.device`."""
+    the manifest. Its weights may live on any device; the check runs on `options.device`.
+    `samples`: the sample inputs to check and store (default: `sample_inputs(inputs)`)."""
     _check_weight_dtypes(module.state_dict(), model)
     return run_stages(lambda: frontend.lower(module, inputs, model), inputs,
-                      Source(name, model, digest, "torchscript"), options, stages)
+                      Source(name, model, digest, "torchscript"), options, stages, samples)
 
 
 def _check_weight_dtypes(state: dict, model: str) -> None:
@@ -197,7 +250,7 @@ def _check_weight_dtypes(state: dict, model: str) -> None:
 
 
 def run_stages(lower, inputs: list[TensorSpec], source: Source, options: CompileOptions,
-               stages: Stages | None = None) -> Compiled:
+               stages: Stages | None = None, samples: list[torch.Tensor] | None = None) -> Compiled:
     """The stages after loading, shared by both frontends, in order: the frontend (`lower()`), the
     PASSES, the check against the model, the schedule and the memory plan."""
     stages = stages or Stages()
@@ -216,7 +269,7 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
         lowered = rewrite(lowered, FUSION, stages, label=None)
     with stages.stage("check", "running the reference"):
         xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check,
-                                                record["tolerance"] if record else None)
+                                                record["tolerance"] if record else None, samples)
     with stages.stage("schedule", "scheduling"):
         schedule = assign_streams(lowered.graph, streams)
     with stages.stage("memory", "planning memory"):
@@ -273,11 +326,12 @@ def _choose_precision(lowered, inputs: list[TensorSpec], model: str, options: Co
 
 
 def _reference_check(lowered, inputs: list[TensorSpec], model: str, device: str, check: bool,
-                     l2: float | None = None):
+                     l2: float | None = None, samples: list[torch.Tensor] | None = None):
     """(sample inputs, the model's outputs for them, the op list's comparison or None). `l2`: a
-    reduced-precision graph, held to that relative L2 error per output against the model."""
+    reduced-precision graph, held to that relative L2 error per output against the model.
+    `samples`: the sample inputs (default: `sample_inputs(inputs)`)."""
     try:
-        xs = sample_inputs(inputs)
+        xs = sample_inputs(inputs) if samples is None else samples
         home = next(iter(lowered.weights.values())).device if lowered.weights else torch.device("cpu")
         # one thread: the stored outputs are the same at any thread count; no graph-executor
         # optimization: on a first run it costs time that grows faster than the op count

@@ -113,3 +113,29 @@ def check_precision(precision: str, io_dtype: str = "model", tolerance: float | 
         raise UsageError(f"--tolerance {tolerance:g}: give a relative L2 error between 0 and 1, e.g. 1e-2")
     if precision == "fp32" and (tolerance is not None or io_dtype != "model"):
         raise UsageError("--tolerance and --io-dtype go with --precision fp16 or bf16")
+
+
+MAX_BATCH_SIZES = 16  # --batch-sizes: graphs one artifact holds
+MAX_BATCH = 2**16
+
+
+def parse_batch_sizes(text: str | None) -> list[int] | None:
+    """'1,2,4,8,16' -> [1, 2, 4, 8, 16] (sorted, each once); None or '' -> None (one batch size)."""
+    if text is None or not str(text).strip():
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(p.isascii() and p.isdigit() and 1 <= int(p) <= MAX_BATCH for p in parts):
+        raise UsageError(f"--batch-sizes {text!r}: give batch sizes from 1 to {MAX_BATCH} joined by commas, "
+                         "e.g. --batch-sizes 1,2,4,8,16")
+    sizes = sorted({int(p) for p in parts})
+    if len(sizes) > MAX_BATCH_SIZES:
+        raise UsageError(f"--batch-sizes {text!r}: at most {MAX_BATCH_SIZES} batch sizes per artifact")
+    return sizes
+
+
+def with_batch(specs: list[TensorSpec], batch: int, model: str = "the model") -> list[TensorSpec]:
+    """`specs` with the first dimension of every input set to `batch`."""
+    for k, s in enumerate(specs):
+        if not s.shape:
+            raise UsageError(f"{model}: input {k} is a scalar, so it has no batch dimension for --batch-sizes")
+    return [TensorSpec((batch, *s.shape[1:]), s.dtype) for s in specs]

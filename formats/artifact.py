@@ -6,6 +6,10 @@ Layout (every member stored, uncompressed, with fixed timestamps, in this order)
     graph.json                  the op graph (nimble.ir)
     schedule.json               the multi-stream schedule
     memory.json                 the arena plan
+    batch/<b>/graph.json, ...   an artifact of several batch sizes (`--batch-sizes`): the graph,
+                                schedule and memory plan of each batch size after the first, the
+                                first's at the top; the weights and the sample I/O (at the first
+                                batch size) are shared; format version 3
     weights.safetensors         weights, by value name
     sample/inputs.safetensors   a reference input ...
     sample/outputs.safetensors  ... and the source model's outputs for it
@@ -24,12 +28,13 @@ buffer (`nimble.runtime.preflight`). Every refusal is one ArtifactError line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import io
 import json
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,8 +50,9 @@ from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_plan
 
 from . import codec, tensors
-from .spec import (FORMAT_VERSION, GRAPH, MANIFEST, MAX_MANIFEST_BYTES, MAX_STRING, MEMBERS, MEMORY, SAMPLE_INPUT_KEY,
-                   SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS, SCHEDULE, WEIGHTS, ZIP_DATE, limit)
+from .spec import (BATCH_MEMBER, FORMAT_VERSION, GRAPH, MANIFEST, MAX_BATCH_SIZES, MAX_MANIFEST_BYTES, MAX_STRING,
+                   MEMBERS, MEMORY, ONE_BATCH_VERSION, SAMPLE_INPUT_KEY, SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS,
+                   SCHEDULE, WEIGHTS, ZIP_DATE, batch_members, limit)
 
 
 @dataclass
@@ -58,6 +64,32 @@ class Artifact:
     weights: dict[str, torch.Tensor]
     sample_inputs: list[torch.Tensor]
     sample_outputs: list[torch.Tensor]
+    # the other batch sizes of a multi-batch artifact: batch -> (graph, schedule, memory plan)
+    batches: dict[int, tuple[Graph, Schedule, MemoryPlan]] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int | None:
+        """The batch size of the top-level graph: the first dimension of its inputs (None: no input
+        has one)."""
+        shapes = [self.graph.values[i].spec.shape for i in self.graph.inputs]
+        return shapes[0][0] if shapes and shapes[0] else None
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Every batch size the artifact holds a graph for, smallest first ([] for one with no
+        batch dimension)."""
+        return sorted({self.batch, *self.batches}) if self.batch is not None else []
+
+    def for_batch(self, batch: int) -> Artifact:
+        """The artifact of one of its batch sizes: that graph, schedule and memory plan with the
+        shared weights, and sample inputs and outputs made of the stored ones' rows, repeated (the
+        compile checked that the model maps rows so)."""
+        if batch == self.batch:
+            return dataclasses.replace(self, batches={})
+        graph, schedule, memory = self.batches[batch]
+        rows = torch.arange(batch) % self.batch
+        return Artifact(self.manifest, graph, schedule, memory, self.weights,
+                        [x[rows] for x in self.sample_inputs], [y[rows] for y in self.sample_outputs])
 
     @property
     def model(self) -> str:
@@ -104,17 +136,21 @@ def _write_zip(file, art: Artifact) -> None:
         GRAPH: [_json(codec.encode_graph(g))],
         SCHEDULE: [_json(codec.encode_schedule(art.schedule))],
         MEMORY: [_json(codec.encode_memory(art.memory))],
+        **{BATCH_MEMBER.format(b, m): [_json(doc)] for b, (graph, schedule, memory) in sorted(art.batches.items())
+           for m, doc in ((GRAPH, codec.encode_graph(graph)), (SCHEDULE, codec.encode_schedule(schedule)),
+                          (MEMORY, codec.encode_memory(memory)))},
         WEIGHTS: tensors.serialize({g.values[w].name: art.weights[g.values[w].name] for w in g.weights}),
         SAMPLE_INPUTS: tensors.serialize({SAMPLE_INPUT_KEY.format(i): t for i, t in enumerate(art.sample_inputs)}),
         SAMPLE_OUTPUTS: tensors.serialize({SAMPLE_OUTPUT_KEY.format(i): t
                                            for i, t in enumerate(art.sample_outputs)}),
     }
     manifest = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if art.batches else ONE_BATCH_VERSION,
         "nimble_version": __version__,
         "torch_version": torch.__version__,
         **{k: art.manifest[k] for k in ("model", "source_sha256", "options", "passes", "precision")
            if k in art.manifest},
+        **({"batch_sizes": art.batch_sizes} if art.batches else {}),
         "inputs": _io_specs(g, g.inputs),
         "outputs": _io_specs(g, g.outputs),
         "members": {name: _digest(chunks) for name, chunks in members.items()},
@@ -184,12 +220,13 @@ def _read(path: Path) -> Artifact:
                 raise ArtifactError(f"{name}: member {info.filename} is compressed or larger than the file")
         manifest = _load_json(z, MANIFEST, name)
         _check_manifest(manifest, name)
-        extra = sorted(set(names) - set(MEMBERS))
-        missing = [m for m in MEMBERS if m not in names]
+        expected = [*MEMBERS, *batch_members(manifest.get("batch_sizes", []))]
+        extra = sorted(set(names) - set(expected))
+        missing = [m for m in expected if m not in names]
         if missing or extra:
             raise ArtifactError(f"{name}: member {(missing or extra)[0]} is {'missing' if missing else 'unexpected'}")
         data = {}
-        for member in MEMBERS[1:]:
+        for member in expected[1:]:
             want = manifest["members"][member]
             if member.endswith(".json"):
                 _check_json_size(z, member, name)
@@ -213,6 +250,7 @@ def _read(path: Path) -> Artifact:
     except ValueError as e:
         raise ArtifactError(f"{name}: unsafe plan: {e}") from None
     _check_io(manifest, graph, name)
+    batches = _read_batches(manifest, data, graph, name)
 
     def spec(v):
         return v.spec.dtype, v.spec.shape
@@ -224,7 +262,45 @@ def _read(path: Path) -> Artifact:
         SAMPLE_OUTPUT_KEY.format(i): spec(graph.values[v]) for i, v in enumerate(graph.outputs)})
     return Artifact(manifest, graph, schedule, memory, weights,
                     [sample_in[SAMPLE_INPUT_KEY.format(i)] for i in range(len(graph.inputs))],
-                    [sample_out[SAMPLE_OUTPUT_KEY.format(i)] for i in range(len(graph.outputs))])
+                    [sample_out[SAMPLE_OUTPUT_KEY.format(i)] for i in range(len(graph.outputs))], batches)
+
+
+def _read_batches(manifest: dict, data: dict, top: Graph, name: str) -> dict:
+    """The plans of the batch sizes after the first, each checked as the top one is, and against
+    it: the same weights, the same inputs and outputs but for their first dimension."""
+    sizes = manifest.get("batch_sizes", [])
+    if sizes and [top.values[i].spec.shape[:1] for i in top.inputs][:1] != [(sizes[0],)]:
+        raise ArtifactError(f"{name}: the first batch size in the manifest, {sizes[0]}, is not the graph's")
+    weights = sorted((v.name, v.spec) for v in top.values if v.kind == WEIGHT)
+    batches = {}
+    for b in sizes[1:]:
+        where = f"{name}: batch {b}"
+        try:
+            graph = codec.decode_graph(_parse_json(data[BATCH_MEMBER.format(b, GRAPH)], GRAPH, where))
+            schedule = codec.decode_schedule(_parse_json(data[BATCH_MEMBER.format(b, SCHEDULE)], SCHEDULE, where),
+                                             len(graph.ops))
+            memory = codec.decode_memory(_parse_json(data[BATCH_MEMBER.format(b, MEMORY)], MEMORY, where),
+                                         len(graph.values))
+        except ArtifactError as e:
+            raise ArtifactError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
+        _check_ops(graph, where)
+        try:
+            check_plan(graph, schedule, memory)
+        except ValueError as e:
+            raise ArtifactError(f"{where}: unsafe plan: {e}") from None
+        if sorted((v.name, v.spec) for v in graph.values if v.kind == WEIGHT) != weights:
+            raise ArtifactError(f"{where} reads other weights than batch {sizes[0]}")
+        for key in ("inputs", "outputs"):
+            mine, theirs = getattr(graph, key), getattr(top, key)
+            same = len(mine) == len(theirs) and all(
+                graph.values[a].name == top.values[t].name and graph.values[a].spec.dtype == top.values[t].spec.dtype
+                and graph.values[a].spec.shape == (b, *top.values[t].spec.shape[1:])
+                for a, t in zip(mine, theirs))
+            if not same:
+                raise ArtifactError(f"{where}: its {key} are not those of batch {sizes[0]} with a first dimension "
+                                    f"of {b}")
+        batches[b] = (graph, schedule, memory)
+    return batches
 
 
 def _load_json(z: zipfile.ZipFile, member: str, name: str):
@@ -288,7 +364,12 @@ def _check_manifest(m: dict, name: str) -> None:
         raise ArtifactError(f"{name}: manifest field 'passes' is malformed")
     if "precision" in m:
         _check_precision(m["precision"], name)
-    for member in MEMBERS[1:]:
+    sizes = m.get("batch_sizes", [])
+    if not (isinstance(sizes, list) and len(sizes) <= MAX_BATCH_SIZES and all(type(b) is int and 1 <= b <= 2**16
+                                                                              for b in sizes)
+            and sizes == sorted(set(sizes)) and len(sizes) != 1):
+        raise ArtifactError(f"{name}: manifest field 'batch_sizes' is malformed")
+    for member in [*MEMBERS[1:], *batch_members(sizes)]:
         entry = m["members"].get(member)
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("size"), int) and entry["size"] >= 0):

@@ -1,7 +1,9 @@
 """Every constant of the `.nimble` format, in one place. Bump FORMAT_VERSION on any change a
 reader of the previous version could misread."""
 
-FORMAT_VERSION = 2  # 2: fused ops (`nimble::fused`, with `local` arguments in their bodies)
+FORMAT_VERSION = 3  # 3: several batch sizes (manifest `batch_sizes`, members under batch/<b>/)
+ONE_BATCH_VERSION = 2  # 2: fused ops (`nimble::fused`, with `local` arguments in their bodies); an
+# artifact of one batch size says 2, so that readers of version 2 still read it
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
@@ -11,6 +13,14 @@ WEIGHTS = "weights.safetensors"
 SAMPLE_INPUTS = "sample/inputs.safetensors"
 SAMPLE_OUTPUTS = "sample/outputs.safetensors"
 MEMBERS = (MANIFEST, GRAPH, SCHEDULE, MEMORY, WEIGHTS, SAMPLE_INPUTS, SAMPLE_OUTPUTS)
+PLAN_MEMBERS = (GRAPH, SCHEDULE, MEMORY)  # one set per batch size: the first batch size's at the top,
+BATCH_MEMBER = "batch/{}/{}"  # each other's under batch/<b>/ (the weights and sample I/O are shared)
+MAX_BATCH_SIZES = 16
+
+
+def batch_members(batch_sizes) -> list[str]:
+    """The members of the batch sizes after the first, in the order they are written."""
+    return [BATCH_MEMBER.format(b, m) for b in list(batch_sizes)[1:] for m in PLAN_MEMBERS]
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed timestamps make the bytes reproducible
 

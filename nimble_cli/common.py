@@ -216,3 +216,10 @@ def describe_precision(record: dict | None) -> str:
     return (f"{record['dtype']} ({io}); {len(kept)} of {record['floating_ops']} ops in float32: "
             f"{sum(by_rule.values())} by rule{f' ({rule})' if rule else ''}, {found}; "
             f"tolerance {record['tolerance']:g} relative L2")
+
+
+def describe_batches(plans: dict) -> str:
+    """'1 (arena 6.9 MiB, 2 streams), 8 (arena 55.2 MiB, 1 stream)' for batch -> (graph, schedule,
+    memory plan); the call at a batch size between two runs the larger one, padded."""
+    return ", ".join(f"{b} (arena {human_bytes(m.arena_bytes)}, {s.num_streams} stream{'s' * (s.num_streams != 1)})"
+                     for b, (_, s, m) in sorted(plans.items()))

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
+from .common import (describe_batches, describe_precision, progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
                      user_errors, writable)
 
 
@@ -48,6 +48,13 @@ def compile_command(
                                               "of float32 on the sample input, e.g. 1e-2. Without it, a compile "
                                               "whose outputs are further off names the op that first loses "
                                               "accuracy."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", metavar="B1,B2,...",
+                                              help="Compile one graph, schedule and memory plan for each batch "
+                                              "size, as the first dimension of every input, into one artifact "
+                                              "with one copy of the weights, e.g. --batch-sizes 1,2,4,8,16. A "
+                                              "call then runs the smallest that holds its batch, padded (what "
+                                              "`nimble serve` batches requests into). The model must compute "
+                                              "each row of the batch from that row alone; compile checks it."),
     json_out: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -58,7 +65,8 @@ def compile_command(
 
     Examples: nimble compile sample_models/inception.pt --shape 1x3x224x224;
     nimble compile model.pt2 (its shapes come from the program's example inputs);
-    nimble compile model.pt --shape 8x3x224x224 --precision fp16 --tolerance 1e-2.
+    nimble compile model.pt --shape 8x3x224x224 --precision fp16 --tolerance 1e-2;
+    nimble compile model.pt --shape 1x3x224x224 --batch-sizes 1,2,4,8,16.
     """
     with user_errors(debug, json_out):
         from nimble.specs import input_specs
@@ -74,6 +82,9 @@ def compile_command(
         from nimble.specs import check_precision
 
         check_precision(precision, io_dtype, tolerance)
+        from nimble.specs import parse_batch_sizes
+
+        batches = parse_batch_sizes(batch_sizes)
         check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
@@ -83,7 +94,8 @@ def compile_command(
         with progress(f"{model.name}: compiling") as update:
             compiled = compile_model(model, specs, device=device, streams=streams,
                                      progress=lambda stage: update(f"{model.name}: {stage}"), fuse=fuse,
-                                     precision=precision, io_dtype=io_dtype, tolerance=tolerance)
+                                     precision=precision, io_dtype=io_dtype, tolerance=tolerance,
+                                     batch_sizes=batches)
             update(f"{model.name}: writing {target.name}")
             from nimble.formats import write_artifact
 
@@ -107,17 +119,18 @@ def compile_document(compiled, target: Path, size: int) -> dict:
 
     from nimble import __version__
     from nimble.fileio import sha256_file
-    from nimble.formats.spec import FORMAT_VERSION
+    from nimble.formats.spec import FORMAT_VERSION, ONE_BATCH_VERSION
     from nimble.plan.document import plan_document
 
     c = compiled.check
+    others = {b: (c.graph, c.schedule, c.memory) for b, c in zip(compiled.batch_sizes[1:], compiled.others)}
     return plan_document(compiled.graph, model=compiled.model, schedule=compiled.schedule, memory=compiled.memory,
-                         passes=compiled.passes) | {
+                         passes=compiled.passes, batches=others) | {
         "artifact": {"path": str(target), "bytes": size, "sha256": sha256_file(target)},
         "check": None if c is None else {"device": compiled.check_device} | c.document(),
         "precision": compiled.precision,
         "stages_seconds": {k: round(v, 4) for k, v in compiled.seconds.items()},
-        "versions": {"nimble": __version__, "torch": torch.__version__, "format": FORMAT_VERSION},
+        "versions": {"nimble": __version__, "torch": torch.__version__, "format": FORMAT_VERSION if others else ONE_BATCH_VERSION},
     }
 
 
@@ -182,6 +195,10 @@ def _summary(c) -> None:
         table.add_row(literal(v.name), literal(g.ops[v.producer].target), "x".join(map(str, v.spec.shape)), v.spec.dtype,
                       human_bytes(v.spec.nbytes))
     console.print(table)
+    if c.others:
+        plans = {b: (o.graph, o.schedule, o.memory) for b, o in zip(c.batch_sizes, [c, *c.others])}
+        console.print(f"  batch sizes: {describe_batches(plans)}; one copy of the weights (the lines above: "
+                      f"batch {c.batch_sizes[0]})")
     if c.precision is not None:
         console.print(f"  precision: {describe_precision(c.precision)}")
     if c.check is not None:

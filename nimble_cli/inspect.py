@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, describe_precision, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
+from .common import (DebugOption, describe_batches, describe_precision, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
                      print_json, user_errors, writable)
 from .compile import describe_passes
 
@@ -51,7 +51,7 @@ def inspect_command(
         if json_out:
             man = art.manifest
             print_json(plan_document(art.graph, model=art.model, schedule=art.schedule, memory=art.memory,
-                                     passes=art.passes) | {
+                                     passes=art.passes, batches=art.batches) | {
                 "manifest": {k: man.get(k) for k in ("format_version", "nimble_version", "torch_version", "model",
                                                      "source_sha256", "options")},
                 "precision": art.precision,
@@ -67,9 +67,9 @@ def inspect_command(
 
 def _footprint(art, path: Path, device: str, tune: str) -> dict | None:
     """Load `art` on `device` and return its GPU footprint as a document (None on the CPU)."""
-    from nimble.runtime.executable import Executable
+    from nimble.runtime.executable import open_artifact
 
-    with Executable(art, device, name=path.name, tune=tune) as exe:
+    with open_artifact(art, device, name=path.name, tune=tune) as exe:
         return exe.stats.footprint.document() if exe.stats.footprint else None
 
 
@@ -100,6 +100,10 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     table.add_row("arena", f"{human_bytes(m.arena_bytes)} ({m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)}, "
                            f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "
                            f"{human_bytes(m.no_reuse_bytes)})")
+    if art.batches:
+        table.add_row("batch sizes", describe_batches({art.batch: (g, s, m), **art.batches})
+                      + "; a call runs the smallest that holds its batch, padded (the rest of this table: "
+                      f"batch {art.batch})")
     table.add_row("weights", f"{len(weights)} tensors, {human_bytes(sum(v.spec.nbytes for v in weights))}")
     table.add_row("versions", f"format {man['format_version']}, nimble {literal(man['nimble_version'])}, "
                               f"torch {literal(man['torch_version'])}")

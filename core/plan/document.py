@@ -11,11 +11,14 @@ from ..ir import Graph
 SCHEMA_VERSION = 1
 
 
-def plan_document(graph: Graph, *, model: str, schedule=None, memory=None, passes=None) -> dict:
+def plan_document(graph: Graph, *, model: str, schedule=None, memory=None, passes=None, batches=None) -> dict:
     """The plan document for `graph`. `schedule` and `memory` fill the per-op stream, order and
     waits and the per-output offsets; where they are None, those fields are null. `passes` lists
     (name, ops after it) in the order they ran, the lowered graph first; null where unknown (an
-    artifact written before nimble recorded them)."""
+    artifact written before nimble recorded them). `batches` maps each batch size after the first
+    of a multi-batch artifact to its (graph, schedule, memory plan): the document describes the
+    first in full and sums up the others."""
+    batches = dict(sorted((batches or {}).items()))
     vals = graph.values
     ops = []
     for op in graph.ops:
@@ -61,4 +64,7 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None, passe
         "lower_bound": None if memory is None else memory.lower_bound,
         "no_reuse_bytes": None if memory is None else memory.no_reuse_bytes,
         "ops": ops,
+        "batch_sizes": [graph.values[graph.inputs[0]].spec.shape[0], *batches] if batches else [],
+        "batches": [{"batch": b, "ops": len(g.ops), "streams": sch.num_streams, "syncs": sch.num_waits,
+                     "arena_bytes": mem.arena_bytes} for b, (g, sch, mem) in batches.items()],
     }

@@ -75,7 +75,8 @@ class Executable:
 
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
-                 choice: tuning.Choice | None = None, max_memory: int | None = None):
+                 choice: tuning.Choice | None = None, max_memory: int | None = None,
+                 share: Executable | None = None, arena_bytes: int | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
@@ -83,7 +84,10 @@ class Executable:
         On CUDA, `tune` (off, cached or full) says how the layout, streams, convolution algorithms
         and convolution fusion are chosen (`tuning.py`), and `choice` forces them. `max_memory`
         (bytes) refuses a load whose planned tensors would exceed it before allocating anything,
-        and on CUDA one whose device footprint (`footprint.py`) ends up above it."""
+        and on CUDA one whose device footprint (`footprint.py`) ends up above it. `share` (a
+        loaded Executable of the same weights, on the same device) lends its weights and arena
+        instead of allocating them, for the batch sizes of one artifact (`batched.py`); the arena
+        must be large enough: `arena_bytes` sizes the lender's above its own plan."""
         t0 = time.perf_counter()
         check_tune_mode(tune)
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
@@ -99,6 +103,8 @@ class Executable:
             self._cuda_graph = None
             self._with_arena = arena
             self._single_stream = single_stream
+            self._share = share
+            self._arena_size = max(arena_bytes or 0, self.memory.arena_bytes)
             self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
             self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
             self._set_order(self.choice)
@@ -137,7 +143,7 @@ class Executable:
         """Bytes of the tensors the plan names: weights, arena and inputs."""
         g = self.graph
         return {"weights": sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
-                "arena": self.memory.arena_bytes if self._with_arena else 0,
+                "arena": self._arena_size if self._with_arena else 0,
                 "inputs": sum(g.values[i].spec.nbytes for i in g.inputs)}
 
     def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
@@ -154,14 +160,21 @@ class Executable:
         """What this artifact holds on its GPU now, by kind (`footprint.py`); None on the CPU."""
         if self._mark is None or self._closed:
             return None
+        return footprint.measure(self.device, self._mark, self._planned_bytes(), self.pools(), self.outside_bytes())
+
+    def pools(self) -> list:
+        """The captured graph's memory pool, in a list (empty without a graph)."""
+        return [self._cuda_graph.pool()] if self._cuda_graph is not None else []
+
+    def outside_bytes(self) -> int:
+        """Bytes of the results the captured graph holds outside the plan's own storages."""
         own = self._own_storages()
         outside: dict[int, int] = {}
         for t in (self._tensors or {}).values():
             storage = t.untyped_storage()
             if storage.data_ptr() not in own and t.is_cuda:
                 outside[storage.data_ptr()] = storage.nbytes()
-        pool = self._cuda_graph.pool() if self._cuda_graph is not None else None
-        return footprint.measure(self.device, self._mark, self._planned_bytes(), pool, sum(outside.values()))
+        return sum(outside.values())
 
     def _own_storages(self) -> frozenset[int]:
         """The storages a load allocates for the plan: the arena, the input buffers, the weights."""
@@ -272,24 +285,11 @@ class Executable:
 
     def _allocate(self) -> None:
         g, dev = self.graph, self.device
-        need = self.memory.arena_bytes + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
-        try:
-            # the convolution weights come first, then the rest, the arena, the inputs, and last the
-            # convolutions' channels_last copies (made once, here, for every candidate that lays them
-            # out so): whichever layout is chosen, the copies it does not keep free whole segments,
-            # which go back to the device
-            convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
-            ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
-            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
-            self.arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=dev)
-            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
-                                        device=dev) for i in g.inputs]
-            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
-                                           for vid in sorted(convs)}
-        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
-            raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
-                                 f"and arena need {need} bytes "
-                                 f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
+        need = self._arena_size + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
+        if self._share is not None:
+            self._borrow(self._share)
+        else:
+            self._allocate_own(need)
         try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
             self._load_inputs(self.artifact.sample_inputs)
         except ShapeError as e:
@@ -299,6 +299,44 @@ class Executable:
         self._views = arena_views(g, self.memory, self.arena) if self._with_arena else {}
         self.stats.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights.values())
         self.stats.arena_bytes = self.memory.arena_bytes if self._with_arena else 0
+
+    def _borrow(self, lender: Executable) -> None:
+        """The lender's weights, as it runs them (its chosen layout), and its arena; own input buffers."""
+        g = self.graph
+        if lender.device != self.device or lender.arena.numel() < self.memory.arena_bytes:
+            raise ExecutionError(f"{self._name}: the executable it shares with has another device or a smaller arena")
+        self._stored_weights = {v.id: lender._weights_by_name[v.name] for v in g.values if v.kind == WEIGHT}
+        self._channels_last_weights = {}
+        self.arena = lender.arena
+        try:
+            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
+                                        device=self.device) for i in g.inputs]
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):
+            raise ExecutionError(f"out of memory on {self.device} while loading the input buffers") from None
+
+    @property
+    def _weights_by_name(self) -> dict[str, torch.Tensor]:
+        return {self.graph.values[vid].name: t for vid, t in self._stored_weights.items()}
+
+    def _allocate_own(self, need: int) -> None:
+        g, dev = self.graph, self.device
+        try:
+            # the convolution weights come first, then the rest, the arena, the inputs, and last the
+            # convolutions' channels_last copies (made once, here, for every candidate that lays them
+            # out so): whichever layout is chosen, the copies it does not keep free whole segments,
+            # which go back to the device
+            convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
+            ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
+            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
+            self.arena = torch.empty(max(self._arena_size, 1), dtype=torch.uint8, device=dev)
+            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
+                                        device=dev) for i in g.inputs]
+            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
+                                           for vid in sorted(convs)}
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
+            raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
+                                 f"and arena need {need} bytes "
+                                 f"({need / 2**20:.1f} MiB); free memory on {dev} or use a smaller batch") from None
 
     def _env(self) -> dict[int, torch.Tensor]:
         env = dict(self._weights)
@@ -427,6 +465,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def open_artifact(artifact, device: str = "auto", **options) -> Executable:
+    """An artifact read into memory, loaded: an `Executable`, or for an artifact of several batch
+    sizes a `batched.Batched`, which is called the same way. `options` as `Executable` takes
+    them (name, tune, graph_dump, max_memory)."""
+    if artifact.batches:
+        from .batched import Batched
+
+        return Batched(artifact, device, **options)
+    return Executable(artifact, device, **options)
+
+
 def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None,
          verify: bool = False, max_memory: int | None = None) -> Executable:
     """Read and validate an artifact, then prepare it for execution on `device`, choosing its
@@ -436,13 +485,15 @@ def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dum
     the device's default tolerance): a self-check at load, one inference long. `max_memory`
     (bytes) refuses, in one line, a load that would hold more: before allocating, against the
     weights, arena and inputs; on CUDA also against the footprint once loaded (which is then freed).
-    `exe.close()`, or `with nimble.load(path) as exe:`, gives the memory back."""
+    `exe.close()`, or `with nimble.load(path) as exe:`, gives the memory back. An artifact of
+    several batch sizes loads as a `Batched`: one CUDA graph per batch size on shared weights and
+    arena, called with any batch up to the largest."""
     from nimble.formats import read_artifact
 
     t = time.perf_counter()
     art = read_artifact(path)
     read_s = time.perf_counter() - t
-    exe = Executable(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory)
+    exe = open_artifact(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     if verify:
         exe.verify()

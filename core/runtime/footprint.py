@@ -59,16 +59,17 @@ class Mark:
         return Mark(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
 
-def measure(device: torch.device, before: Mark, planned: dict[str, int], pool_id, outside_arena: int) -> Footprint:
+def measure(device: torch.device, before: Mark, planned: dict[str, int], pools, outside_arena: int) -> Footprint:
     """The footprint on `device` since `before`: `planned` gives the bytes of weights, arena and
-    inputs; `pool_id` is the captured graph's pool (None: no graph); `outside_arena` the bytes of
-    results the graph holds outside the arena."""
+    inputs; `pools` are the captured graphs' pools (empty: no graph); `outside_arena` the bytes of
+    results the graphs hold outside the arena."""
+    pools = {tuple(p) for p in pools}
     after = Mark.now(device)
     pool_reserved, pool_allocated, per_stream = 0, 0, {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if pool_id is not None:
+    if pools:
         for seg in torch.cuda.memory_snapshot():
-            if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id):
+            if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools:
                 pool_reserved += seg["total_size"]
                 pool_allocated += seg["allocated_size"]
                 stream = f"{seg.get('stream', 0):#x}"
