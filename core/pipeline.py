@@ -179,16 +179,19 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
                                  types.dtype_name(dtype)) for _, shape, dtype in frontend.export.program_inputs(module)]
         return compile_batches(lambda specs, samples, st: compile_one(module, specs, path.stem, path.name, digest,
                                                                         options, st, samples),
-                               inputs, batch_sizes, path.name, stages)
+                               inputs, batch_sizes, path.name, stages,
+                               frontend.export.reference_of(module) if program else module)
     return compile_one(module, inputs, path.stem, path.name, digest, options, stages)
 
 
 def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int], model: str,
-                    stages: Stages) -> Compiled:
+                    stages: Stages, reference) -> Compiled:
     """One compilation per batch size (the first dimension of every input), smallest first, the
-    larger ones in its `others`. The larger batch sizes are checked on the smallest one's sample
-    rows, repeated: the model must give each row's outputs from that row alone, because a call at
-    a batch size between two compiled ones runs the larger, padded. They must read the same weights."""
+    larger ones in its `others`; `reference(*xs)` runs the model. The model must give each row's
+    outputs from that row alone, because a call at a batch size between two compiled ones runs the
+    larger, padded with zero rows: each larger batch size is checked on the smallest one's sample
+    rows, repeated (as the artifact's stored samples for it are), and padded with zero rows. They
+    must read the same weights."""
     first, *rest = batch_sizes
     progress = stages.progress
     main = compile_one(with_batch(inputs, first, model), None, stages)
@@ -197,10 +200,13 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
         st = Stages(lambda stage, b=b: progress(f"batch {b}: {stage}"))
         samples = [x[rows].to(types.DTYPES[spec.dtype]) for x, spec in zip(main.sample_inputs, inputs)]
         other = compile_one(with_batch(inputs, b, model), samples, st)
-        for k, (got, want) in enumerate(zip(other.sample_outputs, main.sample_outputs)):
+        padded = [torch.cat([x, x.new_zeros((b - first, *x.shape[1:]))]) for x in samples]
+        with frontend.quiet_torchscript(), torch.no_grad(), one_thread():
+            got_padded = [y.cpu()[:first] for y in arguments.flatten_result(reference(*padded))]
+        for k, (got, got_pad, want) in enumerate(zip(other.sample_outputs, got_padded, main.sample_outputs)):
             # outputs stored in a reduced dtype are the model's rounded: one rounding step apart at most
-            tolerance = default_tolerance("cpu") if got.dtype not in (torch.float16, torch.bfloat16) else (1e-2, 1e-2)
-            result = compare([got.float()], [want[rows].float()], *tolerance)
+            tolerance = default_tolerance("cpu") if want.dtype not in (torch.float16, torch.bfloat16) else (1e-2, 1e-2)
+            result = compare([got.float(), got_pad.float()], [want[rows].float(), want.float()], *tolerance)
             if not result.passed:
                 raise MismatchError(f"{model}: at batch {b}, output {k} is not the batch-{first} output row by row "
                                     f"({result.describe()}): the model mixes the rows of a batch, so a padded call "

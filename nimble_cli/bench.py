@@ -38,6 +38,10 @@ def bench_command(
     inputs: Optional[list[str]] = typer.Option(None, "--input", "-i", help="Time on these inputs instead of the "
                                                "artifact's stored sample: NAME=FILE.npy or NAME=FILE.safetensors (or "
                                                "just FILE for a one-input model), as for nimble run."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", metavar="N",
+                                             help="For an artifact of several batch sizes (compile --batch-sizes): "
+                                             "the one to time in full (default: the largest). Every batch size's "
+                                             "throughput is reported besides."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
     max_memory: MaxMemoryOption = None,
@@ -95,8 +99,11 @@ def bench_command(
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 dump = str(Path(tmp) / "graph.dot") if torch.cuda.is_available() and device != "cpu" else None
-                exe = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump)
-                kernels = count_kernels(dump) if exe.device.type == "cuda" else None
+                loaded = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump)
+                kernels = count_kernels(dump) if loaded.device.type == "cuda" else None
+            exe, sizes = _one_batch(loaded, batch_size, artifact.name)
+            if exe is not loaded and exe is not loaded.executable(sizes[-1]):
+                kernels = None  # the count is the largest batch size's graph
             cuda = exe.device.type == "cuda"
             xs = read_inputs(inputs, exe.graph) if inputs else exe.artifact.sample_inputs
             exe(*[x.to(exe.device) for x in xs], copy=False)  # checked (shapes, dtypes, index ranges) into the input buffers
@@ -111,9 +118,10 @@ def bench_command(
                 update("tracing")
                 traced = _write_trace(exe, trace)
             runners = {"nimble": exe.replay}
-            memory = {"weights_bytes": exe.stats.weight_bytes, "arena_bytes": exe.stats.arena_bytes,
-                      "scratch_bytes": exe.stats.scratch_bytes, "process_peak_bytes": peak,
-                      "footprint": exe.stats.footprint.document() if exe.stats.footprint else None}
+            stats = loaded.stats
+            memory = {"weights_bytes": stats.weight_bytes, "arena_bytes": stats.arena_bytes,
+                      "scratch_bytes": stats.scratch_bytes, "process_peak_bytes": peak,
+                      "footprint": stats.footprint.document() if stats.footprint else None}
             if baselines:
                 update("building baselines")
                 for name, baseline in build_baselines(exe, xs).items():
@@ -125,17 +133,26 @@ def bench_command(
                 update(f"timing {name}")
                 results[name] = measure(replay, cuda=cuda, warmup_ms=warmup_ms, duration_s=duration_s,
                                         iterations=iterations)
+            per_batch = []
+            for b in sizes if len(sizes) > 1 else []:
+                update(f"timing batch {b}")
+                timed = measure(loaded.executable(b).replay, cuda=cuda, warmup_ms=warmup_ms,
+                                duration_s=min(duration_s, 1.0), iterations=iterations).summary(pcts)
+                per_batch.append({"batch": b, "median_ms": timed["median_ms"],
+                                  "inferences_per_s": timed["throughput_per_s"],
+                                  "rows_per_s": timed["throughput_per_s"] * b})
         summaries = {k: t.summary(pcts) for k, t in results.items()}
         report = {
             "schema_version": BENCH_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
             "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
-            "load_seconds": exe.stats.seconds["total"], "first_inference_seconds": first,
-            "load_breakdown_seconds": exe.stats.seconds, "memory": memory,
-            "tuning": {"choice": exe.stats.choice or None, "how": exe.stats.tuning or None,
-                       "candidates_gpu_ms": exe.stats.tuning_ms},
-            "kernels": {"per_inference": kernels, "generated": exe.stats.kernels_generated,
-                        "source_cache_hits": exe.stats.kernel_source_hits,
-                        "interpreted_fused_ops": exe.stats.kernel_fallbacks},
+            "load_seconds": stats.seconds["total"], "first_inference_seconds": first,
+            "load_breakdown_seconds": stats.seconds, "memory": memory,
+            "tuning": {"choice": stats.choice or None, "how": stats.tuning or None,
+                       "candidates_gpu_ms": stats.tuning_ms},
+            "kernels": {"per_inference": kernels, "generated": stats.kernels_generated,
+                        "source_cache_hits": stats.kernel_source_hits,
+                        "interpreted_fused_ops": stats.kernel_fallbacks},
+            "batch": _batch_of(exe), "batch_sizes": per_batch,
             "inputs": "given" if inputs else "stored sample",
             "precision": exe.artifact.precision,
             "trace": traced,
@@ -155,6 +172,28 @@ def bench_command(
         if json_out:
             print_json(report)
         _print(report, pcts)
+
+
+def _one_batch(loaded, batch: int | None, name: str):
+    """(the executable to time, every batch size the artifact holds): the one compiled for
+    `batch`, or the largest; an artifact of one batch size is its own."""
+    from nimble.errors import UsageError
+
+    sizes = getattr(loaded, "batch_sizes", None)
+    if sizes:
+        return loaded.executable(sizes[-1] if batch is None else batch), sizes
+    own = _batch_of(loaded)
+    if batch is not None and batch != own:
+        raise UsageError(f"--batch-size {batch}: {name} was compiled for batch {own} alone; compile it with "
+                         "--batch-sizes to hold several")
+    return loaded, [] if own is None else [own]
+
+
+def _batch_of(exe) -> int | None:
+    """The batch an executable runs: the first dimension of its first input (None: no such)."""
+    g = exe.graph
+    shape = g.values[g.inputs[0]].spec.shape if g.inputs else ()
+    return shape[0] if shape else None
 
 
 def _write_trace(exe, path: Path) -> dict:
@@ -177,6 +216,9 @@ def _print(r: dict, pcts) -> None:
     load = ", ".join(f"{k} {v:.2f}" for k, v in r["load_breakdown_seconds"].items() if k != "total")
     console.print(f"  load breakdown, s: {load}")
     console.print(f"  precision: {describe_precision(r['precision'])}")
+    if r["batch_sizes"]:
+        console.print(f"  batch sizes: timed in full at {r['batch']}; GPU-bound per batch size: " + ", ".join(
+            f"{b['batch']}: {b['median_ms']:.3f} ms, {b['rows_per_s']:.0f} rows/s" for b in r["batch_sizes"]))
     t, k = r["tuning"], r["kernels"]
     if t["choice"]:
         console.print(f"  runs as: {t['choice']} ({t['how']})")

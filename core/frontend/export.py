@@ -80,10 +80,10 @@ def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec
     specs = input_specs_for(program, inputs, name)
     with torch.no_grad():
         graph, weights = _Lowering(program, name).run(specs)
-    return Lowered(graph, weights, _reference(program))
+    return Lowered(graph, weights, reference_of(program))
 
 
-def _reference(program: torch.export.ExportedProgram):
+def reference_of(program: torch.export.ExportedProgram):
     """The program as a function of its user inputs, for reference outputs: its graph module with
     the lifted parameters, buffers and constants passed in (`ExportedProgram.module()` can fail to
     re-attach them after a reload)."""
