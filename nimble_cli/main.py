@@ -11,6 +11,7 @@ from .compile import compile_command
 from .inspect import inspect_command
 from .run import run_command
 from .bench import bench_command
+from .serve import serve_command
 
 def _flags_without_type() -> None:
     """Typer 0.2x prints `<bool>` beside every on/off flag (--json <bool>), which reads as if the
@@ -68,3 +69,4 @@ app.command("compile")(compile_command)
 app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("bench")(bench_command)
+app.command("serve")(serve_command)

@@ -114,6 +114,18 @@ class Batched:
         outs = [o[:batch] for o in exe.run(*padded, copy=False)]
         return [o.clone() for o in outs] if copy else outs
 
+    def check_inputs(self, inputs) -> int:
+        """Raise ShapeError, in one line, unless `inputs` are what a call takes (any batch from 1 to
+        the largest, index values inside their tables); returns their batch."""
+        rows = self._rows(inputs)
+        self.executable_for(rows)
+        for x, buf in zip(inputs, self.input_buffers):
+            if x.dtype != buf.dtype:
+                raise ShapeError(f"an input must be {types.dtype_name(buf.dtype)}, got {types.dtype_name(x.dtype)}; "
+                                 "convert it first")
+        self._by_batch[self._sizes[-1]].check_values(inputs)
+        return rows
+
     def _rows(self, inputs) -> int:
         g = self.graph
         if len(inputs) != len(g.inputs):

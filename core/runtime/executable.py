@@ -409,6 +409,13 @@ class Executable:
             self._issue(validate=True)
 
     def _load_inputs(self, inputs) -> None:
+        self.check_inputs(inputs)
+        for buf, x in zip(self._inputs, inputs):
+            buf.copy_(x, non_blocking=True)
+
+    def check_inputs(self, inputs) -> None:
+        """Raise ShapeError, in one line, unless `inputs` are what a call takes: their count,
+        shapes and dtypes, and index values inside their tables (`check_values`)."""
         g = self.graph
         if len(inputs) != len(g.inputs):
             raise ShapeError(f"the model takes {len(g.inputs)} input(s) "
@@ -424,9 +431,14 @@ class Executable:
             if x.dtype != buf.dtype:
                 raise ShapeError(f"input '{g.values[vid].name}' must be {spec.dtype}, got "
                                  f"{types.dtype_name(x.dtype)}; convert it first (x.to(torch.{spec.dtype}))")
+        self.check_values(inputs)
+
+    def check_values(self, inputs) -> None:
+        """Raise ShapeError unless every index input's values lie inside the table it indexes (on
+        CUDA, one outside would trip a device-side assert and end the process)."""
+        g = self.graph
+        for k, (vid, x) in enumerate(zip(g.inputs, inputs)):
             indices.check_input(x, self._indices.inputs.get(k, ()), g.values[vid].name)
-        for buf, x in zip(self._inputs, inputs):
-            buf.copy_(x, non_blocking=True)
 
     def verify(self, rtol: float | None = None, atol: float | None = None):
         """Run the stored sample input and compare with the stored sample outputs (the load-time

@@ -1,0 +1,266 @@
+"""`nimble serve` on Ray Serve: one application per artifact at /v2/models/<name>, one at /v2 for
+the server's own routes, and the command's lifecycle (start, ready line, clean shutdown).
+
+Each model is a deployment of `replicas` replicas; each replica loads the artifact once (a
+`Replica`) and holds one GPU (`num_gpus=1`; Ray sets CUDA_VISIBLE_DEVICES) or, where there is
+none, runs on the CPU. Requests are batched by Ray Serve's `serve.batch`, counted in rows, up to
+the artifact's largest batch size or until `delay` passes. A replica takes at most
+`max_ongoing` requests at once; beyond them up to `max_queue` wait in Ray's queue, and the rest are
+answered 503 at once. Ray replaces a replica that dies; the requests it held get errors.
+
+Routes (the KServe v2 protocol, and Triton's statistics extension):
+    GET  /v2                           server metadata
+    GET  /v2/health/live, /ready       200 once up
+    GET  /v2/models/<name>[/versions/1]           model metadata
+    GET  /v2/models/<name>[/versions/1]/ready     200 when a replica has loaded it
+    POST /v2/models/<name>[/versions/1]/infer     inference (JSON, and the binary data extension)
+    GET  /v2/models/<name>[/versions/1]/stats     the answering replica's statistics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .. import __version__
+from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
+from .replica import Replica
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MODEL_ROUTE = re.compile(r"^(?:/versions/1)?(/ready|/infer|/stats)?/?$")
+
+
+def _json(doc, status: int = 200) -> Response:
+    return Response(json.dumps(doc).encode(), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(message), status_code=status, media_type="application/json")
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past `limit` bytes before more is read."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ProtocolError(413, f"the request body is {length[:20]} bytes, over the limit of {limit}; send "
+                            "fewer rows per request, or start the server with a larger --max-body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(413, f"the request body is over the limit of {limit} bytes; send fewer rows per "
+                                "request, or start the server with a larger --max-body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment
+class Model:
+    """One artifact behind /v2/models/<name>."""
+
+    def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
+                 threads: int):
+        import torch
+        from ray.serve import metrics
+
+        if threads:
+            torch.set_num_threads(threads)
+        tags = ("model",)
+        self._rows = metrics.Histogram("nimble_batch_rows", "rows per call the replica ran (after batching)",
+                                       [1, 2, 4, 8, 16, 32, 64, 128], tags)
+        self._queue = metrics.Histogram("nimble_queue_ms", "time a request waited to be batched, ms",
+                                        [0.5, 1, 2, 5, 10, 20, 50, 100, 500], tags)
+        self._gpu = metrics.Histogram("nimble_compute_ms", "time one call took on the device, ms",
+                                      [0.5, 1, 2, 5, 10, 20, 50, 100, 500], tags)
+        self._tags = {"model": name}
+        self.replica = Replica(path, name, device, tune, observe=self._observe)
+        self.info = self.replica.info
+        self._max_body = max_body
+        self.infer_batch.set_max_batch_size(self.info.max_batch)
+        self.infer_batch.set_batch_wait_timeout_s(delay_s)
+
+    def _observe(self, rows: int, queue_s: float, compute_s: float) -> None:
+        self._rows.observe(rows, self._tags)
+        self._queue.observe(queue_s * 1e3, self._tags)
+        self._gpu.observe(compute_s * 1e3, self._tags)
+
+    @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.002, batch_size_fn=lambda items: sum(r.rows for r in items))
+    async def infer_batch(self, requests: list) -> list:
+        return await asyncio.to_thread(self.replica.infer, requests)
+
+    async def __call__(self, request: Request) -> Response:
+        prefix = request.scope.get("root_path", "")
+        path = request.url.path[len(prefix):] if request.url.path.startswith(prefix) else request.url.path
+        route = MODEL_ROUTE.match(path)
+        if route is None:
+            return _error(404, f"no route {request.url.path[:200]}; see GET /v2/models/{self.info.name}")
+        what = route.group(1)
+        try:
+            if what == "/infer":
+                if request.method != "POST":
+                    return _error(405, "infer takes POST")
+                return await self._infer(request)
+            if request.method != "GET":
+                return _error(405, f"{request.url.path[:200]} takes GET")
+            if what == "/ready":
+                return _json({})
+            if what == "/stats":
+                return _json(self.replica.stats.document(self.info.name))
+            return _json(self.info.metadata())
+        except ProtocolError as e:
+            return _error(e.status, str(e))
+
+    async def _infer(self, request: Request) -> Response:
+        body = await _body(request, self._max_body)
+        decoded = decode(body, request.headers.get(HEADER_LENGTH.lower()), self.info)
+        decoded.received = time.perf_counter()
+        if decoded.rows > self.info.max_batch:
+            raise ProtocolError(400, f"{decoded.rows} rows in one request; {self.info.name} takes at most "
+                                f"{self.info.max_batch}")
+        answer = await self.infer_batch(decoded)
+        if isinstance(answer, ProtocolError):
+            raise answer
+        content, headers = encode(self.info, decoded, answer)
+        return Response(content, headers=headers)
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Server:
+    """The server's own routes under /v2, and a JSON 404 for an unknown model."""
+
+    def __init__(self, models: list[str]):
+        self.models = models
+
+    async def __call__(self, request: Request) -> Response:
+        prefix = request.scope.get("root_path", "")
+        path = request.url.path[len(prefix):].rstrip("/") if request.url.path.startswith(prefix) else ""
+        if path in ("", "/v2") and request.method == "GET":
+            return _json({"name": "nimble", "version": __version__, "extensions": ["binary_tensor_data",
+                                                                                    "statistics"]})
+        if path in ("/health/live", "/health/ready"):
+            return _json({})
+        if path.startswith("/models/"):
+            name = path.split("/")[2]
+            return _error(404, f"unknown model '{name[:100]}'; this server has {', '.join(self.models)}")
+        return _error(404, f"no route {request.url.path[:200]}")
+
+
+# ------------------------------------------------------------------------------ the command
+@dataclass
+class Options:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: str = "auto"  # a number, or auto: one per visible GPU, else one on the CPU
+    delay_ms: float = 2.0
+    max_queue: int = 256
+    max_ongoing: int = 0  # per replica; 0: twice the largest batch size, at least 16
+    address: str | None = None
+    device: str = "auto"
+    tune: str = "cached"
+    max_body: int = 64 * 2**20
+    metrics_port: int = 8080
+
+
+def model_names(paths: list[Path]) -> dict[str, Path]:
+    """name -> artifact: each artifact's file name without `.nimble`, which must be unique and
+    fit in a URL."""
+    from ..errors import UsageError
+
+    names: dict[str, Path] = {}
+    for p in paths:
+        name = p.name.removesuffix(".nimble")
+        if not NAME.fullmatch(name):
+            raise UsageError(f"{p}: serve names a model by its file name, which must be letters, digits, '_', '.' or "
+                             "'-' (64 at most); rename the file")
+        if name in names:
+            raise UsageError(f"{p} and {names[name]} would both be model '{name}'; rename one")
+        names[name] = p
+    return names
+
+
+def start(paths: list[Path], options: Options, say=print) -> dict:
+    """Start Ray (or join `options.address`) and Ray Serve, deploy every artifact; returns what
+    was started (for the ready line). `say(line)` reports progress."""
+    import ray
+
+    from ..errors import UsageError
+    from ..formats import read_artifact
+
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its per-app INFO lines; the command says its own
+    names = model_names(paths)
+    batches = {}
+    for name, p in names.items():  # checked here, in one line, before any replica tries
+        art = read_artifact(p)
+        batches[name] = art.batch_sizes
+    say("starting Ray" if options.address is None else f"joining the Ray cluster at {options.address}")
+    if options.address is None:
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                 _metrics_export_port=options.metrics_port)
+    else:
+        ray.init(address=options.address, logging_level="ERROR", log_to_driver=False)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    cpu_only = options.device == "cpu" or gpus == 0
+    if options.replicas == "auto":
+        replicas = 1 if cpu_only else gpus
+    elif options.replicas.isdigit() and int(options.replicas) >= 1:
+        replicas = int(options.replicas)
+    else:
+        raise UsageError(f"--replicas {options.replicas!r}: give a number of replicas, or auto")
+    if options.device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda, but the Ray cluster has no GPU; use --device cpu or auto")
+    threads = 0 if not cpu_only else max(1, (os.cpu_count() or 1) // (replicas * len(names)))
+    serve.start(http_options={"host": options.host, "port": options.port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    device = "cpu" if cpu_only else "cuda"
+    for name, p in names.items():
+        largest = max(batches[name] or [1])
+        say(f"loading {name} on {replicas} {'CPU' if cpu_only else 'GPU'} replica(s)")
+        app = Model.options(
+            name=name, num_replicas=replicas,
+            ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
+            max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
+            max_queued_requests=options.max_queue,
+        ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads)
+        serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
+    serve.run(Server.bind(list(names)), name="nimble", route_prefix="/v2")
+    return {"url": f"http://{options.host}:{options.port}/v2", "models": {n: batches[n] for n in names},
+            "replicas": replicas, "device": device,
+            "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics"}
+
+
+def stop(joined: bool) -> None:
+    """Shut Serve down (each replica finishes the requests it holds first), then Ray."""
+    import ray
+
+    serve.shutdown()
+    if not joined:
+        ray.shutdown()
+
+
+def wait_for_signal() -> str:
+    """Block until SIGINT or SIGTERM; returns its name."""
+    got: list[str] = []
+
+    def handler(signum, frame):
+        got.append(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not got:
+            time.sleep(0.1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return got[0]

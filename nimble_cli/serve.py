@@ -1,0 +1,83 @@
+"""`nimble serve`: artifacts behind the KServe v2 inference protocol, on Ray Serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import DebugOption, DeviceOption, TuneOption, console, early_checks, literal, user_errors
+
+
+def serve_command(
+    artifacts: list[Path] = typer.Argument(..., metavar="ARTIFACT...", help="One or more .nimble artifacts; each "
+                                           "is served as the model named by its file name (resnet50.nimble: "
+                                           "/v2/models/resnet50)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="HTTP port."),
+    replicas: str = typer.Option("auto", "--replicas", metavar="N|auto", help="Replicas per model, each loading "
+                                 "the artifact once and holding one GPU; auto: one per GPU the Ray cluster has, "
+                                 "or one on the CPU where it has none."),
+    delay_ms: float = typer.Option(2.0, "--max-batch-delay-ms", metavar="MS", help="How long a request may wait "
+                                   "for others to batch with, up to the artifact's largest batch size "
+                                   "(compile --batch-sizes)."),
+    max_queue: int = typer.Option(256, "--max-queue", metavar="N", help="Requests that may wait per model "
+                                  "beyond those the replicas hold; more are answered 503 at once."),
+    max_ongoing: int = typer.Option(0, "--max-ongoing", metavar="N", help="Requests one replica holds at once "
+                                    "(being batched or run); 0: twice the largest batch size, at least 16."),
+    max_body: int = typer.Option(64 * 2**20, "--max-body", metavar="BYTES", help="Largest request body; a larger "
+                                 "one is answered 413."),
+    address: str = typer.Option(None, "--address", metavar="RAY_ADDRESS", help="Join this Ray cluster (e.g. "
+                                "auto, or ray://head:10001) instead of starting a local one: the replicas then "
+                                "spread over its machines and GPUs."),
+    metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
+                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms)."),
+    device: DeviceOption = "auto",
+    tune: TuneOption = "cached",
+    debug: DebugOption = False,
+) -> None:
+    """Serve artifacts over HTTP with the KServe v2 protocol (as Triton Inference Server does).
+
+    Requests are batched dynamically into the artifact's batch sizes. Clients that speak the
+    protocol work unchanged, e.g. tritonclient.http. Stop with Ctrl-C or SIGTERM: the requests in
+    flight finish first. Needs the serve extra: pip install 'nimble-gpu[serve]'.
+
+    Examples: nimble compile resnet50.pt -s 1x3x224x224 --batch-sizes 1,2,4,8,16, then
+    nimble serve resnet50.nimble; curl localhost:8000/v2/models/resnet50.
+    """
+    with user_errors(debug):
+        from nimble.errors import UsageError
+        from nimble.model_files import check_artifact_file
+
+        early_checks(device=device, tune=tune)
+        for p in artifacts:
+            check_artifact_file(p)
+        if not 1 <= port <= 65535 or not 1 <= metrics_port <= 65535:
+            raise UsageError("--port and --metrics-port take a TCP port from 1 to 65535")
+        if delay_ms < 0 or max_queue < 1 or max_ongoing < 0 or max_body < 1:
+            raise UsageError("--max-batch-delay-ms must not be negative; --max-queue and --max-body must be positive")
+        try:
+            from nimble.serve import app
+        except ImportError as e:
+            raise UsageError(f"nimble serve needs Ray Serve ({e.name or e} is not installed): "
+                             "pip install 'nimble-gpu[serve]'") from None
+
+        def say(line: str) -> None:
+            console.print(f"... {line}")
+
+        options = app.Options(host, port, replicas, delay_ms, max_queue, max_ongoing, address, device, tune,
+                              max_body, metrics_port)
+        started = None
+        try:
+            started = app.start(artifacts, options, say)
+            models = ", ".join(f"{literal(n)} (batch sizes {','.join(map(str, b)) or 'fixed'})"
+                               for n, b in started["models"].items())
+            metrics = f"; metrics at {started['metrics']}" if started["metrics"] else ""
+            console.print(f"nimble serve: ready at {started['url']}: {models}; {started['replicas']} replica(s) per "
+                          f"model on {started['device']}{metrics}. Ctrl-C stops.")
+            name = app.wait_for_signal()
+            console.print(f"{name}: shutting down, finishing the requests in flight")
+        finally:
+            if started is not None or address is None:
+                app.stop(joined=address is not None)
+        console.print("stopped")
