@@ -79,5 +79,5 @@ def serve_command(
             console.print(f"{name}: shutting down, finishing the requests in flight")
         finally:
             if started is not None or address is None:
-                app.stop(joined=address is not None)
+                app.stop(artifacts, joined=address is not None)
         console.print("stopped")

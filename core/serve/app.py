@@ -240,11 +240,18 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
             "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics"}
 
 
-def stop(joined: bool) -> None:
-    """Shut Serve down (each replica finishes the requests it holds first), then Ray."""
+def stop(paths: list[Path], joined: bool) -> None:
+    """Delete the applications `start` deployed, the server's routes first (each replica finishes
+    the requests it holds), then shut Ray down unless this joined a cluster. (serve.shutdown waited
+    30 s for its controller on every stop, on Ray 2.60.)"""
     import ray
 
-    serve.shutdown()
+    if ray.is_initialized():
+        for name in ["nimble", *model_names(paths)]:
+            try:
+                serve.delete(name)
+            except Exception:  # never deployed: the start failed before it
+                pass
     if not joined:
         ray.shutdown()
 

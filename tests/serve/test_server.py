@@ -1,0 +1,220 @@
+"""`nimble serve` end to end on the CPU: started as a user starts it, queried with the official
+KServe v2 client (tritonclient.http, which no one here wrote), refused bad input with 4xx JSON
+errors, overloaded into 503s, and stopped with SIGTERM."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.serve")
+th = pytest.importorskip("tritonclient.http")
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from ..conftest import SAMPLES  # noqa: E402
+
+MAX_BODY = 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NIMBLE = str(Path(sys.executable).parent / "nimble")  # the console script, as a user runs it
+
+
+def nimble(*args, **kw):
+    return subprocess.run([NIMBLE, *args], capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    for name, shapes in (("resnet", ["-s", "1x3x64x64"]), ("bert", ["-s", "1x16", "-s", "1x16", "--dtype", "int64"])):
+        done = nimble("compile", str(SAMPLES / f"{name}.pt"), *shapes, "--batch-sizes", "1,2,4", "-o",
+                      str(folder / f"{name}.nimble"))
+        assert done.returncode == 0, done.stderr
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(artifacts, tmp_path_factory):
+    port, metrics = free_port(), free_port()
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([NIMBLE, "serve", str(artifacts / "resnet.nimble"),
+                                 str(artifacts / "bert.nimble"), "--port", str(port), "--metrics-port", str(metrics),
+                                 "--max-batch-delay-ms", "50", "--max-ongoing", "4", "--max-queue", "2",
+                                 "--max-body", str(MAX_BODY), "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.time() + 240
+    while "ready at" not in log.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"nimble serve did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield proc, port, log
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def client(server, concurrency: int = 1):
+    return th.InferenceServerClient(f"127.0.0.1:{server[1]}", concurrency=concurrency, network_timeout=120)
+
+
+def image(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 3, 64, 64), dtype=np.float32)
+
+
+def infer_input(x: np.ndarray, name: str = "x", binary: bool = True):
+    datatype = {np.float32: "FP32", np.int64: "INT64"}[x.dtype.type]
+    i = th.InferInput(name, list(x.shape), datatype)
+    i.set_data_from_numpy(x, binary_data=binary)
+    return i
+
+
+def post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{server[1]}{path}", data=body, headers=headers or {},
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_metadata_and_health_through_the_official_client(server):
+    c = client(server)
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.is_model_ready("resnet") and c.is_model_ready("bert")
+    meta = c.get_model_metadata("resnet")
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 64, 64]}]
+    assert [o["shape"] for o in meta["outputs"]] == [[-1, 10]]
+    bert = c.get_model_metadata("bert")
+    assert [(i["name"], i["datatype"], i["shape"]) for i in bert["inputs"]] == [
+        ("input_ids", "INT64", [-1, 16]), ("attention_mask", "INT64", [-1, 16])]
+
+
+def test_outputs_equal_nimble_run_for_the_same_inputs(server, artifacts, tmp_path):
+    x = image(3, seed=1)
+    np.save(tmp_path / "x.npy", x)
+    done = nimble("run", str(artifacts / "resnet.nimble"), "--device", "cpu", "-i", str(tmp_path / "x.npy"),
+                  "-o", str(tmp_path / "y.safetensors"))
+    assert done.returncode == 0, done.stderr
+    want = next(iter(load_file(str(tmp_path / "y.safetensors")).values()))
+    c = client(server)
+    for binary in (True, False):
+        got = c.infer("resnet", [infer_input(x, binary=binary)],
+                      outputs=[th.InferRequestedOutput("linear_27", binary_data=binary)]).as_numpy("linear_27")
+        assert got.shape == (3, 10)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_requests_are_batched_together(server):
+    c = client(server, concurrency=4)
+    x = image(1, seed=2)
+    for _ in range(3):
+        pending = [c.async_infer("resnet", [infer_input(x)]) for _ in range(4)]
+        results = [p.get_result().as_numpy("linear_27") for p in pending]
+        assert all(np.array_equal(r, results[0]) for r in results)
+    stats = c.get_inference_statistics("resnet")["model_stats"][0]
+    assert max(b["batch_size"] for b in stats["batch_stats"]) > 1, stats["batch_stats"]
+    assert stats["inference_count"] >= 12 and stats["execution_count"] < stats["inference_count"]
+
+
+def binary_request(name: str, shape: list, datatype: str, payload: bytes, size: int | None = None):
+    head = json.dumps({"inputs": [{"name": name, "shape": shape, "datatype": datatype,
+                                   "parameters": {"binary_data_size": len(payload) if size is None else size}}]})
+    return head.encode() + payload, {"Inference-Header-Content-Length": str(len(head))}
+
+
+@pytest.mark.parametrize("case,status,says", [
+    ("wrong name", 400, "unknown input 'y'"),
+    ("wrong shape", 400, "must have shape [B, 3, 64, 64]"),
+    ("too many rows", 400, "must have shape [B, 3, 64, 64] with B from 1 to 4"),
+    ("wrong dtype", 400, "is FP32, not FP64"),
+    ("wrong byte count", 400, "binary_data_size"),
+    ("bytes missing", 400, "only"),
+    ("malformed JSON", 400, "not valid JSON"),
+    ("too large", 413, "over the limit"),
+    ("unknown model", 404, "unknown model 'nope'"),
+    ("index out of range", 400, "holds the index 100"),
+])
+def test_bad_input_gets_a_4xx_json_error_and_nothing_else_is_affected(server, case, status, says):
+    x = image(1).tobytes()
+    path, headers = "/v2/models/resnet/infer", {}
+    if case == "wrong name":
+        body, headers = binary_request("y", [1, 3, 64, 64], "FP32", x)
+    elif case == "wrong shape":
+        body, headers = binary_request("x", [1, 3, 32, 128], "FP32", x)
+    elif case == "too many rows":
+        body, headers = binary_request("x", [5, 3, 64, 64], "FP32", image(5).tobytes())
+    elif case == "wrong dtype":
+        body, headers = binary_request("x", [1, 3, 64, 64], "FP64", x + x)
+    elif case == "wrong byte count":
+        body, headers = binary_request("x", [1, 3, 64, 64], "FP32", x[:-4])
+    elif case == "bytes missing":
+        body, headers = binary_request("x", [1, 3, 64, 64], "FP32", x[:-4], size=len(x))
+    elif case == "malformed JSON":
+        body = b'{"inputs": [}'
+    elif case == "too large":
+        body, headers = binary_request("x", [4, 3, 64, 64], "FP32", b"\0" * (MAX_BODY + 1))
+    elif case == "unknown model":
+        body, headers = binary_request("x", [1, 3, 64, 64], "FP32", x)
+        path = "/v2/models/nope/infer"
+    else:
+        ids = np.full((1, 16), 100, dtype=np.int64)
+        body = json.dumps({"inputs": [
+            {"name": "input_ids", "shape": [1, 16], "datatype": "INT64", "data": ids.ravel().tolist()},
+            {"name": "attention_mask", "shape": [1, 16], "datatype": "INT64", "data": [1] * 16}]}).encode()
+        path = "/v2/models/bert/infer"
+    code, doc = post(server, path, body, headers)
+    assert code == status and says in doc["error"], (code, doc)
+    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("linear_27")  # still serving
+    assert good.shape == (1, 10)
+
+
+def test_overload_answers_503_and_every_request_gets_an_answer(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    body, headers = binary_request("x", [4, 3, 64, 64], "FP32", image(4, seed=3).tobytes())
+
+    def one(_):
+        request = urllib.request.Request(f"http://127.0.0.1:{server[1]}/v2/models/resnet/infer", data=body,
+                                         headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with ThreadPoolExecutor(64) as pool:  # 64 at once against 4 held and 2 queued
+        codes = list(pool.map(one, range(64)))
+    assert set(codes) == {200, 503} and len(codes) == 64, codes
+
+
+def test_sigterm_stops_cleanly_after_the_requests_in_flight(server):
+    proc, port, log = server
+    c = client(server, concurrency=2)
+    pending = [c.async_infer("resnet", [infer_input(image(1))]) for _ in range(2)]
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    for p in pending:
+        assert p.get_result().as_numpy("linear_27").shape == (1, 10)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    text = log.read_text()
+    assert "SIGTERM: shutting down" in text and text.rstrip().endswith("stopped")
+    assert "Traceback" not in text
