@@ -93,17 +93,27 @@ class TorchModel:
         return Response(body, headers=headers)
 
 
-async def load(url: str, clients: int, seconds: float, warmup: float) -> dict:
-    """`clients` closed-loop clients posting one image each for `warmup` + `seconds`; what the
-    timed part saw."""
-    import aiohttp
+def one_row(metadata: dict) -> tuple[bytes, dict]:
+    """A binary KServe v2 request of one row of random floats for a model's metadata."""
     import numpy as np
 
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32).tobytes()
-    head = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 224, 224], "datatype": "FP32",
-                                   "parameters": {"binary_data_size": len(x)}}],
-                       "parameters": {"binary_data_output": True}}).encode()
-    body, headers = head + x, {"Inference-Header-Content-Length": str(len(head))}
+    rng, inputs, blobs = np.random.default_rng(0), [], []
+    for i in metadata["inputs"]:
+        shape = [1 if d == -1 else d for d in i["shape"]]
+        blob = rng.standard_normal(shape, dtype=np.float32).tobytes()
+        inputs.append({"name": i["name"], "shape": shape, "datatype": i["datatype"],
+                       "parameters": {"binary_data_size": len(blob)}})
+        blobs.append(blob)
+    head = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
+
+
+async def load(url: str, clients: int, seconds: float, warmup: float, request=None) -> dict:
+    """`clients` closed-loop clients posting `request` (body, headers; default one 1x3x224x224
+    image for input x) for `warmup` + `seconds`; what the timed part saw."""
+    import aiohttp
+
+    body, headers = request or one_row({"inputs": [{"name": "x", "shape": [-1, 3, 224, 224], "datatype": "FP32"}]})
     latencies: list[float] = []
     errors = 0
     start = time.perf_counter()
