@@ -19,7 +19,7 @@ import torch
 from ..errors import ExecutionError, ShapeError, UsageError
 from ..ops import types
 from . import footprint
-from .executable import Executable, LoadStats, _mib
+from .executable import Executable, LoadStats, _mib, settle_footprint
 
 
 class Batched:
@@ -69,14 +69,7 @@ class Batched:
         self._mark = cuda_before
         self._closed = False
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            self.stats.footprint = self.footprint()
-            if max_memory is not None and self.stats.footprint.growth > max_memory:
-                grown = self.stats.footprint.growth
-                self.close()
-                raise ExecutionError(f"{self._name}: loaded, it holds {_mib(grown)} on {self.device}, above the "
-                                     f"memory budget of {_mib(max_memory)}; raise the budget, or compile fewer "
-                                     "batch sizes")
+            settle_footprint(self, max_memory, "compile fewer batch sizes")
         self.stats.seconds = {**seconds, "total": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------ the batch sizes

@@ -129,14 +129,7 @@ class Executable:
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
             stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
-            torch.cuda.empty_cache()  # what warm-ups and tuning freed goes back to the device
-            self.stats.footprint = self.footprint()
-            if max_memory is not None and self.stats.footprint.growth > max_memory:
-                grown = self.stats.footprint.growth
-                self.close()
-                raise ExecutionError(f"{self._name}: loaded, it holds {_mib(grown)} on {self.device}, above the "
-                                     f"memory budget of {_mib(max_memory)}; raise the budget, or compile with fewer "
-                                     "streams (--streams) or a smaller batch")
+            settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
         self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
 
     def _planned_bytes(self) -> dict[str, int]:
@@ -284,7 +277,7 @@ class Executable:
             torch.backends.cudnn.benchmark = benchmark
 
     def _allocate(self) -> None:
-        g, dev = self.graph, self.device
+        g = self.graph
         need = self._arena_size + sum(t.numel() * t.element_size() for t in self.artifact.weights.values())
         if self._share is not None:
             self._borrow(self._share)
@@ -471,6 +464,18 @@ class Executable:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;
         on CUDA, not the results outside the arena released after their last reader."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
+
+
+def settle_footprint(loaded, max_memory: int | None, advice: str) -> None:
+    """At the end of a CUDA load: give what warm-ups and tuning freed back to the device, record
+    the footprint in `loaded.stats`, and close and refuse a load above `max_memory`."""
+    torch.cuda.empty_cache()
+    loaded.stats.footprint = loaded.footprint()
+    grown = loaded.stats.footprint.growth
+    if max_memory is not None and grown > max_memory:
+        loaded.close()
+        raise ExecutionError(f"{loaded._name}: loaded, it holds {_mib(grown)} on {loaded.device}, above the memory "
+                             f"budget of {_mib(max_memory)}; raise the budget, or {advice}")
 
 
 def _mib(n: int) -> str:

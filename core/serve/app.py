@@ -119,6 +119,12 @@ class Model:
             return _json(self.info.metadata())
         except ProtocolError as e:
             return _error(e.status, str(e))
+        except Exception as e:  # a fault of nimble's: one line for the client, the traceback in the replica's log
+            import logging
+
+            logging.getLogger("ray.serve").exception("nimble serve: %s failed", request.url.path)
+            return _error(500, f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                          "the replica's log has the traceback")
 
     async def _infer(self, request: Request) -> Response:
         body = await _body(request, self._max_body)

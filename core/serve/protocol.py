@@ -181,7 +181,7 @@ def _from_json(data, shape: tuple[int, ...], info: TensorInfo) -> torch.Tensor:
         raise ProtocolError(400, f"input '{info.name}' ({DATATYPES[info.dtype]}) holds a value of another type")
     try:
         return torch.tensor(flat, dtype=types.DTYPES[info.dtype]).reshape(shape)
-    except (OverflowError, RuntimeError, TypeError) as e:
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:  # a value outside the dtype: ValueError
         raise ProtocolError(400, f"input '{info.name}': {str(e).splitlines()[0][:120]}") from None
 
 

@@ -1,0 +1,108 @@
+"""The KServe v2 protocol without a server: decoding checks every field against the model before
+allocating, and encoding round-trips through the official client's result parser."""
+
+import json
+
+import pytest
+import torch
+
+from nimble.serve.protocol import HEADER_LENGTH, ModelInfo, ProtocolError, TensorInfo, decode, encode
+
+MODEL = ModelInfo("m", (TensorInfo("x", "float32", (-1, 2, 3)), TensorInfo("ids", "int64", (-1, 4))),
+                  (TensorInfo("y", "float32", (-1, 5)), TensorInfo("z", "bfloat16", (-1,))), 8, True)
+
+
+def request(inputs, **extra) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+def good(rows=2):
+    return [{"name": "x", "datatype": "FP32", "shape": [rows, 2, 3], "data": [[0.5] * 6] * rows},
+            {"name": "ids", "datatype": "INT64", "shape": [rows, 4], "data": list(range(4 * rows))}]
+
+
+def test_json_inputs_nested_or_flat_decode_in_the_models_order():
+    r = decode(request(good()[::-1], id="a"), None, MODEL)
+    assert r.rows == 2 and r.id == "a"
+    assert r.tensors[0].shape == (2, 2, 3) and r.tensors[0].dtype == torch.float32
+    assert r.tensors[1].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert r.outputs == [(0, False), (1, False)]
+
+
+def test_binary_inputs_follow_the_json_header():
+    x = torch.arange(12, dtype=torch.float32).reshape(2, 2, 3)
+    ids = torch.arange(8).reshape(2, 4)
+    head = request([{"name": "x", "datatype": "FP32", "shape": [2, 2, 3], "parameters": {"binary_data_size": 48}},
+                    {"name": "ids", "datatype": "INT64", "shape": [2, 4], "parameters": {"binary_data_size": 64}}],
+                   parameters={"binary_data_output": True})
+    body = head + x.numpy().tobytes() + ids.numpy().tobytes()
+    r = decode(body, str(len(head)), MODEL)
+    assert torch.equal(r.tensors[0], x) and torch.equal(r.tensors[1], ids)
+    assert r.outputs == [(0, True), (1, True)]
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda i: i[0].update(name="w"), "unknown input 'w'"),
+    (lambda i: i.pop(), "missing input 'ids'"),
+    (lambda i: i.append(dict(i[0])), "given twice"),
+    (lambda i: i[0].update(datatype="FP16"), "is FP32, not FP16"),
+    (lambda i: i[0].update(shape=[2, 3, 2]), "must have shape [B, 2, 3]"),
+    (lambda i: i[0].update(shape=[9, 2, 3], data=[0.0] * 54), "with B from 1 to 8"),
+    (lambda i: i[0].update(shape=[0, 2, 3], data=[]), "with B from 1 to 8"),
+    (lambda i: i[0].update(shape="2x2x3"), "'shape' list of integers"),
+    (lambda i: i[0].update(data=[0.5] * 5), "holds 5 values"),
+    (lambda i: i[0].pop("data"), "neither 'data' nor binary_data_size"),
+    (lambda i: i[1].update(data=[0.5] * 8), "holds a value of another type"),
+    (lambda i: i[1].update(data=[True] * 8), "holds a value of another type"),
+    (lambda i: i[1].update(data=[2**70] * 8), "input 'ids'"),
+    (lambda i: i[1].update(shape=[3, 4], data=list(range(12))), "different batch sizes"),
+    (lambda i: i[0].update(parameters={"binary_data_size": -1}), "byte count"),
+])
+def test_every_defect_is_a_400_naming_it(edit, says):
+    inputs = good()
+    edit(inputs)
+    with pytest.raises(ProtocolError, match=says.replace("[", r"\[").replace("]", r"\]")) as e:
+        decode(request(inputs), None, MODEL)
+    assert e.value.status == 400
+
+
+def test_malformed_bodies_and_headers_are_400():
+    for body, header, says in [(b"{", None, "not valid JSON"), (b"[]", None, "JSON object with an 'inputs' list"),
+                               (b"\xff\xfe", None, "not valid JSON"), (request(good()), "abc", "is not a length"),
+                               (request(good()), "999999", "is not a length"), (request(good()), "0", "is not a length")]:
+        with pytest.raises(ProtocolError, match=says):
+            decode(body, header, MODEL)
+    head = request([{"name": "x", "datatype": "FP32", "shape": [1, 2, 3], "parameters": {"binary_data_size": 24}},
+                    good(1)[1]])
+    with pytest.raises(ProtocolError, match="only 20 follow"):
+        decode(head + b"\0" * 20, str(len(head)), MODEL)
+    with pytest.raises(ProtocolError, match="4 bytes of binary data follow the inputs that no input claims"):
+        decode(head + b"\0" * 28, str(len(head)), MODEL)
+    with pytest.raises(ProtocolError, match="unknown output 'q'"):
+        decode(request(good(), outputs=[{"name": "q"}]), None, MODEL)
+
+
+def test_a_model_of_fixed_shapes_takes_exactly_them():
+    fixed = ModelInfo("f", (TensorInfo("x", "float32", (2, 3)),), (TensorInfo("y", "float32", (2,)),), 1, False)
+    ok = decode(request([{"name": "x", "datatype": "FP32", "shape": [2, 3], "data": [1.0] * 6}]), None, fixed)
+    assert ok.rows == 1
+    with pytest.raises(ProtocolError, match=r"must have shape \[2, 3\], got \[1, 3\]"):
+        decode(request([{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1.0] * 3}]), None, fixed)
+
+
+def test_responses_parse_with_the_official_client():
+    th = pytest.importorskip("tritonclient.http")
+    y = torch.randn(2, 5)
+    z = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    for binary in (True, False):
+        r = decode(request(good(), id="7", outputs=[{"name": "y", "parameters": {"binary_data": binary}}]), None,
+                   MODEL)
+        body, headers = encode(MODEL, r, [y, z])
+        length = headers.get(HEADER_LENGTH)
+        result = th.InferResult.from_response_body(body, header_length=None if length is None else int(length))
+        assert result.get_response()["id"] == "7"
+        assert torch.allclose(torch.from_numpy(result.as_numpy("y").copy()), y)
+        assert (HEADER_LENGTH in headers) == binary
+    r = decode(request(good(), outputs=[{"name": "z"}]), None, MODEL)
+    body, _ = encode(MODEL, r, [y, z])
+    assert json.loads(body)["outputs"][0]["data"] == [1.5, -2.0]
