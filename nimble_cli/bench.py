@@ -217,7 +217,7 @@ def _print(r: dict, pcts) -> None:
     console.print(f"  load breakdown, s: {load}")
     console.print(f"  precision: {describe_precision(r['precision'])}")
     if r["batch_sizes"]:
-        console.print(f"  batch sizes: timed in full at {r['batch']}; GPU-bound per batch size: " + ", ".join(
+        console.print(f"  batch sizes: timed in full at {r['batch']}; each one's median per inference: " + ", ".join(
             f"{b['batch']}: {b['median_ms']:.3f} ms, {b['rows_per_s']:.0f} rows/s" for b in r["batch_sizes"]))
     t, k = r["tuning"], r["kernels"]
     if t["choice"]:
