@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -206,7 +207,7 @@ def summary(doc: dict) -> str:
              f"`{meta['command']}`. {doc['model']} fp32, one image (1x3x224x224) per request, binary KServe v2 "
              f"requests from closed-loop asyncio clients on the same machine, {doc['seconds']:g} s timed after "
              f"{doc['warmup']:g} s warm-up; batch sizes {facts['batch_sizes']}, --max-batch-delay-ms "
-             f"{doc['delay_ms']:g}; one replica on the one GPU.", "",
+             f"{doc['delay_ms']:g}; one replica on the one GPU; ingress: {doc.get('ingress', 'proxy')}.", "",
              "| variant | clients | throughput /s | p50 ms | p90 ms | p99 ms | errors | rows per call | "
              "compute ms per call |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -232,6 +233,8 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=2.0)
     parser.add_argument("--variants", nargs="*", default=["nimble", "eager", "torch_compile"])
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                        help="Ray Serve's HAProxy ingress (nimble serve's default) or its Python HTTP proxy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     import ray
@@ -241,10 +244,12 @@ def main() -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     meta = report.gpu_meta("serve_load.py")
     doc = {"meta": meta, "model": args.model, "seconds": args.seconds, "warmup": args.warmup,
-           "delay_ms": args.delay_ms, "rows": []}
+           "delay_ms": args.delay_ms, "ingress": args.ingress, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         doc["artifact"] = facts = build(args.model, sizes, Path(tmp))
         print(json.dumps(facts), flush=True)
+        if args.ingress == "haproxy":  # as nimble serve sets it: every variant behind the same ingress
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
