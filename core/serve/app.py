@@ -48,19 +48,28 @@ def _error(status: int, message: str) -> Response:
     return Response(error_body(message), status_code=status, media_type="application/json")
 
 
+DRAIN_BYTES = 2**30  # a refused body is read and dropped up to this, so that the client reads the 413
+
+
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past `limit` bytes before more is read."""
+    """The request body, refused (413) past `limit` bytes. Nothing past the limit is kept: the
+    rest is read and dropped (up to DRAIN_BYTES), because a client still sending when the answer
+    comes sees a broken pipe, not the 413."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ProtocolError(413, f"the request body is {length[:20]} bytes, over the limit of {limit}; send "
-                            "fewer rows per request, or start the server with a larger --max-body")
+    if length is not None and not length.isdigit():
+        raise ProtocolError(400, f"Content-Length {length[:20]!r} is not a number of bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise ProtocolError(413, f"the request body is over the limit of {limit} bytes; send fewer rows per "
-                                "request, or start the server with a larger --max-body")
+        if size > limit or (length is not None and int(length) > limit):
+            chunks = []
+            if size > DRAIN_BYTES:
+                break
+            continue
         chunks.append(chunk)
+    if size > limit or (length is not None and int(length) > limit):
+        raise ProtocolError(413, f"the request body is {length or 'over ' + str(limit)} bytes, over the limit of "
+                            f"{limit}; send fewer rows per request, or start the server with a larger --max-body")
     return b"".join(chunks)
 
 
