@@ -3,8 +3,9 @@ the server's own routes, and the command's lifecycle (start, ready line, clean s
 
 Each model is a deployment of `replicas` replicas; each replica loads the artifact once (a
 `Replica`) and holds one GPU (`num_gpus=1`; Ray sets CUDA_VISIBLE_DEVICES) or, where there is
-none, runs on the CPU. Requests are batched by Ray Serve's `serve.batch`, counted in rows, up to
-the artifact's largest batch size or until `delay` passes. A replica takes at most
+none, runs on the CPU. A request that finds its replica idle runs at once; the others are batched
+by Ray Serve's `serve.batch`, counted in rows, up to the artifact's largest batch size or until
+`delay` passes. A replica takes at most
 `max_ongoing` requests at once; beyond them up to `max_queue` wait in Ray's queue, and the rest are
 answered 503 at once. Ray replaces a replica that dies; the requests it held get errors.
 
@@ -97,6 +98,7 @@ class Model:
         self._max_body = max_body
         self.infer_batch.set_max_batch_size(self.info.max_batch)
         self.infer_batch.set_batch_wait_timeout_s(delay_s)
+        self._busy = 0  # requests this replica is running or batching (one event loop: no lock needed)
 
     def _observe(self, rows: int, queue_s: float, compute_s: float) -> None:
         self._rows.observe(rows, self._tags)
@@ -142,7 +144,12 @@ class Model:
         if decoded.rows > self.info.max_batch:
             raise ProtocolError(400, f"{decoded.rows} rows in one request; {self.info.name} takes at most "
                                 f"{self.info.max_batch}")
-        answer = await self.infer_batch(decoded)
+        self._busy += 1
+        try:  # a request that finds the replica idle runs at once: waiting could batch it with nothing
+            answer = (await asyncio.to_thread(self.replica.infer, [decoded]))[0] if self._busy == 1 else \
+                await self.infer_batch(decoded)
+        finally:
+            self._busy -= 1
         if isinstance(answer, ProtocolError):
             raise answer
         content, headers = encode(self.info, decoded, answer)
