@@ -58,6 +58,24 @@ def make_model(name: str):
     return build_module(name), [s[1:] for s in SAMPLES[name][1]]
 
 
+HUGGING_FACE = ("bert-base", "gpt2")  # hf_trust.py's: real configurations, random weights, 128 tokens
+
+
+def make_inputs(name: str, batch: int):
+    """(the model, its inputs at `batch` on the CPU): random images, or for the Hugging Face
+    models token ids and a mask that pads the last 16 positions."""
+    import torch
+
+    if name in HUGGING_FACE:
+        from hf_trust import ByName, build
+
+        model, (ids, mask), _ = build(name)
+        return ByName(model, tuples=True), [ids.repeat(batch, 1), mask.repeat(batch, 1)]
+    model, shapes = make_model(name)
+    torch.manual_seed(1)
+    return model, [torch.randn(batch, *s) for s in shapes]
+
+
 def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     import torch
 
@@ -127,9 +145,7 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 
-    model, shapes = make_model(name)
-    torch.manual_seed(1)
-    xs_cpu = [torch.randn(batch, *s) for s in shapes]
+    model, xs_cpu = make_inputs(name, batch)
     xs = [x.cuda() for x in xs_cpu]
     row: dict = {"model": name, "batch": batch, "gpu_bound_ms": {}, "latency_ms": {}, "check": {}}
 
@@ -152,7 +168,8 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
         del compiled
         torch._dynamo.reset()
 
-    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu])
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu],
+                        [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
     for variant, fuse in (("nimble_unfused", False), ("nimble", True)):
         c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
         path = tmp / f"{name}_{batch}_{variant}.nimble"
