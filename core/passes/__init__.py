@@ -14,6 +14,7 @@ from .chain_loose_ops import chain_loose_ops
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
+from .inline_scalar_constants import inline_scalar_constants
 from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
 from .fuse_conv import fuse_conv
@@ -25,9 +26,9 @@ from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 
 # (graph, weights) -> (graph, weights)
-REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention})
+REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention, inline_scalar_constants})
 
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "chain_loose_ops", "eliminate_common_subexpressions",
            "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
-           "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
+           "inline_scalar_constants", "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
            "order_canonically"]

@@ -204,7 +204,7 @@ def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
                                              "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "match_attention",
-                                             "eliminate_common_subexpressions",
+                                             "inline_scalar_constants", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
 
@@ -355,3 +355,33 @@ def test_a_causal_mask_by_where_becomes_a_boolean_attention_mask(tmp_path):
     assert len(attention) == 1 and "aten::where.self" not in targets(lowered)
     assert lowered.graph.values[attention[0].args[3].id].spec.dtype == "bool"
     assert_reproduces(lowered, model)
+
+
+class ZeroDimConstants(nn.Module):
+    """GPT-2's tanh GELU as a frozen module holds it: its numbers as 0-d constant tensors."""
+
+    def __init__(self):
+        super().__init__()
+        for name, value in (("c_half", 0.5), ("c_k", 0.044715), ("c_root", 0.7978845608), ("c_one", 1.0), ("c_two", 2.0)):
+            self.register_buffer(name, torch.tensor(value))
+
+    def forward(self, x):
+        inner = self.c_root * (x + self.c_k * torch.pow(x, 3.0))
+        gelu = self.c_half * x * (torch.tanh(inner) + self.c_one)
+        return gelu / self.c_two - self.c_k, torch.add(x, self.c_two, alpha=3)
+
+
+def test_zero_dim_constants_become_numbers_that_fuse(tmp_path):
+    model = ZeroDimConstants().eval()
+    x = torch.randn(2, 8)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        lowered = rewrite(raw)
+        kinds = targets(lowered)
+        assert "aten::mul.Tensor" in kinds  # x * tanh(...): no constant there
+        assert kinds.count("aten::mul.Scalar") >= 3 and "aten::div.Scalar" in kinds and "aten::sub.Scalar" in kinds
+        assert "aten::add.Tensor" in kinds  # alpha=3 keeps its tensor
+        assert_reproduces(lowered, model)
+        fused = rewrite(raw, PASSES)
+        bodies = [op for op in fused.graph.ops if op.target == "nimble::fused"]
+        assert bodies and len(fused.graph.ops) < len(raw.graph.ops) // 2, targets(fused)
+        assert_reproduces(fused, model)
