@@ -103,7 +103,9 @@ class Replica:
               for i in range(len(self.info.inputs))]
         try:
             with self._lock:
-                outs = [o.cpu() for o in self.exe.run(*xs, copy=False)]  # .cpu() waits for the GPU
+                # answers are encoded after the lock is gone: copies, never views of the buffers the
+                # next call writes (.cpu() copies from the GPU and waits for it; on the CPU, clone)
+                outs = [o.cpu() if o.is_cuda else o.clone() for o in self.exe.run(*xs, copy=False)]
         except NimbleError as e:
             for k in ids:
                 answers[k] = ProtocolError(400, str(e))

@@ -106,3 +106,29 @@ def test_responses_parse_with_the_official_client():
     r = decode(request(good(), outputs=[{"name": "z"}]), None, MODEL)
     body, _ = encode(MODEL, r, [y, z])
     assert json.loads(body)["outputs"][0]["data"] == [1.5, -2.0]
+
+
+def test_a_replicas_answers_stay_its_own_after_the_next_call(tmp_path):
+    """On the CPU a call's outputs are views of the arena: the replica copies them, so an answer
+    not yet encoded is not overwritten by the next batch."""
+    from nimble.formats import write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.serve.replica import Replica
+    from nimble.specs import input_specs
+
+    from ..conftest import SAMPLES
+
+    path = tmp_path / "r.nimble"
+    write_artifact(path, compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu",
+                                       batch_sizes=[1, 2]).artifact())
+    replica = Replica(path, "r", "cpu")
+
+    def one(seed):
+        x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        return decode(request([{"name": "x", "datatype": "FP32", "shape": [1, 3, 32, 32],
+                                "data": x.flatten().tolist()}]), None, replica.info)
+
+    first = replica.infer([one(0)])[0][0]
+    kept = first.clone()
+    replica.infer([one(1)])
+    assert torch.equal(first, kept)
