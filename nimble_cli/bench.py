@@ -152,7 +152,7 @@ def bench_command(
             "kernels": {"per_inference": kernels, "generated": stats.kernels_generated,
                         "source_cache_hits": stats.kernel_source_hits,
                         "interpreted_fused_ops": stats.kernel_fallbacks},
-            "batch": _batch_of(exe), "batch_sizes": per_batch,
+            "batch": exe.artifact.batch, "batch_sizes": per_batch,
             "inputs": "given" if inputs else "stored sample",
             "precision": exe.artifact.precision,
             "trace": traced,
@@ -182,18 +182,11 @@ def _one_batch(loaded, batch: int | None, name: str):
     sizes = getattr(loaded, "batch_sizes", None)
     if sizes:
         return loaded.executable(sizes[-1] if batch is None else batch), sizes
-    own = _batch_of(loaded)
+    own = loaded.artifact.batch
     if batch is not None and batch != own:
         raise UsageError(f"--batch-size {batch}: {name} was compiled for batch {own} alone; compile it with "
                          "--batch-sizes to hold several")
     return loaded, [] if own is None else [own]
-
-
-def _batch_of(exe) -> int | None:
-    """The batch an executable runs: the first dimension of its first input (None: no such)."""
-    g = exe.graph
-    shape = g.values[g.inputs[0]].spec.shape if g.inputs else ()
-    return shape[0] if shape else None
 
 
 def _write_trace(exe, path: Path) -> dict:

@@ -72,8 +72,9 @@ def serve_command(
         def say(line: str) -> None:
             console.print(f"... {line}")
 
-        options = app.Options(host, port, replicas, delay_ms, max_queue, max_ongoing, address, device, tune,
-                              max_body, metrics_port, ingress)
+        options = app.Options(host=host, port=port, replicas=replicas, delay_ms=delay_ms, max_queue=max_queue,
+                              max_ongoing=max_ongoing, address=address, device=device, tune=tune,
+                              max_body=max_body, metrics_port=metrics_port, ingress=ingress)
         started = None
         try:
             started = app.start(artifacts, options, say)

@@ -43,12 +43,9 @@ class Batched:
                                  f"{_mib(max_memory)}; nothing was allocated. Raise the budget, or compile fewer "
                                  "batch sizes")
         largest, *rest = sorted(self.batch_sizes, reverse=True)
-        cuda_before = None
         owner = Executable(plans[largest], device, name=self._name, tune=tune, arena_bytes=arena,
                            graph_dump=graph_dump, max_memory=max_memory)
         self.device, self.notice = owner.device, owner.notice
-        if self.device.type == "cuda":
-            cuda_before = owner._mark
         self._by_batch = {largest: owner}
         try:
             for b in rest:
@@ -66,7 +63,7 @@ class Batched:
         for exe in self._by_batch.values():
             for key, secs in exe.stats.seconds.items():
                 seconds[key] = seconds.get(key, 0.0) + secs
-        self._mark = cuda_before
+        self._mark = owner._mark  # None on the CPU; on CUDA, before anything was allocated
         self._closed = False
         if self.device.type == "cuda":
             settle_footprint(self, max_memory, "compile fewer batch sizes")

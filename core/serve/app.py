@@ -141,9 +141,6 @@ class Model:
         body = await _body(request, self._max_body)
         decoded = decode(body, request.headers.get(HEADER_LENGTH.lower()), self.info)
         decoded.received = time.perf_counter()
-        if decoded.rows > self.info.max_batch:
-            raise ProtocolError(400, f"{decoded.rows} rows in one request; {self.info.name} takes at most "
-                                f"{self.info.max_batch}")
         self._busy += 1
         try:  # a request that finds the replica idle runs at once: waiting could batch it with nothing
             answer = (await asyncio.to_thread(self.replica.infer, [decoded]))[0] if self._busy == 1 else \
