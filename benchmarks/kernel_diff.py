@@ -140,7 +140,7 @@ def profile(run, folder: Path, tag: str) -> Path:
     return path
 
 
-def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
+def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None = None) -> dict:
     import torch
 
     from nimble.formats import read_artifact, write_artifact
@@ -148,16 +148,15 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
-    from peers import make_model
+    from nimble.runtime.tuning import Choice
+    from peers import make_inputs
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    model, shapes = make_model(name)
-    torch.manual_seed(1)
-    xs_cpu = [torch.randn(batch, *s) for s in shapes]
+    model, xs_cpu = make_inputs(name, batch)
     with quiet_torchscript():
         pt = tmp / f"{name}_{batch}.pt"
         torch.jit.save(torch.jit.trace(model.eval(), tuple(xs_cpu)), str(pt))
-    xs = [x.cuda().to(dtype) for x in xs_cpu]
+    xs = [x.cuda().to(dtype) if x.is_floating_point() else x.cuda() for x in xs_cpu]
     row = {"model": name, "batch": batch, "precision": precision}
     with torch.no_grad():
         cast = model.cuda().to(dtype)
@@ -170,10 +169,13 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
         torch._dynamo.reset()
 
     options = {} if precision == "fp32" else {"precision": precision, "io_dtype": "reduced", "device": "cuda"}
-    c = compile_model(pt, input_specs(["x".join(map(str, x.shape)) for x in xs_cpu]), **({"device": "cpu"} | options))
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu],
+                        [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
+    c = compile_model(pt, specs, **({"device": "cpu"} | options))
     path = tmp / f"{name}_{batch}.nimble"
     write_artifact(path, c.artifact())
-    exe = Executable(read_artifact(path), "cuda", tune="full")
+    forced = {"choice": Choice(*force.split(","))} if force else {"tune": "full"}
+    exe = Executable(read_artifact(path), "cuda", **forced)
     exe.run(*xs)
     g = exe.graph
 
@@ -218,6 +220,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
     row["torch_compile_top_kernels"] = [{"class": c, "kernel": n, "ms": ms}
                                         for (c, n), ms in sorted(names.items(), key=lambda kv: -kv[1])[:12]]
     per_op: dict = defaultdict(float)
+    our_names: dict = defaultdict(lambda: [0.0, 0])
     unmapped = 0
     for k in ours:
         op = op_of(k["corr"])
@@ -227,6 +230,9 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
         else:
             cls = nimble_class(g.ops[op], k["name"])
             per_op[op] += k["dur"] / 1000 / REPS
+        named = our_names[(cls, k["name"][:90])]
+        named[0] += k["dur"] / 1000 / REPS
+        named[1] += 1
         per_class[cls]["nimble_ms"] += k["dur"] / 1000 / REPS
         per_class[cls]["nimble_kernels"] += 1
     for cls in per_class.values():
@@ -234,6 +240,8 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path) -> dict:
         cls["nimble_kernels"] //= REPS
     from nimble.runtime.trace import op_label
 
+    row["nimble_top_kernels"] = [{"class": c, "kernel": n, "ms": ms, "count": count // REPS}
+                                 for (c, n), (ms, count) in sorted(our_names.items(), key=lambda kv: -kv[1][0])[:12]]
     row["classes"] = per_class
     row["unmapped_kernels"] = unmapped // REPS
     row["choice"] = exe.stats.choice
@@ -266,6 +274,9 @@ def table(rows: list[dict], meta: dict) -> list[str]:
                                                                  for o in r["top_ops"]),
                   "", "torch.compile's costliest kernels: " + "; ".join(
                       f"`{k['kernel']}` ({k['class']}) {k['ms']:.3f} ms" for k in r["torch_compile_top_kernels"][:8]),
+                  "", "nimble's costliest kernels: " + "; ".join(
+                      f"`{k['kernel']}` ({k['class']}, {k['count']} per inference) {k['ms']:.3f} ms"
+                      for k in r.get("nimble_top_kernels", [])[:8]),
                   ""]
     return lines
 
@@ -277,6 +288,8 @@ def main() -> int:
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
+    parser.add_argument("--choice", help="run nimble as this choice instead of tuning: LAYOUT,STREAMS,ALGORITHMS,"
+                                         "CONVOLUTIONS (e.g. channels_last,planned,benchmark,split)")
     args = parser.parse_args()
     import torch
 
@@ -288,7 +301,7 @@ def main() -> int:
             for batch in args.batches:
                 t = time.perf_counter()
                 try:
-                    rows.append(diff_one(name, batch, args.precision, Path(tmp)))
+                    rows.append(diff_one(name, batch, args.precision, Path(tmp), args.choice))
                 except Exception as e:  # one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 print(f"{name} batch {batch}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)

@@ -25,7 +25,9 @@ class Pointer:
 
     def __add__(self, offsets):
         p = Pointer.__new__(Pointer)
-        p.tensor, p.flat, p.offsets = self.tensor, self.flat, torch.as_tensor(offsets)
+        offsets = torch.as_tensor(offsets)
+        p.tensor, p.flat = self.tensor, self.flat
+        p.offsets = offsets if self.offsets is None else self.offsets + offsets
         return p
 
 
@@ -47,9 +49,9 @@ def language() -> types.ModuleType:
     tl.program_id = lambda axis: torch.tensor([_Program.pid], dtype=torch.int32)  # 1-D: promotes as Triton does
     tl.arange = lambda start, end: torch.arange(start, end, dtype=torch.int32)
 
-    def load(p, mask=None):
+    def load(p, mask=None, other=0):
         mask = torch.ones_like(p.offsets, dtype=torch.bool) if mask is None else mask
-        out = torch.zeros(p.offsets.shape, dtype=p.flat.dtype)
+        out = torch.full(p.offsets.shape, other, dtype=p.flat.dtype)
         out[mask] = p.flat[_checked(p, mask)]
         return out
 
@@ -59,6 +61,7 @@ def language() -> types.ModuleType:
 
     tl.load, tl.store = load, store
     tl.where = torch.where
+    tl.sum = lambda x, axis: x.sum(axis)
     tl.maximum, tl.minimum = torch.fmax, torch.fmin  # NaN-dropping, as Triton's default
     tl.sigmoid, tl.exp, tl.sqrt, tl.rsqrt, tl.abs, tl.erf = (torch.sigmoid, torch.exp, torch.sqrt, torch.rsqrt,
                                                            torch.abs, torch.erf)
@@ -79,3 +82,17 @@ def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int
     for pid in range((numel + block - 1) // block):
         _Program.pid = pid
         kernel(Pointer(out), *(Pointer(t) for t in operands), N=numel, BLOCK=block)
+
+
+def run_grid(source: str, grid: int, *args, **constants) -> None:
+    """Execute the kernel `source` defines once per program id in range(`grid`), with tensor
+    arguments as pointers, as `kernel[(grid,)](*args, **constants)` would on the GPU."""
+    triton = types.ModuleType("triton")
+    triton.jit = lambda fn: fn
+    namespace = {"triton": triton, "tl": language()}
+    code = source.replace("import triton.language as tl", "").replace("import triton", "")
+    exec(compile(code, "<kernel>", "exec"), namespace)
+    constants.pop("num_warps", None)
+    for pid in range(grid):
+        _Program.pid = pid
+        namespace["kernel"](*(Pointer(a) if isinstance(a, torch.Tensor) else a for a in args), **constants)

@@ -53,7 +53,11 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
     "aten::add.Scalar": (("tensor", "number", "number"), 2, {}),
     "aten::sub.Scalar": (("tensor", "number", "number"), 2, {}),
     "aten::mul.Scalar": (("tensor", "number"), 2, {}), "aten::div.Scalar": (("tensor", "number"), 2, {}),
+    "aten::pow.Tensor_Scalar": (("tensor", "number"), 2, {}),  # of an exponent in POWERS only
 }
+# The exponents a fused pow may take: those PyTorch's CUDA kernel computes without calling pow
+# (x * x, x * x * x, sqrt, rsqrt, reciprocal), so that the generated kernel gives its result.
+POWERS = (2, 3, 0.5, -0.5, -1, -2)
 # target -> the positions of its tensor operands
 POINTWISE: dict[str, tuple[int, ...]] = {
     target: tuple(i for i, kind in enumerate(slots) if kind == "tensor") for target, (slots, _, _) in SIGNATURES.items()}
@@ -100,7 +104,7 @@ def check(op: Op) -> None:
         for a in _leaves((node[1], tuple(v for _, v in node[2]))):
             if isinstance(a, Local) and not (0 <= a.index < k) or isinstance(a, Local) and target in CONVOLUTIONS:
                 raise GraphError(f"{where} reads local {a.index}, which is not an earlier node")
-        problem = _convolution_problem(node) if target in CONVOLUTIONS else _pointwise_problem(node)
+        problem = _convolution_problem(node) if target in CONVOLUTIONS else pointwise_problem(node)
         if problem:
             raise GraphError(f"{where} ({target}): {problem}")
     for a in _leaves((op.args,)):
@@ -128,7 +132,7 @@ def _is(kind: str, a) -> bool:
     return _KINDS[kind](a)
 
 
-def _pointwise_problem(node) -> str | None:
+def pointwise_problem(node) -> str | None:
     """What breaks the op's schema (SIGNATURES), or None."""
     target, args, kwargs = node
     slots, required, keywords = SIGNATURES[target]
@@ -139,6 +143,8 @@ def _pointwise_problem(node) -> str | None:
             return f"argument {i} must be a {kind.rstrip('?')}{' or None' if kind.endswith('?') else ''}, not {a!r}"
     if target == "aten::clamp.default" and all(a is None for a in args[1:]):
         return "needs min or max (torch refuses a clamp of neither)"
+    if target == "aten::pow.Tensor_Scalar" and args[1] not in POWERS:
+        return f"an exponent of {args[1]!r} is not fused (only {', '.join(map(str, POWERS))})"
     names = [name for name, _ in kwargs]
     if len(set(names)) != len(names):
         return "a keyword argument is given twice"

@@ -24,6 +24,7 @@ from .match_multi_head_attention import match_multi_head_attention
 from .name_values import name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
+from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention, inline_scalar_constants})
@@ -31,4 +32,4 @@ REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attentio
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "chain_loose_ops", "eliminate_common_subexpressions",
            "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
            "inline_scalar_constants", "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
-           "order_canonically"]
+           "order_canonically", "precompute_attention_masks"]

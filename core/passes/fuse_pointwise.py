@@ -57,7 +57,8 @@ def fuse_pointwise(graph: Graph) -> Graph:
 def _elementwise(graph: Graph, facts: Facts, op: Op):
     """`op`'s result if `op` may join a group: an elementwise op in the fused set whose operands
     share its floating dtype and broadcast to its result."""
-    if op.target not in fusion.POINTWISE or not facts.movable(op):
+    if op.target not in fusion.POINTWISE or not facts.movable(op) \
+            or fusion.pointwise_problem((op.target, op.args, op.kwargs)) is not None:
         return None
     result = facts.plain_result(op)
     if result is None or op.kwargs and op.target != "aten::gelu.default" and \

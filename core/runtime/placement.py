@@ -2,9 +2,10 @@
 
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
-substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add, and
-clamp_min for relu. An op with no out= overload computes, then copies into its view. Views and
-in-place results are whatever the op returns: views of the arena, of inputs or of weights.
+substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
+clamp_min for relu, and a generated kernel for layer norm (`reductions.py`). An op with no out=
+overload computes, then copies into its view. Views and in-place results are whatever the op
+returns: views of the arena, of inputs or of weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
 from .kernels import FusedKernel
+from .reductions import layer_norm
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,6 +86,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::convolution.default": _conv,
     "aten::relu.default": _relu,
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
+    "aten::layer_norm.default": layer_norm,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",

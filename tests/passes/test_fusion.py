@@ -121,7 +121,7 @@ def test_every_fusible_op_has_a_kernel_expression():
         args = [None] * 3
         for pos in tensors:
             args[pos] = "t"
-        if target.endswith(".Scalar"):
+        if target.endswith((".Scalar", ".Tensor_Scalar")):
             args[1] = 2.0
         code = _expr(target, ["a", "b"], args, {})
         ast.parse(code)  # a Python expression over a and b

@@ -21,7 +21,7 @@ def exported(module: nn.Module, *example):
 
 
 def scripted(tmp_path, module: nn.Module, *example):
-    specs = [TensorSpec(tuple(x.shape), "float32") for x in example]
+    specs = [TensorSpec(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in example]
     return frontend.lower(frontend.load_module(save_script(tmp_path, module.eval(), "m")), specs, "m")
 
 
@@ -204,7 +204,7 @@ def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
                                              "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "match_attention",
-                                             "inline_scalar_constants", "eliminate_common_subexpressions",
+                                             "precompute_attention_masks", "inline_scalar_constants", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
 
@@ -353,8 +353,42 @@ def test_a_causal_mask_by_where_becomes_a_boolean_attention_mask(tmp_path):
     lowered = rewrite(exported(model, torch.randn(2, 5, 16)))
     attention = [op for op in lowered.graph.ops if "attention" in op.target]
     assert len(attention) == 1 and "aten::where.self" not in targets(lowered)
-    assert lowered.graph.values[attention[0].args[3].id].spec.dtype == "bool"
+    mask = lowered.graph.values[attention[0].args[3].id]  # made additive once, by where(mask, 0, -inf)
+    convert = lowered.graph.ops[mask.producer]
+    assert convert.target == "aten::where.Scalar" and convert.args[1:] == (0.0, float("-inf"))
+    assert lowered.graph.values[convert.args[0].id].spec.dtype == "bool"
     assert_reproduces(lowered, model)
+
+
+class SharedMask(nn.Module):
+    """Three attention layers that read one boolean mask, as GPT-2's twelve do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("allowed", torch.tril(torch.ones(6, 6, dtype=torch.bool)))
+
+    def forward(self, x, keep):
+        mask = self.allowed & keep.view(-1, 1, 1, 6)  # causal and padding, worked out at run time
+        for _ in range(3):
+            x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask) * 0.5 + x
+        return x
+
+
+def test_a_boolean_mask_read_by_several_attention_ops_is_made_additive_once(tmp_path):
+    model = SharedMask().eval()
+    x, keep = torch.randn(2, 2, 6, 4), torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    for raw in (exported(model, x, keep), scripted(tmp_path, model, x, keep)):
+        before = [op for op in raw.graph.ops if "attention" in op.target]
+        assert {raw.graph.values[op.args[3].id].spec.dtype for op in before} == {"bool"}
+        lowered = rewrite(raw)
+        assert targets(lowered).count("aten::where.Scalar") == 1
+        masks = {op.args[3] for op in lowered.graph.ops if "attention" in op.target}
+        assert len(masks) == 1 and lowered.graph.values[masks.pop().id].spec.dtype == "float32"
+        xs = [x, keep]
+        with torch.no_grad():
+            expected = model(*xs)
+        got = reference.run(lowered.graph, lowered.weights, xs, "cpu")
+        assert compare(got, [expected], 1e-5, 1e-5).passed
 
 
 class ZeroDimConstants(nn.Module):

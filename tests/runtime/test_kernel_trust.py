@@ -62,6 +62,14 @@ def test_relu_clamp_maximum_and_minimum_keep_nan_as_torch_does():
         torch.testing.assert_close(got, interpret.run_fused(body), equal_nan=True, msg=str(body[0][0]))
 
 
+@pytest.mark.parametrize("exponent", fusion.POWERS)
+def test_a_fused_pow_computes_what_torch_does(exponent):
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.25, 2.0, 7.5, float("nan"), float("inf")])
+    body = [("aten::pow.Tensor_Scalar", (x, exponent), ())]
+    got = generated(body, torch.empty_like(x), [x])
+    torch.testing.assert_close(got, torch.pow(x, exponent), equal_nan=True)
+
+
 # ------------------------------------------------------------------------- random accepted bodies
 NUMBERS = st.sampled_from([0, 1, -1, 0.5, -2.5, 3, 6.0])
 
@@ -130,6 +138,8 @@ def test_generated_kernels_agree_with_the_interpreted_body(body, seed):
     (("aten::clamp_min.default", (Ref(0),), ()), "positional arguments"),
     (("aten::leaky_relu.default", (Ref(0), True), ()), "must be a number"),
     (("aten::add.Tensor", (Ref(0), Ref(0)), (("alpha", 2), ("alpha", 3))), "twice"),
+    (("aten::pow.Tensor_Scalar", (Ref(0), 4), ()), "exponent of 4 is not fused"),
+    (("aten::pow.Tensor_Scalar", (Ref(0), Ref(0)), ()), "must be a number"),
 ])
 def test_a_body_node_that_breaks_its_schema_is_refused(node, problem):
     with pytest.raises(GraphError, match=problem):

@@ -1,0 +1,79 @@
+"""The generated layer-norm kernel (`runtime/reductions.py`): on the CPU its source runs through
+`triton_shim` against torch's layer norm; on the GPU the runtime's substitute runs it into a
+planned buffer, and declines what it does not cover."""
+
+import pytest
+import torch
+
+from nimble.runtime import reductions
+
+from .. import triton_shim
+
+
+def shim_layer_norm(x, weight, bias, eps=1e-5):
+    n = weight.numel() if weight is not None else x.shape[-1]
+    out = torch.empty_like(x)
+    block = reductions.triton_block(n)
+    triton_shim.run_grid(reductions.LAYER_NORM, x.numel() // n, x, x if weight is None else weight,
+                         x if bias is None else bias, out, eps, N=n, HAS_W=weight is not None,
+                         HAS_B=bias is not None, WIDE=False, BLOCK=block)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 33), (1, 1), (4, 16)])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_the_layer_norm_source_computes_what_torch_does(shape, affine):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 4 + 2
+    n = shape[-1]
+    weight = torch.randn(n, generator=g) if affine != "none" else None
+    bias = torch.randn(n, generator=g) if affine == "both" else None
+    got = shim_layer_norm(x, weight, bias, 1e-6)
+    torch.testing.assert_close(got, torch.nn.functional.layer_norm(x, (n,), weight, bias, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_of_nan_stays_nan_and_other_rows_are_untouched():
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    got = shim_layer_norm(x, None, None)
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[0]).any() and not torch.isnan(got[2]).any()
+
+
+def test_the_substitute_declines_the_cpu_and_what_it_does_not_cover():
+    x = torch.randn(4, 8)
+    assert reductions.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(4, 8)) is None
+    meta = torch.empty(4, 8, device="meta")
+    assert reductions.layer_norm([meta, [8]], torch.empty_like(meta)) is None  # too few arguments
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, normalized", [((3, 7), (7,)), ((2, 128, 768), (768,)), ((5, 3, 11), (3, 11)),
+                                               ((1, 4099), (4099,))])
+def test_the_layer_norm_kernel_matches_eager_on_the_gpu(dtype, shape, normalized):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(*shape, device="cuda", generator=g) * 3 + 1).to(dtype)
+    weight = torch.randn(*normalized, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(*normalized, device="cuda", generator=g).to(dtype)
+    for w, b in ((weight, bias), (None, None), (weight, None)):
+        out = torch.full_like(x, float("nan"))
+        got = reductions.layer_norm([x, list(normalized), w, b, 1e-5, True], out)
+        assert got is out
+        want = torch.nn.functional.layer_norm(x.float(), normalized, None if w is None else w.float(),
+                                              None if b is None else b.float(), 1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
+@gpu
+def test_the_substitute_declines_strided_input_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = torch.randn(8, 6, device="cuda").t()  # (6, 8), not row-major
+    assert reductions.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(6, 8, device="cuda")) is None
