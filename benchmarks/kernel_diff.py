@@ -117,7 +117,7 @@ def kernels_of(trace_file: Path) -> tuple[list[dict], dict[int, tuple[int, float
         cat, args = e.get("cat", ""), e.get("args") or {}
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append({"name": e.get("name", ""), "dur": float(e.get("dur", 0.0)),
-                            "corr": args.get("correlation")})
+                            "corr": args.get("correlation"), "ts": float(e.get("ts", 0.0))})
         elif cat in ("cuda_runtime", "cuda_driver") and args.get("correlation") is not None:
             launches[args["correlation"]] = (e.get("tid"), float(e.get("ts", 0.0)))
         elif cat == "user_annotation" and str(e.get("name", "")).startswith("nimble op "):
@@ -138,6 +138,29 @@ def profile(run, folder: Path, tag: str) -> Path:
     path = folder / f"{tag}.json"
     prof.export_chrome_trace(str(path))
     return path
+
+
+def replay_gaps(kernels: list[dict]) -> dict:
+    """How a run of REPS back-to-back CUDA graph replays spends its span: kernel time, and the idle
+    time before each kernel (time when no kernel of the graph ran), per inference, with the
+    kernels that waited longest."""
+    ks = sorted(kernels, key=lambda k: k["ts"])
+    if not ks:
+        return {}
+    waited: dict = defaultdict(lambda: [0.0, 0])
+    idle, end = 0.0, ks[0]["ts"]
+    for k in ks:
+        gap = max(0.0, k["ts"] - end)
+        idle += gap
+        w = waited[k["name"][:90]]
+        w[0] += gap / 1000 / REPS
+        w[1] += 1
+        end = max(end, k["ts"] + k["dur"])
+    span = end - ks[0]["ts"]
+    return {"kernels": len(ks) // REPS, "span_ms": span / 1000 / REPS, "idle_ms": idle / 1000 / REPS,
+            "idle_per_kernel_us": idle / len(ks),
+            "waits": [{"kernel": n, "idle_ms": ms, "count": c // REPS}
+                      for n, (ms, c) in sorted(waited.items(), key=lambda kv: -kv[1][0])[:8]]}
 
 
 def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None = None) -> dict:
@@ -165,6 +188,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
         for _ in range(3):
             compiled(*xs)
         theirs, _, _ = kernels_of(profile(lambda: compiled(*xs), tmp, f"{name}_{batch}_tc"))
+        row["torch_compile_replay"] = replay_gaps(theirs)
         compiled = cast = None  # its graphs go before nimble loads
         torch._dynamo.reset()
 
@@ -178,6 +202,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     exe = Executable(read_artifact(path), "cuda", **forced)
     exe.run(*xs)
     g = exe.graph
+    row["nimble_replay"] = replay_gaps(kernels_of(profile(exe.replay, tmp, f"{name}_{batch}_replay"))[0])
 
     def around(step):
         def labelled(i: int) -> None:
@@ -277,6 +302,12 @@ def table(rows: list[dict], meta: dict) -> list[str]:
                   "", "nimble's costliest kernels: " + "; ".join(
                       f"`{k['kernel']}` ({k['class']}, {k['count']} per inference) {k['ms']:.3f} ms"
                       for k in r.get("nimble_top_kernels", [])[:8]),
+                  "", *[f"{who} CUDA graph replay: {p['kernels']} kernels, span {p['span_ms']:.3f} ms, of which idle "
+                        f"{p['idle_ms']:.3f} ms ({p['idle_per_kernel_us']:.1f} us before each kernel); longest waits "
+                        "before: " + "; ".join(f"`{w['kernel']}` ({w['count']}) {w['idle_ms']:.3f} ms"
+                                               for w in p["waits"][:5])
+                        for who, p in (("torch.compile's", r.get("torch_compile_replay")),
+                                       ("nimble's", r.get("nimble_replay"))) if p],
                   ""]
     return lines
 

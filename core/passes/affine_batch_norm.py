@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
-from ..ops import arguments, targets, types
-from .substitute import free_name, rebuild
+from ..ops import types
+from .substitute import binary_spec, free_name, rebuild
 
 _META = torch.device("meta")
 
@@ -42,7 +42,7 @@ def affine_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[G
             weights[name] = tensor
             new.append(Value(next_value, WEIGHT, TensorSpec(shape, x.spec.dtype), name))
             next_value += 1
-        mul = _spec("aten::mul.Tensor", x.spec, new[0].spec)
+        mul = binary_spec("aten::mul.Tensor", x.spec, new[0].spec)
         product = Value(next_value, ACTIVATION, mul, f"{graph.values[op.outputs[0]].name}_scaled", next_op)
         next_value += 1
         added[op.outputs[0]] = [*new, product]
@@ -52,7 +52,7 @@ def affine_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[G
         ops.append(dataclasses.replace(op, target="aten::add.Tensor", args=(Ref(product.id), Ref(new[1].id)),
                                        kwargs=(("alpha", 1),)))
         out = graph.values[op.outputs[0]]
-        values[out.id] = dataclasses.replace(out, spec=_spec("aten::add.Tensor", mul, new[1].spec))
+        values[out.id] = dataclasses.replace(out, spec=binary_spec("aten::add.Tensor", mul, new[1].spec))
     if not added:
         return graph, weights
     result = rebuild(graph, ops, values=values, added=added)
@@ -85,13 +85,6 @@ def _affine(graph: Graph, op: Op, weights) -> tuple[torch.Tensor, torch.Tensor] 
     scale = scale * gamma if gamma is not None else scale
     shift = (beta if beta is not None else torch.zeros_like(mean)) - mean * scale
     return scale, shift
-
-
-def _spec(target: str, a: TensorSpec, b: TensorSpec) -> TensorSpec:
-    """The result of a broadcasting binary op, typed on the meta device."""
-    result = targets.resolve(target)(arguments.meta_tensor(a), arguments.meta_tensor(b))
-    return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),
-                      result.storage_offset())
 
 
 def _base_name(graph: Graph, op: Op) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Graph, Op, Ref, Value, map_refs, renumber, with_ordering_edges
+from ..ir import Graph, Op, Ref, TensorSpec, Value, map_refs, renumber, with_ordering_edges
+from ..ops import arguments, targets, types
 
 
 def substitute(op: Op, image) -> Op:
@@ -49,3 +50,10 @@ def free_name(name: str, weights: dict) -> str:
     while name in weights:
         name, n = f"{base}_{n}", n + 1
     return name
+
+
+def binary_spec(target: str, a: TensorSpec, b: TensorSpec) -> TensorSpec:
+    """The result of a broadcasting binary op on `a` and `b`, typed on the meta device."""
+    result = targets.resolve(target)(arguments.meta_tensor(a), arguments.meta_tensor(b))
+    return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),
+                      result.storage_offset())

@@ -204,7 +204,8 @@ def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
                                              "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "match_attention",
-                                             "precompute_attention_masks", "inline_scalar_constants", "eliminate_common_subexpressions",
+                                             "precompute_attention_masks", "inline_scalar_constants",
+                                             "bias_into_epilogue", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
 
@@ -418,4 +419,37 @@ def test_zero_dim_constants_become_numbers_that_fuse(tmp_path):
         fused = rewrite(raw, PASSES)
         bodies = [op for op in fused.graph.ops if op.target == "nimble::fused"]
         assert bodies and len(fused.graph.ops) < len(raw.graph.ops) // 2, targets(fused)
+        assert_reproduces(fused, model)
+
+
+class Projections(nn.Module):
+    """GPT-2's Conv1D (addmm on a flattened input, viewed back) before a residual add, a linear
+    before GELU, and a linear whose result is read twice (it keeps its bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+        self.up, self.shared = nn.Linear(8, 16), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.addmm(self.bias, x.view(-1, 8), self.weight).view(x.shape) + x
+        s = self.shared(h)
+        return torch.nn.functional.gelu(self.up(h)), s * s, s + 1
+
+
+def test_a_gemm_bias_moves_into_the_elementwise_op_that_reads_it(tmp_path):
+    model = Projections().eval()
+    x = torch.randn(2, 3, 8)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        lowered = rewrite(raw)
+        kinds = targets(lowered)
+        assert "aten::mm.default" in kinds and "aten::addmm.default" not in kinds
+        linears = [op for op in lowered.graph.ops if op.target == "aten::linear.default"]
+        assert sorted(op.args[2] is None for op in linears) == [False, True]  # the shared one keeps it
+        assert kinds.count("aten::add.Tensor") == 3  # two biases and the residual
+        assert_reproduces(lowered, model)
+        fused = rewrite(raw, PASSES)
+        bodies = sorted("+".join(t.split("::")[1].split(".")[0] for t, _, _ in op.args[0])
+                        for op in fused.graph.ops if op.target == "nimble::fused")
+        assert "add+add" in bodies and "add+gelu" in bodies, bodies
         assert_reproduces(fused, model)

@@ -1,0 +1,100 @@
+"""Inference graphs: a GEMM's bias add moves out of the GEMM into the elementwise op that reads
+its result, where the pointwise fusion joins it to that op's kernel.
+
+`addmm(bias, x, w)` and `linear(x, w, bias)` run on CUDA as cuBLASLt with a bias epilogue, and
+for the shapes of a transformer at small batch that costs up to 2.6 times the plain GEMM (H100,
+fp32, 128 x 3072 x 768: 64 us against 24 us; with TF32 19 against 11). When the GEMM's only
+reader (through views that keep the last dimension) is an elementwise op, as for GPT-2's and
+BERT's projections before the residual add and BERT's before its GELU, the GEMM becomes
+`mm(x, w)` or `linear(x, w)` and the bias an `add` just before that reader. The fusion then takes
+the add into the reader's group: the same number of kernels, the faster GEMM. Inductor splits the
+bias out the same way. A GEMM whose result goes elsewhere (a split into heads, several readers)
+keeps its bias: there the add would be a kernel of its own.
+
+The sum is the same up to rounding order: the bias is added to the finished product instead of
+inside the GEMM's epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, Value
+from ..ops import fusion
+from .rewrite import Facts
+from .substitute import binary_spec, rebuild
+
+ADD = "aten::add.Tensor"
+VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default", "aten::unsqueeze.default"})
+
+
+def bias_into_epilogue(graph: Graph) -> Graph:
+    """Each addmm or linear whose bias can join its reader's elementwise group loses the bias to
+    an add before that reader."""
+    facts = Facts(graph)
+    ops: list[Op] = list(graph.ops)
+    values = list(graph.values)
+    added: dict[int, list[Value]] = {}
+    inserted: dict[int, list[Op]] = {}  # reader op id -> the adds to issue just before it
+    next_value, next_op = len(graph.values), len(graph.ops)
+    for op in graph.ops:
+        split = _split(graph, facts, op)
+        if split is None:
+            continue
+        plain, bias, last, reader = split
+        spec = binary_spec(ADD, graph.values[last].spec, graph.values[bias.id].spec)
+        if spec.shape != graph.values[last].spec.shape:
+            continue  # the bias would broadcast the result: not a plain epilogue
+        total = Value(next_value, ACTIVATION, TensorSpec(spec.shape, spec.dtype), f"{graph.values[last].name}_bias",
+                      next_op)
+        ops[op.id] = plain
+        inserted.setdefault(reader.id, []).append(Op(next_op, ADD, (Ref(last), bias), (("alpha", 1),), (total.id,),
+                                                     (), (), op.source))
+        ops[reader.id] = _reading(ops[reader.id], last, total.id)
+        added.setdefault(reader.outputs[0], []).append(total)
+        next_value, next_op = next_value + 1, next_op + 1
+    if not inserted:
+        return graph
+    ordered = []
+    for op in ops:
+        ordered.extend(inserted.get(op.id, ()))
+        ordered.append(op)
+    return rebuild(graph, ordered, values=values, added=added)
+
+
+def _split(graph: Graph, facts: Facts, op: Op):
+    """(the GEMM without its bias, the bias Ref, the value its reader reads, that reader) where the
+    rewrite applies, else None."""
+    if op.mutates or len(op.outputs) != 1:
+        return None
+    if op.target == "aten::addmm.default" and len(op.args) >= 3 and all(a == 1 for a in op.args[3:]) \
+            and all(k in ("beta", "alpha") and v == 1 for k, v in op.kwargs):
+        bias, plain = op.args[0], dataclasses.replace(op, target="aten::mm.default", args=tuple(op.args[1:3]),
+                                                      kwargs=())
+    elif op.target == "aten::linear.default" and len(op.args) == 3 and op.args[2] is not None and not op.kwargs:
+        bias, plain = op.args[2], dataclasses.replace(op, args=(op.args[0], op.args[1], None))
+    else:
+        return None
+    out = graph.values[op.outputs[0]]
+    if not isinstance(bias, Ref) or graph.values[bias.id].spec.shape != out.spec.shape[-1:] \
+            or graph.values[bias.id].spec.dtype != out.spec.dtype or out.spec.dtype not in fusion.FLOATS:
+        return None
+    last = out.id
+    while True:  # through views that keep the last dimension, each the one reader of the last
+        readers = facts.readers.get(last, set())
+        if len(readers) != 1 or last in facts.outputs or graph.root(last) in facts.mutated:
+            return None
+        reader = graph.ops[next(iter(readers))]
+        if reader.target in VIEWS and len(reader.outputs) == 1 \
+                and graph.values[reader.outputs[0]].spec.shape[-1:] == out.spec.shape[-1:]:
+            last = reader.outputs[0]
+            continue
+        break
+    if reader.target not in fusion.POINTWISE or reader.mutates or not facts.movable(reader) \
+            or sum(isinstance(a, Ref) and a.id == last for a in reader.args) != 1:
+        return None
+    return plain, bias, last, reader
+
+
+def _reading(op: Op, old: int, new: int) -> Op:
+    return dataclasses.replace(op, args=tuple(Ref(new) if isinstance(a, Ref) and a.id == old else a for a in op.args))
