@@ -38,8 +38,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TORCHVISION = {"resnet50": 224, "inception_v3": 299, "googlenet": 224, "mobilenet_v2": 224,
                "efficientnet_b0": 224, "squeezenet1_1": 224, "densenet121": 224}
+VISION_TRANSFORMERS = {"vit_b_16": 224, "swin_t": 224}  # torchvision's, random weights
 VARIANTS = ("eager", "torch_compile", "nimble_unfused", "nimble")
-MODELS = [*TORCHVISION, "inception", "nasnet", "resnet", "mobilenet", "transformer"]  # the default sweep
+MODELS = [*TORCHVISION, "inception", "nasnet", "resnet", "mobilenet", "transformer", *VISION_TRANSFORMERS,
+          "bert-base", "gpt2"]  # the default sweep
 
 
 def make_model(name: str):
@@ -53,6 +55,12 @@ def make_model(name: str):
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)(weights=None, **MODELS[name][1]).eval()
         return model, [(3, TORCHVISION[name], TORCHVISION[name])]
+    if name in VISION_TRANSFORMERS:
+        import torchvision
+
+        torch.manual_seed(0)
+        size = VISION_TRANSFORMERS[name]
+        return getattr(torchvision.models, name)(weights=None).eval(), [(3, size, size)]
     from sample_models.build import MODELS as SAMPLES, build_module
 
     return build_module(name), [s[1:] for s in SAMPLES[name][1]]

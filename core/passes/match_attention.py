@@ -18,7 +18,6 @@ weights (the scale), so it takes them beside the graph; dead-op removal drops wh
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -95,8 +94,8 @@ def _match(graph: Graph, facts: Facts, out: Op, weights):
     if mask is not None and (not isinstance(mask, Ref) or graph.values[mask.id].spec.dtype not in
                              ("float32", "float16", "bfloat16", "bool")):
         return None
-    if scale is None:
-        scale = 1.0 / math.sqrt(graph.values[q.id].spec.shape[-1])  # what sdpa would take by default, said
+    if scale is None:  # the scores are q @ k^T as they stand (swin scales q before): said, not sdpa's default
+        scale = 1.0
     return q, k, v, mask, float(scale)
 
 

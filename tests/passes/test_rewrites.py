@@ -326,6 +326,26 @@ def test_hand_written_attention_becomes_scaled_dot_product_attention(tmp_path):
         assert_reproduces(lowered, model)
 
 
+class PrescaledAttention(HandAttention):
+    """Swin's way: q is scaled before the product, so the scores take no scale of their own."""
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).split(16, -1)
+        q, k, v = (t.reshape(2, 5, 2, 8).permute(0, 2, 1, 3) for t in (q, k, v))
+        scores = torch.matmul(q * 0.125, k.transpose(-1, -2)) + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def test_attention_with_no_scale_on_its_scores_gets_a_scale_of_one(tmp_path):
+    model = PrescaledAttention().eval()
+    example = (torch.randn(2, 5, 16) * 4, torch.randn(2, 1, 1, 5))
+    for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
+        lowered = rewrite(raw)
+        attention = [op for op in lowered.graph.ops if "attention" in op.target]
+        assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == 1.0  # not sdpa's 1/sqrt(8)
+        assert_reproduces(lowered, model)
+
+
 def test_attention_whose_scores_are_read_elsewhere_stays_as_written(tmp_path):
     model = HandAttentionKeepingScores().eval()
     lowered = rewrite(exported(model, torch.randn(2, 5, 16), torch.randn(2, 1, 1, 5)))
