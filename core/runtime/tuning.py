@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
+from ..ir import ACTIVATION, WEIGHT, Graph, Ref, contiguous_strides, refs_of
 from ..ops import fusion
 from . import cache
 
@@ -93,10 +93,12 @@ def conv_weights(graph: Graph) -> set[int]:
 
 
 def channels_last_values(graph: Graph) -> set[int]:
-    """Planned 4-D buffers that no view shares: the ones channels_last re-strides."""
+    """Planned 4-D buffers that no view shares and that the artifact declares contiguous (its
+    strides given as contiguous ones, or left out): the ones channels_last re-strides."""
     shared = {v.alias_of for v in graph.values if v.alias_of is not None}
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
-            and len(v.spec.shape) == 4 and not v.spec.strides and not v.spec.offset}
+            and len(v.spec.shape) == 4 and not v.spec.offset
+            and v.spec.strides in ((), contiguous_strides(v.spec.shape))}
 
 
 # ---------------------------------------------------------------------------------- timing

@@ -220,3 +220,21 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
                  "    config = torch._dynamo.config  # an attribute the stand-in lacks: the real module\n"
                  "print('real', hasattr(sys.modules['torch._dynamo'], 'optimize'))\n")
     assert "real True" in out, out
+
+
+def test_channels_last_re_strides_every_plain_four_d_buffer(artifacts):
+    """The frontends record contiguous strides explicitly; channels_last must still take those
+    buffers (it once took none, so a channels_last choice changed only the weights)."""
+    from nimble.ir import ACTIVATION
+    from nimble.runtime import placement, tuning
+
+    _, art = artifacts["resnet"]
+    g = art.graph
+    shared = {v.alias_of for v in g.values if v.alias_of is not None}
+    plain = {v.id for v in g.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
+             and len(v.spec.shape) == 4}
+    chosen = tuning.channels_last_values(g)
+    assert plain and chosen == plain
+    views = placement.arena_views(g, art.memory, torch.empty(art.memory.arena_bytes, dtype=torch.uint8), chosen)
+    assert all(views[v].is_contiguous(memory_format=torch.channels_last) for v in chosen)
+    assert all(v.spec.strides for v in g.values if v.id in chosen)  # declared, and contiguous
