@@ -37,11 +37,11 @@ from .stages import Stages
 # what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
 # remove_mutation does, so that common subexpressions and fusion see pure ops. The op order is made
 # canonical before anything that decides by order (fusion, the schedule) or names by it.
-REWRITES: tuple = (passes.functionalise, passes.normalise_convolutions, passes.fold_batch_norm,
-                   passes.affine_batch_norm, passes.flatten_concats, passes.match_multi_head_attention,
-                   passes.match_attention, passes.precompute_attention_masks, passes.inline_scalar_constants,
-                   passes.bias_into_epilogue, passes.eliminate_common_subexpressions, passes.eliminate_dead_ops, passes.order_canonically,
-                   passes.name_values)
+REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise_convolutions,
+                   passes.fold_batch_norm, passes.affine_batch_norm, passes.flatten_concats,
+                   passes.match_multi_head_attention, passes.match_attention, passes.precompute_attention_masks,
+                   passes.inline_scalar_constants, passes.bias_into_epilogue, passes.eliminate_common_subexpressions,
+                   passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)
@@ -107,7 +107,8 @@ def one_thread():
 class CompileOptions:
     """How to compile, as `nimble compile`'s options say: where the check runs (`device`), the
     stream cap (`streams`: "auto", 1 or a cap), whether to check the op list against the model,
-    whether to run the FUSION passes (the REWRITES always run), and the precision."""
+    whether to run the FUSION passes (the REWRITES always run, `fold_constants` where asked), and
+    the precision."""
 
     device: str = "auto"
     streams: str | int = "auto"
@@ -116,6 +117,7 @@ class CompileOptions:
     precision: str = "fp32"  # fp32, fp16 or bf16 (passes/reduce_precision.py)
     io_dtype: str = "model"  # reduced precision: inputs and outputs keep float32 ("model") or not ("reduced")
     tolerance: float | None = None  # reduced precision: search for the float32 ops this relative L2 error needs
+    fold_constants: bool = True  # off for a multi-batch artifact: its batch sizes share one set of weights
 
     def __post_init__(self):
         check_precision(self.precision, self.io_dtype, self.tolerance)
@@ -178,8 +180,10 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
         if inputs is None:  # a program's own input specs, its batch dimension set per batch size below
             inputs = [TensorSpec(tuple(1 if d is None and k == 0 else d for k, d in enumerate(shape)),
                                  types.dtype_name(dtype)) for _, shape, dtype in frontend.export.program_inputs(module)]
+        # a folded value may be shaped by the batch (positions expanded to it): the batch sizes share weights
+        shared = dataclasses.replace(options, fold_constants=False)
         return compile_batches(lambda specs, samples, st: compile_one(module, specs, path.stem, path.name, digest,
-                                                                        options, st, samples),
+                                                                        shared, st, samples),
                                inputs, batch_sizes, path.name, stages,
                                frontend.export.reference_of(module) if program else module)
     return compile_one(module, inputs, path.stem, path.name, digest, options, stages)
@@ -265,7 +269,8 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     streams = parse_streams(options.streams)
     with stages.stage("lower", "lowering"):
         lowered = lower()
-    lowered = rewrite(lowered, REWRITES, stages)
+    order = REWRITES if options.fold_constants else tuple(p for p in REWRITES if p is not passes.fold_constants)
+    lowered = rewrite(lowered, order, stages)
     record = None
     if options.precision != "fp32":  # the search converts the graph; its last conversion is the pass's result
         with stages.stage("precision", f"choosing the {options.precision} ops"):

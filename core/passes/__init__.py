@@ -15,6 +15,7 @@ from .chain_loose_ops import chain_loose_ops
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
+from .fold_constants import fold_constants
 from .inline_scalar_constants import inline_scalar_constants
 from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
@@ -28,9 +29,11 @@ from .order_canonically import order_canonically
 from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
-REWRITES_WEIGHTS = frozenset({fold_batch_norm, affine_batch_norm, match_attention, inline_scalar_constants})
+REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
+                              inline_scalar_constants})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "bias_into_epilogue", "chain_loose_ops", "eliminate_common_subexpressions",
-           "eliminate_dead_ops", "flatten_concats", "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise",
-           "inline_scalar_constants", "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "bias_into_epilogue", "chain_loose_ops",
+           "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
+           "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise", "inline_scalar_constants",
+           "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]

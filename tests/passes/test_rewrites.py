@@ -201,7 +201,8 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 
 
 def test_the_rewrites_are_named_in_the_order_they_run():
-    assert [p.__name__ for p in REWRITES] == ["functionalise", "normalise_convolutions", "fold_batch_norm",
+    assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_constants", "normalise_convolutions",
+                                             "fold_batch_norm",
                                              "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "match_attention",
                                              "precompute_attention_masks", "inline_scalar_constants",
@@ -473,3 +474,76 @@ def test_a_gemm_bias_moves_into_the_elementwise_op_that_reads_it(tmp_path):
                         for op in fused.graph.ops if op.target == "nimble::fused")
         assert "add+add" in bodies and "add+gelu" in bodies, bodies
         assert_reproduces(fused, model)
+
+
+class WindowMask(nn.Module):
+    """Swin's shifted-window mask, built in forward from shapes alone (new_zeros on the input, slice
+    fills, a subtraction, masked_fill), and a bias gathered from a table by a fixed index."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 2))
+        self.register_buffer("index", torch.randint(0, 9, (4, 4)))
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        mask = x.new_zeros((4, 4))
+        count = 0
+        for rows in ((0, 2), (2, None)):
+            for cols in ((0, 3), (3, None)):
+                mask[rows[0]:rows[1], cols[0]:cols[1]] = count
+                count += 1
+        mask = mask.view(16).unsqueeze(0) - mask.view(16).unsqueeze(1)
+        mask = mask.masked_fill(mask != 0, -100.0)
+        bias = self.table[self.index.view(-1)].view(4, 4, 2).permute(2, 0, 1)
+        return (x + mask).softmax(-1) @ x.transpose(-1, -2)[..., :16] + bias.sum(), x[0, :4, :4] @ self.weight.t()
+
+
+def test_values_computed_from_weights_and_numbers_alone_become_weights(tmp_path):
+    model = WindowMask().eval()
+    x = torch.randn(2, 16, 16)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        lowered = rewrite(raw)
+        kinds = targets(lowered)
+        assert not any(t in kinds for t in ("aten::fill_.Tensor", "aten::fill_.Scalar", "aten::masked_fill.Scalar",
+                                            "aten::new_zeros.default", "aten::index.Tensor", "aten::sum.default")), kinds
+        folded = [v for v in lowered.graph.values if v.kind == WEIGHT and v.name.endswith("_folded")]
+        assert [v.spec.shape for v in folded] == [(16, 16)]  # the mask; the summed bias became a number
+        assert "aten::add.Scalar" in kinds
+        assert_reproduces(lowered, model)
+
+
+class WrittenAfterRead(nn.Module):
+    """A constant buffer that the model reads, then fills: folding its final state would be wrong."""
+
+    def forward(self, x):
+        z = x.new_zeros((3,))
+        y = x + z
+        z.fill_(2.0)
+        return y * z
+
+
+def test_a_constant_written_after_a_computed_read_is_not_folded():
+    model = WrittenAfterRead().eval()
+    lowered = rewrite(exported(model, torch.randn(3)))
+    assert not any(v.name.endswith("_folded") for v in lowered.graph.values)
+    assert_reproduces(lowered, model)
+
+
+class SlicedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x):
+        return x @ self.w[:4], x @ self.w[4:], x @ self.w.t().t()[:4]
+
+
+def test_views_of_a_weight_stay_views_and_store_nothing_twice(tmp_path):
+    model = SlicedWeight().eval()
+    x = torch.randn(3, 4)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        lowered = rewrite(raw)
+        assert not any(v.name.endswith("_folded") for v in lowered.graph.values)
+        assert sum(t.numel() for t in lowered.weights.values()) <= 32 * 2  # at most the export's own copies
+        assert_reproduces(lowered, model)

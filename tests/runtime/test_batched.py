@@ -131,6 +131,24 @@ def test_a_model_that_mixes_the_rows_of_a_batch_is_refused(tmp_path):
     compile_model(model, input_specs(["2x5"]), device="cpu")  # one batch size is fine
 
 
+class BatchShapedMask(nn.Module):
+    """A mask built in forward from shapes alone (Swin's way: new_zeros, then a slice fill), with
+    one row per row of the batch: constant, and shaped by the batch."""
+
+    def forward(self, x):
+        mask = x.new_zeros((x.shape[0], 5))
+        mask[:, 1:] = 1.0
+        return x * mask
+
+
+def test_a_multi_batch_artifact_folds_no_constants_that_the_batch_shapes(tmp_path):
+    model = save_script(tmp_path, BatchShapedMask(), "mask")
+    one = compile_model(model, input_specs(["2x5"]), device="cpu")
+    assert any(v.name.endswith("_folded") for v in one.graph.values)  # alone, the mask folds
+    several = compile_model(model, input_specs(["2x5"]), device="cpu", batch_sizes=[2, 4])
+    assert not any(v.name.endswith("_folded") for c in (several, *several.others) for v in c.graph.values)
+
+
 def test_a_pt2_with_a_dynamic_batch_compiles_for_each_size(tmp_path):
     class Net(nn.Module):
         def __init__(self):
