@@ -279,7 +279,8 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
 
 def table(rows: list[dict], meta: dict) -> list[str]:
     lines = [f"Kernel time per inference by op class, nimble against torch.compile(mode=\"reduce-overhead\"), "
-             f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Sum of kernel "
+             f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}, TF32 convolutions and full fp32 matmul (as "
+             f"peers.py). Command: `{meta['command']}`. Sum of kernel "
              f"durations over {REPS} inferences, per inference, in ms (gaps and stream overlap not counted). "
              "diff = nimble - torch.compile: where nimble loses, positive.", ""]
     for r in rows:
@@ -324,7 +325,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # PyTorch's defaults, as peers.py runs: TF32 convolutions, full fp32 matmul (the tables up to
+    # 2026-11-24 turned TF32 on for matmul too, so their GEMM rows are not peers.py's)
+    torch.backends.cudnn.allow_tf32 = True
     meta = report.gpu_meta("kernel_diff.py")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
