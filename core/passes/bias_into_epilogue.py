@@ -33,7 +33,6 @@ def bias_into_epilogue(graph: Graph) -> Graph:
     an add before that reader."""
     facts = Facts(graph)
     ops: list[Op] = list(graph.ops)
-    values = list(graph.values)
     added: dict[int, list[Value]] = {}
     inserted: dict[int, list[Op]] = {}  # reader op id -> the adds to issue just before it
     next_value, next_op = len(graph.values), len(graph.ops)
@@ -59,7 +58,7 @@ def bias_into_epilogue(graph: Graph) -> Graph:
     for op in ops:
         ordered.extend(inserted.get(op.id, ()))
         ordered.append(op)
-    return rebuild(graph, ordered, values=values, added=added)
+    return rebuild(graph, ordered, added=added)
 
 
 def _split(graph: Graph, facts: Facts, op: Op):

@@ -54,10 +54,10 @@ def fold_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Grap
     if tensors is None:
         return graph, weights
     weights = dict(weights)
-    values, same, added = list(graph.values), {}, {}
+    same, added = {}, {}
     next_value = len(graph.values)
     storable = {d.name for d in STORABLE}
-    kept_constant: set[int] = set()  # constant values too large, or not storable: still computed
+    kept_constant: set[int] = set()  # constant values left to their ops (see the module docstring)
     for v in boundary:
         t = tensors.get(v)
         if graph.values[graph.root(v)].kind == WEIGHT:  # a view of a weight costs no kernel: it stays
@@ -76,7 +76,7 @@ def fold_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Grap
         return graph, weights
     needed = _producers_of(graph, constant, kept_constant)
     ops = [op for op in graph.ops if op.id not in constant or op.id in needed]
-    result = rebuild(graph, ops, same=same, values=values, added=added)
+    result = rebuild(graph, ops, same=same, added=added)
     names = {v.name for v in result.values if v.kind == WEIGHT}
     return result, {k: t for k, t in weights.items() if k in names}
 

@@ -28,7 +28,6 @@ _MASK = 3  # attn_mask's position in scaled_dot_product_attention's schema
 def precompute_attention_masks(graph: Graph) -> Graph:
     """Each boolean mask that float32 attention reads is converted to an additive mask once."""
     ops: list[Op] = []
-    values = list(graph.values)
     added: dict[int, list[Value]] = {}
     converted: dict[int, int] = {}  # boolean mask value -> its float mask value
     next_value, next_op = len(graph.values), len(graph.ops)
@@ -51,7 +50,7 @@ def precompute_attention_masks(graph: Graph) -> Graph:
         ops.append(dataclasses.replace(op, args=tuple(args)))
     if not converted:
         return graph
-    return rebuild(graph, ops, values=values, added=added)
+    return rebuild(graph, ops, added=added)
 
 
 def _boolean_mask(graph: Graph, op: Op) -> int | None:
