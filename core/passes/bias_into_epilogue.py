@@ -22,7 +22,7 @@ import dataclasses
 from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, Value
 from ..ops import fusion
 from .rewrite import Facts
-from .substitute import binary_spec, rebuild
+from .substitute import rebuild
 
 ADD = "aten::add.Tensor"
 VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default", "aten::unsqueeze.default"})
@@ -41,9 +41,8 @@ def bias_into_epilogue(graph: Graph) -> Graph:
         if split is None:
             continue
         plain, bias, last, reader = split
-        spec = binary_spec(ADD, graph.values[last].spec, graph.values[bias.id].spec)
-        if spec.shape != graph.values[last].spec.shape:
-            continue  # the bias would broadcast the result: not a plain epilogue
+        # the bias (the last dimension's size, the result's dtype) broadcasts without changing either
+        spec = graph.values[last].spec
         total = Value(next_value, ACTIVATION, TensorSpec(spec.shape, spec.dtype), f"{graph.values[last].name}_bias",
                       next_op)
         ops[op.id] = plain
