@@ -157,24 +157,24 @@ def _evaluate(graph: Graph, constant: set[int], weights) -> dict[int, torch.Tens
 
 
 def _producers_of(graph: Graph, constant: set[int], values: set[int]) -> set[int]:
-    """The constant ops `values` need (their producers, transitively, and the writers of their storage)."""
-    needed: set[int] = set()
-    roots = {graph.root(v) for v in values}
-    stack = [graph.values[v].producer for v in values if graph.values[v].producer is not None]
+    """The constant ops `values` need: their producers, and the writers of their storages, and so
+    on back through what those read."""
+    writers: dict[int, list[int]] = {}  # storage root -> the constant ops that write it
     for i in constant:
-        if any(graph.root(m) in roots for m in graph.ops[i].mutates):
-            stack.append(i)
+        for m in graph.ops[i].mutates:
+            writers.setdefault(graph.root(m), []).append(i)
+    needed: set[int] = set()
+    seen_roots: set[int] = set()
+    stack = list(values)  # values whose producers and storage writers are needed
     while stack:
-        i = stack.pop()
-        if i in needed or i not in constant:
-            continue
-        needed.add(i)
-        for r in graph.ops[i].refs():
-            p = graph.values[r].producer
-            if p is not None:
-                stack.append(p)
-            roots.add(graph.root(r))
-        for j in constant:
-            if j not in needed and any(graph.root(m) in roots for m in graph.ops[j].mutates):
-                stack.append(j)
+        v = stack.pop()
+        ops = [graph.values[v].producer] if graph.values[v].producer is not None else []
+        root = graph.root(v)
+        if root not in seen_roots:
+            seen_roots.add(root)
+            ops += writers.get(root, [])
+        for i in ops:
+            if i in constant and i not in needed:
+                needed.add(i)
+                stack.extend(graph.ops[i].refs())
     return needed
