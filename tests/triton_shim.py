@@ -48,6 +48,8 @@ def language() -> types.ModuleType:
     tl.constexpr = int
     tl.program_id = lambda axis: torch.tensor([_Program.pid], dtype=torch.int32)  # 1-D: promotes as Triton does
     tl.arange = lambda start, end: torch.arange(start, end, dtype=torch.int32)
+    tl.full = lambda shape, value, dtype: torch.full(shape, value, dtype=dtype)
+    tl.static_range = range
 
     def load(p, mask=None, other=0):
         mask = torch.ones_like(p.offsets, dtype=torch.bool) if mask is None else mask

@@ -36,11 +36,16 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import footprint, indices, kernels, streams, tuning
+from . import footprint, indices, kernels, regions, streams, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .placement import PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
+
+
+# ops that multiply matrices through cuBLAS (by the name of the aten op)
+GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul", "mv", "addmv", "dot", "einsum",
+                   "tensordot"})
 
 
 @dataclass
@@ -106,6 +111,7 @@ class Executable:
             self._share = share
             self._arena_size = max(arena_bytes or 0, self.memory.arena_bytes)
             self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
+            self._blas_ready: set[int] = set()  # the streams whose cuBLAS workspaces exist
             self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
             self._set_order(self.choice)
         with stages.stage("preflight"):  # before any op touches real memory
@@ -262,6 +268,7 @@ class Executable:
             self._weights.update(self._channels_last_weights)
         needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
         self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
+        self._make_blas_workspaces()
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
@@ -275,6 +282,21 @@ class Executable:
                 self._capture(graph_dump)
         finally:
             torch.backends.cudnn.benchmark = benchmark
+
+    def _make_blas_workspaces(self) -> None:
+        """cuBLAS keeps a workspace per CUDA stream for the whole process (32 MiB on Hopper), made at
+        the stream's first matrix product. Made in the middle of a warm-up, it is carved out of a
+        segment that a convolution's workspace has just freed, and the rest of that segment can
+        never go back to the device (it stayed reserved: 69 MiB for inception_v3). So each stream
+        that will multiply matrices makes it here, before any op runs, in a segment of its own."""
+        streams_of = {self._stream_of[op.id] for op in self.graph.ops
+                      if op.target.split("::")[-1].split(".")[0] in GEMMS}
+        for k in sorted(streams_of - self._blas_ready):
+            with torch.cuda.stream(self._streams[k]):
+                one = torch.ones(2, 2, device=self.device)
+                torch.mm(one, one)
+                torch.addmm(one[0], one, one)  # cuBLASLt's, where PyTorch uses it for a bias
+        self._blas_ready |= streams_of
 
     def _allocate(self) -> None:
         g = self.graph
@@ -313,19 +335,28 @@ class Executable:
 
     def _allocate_own(self, need: int) -> None:
         g, dev = self.graph, self.device
+        weights = {v.id: self.artifact.weights[v.name] for v in g.values if v.kind == WEIGHT}
+        inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype]) for i in g.inputs]
         try:
-            # the convolution weights come first, then the rest, the arena, the inputs, and last the
-            # convolutions' channels_last copies (made once, here, for every candidate that lays them
-            # out so): whichever layout is chosen, the copies it does not keep free whole segments,
-            # which go back to the device
-            convs = tuning.conv_weights(g) if dev.type == "cuda" else set()
-            ordered = sorted((v for v in g.values if v.kind == WEIGHT), key=lambda v: v.id not in convs)
-            self._stored_weights = {v.id: self.artifact.weights[v.name].to(dev) for v in ordered}
-            self.arena = torch.empty(max(self._arena_size, 1), dtype=torch.uint8, device=dev)
-            self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
-                                        device=dev) for i in g.inputs]
-            self._channels_last_weights = {vid: self._stored_weights[vid].contiguous(memory_format=torch.channels_last)
-                                           for vid in sorted(convs)}
+            if dev.type == "cuda":
+                # three allocations (`regions.py`): the weights every layout reads, with the arena and
+                # the input buffers; the convolution weights; and their channels_last copies (made
+                # once, here, for every candidate that lays them out so). Whichever layout is chosen,
+                # the convolution weights it does not keep are one whole allocation, which goes back
+                # to the device
+                convs = tuning.conv_weights(g)
+                kept = regions.pack({**{k: t for k, t in weights.items() if k not in convs},
+                                     **{("input", k): x for k, x in enumerate(inputs)}}, dev,
+                                    blank={"arena": max(self._arena_size, 1)})
+                self._stored_weights = {**{k: t for k, t in kept.items() if isinstance(k, int)},
+                                        **regions.pack({k: t for k, t in weights.items() if k in convs}, dev)}
+                self.arena, self._inputs = kept["arena"], [kept["input", k] for k in range(len(inputs))]
+                self._channels_last_weights = regions.pack({k: self._stored_weights[k] for k in sorted(convs)}, dev,
+                                                           torch.channels_last)
+            else:  # the artifact's own tensors: nothing to copy
+                self._stored_weights = {k: t.to(dev) for k, t in weights.items()}
+                self.arena = torch.empty(max(self._arena_size, 1), dtype=torch.uint8, device=dev)
+                self._inputs, self._channels_last_weights = inputs, {}
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
                                  f"and arena need {need} bytes "

@@ -8,7 +8,8 @@ loading: the number `nvidia-smi` shows for it, less the CUDA context.
 - `pool_free`: the graph pool's segments less what is allocated in them: op workspaces and
   temporaries the replay reuses, and the slack of its segments. The pool keeps a segment per stream that allocated in it, which
   `pool_segments_per_stream` counts;
-- `other_allocated`: anything else the load left allocated. Mostly cuBLAS workspaces: cuBLAS
+- `other_allocated`: anything else the load left allocated: the padding of the load's regions
+  (`regions.py`: alignment, and a region between 1 and 10 MiB asks for 10), and cuBLAS workspaces: cuBLAS
   keeps one per CUDA stream that multiplied matrices (32 MiB each on Hopper by default), which
   PyTorch holds for the whole process and the captured graph uses; a later load on the same
   streams reuses them (PyTorch hands out streams from a pool of 32). Folding the planned streams

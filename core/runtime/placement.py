@@ -3,7 +3,7 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, and a generated kernel for layer norm (`reductions.py`). An op with no out=
+clamp_min for relu, and generated kernels for layer norm and max pooling (`reductions.py`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
 returns: views of the arena, of inputs or of weights.
 """
@@ -23,7 +23,7 @@ from ..ir import ACTIVATION, Graph, Op, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
 from .kernels import FusedKernel
-from .reductions import layer_norm
+from .reductions import layer_norm, max_pool2d
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,10 +68,19 @@ def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
 
 def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """adaptive_avg_pool2d to 1x1 as eager computes it, a mean over H and W; its out= overload
-    would run the generic pooling kernel, which is far slower on large maps."""
+    would run the generic pooling kernel, which is far slower on large maps. A channels_last map
+    is read as (N, H*W, C) rows, a view: a mean over H and W of its 4-D strides made a transient
+    copy of the whole map (28 MiB in EfficientNet-B0's squeeze-and-excitation at batch 8)."""
+    x = args[0]
     if list(args[1]) != [1, 1]:
         return None
-    torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        n, c, h, w = x.shape
+        rows = x.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels_last is NHWC in memory
+        if out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last):
+            torch.ops.aten.mean.out(rows, [1], False, out=out.view(n, c))
+            return out
+    torch.ops.aten.mean.out(x, [-1, -2], True, out=out)
     return out
 
 
@@ -87,6 +96,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::relu.default": _relu,
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
     "aten::layer_norm.default": layer_norm,
+    "aten::max_pool2d.default": max_pool2d,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 import nimble
 from nimble.ops import fusion
-from nimble.runtime import reference
+from nimble.runtime import reference, regions
 from nimble.cli.main import app
 from nimble.runtime.compare import compare
 from nimble.formats import read_artifact, write_artifact
@@ -165,8 +165,10 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     assert sum(kinds) == f.growth == torch.cuda.memory_reserved() - before
     assert f.arena == exe.memory.arena_bytes and f.weights == exe.stats.weight_bytes
     workspaces = len(set(exe._stream_of)) * 34 * 2**20  # cuBLAS and cuBLASLt (32 + 1 MiB), per CUDA stream
-    assert -2**20 < f.other_allocated <= workspaces + 2**20, f  # nothing else left by warm-ups or tuning
-    assert -slack <= f.cached < 32 * 2**20 and f.pool_free >= 0, f  # whole free segments went back to the device
+    padding = regions.SEGMENT_OF_ITS_OWN  # at most: a region between 1 and 10 MiB asks for 10 (regions.py)
+    assert -2**20 < f.other_allocated <= workspaces + padding + 2**20, f  # nothing else left by warm-ups or tuning
+    # whole free segments went back to the device, and no kept tensor pins part of one
+    assert -slack <= f.cached < 8 * 2**20 and f.pool_free >= 0, f
     assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert f.outside_arena == 0 or exe.outside_arena(), f  # only results placed elsewhere count
     assert exe.stats.scratch_bytes == f.outside_arena + f.pool_free  # bench's "scratch": the graph pool

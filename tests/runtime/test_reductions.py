@@ -77,3 +77,69 @@ def test_the_substitute_declines_strided_input_on_the_gpu():
         pytest.skip("no CUDA device")
     x = torch.randn(8, 6, device="cuda").t()  # (6, 8), not row-major
     assert reductions.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(6, 8, device="cuda")) is None
+
+
+def shim_max_pool(x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False, channels_last=False):
+    want = torch.nn.functional.max_pool2d(x, kernel, stride or None, padding, dilation, ceil_mode)
+    out = torch.full_like(want, 7.0, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    params = reductions.pool_params([x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode])
+    args, constants = reductions.pool_launch(x, out, params)
+    triton_shim.run_grid(reductions.MAX_POOL, -(-out.numel() // constants["BLOCK"]), *args, **constants)
+    return out, want
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation, ceil_mode", [
+    ((3, 3), (2, 2), (0,), (1,), False),  # ResNet's stem, without padding
+    ((3, 3), (2, 2), (1, 1), (1, 1), False),  # ResNet's stem
+    ((3, 3), (2, 2), (0, 0), (1, 1), True),  # GoogLeNet: windows past the edge
+    ((3, 3), (1, 1), (1, 1), (1, 1), True),
+    ((2,), (), (0,), (1,), False),  # an empty stride is the kernel's
+    ((3, 2), (1, 2), (1, 0), (2, 1), False),  # dilated, unequal sides
+])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_max_pool_source_computes_what_torch_does(kernel, stride, padding, dilation, ceil_mode, channels_last):
+    x = torch.randn(2, 3, 9, 10, generator=torch.Generator().manual_seed(1))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    got, want = shim_max_pool(x, kernel, stride, padding, dilation, ceil_mode, channels_last)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_nan_in_a_window_is_its_maximum_as_in_torch():
+    x = torch.randn(1, 2, 6, 6)
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 0] = float("-inf")
+    got, want = shim_max_pool(x, (2, 2))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[0, 1, 1, 1]) and torch.isnan(got).sum() == 1
+
+
+def test_the_max_pool_substitute_declines_the_cpu_and_what_it_does_not_cover():
+    x = torch.randn(1, 2, 6, 6)
+    assert reductions.max_pool2d([x, [2, 2], [2, 2], [0, 0], [1, 1], False], torch.empty(1, 2, 3, 3)) is None
+    assert reductions.pool_params([x, [2, 2], [2, 2], [0, 0], [1, 1, 1], False]) is None  # not two per side
+    assert reductions.pool_params([x, [True, 2]]) is None
+    assert reductions.pool_params([x, [3], [], [1], [1], False]) == ([3, 3], [3, 3], [1, 1], [1, 1])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtype, channels_last):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(8, 64, 112, 112, device="cuda").to(dtype).contiguous(memory_format=fmt)
+    for args in ([x, [3, 3], [2, 2], [1, 1], [1, 1], False], [x, [3, 3], [2, 2], [0, 0], [1, 1], True],
+                 [x, [2, 2], [], [0, 0], [1, 1], False]):
+        want = torch.nn.functional.max_pool2d(*args)
+        out = torch.empty_like(want, memory_format=fmt)
+        reductions.max_pool2d(args, out)  # the first call builds the kernel
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        assert reductions.max_pool2d(args, out) is out
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() == held  # no indices, no result to copy
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
