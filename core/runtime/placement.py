@@ -68,19 +68,10 @@ def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
 
 def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """adaptive_avg_pool2d to 1x1 as eager computes it, a mean over H and W; its out= overload
-    would run the generic pooling kernel, which is far slower on large maps. A channels_last map
-    is read as (N, H*W, C) rows, a view: a mean over H and W of its 4-D strides made a transient
-    copy of the whole map (28 MiB in EfficientNet-B0's squeeze-and-excitation at batch 8)."""
-    x = args[0]
+    would run the generic pooling kernel, which is far slower on large maps."""
     if list(args[1]) != [1, 1]:
         return None
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        n, c, h, w = x.shape
-        rows = x.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels_last is NHWC in memory
-        if out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last):
-            torch.ops.aten.mean.out(rows, [1], False, out=out.view(n, c))
-            return out
-    torch.ops.aten.mean.out(x, [-1, -2], True, out=out)
+    torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
     return out
 
 

@@ -1,5 +1,4 @@
-"""One allocation per group of tensors a load holds (`runtime/regions.py`), and substitutes that
-write their planned buffer without transient copies (`runtime/placement.py`)."""
+"""One allocation per group of tensors a load holds (`runtime/regions.py`)."""
 
 import torch
 
@@ -45,17 +44,3 @@ def test_a_group_between_one_and_ten_mib_asks_for_ten():
     large = regions.pack({0: torch.zeros(3 * 2**20)}, CPU)[0]  # 12 MiB
     assert large.untyped_storage().nbytes() == 12 * 2**20
 
-
-def test_global_average_pooling_reads_a_channels_last_map_as_rows_without_a_copy():
-    from nimble.runtime import placement
-
-    x = torch.randn(2, 5, 3, 4).contiguous(memory_format=torch.channels_last)
-    want = torch.nn.functional.adaptive_avg_pool2d(x, 1)
-    for fmt in (torch.contiguous_format, torch.channels_last):
-        out = torch.full((2, 5, 1, 1), float("nan")).contiguous(memory_format=fmt)
-        assert placement.SUBSTITUTES["aten::adaptive_avg_pool2d.default"]([x, [1, 1]], out) is out
-        torch.testing.assert_close(out, want)
-    plain = torch.empty(2, 5, 1, 1)
-    placement.SUBSTITUTES["aten::adaptive_avg_pool2d.default"]([x.contiguous(), [1, 1]], plain)
-    torch.testing.assert_close(plain, want)
-    assert placement.SUBSTITUTES["aten::adaptive_avg_pool2d.default"]([x, [2, 2]], torch.empty(2, 5, 2, 2)) is None
