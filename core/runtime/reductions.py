@@ -103,9 +103,38 @@ def kernel(x_ptr, out_ptr, numel, C, H, W, OH, OW, sxn, sxc, sxh, sxw, son, soc,
 '''
 POOL_BLOCK = 512
 
-_UNBUILT = object()
-_kernel = _UNBUILT  # the compiled LAYER_NORM, None where it could not be built
-_pool_kernel = _UNBUILT  # the compiled MAX_POOL, likewise
+class FixedKernel:
+    """A kernel of fixed source, built on its first launch through `kernels.define` (cached and
+    counted as every generated kernel is). Where that first launch fails, `kernels.STATS` records
+    why and every launch declines from then on, so PyTorch computes the op."""
+
+    def __init__(self, source: str, what: str):
+        self.source, self.what, self.kernel, self.failed = source, what, None, False
+
+    def launch(self, grid: tuple, *args, **constants) -> bool:
+        """Run it over `grid`; False where it cannot be built."""
+        if self.failed:
+            return False
+        first = self.kernel is None
+        t = time.perf_counter()
+        try:
+            if first:
+                self.kernel = kernels.define(self.source)
+            self.kernel[grid](*args, **constants)
+        except Exception as e:
+            if not first:
+                raise
+            kernels.STATS.fallbacks.append(f"{self.what}: {type(e).__name__}: {first_line(e)}")
+            self.failed = True
+            return False
+        finally:
+            if first:
+                kernels.STATS.seconds += time.perf_counter() - t
+        return True
+
+
+_layer_norm = FixedKernel(LAYER_NORM, "layer norm")
+_max_pool = FixedKernel(MAX_POOL, "max pooling")
 
 
 def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -122,32 +151,17 @@ def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
     for t in (weight, bias):
         if t is not None and not (t.is_cuda and t.dtype in FLOATS and t.numel() == n and t.is_contiguous()):
             return None
-    global _kernel
-    if _kernel is None:
+    if _layer_norm.failed:
         return None
     rows = x.numel() // n
     if not rows:
         return out
-    first = _kernel is _UNBUILT
-    t = time.perf_counter()
-    try:  # the first launch builds and compiles: a failure there leaves the op to PyTorch
-        if first:
-            _kernel = kernels.define(LAYER_NORM)
-        block = triton_block(n)
-        _kernel[(rows,)](x, x if weight is None else weight, x if bias is None else bias, out, float(eps), N=n,
-                         HAS_W=weight is not None, HAS_B=bias is not None,
-                         WIDE=x.numel() + block > kernels.INT32_LIMIT, BLOCK=block,
-                         num_warps=min(16, max(1, block // 256)))
-    except Exception as e:
-        if not first:
-            raise
-        kernels.STATS.fallbacks.append(f"layer norm: {type(e).__name__}: {first_line(e)}")
-        _kernel = None
-        return None
-    finally:
-        if first:
-            kernels.STATS.seconds += time.perf_counter() - t
-    return out
+    block = triton_block(n)
+    done = _layer_norm.launch((rows,), x, x if weight is None else weight, x if bias is None else bias, out,
+                              float(eps), N=n, HAS_W=weight is not None, HAS_B=bias is not None,
+                              WIDE=x.numel() + block > kernels.INT32_LIMIT, BLOCK=block,
+                              num_warps=min(16, max(1, block // 256)))
+    return out if done else None
 
 
 def triton_block(n: int) -> int:
@@ -189,25 +203,9 @@ def max_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
     if params is None or not (x.is_cuda and out.is_cuda and x.dim() == 4 and out.dim() == 4
                               and x.dtype in FLOATS and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
         return None
-    global _pool_kernel
-    if _pool_kernel is None:
+    if _max_pool.failed:
         return None
     if not out.numel():
         return out
-    first = _pool_kernel is _UNBUILT
-    t = time.perf_counter()
-    try:  # the first launch builds and compiles: a failure there leaves the op to PyTorch
-        if first:
-            _pool_kernel = kernels.define(MAX_POOL)
-        launch, constants = pool_launch(x, out, params)
-        _pool_kernel[(-(-out.numel() // POOL_BLOCK),)](*launch, **constants, num_warps=4)
-    except Exception as e:
-        if not first:
-            raise
-        kernels.STATS.fallbacks.append(f"max pooling: {type(e).__name__}: {first_line(e)}")
-        _pool_kernel = None
-        return None
-    finally:
-        if first:
-            kernels.STATS.seconds += time.perf_counter() - t
-    return out
+    args, constants = pool_launch(x, out, params)
+    return out if _max_pool.launch((-(-out.numel() // POOL_BLOCK),), *args, **constants, num_warps=4) else None
