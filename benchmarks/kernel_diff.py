@@ -321,7 +321,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--choice", help="run nimble as this choice instead of tuning: LAYOUT,STREAMS,ALGORITHMS,"
-                                         "CONVOLUTIONS (e.g. channels_last,planned,benchmark,split)")
+                                         "CONVOLUTIONS[,GEMM_BIAS] (e.g. channels_last,planned,benchmark,split or "
+                                         "contiguous,serial,heuristic,cudnn-fused,separate)")
     args = parser.parse_args()
     import torch
 

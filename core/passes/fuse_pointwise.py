@@ -14,7 +14,8 @@ MAX_OPERANDS = 16  # distinct graph values one group reads
 
 def fuse_pointwise(graph: Graph) -> Graph:
     """Grow each group from its last op backwards: an elementwise op takes in the group of each
-    operand that it alone reads. Groups of one op stay as they are."""
+    operand that it alone reads, then a group takes in each operand's group that only its members
+    read. Groups of one op stay as they are."""
     facts = Facts(graph)
     group: dict[int, list[int]] = {}  # op id -> the members of the group it ends
     conv_of: dict[int, int | None] = {}  # op id -> the convolution leading its group, if any
@@ -46,6 +47,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
             conv = their_conv if their_conv is not None else conv
             group.pop(producer.id, None)
         group[op.id], conv_of[op.id] = members, conv
+    _take_shared_operands(graph, facts, group, conv_of)
     ordered = []
     for last, members in group.items():
         if len(members) > 1:
@@ -81,3 +83,34 @@ def _elementwise(graph: Graph, facts: Facts, op: Op):
 def _operands(graph: Graph, members: list[int]) -> set[int]:
     inside = {graph.ops[m].outputs[0] for m in members}
     return {r for m in members for r in graph.ops[m].refs() if r not in inside}
+
+
+def _take_shared_operands(graph: Graph, facts: Facts, group: dict[int, list[int]], conv_of: dict) -> None:
+    """A group takes in the group that computes one of its operands when that operand is read by
+    several members and by nothing else (GELU's tanh form reads its input three times, and the
+    bias add before it then joins it). Groups led by a convolution are not taken in."""
+    changed = True
+    while changed:
+        changed = False
+        for last in list(group):
+            members = group.get(last)
+            if members is None:
+                continue
+            inside = set(members)
+            for v in sorted(_operands(graph, members)):
+                producer = graph.values[v].producer
+                if producer is None or producer not in group or producer in inside or conv_of[producer] is not None:
+                    continue
+                readers = facts.readers.get(v, set())
+                if len(readers) < 2 or not readers <= inside or v in facts.outputs or v in facts.aliased \
+                        or graph.root(v) in facts.mutated:
+                    continue
+                theirs = group[producer]
+                if len(members) + len(theirs) > fusion.MAX_NODES \
+                        or len(_operands(graph, members + theirs)) > MAX_OPERANDS:
+                    continue
+                members = members + theirs
+                inside.update(theirs)
+                group.pop(producer)
+                changed = True
+            group[last] = members

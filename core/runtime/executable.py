@@ -39,7 +39,7 @@ from ..stages import Stages
 from . import footprint, indices, kernels, regions, streams, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
-from .placement import PlacedOp, PlacedRun, arena_views, prepare, release_plan
+from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
 
 
@@ -272,6 +272,8 @@ class Executable:
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
+            elif isinstance(p.substitute, BiasedGemm):
+                p.substitute.separate = choice.gemm_bias == "separate"
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:

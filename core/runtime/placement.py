@@ -3,7 +3,8 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, and generated kernels for layer norm and max pooling (`reductions.py`). An op with no out=
+clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`), and a
+float32 GEMM then its bias where tuning chose that (`BiasedGemm`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
 returns: views of the arena, of inputs or of weights.
 """
@@ -19,7 +20,7 @@ import torch
 from ..errors import ExecutionError, first_line
 from ..ops import arguments, fusion, interpret, targets, types
 from ..ops.execute import Executor
-from ..ir import ACTIVATION, Graph, Op, contiguous_strides
+from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
 from .kernels import FusedKernel
@@ -80,6 +81,44 @@ def _relu(args: list, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class BiasedGemm:
+    """addmm(bias, x, w) or linear(x, w, bias) in float32, as the GEMM alone then an in-place add of
+    the bias, where load-time tuning found that faster (`tuning.GEMM_BIAS`). In full float32,
+    cuBLASLt's bias epilogue can cost 1.2 to 2.6 times the plain GEMM at transformer shapes with
+    few rows (H100, `benchmarks/gemm_bias.py`); in half precision it is the faster one. Until
+    `separate` is set, the op runs its own out= overload."""
+
+    def __init__(self, linear: bool):
+        self.linear, self.separate = linear, False
+
+    @staticmethod
+    def applies(graph: Graph, op: Op) -> bool:
+        """A float32 addmm with beta and alpha 1, or linear, whose bias is a 1-D graph value."""
+        if len(op.outputs) != 1 or graph.values[op.outputs[0]].spec.dtype != "float32":
+            return False
+        if op.target == "aten::addmm.default":
+            bias = op.args[0] if op.args else None
+            if any(a != 1 for a in op.args[3:]) or any(k not in ("beta", "alpha") or v != 1 for k, v in op.kwargs):
+                return False
+        elif op.target == "aten::linear.default":
+            bias = op.args[2] if len(op.args) == 3 and not op.kwargs else None
+        else:
+            return False
+        return isinstance(bias, Ref) and len(graph.values[bias.id].spec.shape) == 1
+
+    def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
+        if not self.separate or not out.is_cuda:
+            return None
+        if self.linear:
+            x, w, bias = args
+            torch.ops.aten.linear.out(x, w, None, out=out)
+        else:  # addmm(bias, x, w)
+            bias, x, w = args[:3]
+            torch.mm(x, w, out=out)
+        out.add_(bias)
+        return out
+
+
 # target -> writer(args, out) that computes the op with a real out= kernel and returns the tensor
 # holding the result (`out`, or one a fused cuDNN kernel allocated), or None to compute and copy
 SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
@@ -112,8 +151,10 @@ def prepare(graph: Graph) -> list[PlacedOp]:
             placed.append(PlacedOp(op, interpret.run_fused, None, [], FusedKernel(op)))
             continue
         found = None if op.target in COPYING_OUT else out_overload(op.target)
+        substitute = BiasedGemm(op.target == "aten::linear.default") if BiasedGemm.applies(graph, op) \
+            else SUBSTITUTES.get(op.target)
         placed.append(PlacedOp(op, targets.resolve(op.target), found[0] if found else None,
-                               found[1] if found else [], SUBSTITUTES.get(op.target)))
+                               found[1] if found else [], substitute))
     return placed
 
 

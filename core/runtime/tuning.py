@@ -13,10 +13,14 @@ fastest:
 - convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
   convolution during the warm-up (what `torch.backends.cudnn.benchmark` does);
 - convolution fusion: conv -> relu and conv -> add -> relu bodies as cuDNN's fused kernels, or
-  split into cuDNN's plain convolution and a generated epilogue kernel. Neither wins everywhere.
+  split into cuDNN's plain convolution and a generated epilogue kernel. Neither wins everywhere;
+- GEMM bias: a float32 addmm or linear with its bias in cuBLASLt's epilogue, or the GEMM alone
+  then an in-place add (`placement.BiasedGemm`). The second wins with few rows, the first with
+  many (`benchmarks/gemm_bias.py`).
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
-convolutions, then the best of those split, then the best so far on one stream.
+convolutions, then the best of those split, then the best so far on one stream, then that with
+its GEMM biases separate.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -29,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -41,6 +45,7 @@ LAYOUTS = ("contiguous", "channels_last")
 STREAMS = ("planned", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
 CONVOLUTIONS = ("cudnn-fused", "split")
+GEMM_BIAS = ("epilogue", "separate")
 
 
 @dataclass(frozen=True)
@@ -49,33 +54,43 @@ class Choice:
     streams: str = "planned"
     algorithms: str = "heuristic"
     convolutions: str = "cudnn-fused"
+    gemm_bias: str = "epilogue"
 
     def describe(self) -> str:
-        return f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}"
+        """The four first settings; the GEMM bias only where it is not the default."""
+        separate = ", separate GEMM bias" if self.gemm_bias == "separate" else ""
+        return f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}{separate}"
 
 
 def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
     convolution exists, split convolutions only where cuDNN's fused ones could run, one stream
-    only where the schedule has several."""
+    only where the schedule has several, a separate GEMM bias only where a float32 GEMM has one."""
+    from .placement import BiasedGemm
+
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
     streams = STREAMS if num_streams > 1 else STREAMS[:1]
     fused = any(op.target == fusion.FUSED and fusion.convolution_pattern(fusion.body_of(op)) for op in graph.ops)
     kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
-    return [Choice(layout, s, a, k) for layout in layouts for s in streams for a in algorithms for k in kinds]
+    biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) for op in graph.ops) else GEMM_BIAS[:1]
+    return [Choice(layout, s, a, k, b) for layout in layouts for s in streams for a in algorithms for k in kinds
+            for b in biases]
 
 
 def every_choice() -> list[Choice]:
-    return [Choice(layout, s, a, k) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS for k in CONVOLUTIONS]
+    return [Choice(layout, s, a, k, b) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS for k in CONVOLUTIONS
+            for b in GEMM_BIAS]
 
 
 def stages(options: list[Choice]):
     """The greedy order of timing: a list of candidates, then functions from the best so far to
     the next candidates."""
-    yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]]
-    yield lambda best: [c for c in options if c == Choice(best.layout, best.streams, best.algorithms, "split")]
-    yield lambda best: [c for c in options if c == Choice(best.layout, "serial", best.algorithms, best.convolutions)]
+    yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]
+           and c.gemm_bias == GEMM_BIAS[0]]
+    yield lambda best: [c for c in options if c == replace(best, convolutions="split")]
+    yield lambda best: [c for c in options if c == replace(best, streams="serial")]
+    yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
 
 
 def conv_weights(graph: Graph) -> set[int]:

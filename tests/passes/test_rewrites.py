@@ -476,6 +476,37 @@ def test_a_gemm_bias_moves_into_the_elementwise_op_that_reads_it(tmp_path):
         assert_reproduces(fused, model)
 
 
+class TanhGelu(nn.Module):
+    """GPT-2's MLP: a Conv1D (addmm, viewed back) whose result GELU's tanh form reads three times,
+    and a second projection read by two ops whose results part ways (it keeps its bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(16))
+        self.other = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.addmm(self.bias, x.view(-1, 8), self.weight).view(2, 3, 16)
+        g = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        o = self.other(g)
+        return torch.tanh(o), o * 2.0
+
+
+def test_a_bias_joins_an_elementwise_group_that_reads_the_gemm_result_several_times(tmp_path):
+    model = TanhGelu().eval()
+    x = torch.randn(2, 3, 8)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        fused = rewrite(raw, PASSES)
+        kinds = targets(fused)
+        assert "aten::mm.default" in kinds and "aten::addmm.default" not in kinds, kinds
+        gelu = [op for op in fused.graph.ops if op.target == "nimble::fused" and "tanh" in op_label(op)]
+        assert len(gelu) == 1 and op_label(gelu[0]).startswith("fused(add+mul+pow"), [op_label(op) for op in gelu]
+        assert "aten::add.Tensor" not in kinds  # the bias add is inside the GELU's kernel, not on its own
+        linears = [op for op in fused.graph.ops if op.target == "aten::linear.default"]
+        assert len(linears) == 1 and linears[0].args[2] is not None  # tanh(o) and o * 2 part ways
+        assert_reproduces(fused, model)
+
+
 class WindowMask(nn.Module):
     """Swin's shifted-window mask, built in forward from shapes alone (new_zeros on the input, slice
     fills, a subtraction, masked_fill), and a bias gathered from a table by a fixed index."""

@@ -238,3 +238,28 @@ def test_channels_last_re_strides_every_plain_four_d_buffer(artifacts):
     views = placement.arena_views(g, art.memory, torch.empty(art.memory.arena_bytes, dtype=torch.uint8), chosen)
     assert all(views[v].is_contiguous(memory_format=torch.channels_last) for v in chosen)
     assert all(v.spec.strides for v in g.values if v.id in chosen)  # declared, and contiguous
+
+
+def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bias(artifacts):
+    """Tuning times the GEMM bias apart from cuBLASLt's epilogue only where some float32 addmm or
+    linear has a bias (the transformer's projections), after the other settings; on the CPU the
+    substitute declines, and the op runs its own out= overload."""
+    from nimble.runtime import placement, tuning
+
+    with_bias = artifacts["transformer"][1].graph
+    gemms = [op for op in with_bias.ops if placement.BiasedGemm.applies(with_bias, op)]
+    assert gemms
+    options = tuning.candidates(with_bias, 1)
+    assert {c.gemm_bias for c in options} == {"epilogue", "separate"}
+    stages = list(tuning.stages(options))
+    assert all(c.gemm_bias == "epilogue" for c in stages[0])
+    best = stages[0][0]
+    assert stages[-1](best) == [tuning.Choice(gemm_bias="separate")]
+    assert tuning.Choice(gemm_bias="separate").describe().endswith(", separate GEMM bias")
+    assert "GEMM" not in tuning.Choice().describe()
+    gemm = placement.BiasedGemm(gemms[0].target == "aten::linear.default")
+    gemm.separate = True
+    assert gemm([torch.zeros(8), torch.zeros(2, 4), torch.zeros(4, 8)], torch.empty(2, 8)) is None  # CPU
+    exe = nimble.load(artifacts["transformer"][0], device="cpu")
+    torch.testing.assert_close(exe.run(*artifacts["transformer"][1].sample_inputs)[0],
+                               artifacts["transformer"][1].sample_outputs[0], rtol=1e-4, atol=1e-5)
