@@ -40,7 +40,8 @@ from .stages import Stages
 REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise_convolutions,
                    passes.fold_batch_norm, passes.affine_batch_norm, passes.flatten_concats,
                    passes.match_multi_head_attention, passes.match_attention, passes.precompute_attention_masks,
-                   passes.inline_scalar_constants, passes.bias_into_epilogue, passes.eliminate_common_subexpressions,
+                   passes.inline_scalar_constants, passes.drop_identity_copies, passes.bias_into_epilogue,
+                   passes.eliminate_common_subexpressions,
                    passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + FUSION

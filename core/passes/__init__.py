@@ -12,6 +12,7 @@ it directly rather than from a list.
 from .affine_batch_norm import affine_batch_norm
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
+from .drop_identity_copies import drop_identity_copies
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
@@ -32,7 +33,7 @@ from .precompute_attention_masks import precompute_attention_masks
 REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
                               inline_scalar_constants})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "bias_into_epilogue", "chain_loose_ops",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "bias_into_epilogue", "chain_loose_ops", "drop_identity_copies",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",

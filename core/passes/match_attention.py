@@ -3,6 +3,7 @@
     scores = q @ k.transpose(-1, -2)  [/ c or * c]  [+ mask, or where(allowed, ., very negative)]
     out = softmax(scores, -1) @ v
 
+(q itself may be scaled first, `q * c`, as Swin does: the scale then joins sdpa's)
 becomes one `aten::scaled_dot_product_attention` (q, k, v, attn_mask=mask, scale), which runs as
 a fused attention kernel on CUDA instead of two GEMMs, a scale, an add and a softmax, and never
 writes the [batch, heads, n, n] scores (torch.compile recognises the same pattern).
@@ -94,8 +95,14 @@ def _match(graph: Graph, facts: Facts, out: Op, weights):
     if mask is not None and (not isinstance(mask, Ref) or graph.values[mask.id].spec.dtype not in
                              ("float32", "float16", "bfloat16", "bool")):
         return None
-    if scale is None:  # the scores are q @ k^T as they stand (swin scales q before): said, not sdpa's default
+    if scale is None:  # the scores are q @ k^T as they stand: said, not sdpa's default
         scale = 1.0
+    qp = _producer(graph, facts, q, x)  # q scaled before the product (Swin): that scale is sdpa's too
+    if qp is not None and qp.target in ("aten::mul.Scalar", "aten::mul.Tensor") and isinstance(qp.args[0], Ref):
+        c, unscaled = _number(graph, qp.args[1], weights), graph.values[qp.args[0].id].spec
+        if c is not None and c != 0 and (unscaled.shape, unscaled.dtype) == (graph.values[q.id].spec.shape,
+                                                                           graph.values[q.id].spec.dtype):
+            q, scale = qp.args[0], scale * c
     return q, k, v, mask, float(scale)
 
 

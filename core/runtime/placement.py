@@ -3,8 +3,9 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`), and a
-float32 GEMM then its bias where tuning chose that (`BiasedGemm`). An op with no out=
+clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`), one copy
+for a reshape or `contiguous` that must copy, and a float32 GEMM then its bias where tuning chose
+that (`BiasedGemm`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
 returns: views of the arena, of inputs or of weights.
 """
@@ -76,6 +77,23 @@ def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _copy(args: list, out: torch.Tensor) -> torch.Tensor:
+    """contiguous: one copy into the planned buffer (the op itself would copy, then be copied in)."""
+    out.copy_(args[0])
+    return out
+
+
+def _reshape_copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """A reshape or flatten that must copy (its input's strides allow no view; the plan gave it a
+    buffer): the input's elements, in its row-major order, copied once into the contiguous buffer
+    seen in the input's shape. None where the buffer is not contiguous (a channels_last choice)."""
+    x = args[0]
+    if not out.is_contiguous() or out.numel() != x.numel():
+        return None
+    out.view(x.shape).copy_(x)
+    return out
+
+
 def _relu(args: list, out: torch.Tensor) -> torch.Tensor:
     torch.ops.aten.clamp_min.out(args[0], 0, out=out)
     return out
@@ -127,6 +145,9 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
+    "aten::contiguous.default": _copy,
+    "aten::reshape.default": _reshape_copy,
+    "aten::flatten.using_ints": _reshape_copy,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",

@@ -6,6 +6,7 @@ the only place a graph is rewritten before fusion."""
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from nimble import frontend, passes
 from nimble.ir import WEIGHT, TensorSpec
@@ -207,6 +208,7 @@ def test_the_rewrites_are_named_in_the_order_they_run():
                                              "affine_batch_norm", "flatten_concats",
                                              "match_multi_head_attention", "match_attention",
                                              "precompute_attention_masks", "inline_scalar_constants",
+                                             "drop_identity_copies",
                                              "bias_into_epilogue", "eliminate_common_subexpressions",
                                              "eliminate_dead_ops", "order_canonically", "name_values"]
 
@@ -338,13 +340,33 @@ class PrescaledAttention(HandAttention):
         return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+class UnscaledAttention(HandAttention):
+    """Scores that no number scales at all."""
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).split(16, -1)
+        q, k, v = (t.reshape(2, 5, 2, 8).permute(0, 2, 1, 3) for t in (q, k, v))
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + mask, dim=-1), v)
+
+
 def test_attention_with_no_scale_on_its_scores_gets_a_scale_of_one(tmp_path):
-    model = PrescaledAttention().eval()
+    model = UnscaledAttention().eval()
     example = (torch.randn(2, 5, 16) * 4, torch.randn(2, 1, 1, 5))
     for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
         lowered = rewrite(raw)
         attention = [op for op in lowered.graph.ops if "attention" in op.target]
         assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == 1.0  # not sdpa's 1/sqrt(8)
+        assert_reproduces(lowered, model)
+
+
+def test_a_query_scaled_before_the_product_gives_its_scale_to_the_attention(tmp_path):
+    model = PrescaledAttention().eval()
+    example = (torch.randn(2, 5, 16) * 4, torch.randn(2, 1, 1, 5))
+    for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
+        lowered = rewrite(raw)
+        attention = [op for op in lowered.graph.ops if "attention" in op.target]
+        assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == 0.125
+        assert not any(t.startswith("aten::mul") for t in targets(lowered)), targets(lowered)  # no kernel of its own
         assert_reproduces(lowered, model)
 
 
@@ -505,6 +527,37 @@ def test_a_bias_joins_an_elementwise_group_that_reads_the_gemm_result_several_ti
         linears = [op for op in fused.graph.ops if op.target == "aten::linear.default"]
         assert len(linears) == 1 and linears[0].args[2] is not None  # tanh(o) and o * 2 part ways
         assert_reproduces(fused, model)
+
+
+class IdentityCopies(nn.Module):
+    """Copies that change nothing (Swin's pad by zero, contiguous and clone of contiguous values)
+    beside ones that do: a real pad, contiguous of a transpose, a clone written in place, and a
+    copy that is an output."""
+
+    def forward(self, x):
+        a = F.pad(x, (0, 0, 0, 0)) * 2.0
+        b = x.contiguous() + x.clone()
+        c = F.pad(x, (1, 0, 0, 0)).sum() + x.transpose(1, 2).contiguous().view(-1)[:3].sum()
+        d = x.clone()
+        d.add_(1.0)
+        return a + b + c + d, x.clone()
+
+
+def test_copies_that_change_nothing_go_and_the_others_stay(tmp_path):
+    model = IdentityCopies().eval()
+    x = torch.randn(2, 3, 4)
+    for raw in (exported(model, x), scripted(tmp_path, model, x)):
+        before = rewrite(raw, REWRITES[:REWRITES.index(passes.drop_identity_copies)])
+        after = rewrite(raw, REWRITES)
+        count = {t: targets(after).count(t) for t in ("aten::pad.default", "aten::constant_pad_nd.default",
+                                                       "aten::contiguous.default", "aten::clone.default")}
+        assert sum(count.values()) < sum(targets(before).count(t) for t in count), (targets(before), count)
+        assert count["aten::pad.default"] + count["aten::constant_pad_nd.default"] == 1, count  # the real pad
+        assert count["aten::contiguous.default"] == 1 and count["aten::clone.default"] >= 1  # the transpose; the output
+        assert_reproduces(after, model)
+        graph = after.graph
+        out = graph.values[graph.outputs[1]]
+        assert out.id not in graph.inputs and out.producer is not None  # an output keeps its own copy
 
 
 class WindowMask(nn.Module):

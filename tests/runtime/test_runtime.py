@@ -263,3 +263,22 @@ def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bia
     exe = nimble.load(artifacts["transformer"][0], device="cpu")
     torch.testing.assert_close(exe.run(*artifacts["transformer"][1].sample_inputs)[0],
                                artifacts["transformer"][1].sample_outputs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_copying_reshape_or_contiguous_writes_its_buffer_in_one_copy():
+    """A reshape the plan gave a buffer (its input allows no view) copies the input's elements
+    once, in row-major order, into the buffer seen in the input's shape; contiguous copies in."""
+    from nimble.runtime import placement
+
+    x = torch.randn(2, 3, 4, 5).permute(0, 2, 1, 3)  # (2, 4, 3, 5), no view to (8, 15)
+    out = torch.empty(8, 15)
+    assert placement.SUBSTITUTES["aten::reshape.default"]([x, (8, 15)], out) is out
+    torch.testing.assert_close(out, x.reshape(8, 15), rtol=0, atol=0)
+    flat = torch.empty(2, 60)
+    assert placement.SUBSTITUTES["aten::flatten.using_ints"]([x, 1, -1], flat) is flat
+    torch.testing.assert_close(flat, x.flatten(1), rtol=0, atol=0)
+    strided = torch.empty(2, 5, 4, 3).permute(0, 3, 2, 1)  # a channels_last buffer: declined
+    assert placement.SUBSTITUTES["aten::reshape.default"]([x.permute(0, 2, 1, 3), (2, 3, 4, 5)], strided) is None
+    dense = torch.empty(2, 4, 3, 5)
+    assert placement.SUBSTITUTES["aten::contiguous.default"]([x], dense) is dense
+    torch.testing.assert_close(dense, x.contiguous(), rtol=0, atol=0)
