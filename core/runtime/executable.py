@@ -39,7 +39,8 @@ from ..stages import Stages
 from . import footprint, indices, kernels, regions, streams, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
-from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
+from .placement import (BiasedGemm, PlacedOp, PlacedRun, arena_views, copy_pairs, norm_pairs, prepare,
+                        release_plan)
 from .preflight import preflight
 
 
@@ -254,6 +255,10 @@ class Executable:
             self._stream_of = streams.fold(self._order, self.schedule.stream, self._waits)
         planned = not self._single_stream and choice.streams != "serial"
         self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
+        paired = self.device.type == "cuda" and self._with_arena  # kernels that write two ops' buffers
+        self._norms = norm_pairs(self.graph, self._placed, self._order, self._stream_of, self._waits) if paired else {}
+        self._copies = copy_pairs(self.graph, self._placed, self._order, self._stream_of, self._waits) \
+            if paired else {}
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
         """Lay out the buffers and weights for `choice`, warm up every stream, and capture."""
@@ -380,7 +385,8 @@ class Executable:
         cuda = self.device.type == "cuda"
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
                         release=release_plan(self.graph, self._order, self._stream_of) if cuda else None,
-                        kept=self._own_storages() if cuda else frozenset())
+                        kept=self._own_storages() if cuda else frozenset(), norms=self._norms,
+                        copies=self._copies)
         run_ops(self._placed, run, self._order,
                 lambda order, step: streams.issue(order, step if around is None else around(step), self.device,
                                                   self._streams, self._stream_of, self._waits))

@@ -10,7 +10,10 @@ the tensor that holds the result:
   planned buffer;
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
   convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
-  its bias; the kernel then adds the bias and applies the rest of the body in place.
+  its bias; the kernel then adds the bias and applies the rest of the body in place;
+- an elementwise body and the layer norm issued right after it (`placement.norm_pairs`) run as
+  one row kernel, `with_norm`: the body over a row, stored where others read it, then that row
+  normalised into the norm's buffer.
 
 A kernel is specialised to its call: the body, the shapes, the strides of every operand (so the
 layout) and the dtypes. It is compiled from the source text generated here, never imported from
@@ -35,11 +38,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import first_line
-from ..ir import Local
+from ..ir import Local, contiguous_strides
 from ..ops import fusion
 from . import cache
 
 BLOCK = 1024
+MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
+FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -121,6 +126,63 @@ class FusedKernel:
             return out if launch is not None else None
         launch(out, operands)
         return out
+
+
+    # ---------------------------------------------------------------------------- with a layer norm
+    def with_norm(self, body, out: torch.Tensor, norm: NormAfter) -> bool:
+        """The body and the layer norm that reads its result, as one kernel: each row of the
+        result computed, stored where `norm.store` says others read it, then normalised into
+        `norm.out`. False, with nothing written, where this does not apply (see `NormAfter`)."""
+        if self.pattern is not None or fusion.leads_with_convolution(self.body) or not norm.fits(out):
+            return False
+        operands = _operands(body, skip_first=False)
+        key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+        launch = self._built.get(key, _UNBUILT)
+        if launch is None:
+            return False
+        if launch is _UNBUILT:
+            t = time.perf_counter()
+            try:
+                launch = _compile_norm(_norm_source(body, out, operands, norm))
+                launch(out, operands, norm)
+            except Exception as e:
+                STATS.fallbacks.append(f"op {self.op.id} with its layer norm: {type(e).__name__}: {first_line(e)}")
+                launch = None
+            STATS.seconds += time.perf_counter() - t
+            self._built[key] = launch
+            return launch is not None
+        launch(out, operands, norm)
+        return True
+
+
+@dataclass
+class NormAfter:
+    """The layer norm (aten::layer_norm over each row's last dims, `shape`) that reads a fused op's
+    result, run in that op's kernel: `out` its planned buffer, `store` whether anything else reads
+    the fused result (GPT-2's residual stream: yes; BERT's post-norm sum: no)."""
+
+    shape: tuple
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+    out: torch.Tensor
+    store: bool
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Row-major input and output of one floating dtype, normalised over its last dims, rows of
+        at most MAX_NORM_ROW elements, and a weight and bias dense over a row."""
+        if not (x.is_cuda and x.dtype in FLOAT_KINDS and self.out.dtype == x.dtype and 0 < self.n <= MAX_NORM_ROW
+                and tuple(self.out.shape) == tuple(x.shape) and x.dim() >= len(self.shape)
+                and tuple(x.shape[x.dim() - len(self.shape):]) == tuple(self.shape)
+                and x.is_contiguous() and self.out.is_contiguous()):
+            return False
+        return all(t is None or (t.is_cuda and t.dtype in FLOAT_KINDS and t.numel() == self.n and t.is_contiguous())
+                   for t in (self.weight, self.bias))
 
 
 _UNBUILT = object()
@@ -320,6 +382,62 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
     lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({kind}), mask=mask)")
     lines.append(f"# torch {torch.__version__}")
     return "\n".join(lines) + "\n"
+
+
+def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> str:
+    """A row kernel: the body over one row of `x` (row-major), its result stored where
+    `norm.store`, then that row normalised as `reductions.LAYER_NORM` does (float32 mean and
+    variance of the values as stored) into `norm.out`."""
+    shape = tuple(x.shape)
+    order = list(range(x.dim()))
+    dense_strides = contiguous_strides(shape)
+    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
+    row = "tl.program_id(0).to(tl.int64)" if _wide(x, operands) else "tl.program_id(0)"
+    kind = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}[x.dtype]
+    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+             f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}eps, "
+             "N: tl.constexpr, BLOCK: tl.constexpr):",
+             f"    row = {row}",
+             "    cols = tl.arange(0, BLOCK)",
+             "    mask = cols < N",
+             "    i = row * N + cols"]
+    for k, t in enumerate(operands):
+        strides = t.expand(shape).stride()
+        dense = all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(x.dim()))
+        lines.append(f"    in{k} = tl.load(in{k}_ptr + ({_offset(shape, strides, order, dense)}), mask=mask)"
+                     ".to(tl.float32)")
+    for k, (target, args, kwargs) in enumerate(body):
+        tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
+                   for pos in fusion.POINTWISE[target]]
+        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+    lines.append(f"    stored = v{len(body) - 1}.to({kind})")
+    if norm.store:
+        lines.append("    tl.store(x_ptr + i, stored, mask=mask)")
+    lines += ["    v = tl.where(mask, stored.to(tl.float32), 0.0)",
+              "    mean = tl.sum(v, axis=0) / N",
+              "    d = tl.where(mask, v - mean, 0.0)",
+              "    var = tl.sum(d * d, axis=0) / N",
+              "    y = d * tl.rsqrt(var + eps)"]
+    if norm.weight is not None:
+        lines.append("    y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)")
+    if norm.bias is not None:
+        lines.append("    y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)")
+    lines.append(f"    tl.store(y_ptr + i, y.to({kind}), mask=mask)")
+    lines.append(f"# torch {torch.__version__}")
+    return "\n".join(lines) + "\n"
+
+
+def _compile_norm(source: str):
+    """A launcher for `_norm_source`'s kernel: one program per row."""
+    kernel = define(source)
+
+    def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:
+        block = max(16, 1 << (norm.n - 1).bit_length())
+        kernel[(out.numel() // norm.n,)](out, norm.out, out if norm.weight is None else norm.weight,
+                                         out if norm.bias is None else norm.bias, *operands, float(norm.eps),
+                                         N=norm.n, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+
+    return launch
 
 
 def define(source: str):

@@ -35,8 +35,8 @@ import torch
 from ..errors import first_line
 from . import kernels
 
-MAX_ROW = 2**14  # elements of one normalised row that one program keeps in registers
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+MAX_ROW = kernels.MAX_NORM_ROW  # elements of one normalised row that one program keeps in registers
+FLOATS = kernels.FLOAT_KINDS
 
 LAYER_NORM = '''import triton
 import triton.language as tl

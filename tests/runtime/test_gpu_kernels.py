@@ -92,3 +92,21 @@ def test_tuning_is_timed_once_then_read_from_the_cache(sample_artifacts):
     assert again.stats.kernel_source_hits == again.stats.kernels_generated > 0
     off = nimble.load(sample_artifacts["mobilenet"], device="cuda", tune="off")
     assert off.stats.tuning == "off" and off.stats.choice == tuning.Choice().describe()
+
+
+@pytest.mark.parametrize("name", ["transformer", "vit"])
+def test_a_residual_sum_and_its_layer_norm_run_as_one_kernel(sample_artifacts, name):
+    """On one stream each layer norm after an elementwise op runs in that op's kernel
+    (`FusedKernel.with_norm`), and each attention result is copied once, through the head
+    transpose, into the buffer of the copy after it (`copy_pairs`): the model's outputs are
+    unchanged, and the pairs' kernels were built."""
+    from nimble.runtime.kernels import FusedKernel
+
+    art = read_artifact(sample_artifacts[name])
+    exe = Executable(art, "cuda", choice=tuning.Choice(streams="serial"))
+    assert exe._norms and exe._copies and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
+    result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
+    assert result.passed, result.describe()
+    built = [key for _, _, kernel in exe._norms.values() for key, launch in kernel._built.items()
+             if key[0] == "norm" and launch is not None]
+    assert len(built) >= 1 and all(isinstance(k, FusedKernel) for _, _, k in exe._norms.values())

@@ -143,3 +143,36 @@ def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtyp
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() == held  # no indices, no result to copy
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def shim_norm_after(body, x, operands, norm):
+    from nimble.runtime import kernels
+
+    source = kernels._norm_source(body, x, operands, norm)
+    block = max(16, 1 << (norm.n - 1).bit_length())
+    triton_shim.run_grid(source, x.numel() // norm.n, x, norm.out, x if norm.weight is None else norm.weight,
+                         x if norm.bias is None else norm.bias, *operands, norm.eps, N=norm.n, BLOCK=block)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 33), (4, 16)])
+def test_a_fused_sum_and_the_layer_norm_after_it_compute_what_torch_does_in_one_kernel(shape, store):
+    """GPT-2's residual stream: (matmul + bias) + residual, then the next layer norm, as one row
+    kernel (`kernels.with_norm`): the sum stored where others read it, the norm of it."""
+    from nimble.ir import Local
+    from nimble.runtime.kernels import NormAfter
+
+    g = torch.Generator().manual_seed(1)
+    n = shape[-1]
+    product, bias, residual = torch.randn(*shape, generator=g), torch.randn(n, generator=g), torch.randn(*shape, generator=g)
+    body = [("aten::add.Tensor", (product, bias), (("alpha", 1),)),
+            ("aten::add.Tensor", (residual, Local(0)), (("alpha", 1),))]
+    weight, shift = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    x, y = torch.full(shape, 7.0), torch.empty(shape)
+    shim_norm_after(body, x, [product, bias, residual], NormAfter((n,), weight, shift, 1e-5, y, store))
+    total = product + bias + residual
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(total, (n,), weight, shift, 1e-5), rtol=1e-5, atol=1e-5)
+    if store:
+        torch.testing.assert_close(x, total, rtol=0, atol=0)
+    else:
+        assert (x == 7.0).all()  # nothing else reads the sum: it is never written
