@@ -349,24 +349,17 @@ class UnscaledAttention(HandAttention):
         return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + mask, dim=-1), v)
 
 
-def test_attention_with_no_scale_on_its_scores_gets_a_scale_of_one(tmp_path):
-    model = UnscaledAttention().eval()
+@pytest.mark.parametrize("model, scale", [(UnscaledAttention, 1.0), (PrescaledAttention, 0.125)])
+def test_attention_takes_the_scale_its_scores_have(tmp_path, model, scale):
+    """Scores no number scales get a scale of one, not sdpa's 1/sqrt(8); a query scaled before the
+    product (Swin) gives its scale to the attention op, and no multiply is left as a kernel."""
+    model = model().eval()
     example = (torch.randn(2, 5, 16) * 4, torch.randn(2, 1, 1, 5))
     for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
         lowered = rewrite(raw)
         attention = [op for op in lowered.graph.ops if "attention" in op.target]
-        assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == 1.0  # not sdpa's 1/sqrt(8)
-        assert_reproduces(lowered, model)
-
-
-def test_a_query_scaled_before_the_product_gives_its_scale_to_the_attention(tmp_path):
-    model = PrescaledAttention().eval()
-    example = (torch.randn(2, 5, 16) * 4, torch.randn(2, 1, 1, 5))
-    for raw in (exported(model, *example), scripted(tmp_path, model, *example)):
-        lowered = rewrite(raw)
-        attention = [op for op in lowered.graph.ops if "attention" in op.target]
-        assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == 0.125
-        assert not any(t.startswith("aten::mul") for t in targets(lowered)), targets(lowered)  # no kernel of its own
+        assert len(attention) == 1 and dict(attention[0].kwargs)["scale"] == scale
+        assert not any(t.startswith("aten::mul") for t in targets(lowered)), targets(lowered)
         assert_reproduces(lowered, model)
 
 
