@@ -3,7 +3,8 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`), one copy
+clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`) and roll
+(`movement.py`), one copy
 for a reshape or `contiguous` that must copy, and a float32 GEMM then its bias where tuning chose
 that (`BiasedGemm`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
@@ -25,6 +26,7 @@ from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter
+from .movement import roll
 from .reductions import layer_norm, max_pool2d
 
 
@@ -148,6 +150,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::contiguous.default": _copy,
     "aten::reshape.default": _reshape_copy,
     "aten::flatten.using_ints": _reshape_copy,
+    "aten::roll.default": roll,
 }
 # Generated out= overloads that allocate a result and copy it: no better than computing then copying.
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",
