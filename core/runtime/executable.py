@@ -39,8 +39,8 @@ from ..stages import Stages
 from . import footprint, indices, kernels, regions, streams, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
-from .placement import (BiasedGemm, PlacedOp, PlacedRun, arena_views, copy_pairs, norm_pairs, prepare,
-                        release_plan)
+from .pairs import copy_pairs, norm_pairs
+from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
 
 

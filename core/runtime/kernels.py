@@ -11,7 +11,7 @@ the tensor that holds the result:
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
   convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
   its bias; the kernel then adds the bias and applies the rest of the body in place;
-- an elementwise body and the layer norm issued right after it (`placement.norm_pairs`) run as
+- an elementwise body and the layer norm issued right after it (`pairs.norm_pairs`) run as
   one row kernel, `with_norm`: the body over a row, stored where others read it, then that row
   normalised into the norm's buffer.
 

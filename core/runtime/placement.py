@@ -213,10 +213,10 @@ class PlacedRun(Executor):
                  copies: dict[int, tuple[PlacedOp, PlacedOp]] | None = None):
         """`release` (op -> values) drops each listed value once that op is issued, where its tensor
         lies outside the storages in `kept` (the arena, weights and inputs), so its memory goes
-        back to the allocator. `norms` (fused op -> the layer norm after it, and whether anything
-        else reads the fused result; `norm_pairs`) runs each such pair as one kernel where it can.
-        `copies` (`copy_pairs`) copies a computed result through its view into the buffer of the
-        copy that reads it."""
+        back to the allocator. `norms` (elementwise op -> the layer norm after it, whether anything
+        else reads the op's result, the kernel for both; `pairs.norm_pairs`) runs each such pair
+        as one kernel where it can. `copies` (`pairs.copy_pairs`) copies a computed result through
+        its view into the buffer of the copy that reads it."""
         self.env, self.views, self.device, self.name_failures = env, views, device, name_failures
         self.release, self.kept = release or {}, kept
         self.norms, self.copies, self.written = norms or {}, copies or {}, set()
@@ -267,7 +267,7 @@ class PlacedRun(Executor):
 
     def _copy_through_view(self, p: PlacedOp, result: torch.Tensor) -> bool:
         """`result` seen through the view after `p`, copied into the buffer of the copy after
-        that (`copy_pairs`); False, with nothing written, where that buffer does not fit."""
+        that (`pairs.copy_pairs`); False, with nothing written, where that buffer does not fit."""
         view, copy = self.copies[p.op.id]
         target = self.views.get(copy.op.outputs[0])
         if target is None or not target.is_contiguous() or target.dtype != result.dtype:
@@ -293,106 +293,6 @@ class PlacedRun(Executor):
             return None
         return ExecutionError(f"op {p.op.id} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
                               f"{first_line(error)}")
-
-
-def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
-               waits: Sequence) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
-    """elementwise op -> (the layer norm that reads its result, whether anything else reads that
-    result, the kernel that runs both) for each elementwise op (fused or alone) whose result a
-    layer norm reads, where the norm is the next op
-    issued on the same stream and waits for nothing: computing the norm in the fused op's kernel
-    then moves it earlier past no op, on no other stream's account. `PlacedRun` runs each pair as
-    one kernel (`FusedKernel.with_norm`), or as two where the tensors do not fit it."""
-    next_on_stream = _next_on_stream(order, stream_of)
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(graph.root(r), set()).add(op.id)
-    outputs = {graph.root(o) for o in graph.outputs}
-    aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
-    pairs = {}
-    for norm in graph.ops:
-        if norm.target != "aten::layer_norm.default" or len(norm.args) < 5 or not isinstance(norm.args[0], Ref):
-            continue
-        x = norm.args[0].id
-        producer = graph.values[x].producer
-        if producer is None or graph.values[x].alias_of is not None or waits[norm.id] \
-                or next_on_stream.get(producer) != norm.id or any(isinstance(a, Ref) and a.id == x
-                                                                  for a in norm.args[1:]):
-            continue
-        kernel = _elementwise_kernel(graph, placed[producer])
-        if kernel is None:
-            continue
-        store = readers.get(x, set()) != {norm.id} or x in outputs or x in aliased
-        pairs[producer] = (placed[norm.id], store, kernel)
-    return pairs
-
-
-def _elementwise_kernel(graph: Graph, p: PlacedOp) -> FusedKernel | None:
-    """The kernel that computes `p` with a layer norm after it: its own, for an elementwise fused
-    op; one made for it, for a lone elementwise op the fusion left alone (Swin's residual adds,
-    which read a copying reshape); None for anything else."""
-    op = p.op
-    if isinstance(p.substitute, FusedKernel):
-        return None if fusion.leads_with_convolution(fusion.body_of(op)) else p.substitute
-    if op.target not in fusion.POINTWISE or op.mutates or len(op.outputs) != 1 \
-            or graph.values[op.outputs[0]].spec.dtype not in fusion.FLOATS \
-            or fusion.pointwise_problem((op.target, op.args, op.kwargs)) is not None:
-        return None
-    return FusedKernel(Op(op.id, fusion.FUSED, (((op.target, op.args, op.kwargs),),), (), op.outputs, (), (),
-                          op.source))
-
-
-def _next_on_stream(order: Sequence[int], stream_of: Sequence[int]) -> dict[int, int]:
-    """op -> the op issued next on its stream."""
-    following, last = {}, {}
-    for op in order:
-        if stream_of[op] in last:
-            following[last[stream_of[op]]] = op
-        last[stream_of[op]] = op
-    return following
-
-
-COPYING_READERS = frozenset({"aten::contiguous.default", "aten::reshape.default", "aten::flatten.using_ints"})
-
-
-def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
-               waits: Sequence) -> dict[int, tuple[PlacedOp, PlacedOp]]:
-    """op -> (a view of its result, the op that copies that view into a buffer) where the op has no
-    out= kernel (its result is computed, then copied in), that view is its result's one reader and
-    the copy the view's, and the view and the copy are the next ops on its stream, waiting for
-    nothing. The head merge after attention is this: sdpa, transpose(1, 2), contiguous or reshape.
-    `PlacedRun` then copies the computed result through the view straight into the copy's buffer
-    (one copy where there were two; sdpa's result is already laid out as the merged heads), and
-    the attention's own buffer is never written: only that view, then the copy, read it."""
-    following = _next_on_stream(order, stream_of)
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(r, set()).add(op.id)
-    outputs = set(graph.outputs)
-    views_of: dict[int, set[int]] = {}
-    for v in graph.values:
-        if v.alias_of is not None:
-            views_of.setdefault(v.alias_of, set()).add(v.id)
-    pairs = {}
-    for p in placed:
-        op = p.op
-        if p.substitute is not None or p.out_fn is not None or len(op.outputs) != 1 or op.mutates \
-                or graph.values[op.outputs[0]].alias_of is not None or graph.values[op.outputs[0]].kind != ACTIVATION:
-            continue
-        value = op.outputs[0]
-        view = following.get(op.id)
-        copy = following.get(view) if view is not None else None
-        if copy is None or readers.get(value, set()) != {view} or value in outputs or waits[view] or waits[copy]:
-            continue
-        seen = graph.ops[view].outputs
-        if len(seen) != 1 or views_of.get(value) != {seen[0]} or seen[0] in outputs or seen[0] in views_of \
-                or readers.get(seen[0], set()) != {copy} or graph.ops[copy].target not in COPYING_READERS \
-                or graph.values[graph.ops[copy].outputs[0]].alias_of is not None:
-            continue
-        pairs[op.id] = (placed[view], placed[copy])
-    return pairs
 
 
 def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int]) -> dict[int, list[int]]:

@@ -289,13 +289,13 @@ def test_a_layer_norm_pairs_with_the_fused_op_before_it_only_where_it_is_issued_
     it is the next op on the same stream and waits for nothing; the pair says whether anything
     else reads the fused result."""
     from nimble.ops import fusion
-    from nimble.runtime import placement
+    from nimble.runtime import pairs as pairing, placement
 
     g = artifacts["transformer"][1].graph
     placed = placement.prepare(g)
     n = len(g.ops)
     order = list(artifacts["transformer"][1].schedule.order)
-    pairs = placement.norm_pairs(g, placed, order, [0] * n, [()] * n)
+    pairs = pairing.norm_pairs(g, placed, order, [0] * n, [()] * n)
     assert pairs
     for fused, (norm, store, kernel) in pairs.items():
         assert g.ops[fused].target in fusion.POINTWISE or kernel is placed[fused].substitute
@@ -304,12 +304,12 @@ def test_a_layer_norm_pairs_with_the_fused_op_before_it_only_where_it_is_issued_
         others = {op.id for op in g.ops if g.ops[fused].outputs[0] in op.refs()} - {norm.op.id}
         assert store == bool(others or g.ops[fused].outputs[0] in g.outputs)
     norm = next(iter(pairs.values()))[0].op.id
-    assert norm not in {p.op.id for p, *_ in placement.norm_pairs(g, placed, [], [0] * n, [()] * n).values()}
+    assert norm not in {p.op.id for p, *_ in pairing.norm_pairs(g, placed, [], [0] * n, [()] * n).values()}
     waits = [()] * n
     waits[norm] = (0,)  # a norm that waits for another stream stays on its own
-    assert norm not in {p.op.id for p, *_ in placement.norm_pairs(g, placed, order, [0] * n, waits).values()}
+    assert norm not in {p.op.id for p, *_ in pairing.norm_pairs(g, placed, order, [0] * n, waits).values()}
     apart = [k % 2 for k in range(n)]  # the fused op and its norm on different streams: no pair
-    assert all(apart[f] == apart[p.op.id] for f, (p, *_) in placement.norm_pairs(g, placed, order, apart,
+    assert all(apart[f] == apart[p.op.id] for f, (p, *_) in pairing.norm_pairs(g, placed, order, apart,
                                                                                   [()] * n).items())
 
 
@@ -317,23 +317,23 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
     """`copy_pairs`: an op with no out= kernel (attention) whose one reader is a view (the head
     transpose) whose one reader copies it (contiguous or reshape) pairs with both, where the view
     and the copy are the next ops on its stream and wait for nothing."""
-    from nimble.runtime import placement
+    from nimble.runtime import pairs as pairing, placement
 
     art = artifacts["vit"][1]
     g = art.graph
     placed = placement.prepare(g)
     n, order = len(g.ops), list(art.schedule.order)
-    pairs = placement.copy_pairs(g, placed, order, [0] * n, [()] * n)
+    pairs = pairing.copy_pairs(g, placed, order, [0] * n, [()] * n)
     assert pairs
     for op, (view, copy) in pairs.items():
         assert g.ops[op].target == "aten::scaled_dot_product_attention.default"
         assert g.values[view.op.outputs[0]].alias_of == g.ops[op].outputs[0]
-        assert copy.op.target in placement.COPYING_READERS and copy.op.args[0].id == view.op.outputs[0]
+        assert copy.op.target in pairing.COPYING_READERS and copy.op.args[0].id == view.op.outputs[0]
         assert order.index(copy.op.id) == order.index(view.op.id) + 1 == order.index(op) + 2
     first, (view, copy) = next(iter(pairs.items()))
     waits = [()] * n
     waits[copy.op.id] = (0,)
-    assert first not in placement.copy_pairs(g, placed, order, [0] * n, waits)
+    assert first not in pairing.copy_pairs(g, placed, order, [0] * n, waits)
     moved = [k % 2 for k in range(n)]
     moved[first], moved[view.op.id], moved[copy.op.id] = 0, 0, 1
-    assert first not in placement.copy_pairs(g, placed, order, moved, [()] * n)
+    assert first not in pairing.copy_pairs(g, placed, order, moved, [()] * n)
