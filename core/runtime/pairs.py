@@ -22,10 +22,9 @@ def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
                waits: Sequence) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
     """elementwise op -> (the layer norm that reads its result, whether anything else reads that
     result, the kernel that runs both) for each elementwise op (fused or alone) whose result a
-    layer norm reads, where the norm is the next op
-    issued on the same stream and waits for nothing: computing the norm in the fused op's kernel
-    then moves it earlier past no op, on no other stream's account. `PlacedRun` runs each pair as
-    one kernel (`FusedKernel.with_norm`), or as two where the tensors do not fit it."""
+    layer norm reads, where the norm is the next op issued on the same stream and waits for
+    nothing. `PlacedRun` runs each pair as one kernel (`FusedKernel.with_norm`), or as two where
+    the tensors do not fit it."""
     next_on_stream = _next_on_stream(order, stream_of)
     readers: dict[int, set[int]] = {}
     for op in graph.ops:
@@ -110,7 +109,7 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
         if copy is None or readers.get(value, set()) != {view} or value in outputs or waits[view] or waits[copy]:
             continue
         seen = graph.ops[view].outputs
-        if len(seen) != 1 or views_of.get(value) != {seen[0]} or seen[0] in outputs or seen[0] in views_of \
+        if len(seen) != 1 or graph.ops[view].mutates or views_of.get(value) != {seen[0]} or seen[0] in outputs or seen[0] in views_of \
                 or readers.get(seen[0], set()) != {copy} or graph.ops[copy].target not in COPYING_READERS \
                 or graph.values[graph.ops[copy].outputs[0]].alias_of is not None:
             continue
