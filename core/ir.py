@@ -32,6 +32,11 @@ class TensorSpec:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major, whether the strides are left out or written down."""
+        return not self.strides or tuple(self.strides) == contiguous_strides(self.shape)
+
     @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of storage the tensor spans (a strided view may span more than numel elements)."""

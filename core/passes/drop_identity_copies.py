@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Graph, Op, Ref, Special, contiguous_strides
+from ..ir import Graph, Op, Ref, Special
 from .rewrite import Facts
 from .substitute import rebuild
 
@@ -54,7 +54,7 @@ def _identity_of(graph: Graph, facts: Facts, op: Op) -> int | None:
             or result.alias_of is not None or source.spec.shape != result.spec.shape \
             or source.spec.dtype != result.spec.dtype:
         return None
-    if not (_is_contiguous(source.spec) and _is_contiguous(result.spec)):
+    if not (source.spec.is_contiguous and result.spec.is_contiguous):
         return None
     return source.id
 
@@ -63,7 +63,3 @@ def _contiguous_format(value) -> bool:
     """A memory_format argument that keeps a contiguous tensor as it is."""
     return value is None or isinstance(value, Special) and value.kind == "memory_format" \
         and value.name in (str(torch.contiguous_format), str(torch.preserve_format))
-
-
-def _is_contiguous(spec) -> bool:
-    return not spec.strides or tuple(spec.strides) == contiguous_strides(spec.shape)

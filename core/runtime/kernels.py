@@ -47,6 +47,16 @@ MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def triton_block(n: int) -> int:
+    """The power of two at least `n` (and at least 16) that a row's program spans."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def row_warps(block: int) -> int:
+    """The warps of a program that keeps a row of `block` elements in registers."""
+    return min(16, max(1, block // 256))
+
+
 @dataclass
 class KernelStats:
     generated: int = 0  # kernels built in this process
@@ -132,8 +142,9 @@ class FusedKernel:
     def with_norm(self, body, out: torch.Tensor, norm: NormAfter) -> bool:
         """The body and the layer norm that reads its result, as one kernel: each row of the
         result computed, stored where `norm.store` says others read it, then normalised into
-        `norm.out`. False, with nothing written, where this does not apply (see `NormAfter`)."""
-        if self.pattern is not None or fusion.leads_with_convolution(self.body) or not norm.fits(out):
+        `norm.out`. The body is elementwise (`pairs.norm_pairs` pairs no other). False, with nothing
+        written, where the tensors do not fit (see `NormAfter`)."""
+        if not norm.fits(out):
             return False
         operands = _operands(body, skip_first=False)
         key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
@@ -176,7 +187,8 @@ class NormAfter:
     def fits(self, x: torch.Tensor) -> bool:
         """Row-major input and output of one floating dtype, normalised over its last dims, rows of
         at most MAX_NORM_ROW elements, and a weight and bias dense over a row."""
-        if not (x.is_cuda and x.dtype in FLOAT_KINDS and self.out.dtype == x.dtype and 0 < self.n <= MAX_NORM_ROW
+        if not (x.is_cuda and self.out.is_cuda and x.dtype in FLOAT_KINDS and self.out.dtype == x.dtype
+                and 0 < self.n <= MAX_NORM_ROW
                 and tuple(self.out.shape) == tuple(x.shape) and x.dim() >= len(self.shape)
                 and tuple(x.shape[x.dim() - len(self.shape):]) == tuple(self.shape)
                 and x.is_contiguous() and self.out.is_contiguous()):
@@ -432,10 +444,10 @@ def _compile_norm(source: str):
     kernel = define(source)
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:
-        block = max(16, 1 << (norm.n - 1).bit_length())
+        block = triton_block(norm.n)
         kernel[(out.numel() // norm.n,)](out, norm.out, out if norm.weight is None else norm.weight,
                                          out if norm.bias is None else norm.bias, *operands, float(norm.eps),
-                                         N=norm.n, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                         N=norm.n, BLOCK=block, num_warps=row_warps(block))
 
     return launch
 

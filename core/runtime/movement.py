@@ -47,7 +47,6 @@ def kernel(x_ptr, out_ptr, numel, S1, S2, S3, sx0, sx1, sx2, sx3, so0, so1, so2,
     tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, v, mask=mask)
 '''
 ROLL_BLOCK = 1024
-FLOATS = kernels.FLOAT_KINDS
 
 _roll = FixedKernel(ROLL, "roll")
 
@@ -77,7 +76,7 @@ def roll_launch(x: torch.Tensor, out: torch.Tensor, shifts, dims) -> tuple[tuple
 def roll(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """aten::roll(input, shifts, dims) into `out`, or None where this kernel does not apply."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or not (x.is_cuda and out.is_cuda and x.dtype in FLOATS
+    if not isinstance(x, torch.Tensor) or not (x.is_cuda and out.is_cuda and x.dtype in kernels.FLOAT_KINDS
                                                and out.dtype == x.dtype and tuple(x.shape) == tuple(out.shape)):
         return None
     launch = roll_launch(x, out, args[1] if len(args) > 1 else None, args[2] if len(args) > 2 else ())

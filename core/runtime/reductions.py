@@ -8,7 +8,7 @@ writes the normalised, scaled and shifted row straight into the planned buffer.
 
 It runs where the input and the buffer are dense in row-major order, and the weight and bias
 (where given) dense over the normalised shape; anything else returns None and the op is computed
-and copied as before. Rows longer than MAX_ROW are left to PyTorch too (a row lives in registers).
+and copied as before. Rows longer than `kernels.MAX_NORM_ROW` are left to PyTorch too (a row lives in registers).
 The source is fixed text compiled through `kernels.define` (cached and counted as every generated
 kernel is); if Triton is missing or the kernel cannot be built, `kernels.STATS` records why and
 PyTorch computes the op.
@@ -27,7 +27,6 @@ Indexing is 64-bit where an element offset can pass 2**31 - 1, as in `kernels.py
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -35,8 +34,6 @@ import torch
 from ..errors import first_line
 from . import kernels
 
-MAX_ROW = kernels.MAX_NORM_ROW  # elements of one normalised row that one program keeps in registers
-FLOATS = kernels.FLOAT_KINDS
 
 LAYER_NORM = '''import triton
 import triton.language as tl
@@ -143,30 +140,18 @@ def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
     if len(args) < 5:
         return None
     x, shape, weight, bias, eps = args[:5]
-    n = math.prod(shape)
-    if not (x.is_cuda and out.is_cuda and x.dtype in FLOATS and out.dtype == x.dtype and 0 < n <= MAX_ROW
-            and tuple(x.shape) == tuple(out.shape) and tuple(x.shape[x.dim() - len(shape):]) == tuple(shape)
-            and x.is_contiguous() and out.is_contiguous()):
+    norm = kernels.NormAfter(tuple(shape), weight, bias, eps, out, store=False)
+    if not norm.fits(x) or _layer_norm.failed:
         return None
-    for t in (weight, bias):
-        if t is not None and not (t.is_cuda and t.dtype in FLOATS and t.numel() == n and t.is_contiguous()):
-            return None
-    if _layer_norm.failed:
-        return None
-    rows = x.numel() // n
+    rows = x.numel() // norm.n
     if not rows:
         return out
-    block = triton_block(n)
+    block = kernels.triton_block(norm.n)
     done = _layer_norm.launch((rows,), x, x if weight is None else weight, x if bias is None else bias, out,
-                              float(eps), N=n, HAS_W=weight is not None, HAS_B=bias is not None,
+                              float(eps), N=norm.n, HAS_W=weight is not None, HAS_B=bias is not None,
                               WIDE=x.numel() + block > kernels.INT32_LIMIT, BLOCK=block,
-                              num_warps=min(16, max(1, block // 256)))
+                              num_warps=kernels.row_warps(block))
     return out if done else None
-
-
-def triton_block(n: int) -> int:
-    """The power of two at least `n` (and at least 16) that a row's program spans."""
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def pool_params(args: list) -> tuple[list[int], ...] | None:
@@ -201,7 +186,7 @@ def max_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
     x = args[0] if args else None
     params = pool_params(args) if isinstance(x, torch.Tensor) else None
     if params is None or not (x.is_cuda and out.is_cuda and x.dim() == 4 and out.dim() == 4
-                              and x.dtype in FLOATS and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
+                              and x.dtype in kernels.FLOAT_KINDS and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
         return None
     if _max_pool.failed:
         return None

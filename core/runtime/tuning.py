@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Ref, contiguous_strides, refs_of
+from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ..ops import fusion
 from . import cache
+from .placement import BiasedGemm
 
 LAYOUTS = ("contiguous", "channels_last")
 STREAMS = ("planned", "serial")
@@ -66,8 +67,6 @@ def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
     convolution exists, split convolutions only where cuDNN's fused ones could run, one stream
     only where the schedule has several, a separate GEMM bias only where a float32 GEMM has one."""
-    from .placement import BiasedGemm
-
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
     streams = STREAMS if num_streams > 1 else STREAMS[:1]
@@ -113,7 +112,7 @@ def channels_last_values(graph: Graph) -> set[int]:
     shared = {v.alias_of for v in graph.values if v.alias_of is not None}
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
             and len(v.spec.shape) == 4 and not v.spec.offset
-            and v.spec.strides in ((), contiguous_strides(v.spec.shape))}
+            and v.spec.is_contiguous}
 
 
 # ---------------------------------------------------------------------------------- timing

@@ -5,7 +5,7 @@ planned buffer, and declines what it does not cover."""
 import pytest
 import torch
 
-from nimble.runtime import reductions
+from nimble.runtime import kernels, reductions
 
 from .. import triton_shim
 
@@ -13,7 +13,7 @@ from .. import triton_shim
 def shim_layer_norm(x, weight, bias, eps=1e-5):
     n = weight.numel() if weight is not None else x.shape[-1]
     out = torch.empty_like(x)
-    block = reductions.triton_block(n)
+    block = kernels.triton_block(n)
     triton_shim.run_grid(reductions.LAYER_NORM, x.numel() // n, x, x if weight is None else weight,
                          x if bias is None else bias, out, eps, N=n, HAS_W=weight is not None,
                          HAS_B=bias is not None, WIDE=False, BLOCK=block)
@@ -146,10 +146,8 @@ def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtyp
 
 
 def shim_norm_after(body, x, operands, norm):
-    from nimble.runtime import kernels
-
     source = kernels._norm_source(body, x, operands, norm)
-    block = max(16, 1 << (norm.n - 1).bit_length())
+    block = kernels.triton_block(norm.n)
     triton_shim.run_grid(source, x.numel() // norm.n, x, norm.out, x if norm.weight is None else norm.weight,
                          x if norm.bias is None else norm.bias, *operands, norm.eps, N=norm.n, BLOCK=block)
 
