@@ -2,6 +2,7 @@
 cache files must be small regular files, writes never follow a planted name, and kernels are
 compiled from the text generated in this process, never imported from disk."""
 
+import json
 import os
 import py_compile
 import sys
@@ -114,3 +115,15 @@ def test_a_planted_pyc_beside_a_matching_source_never_runs(root, tmp_path, fake_
     kernels._compile(source)
     assert not mark.exists()
     assert kernels.STATS.source_hits == hits + 1  # the text matched; it was compiled from memory
+
+
+@pytest.mark.parametrize("gemm_bias", ["evil", 1, None, ["separate"]])
+def test_a_crafted_gemm_bias_in_the_tuning_cache_is_a_miss(root, gemm_bias):
+    """The GEMM-bias setting read back from `tuning.json` must be one nimble knows, or the entry
+    is ignored (and tuning times again) before anything runs with it."""
+    tuning.store("k", tuning.Choice(gemm_bias="separate"), {})
+    assert tuning.cached("k") == tuning.Choice(gemm_bias="separate")
+    table = json.loads((root / "tuning.json").read_text())
+    table["k"]["choice"]["gemm_bias"] = gemm_bias
+    (root / "tuning.json").write_text(json.dumps(table))
+    assert tuning.cached("k") is None
