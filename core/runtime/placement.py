@@ -270,14 +270,13 @@ class PlacedRun(Executor):
         that (`pairs.copy_pairs`); False, with nothing written, where that buffer does not fit."""
         view, copy = self.copies[p.op.id]
         target = self.views.get(copy.op.outputs[0])
-        if target is None or not target.is_contiguous() or target.dtype != result.dtype:
+        if target is None or target.dtype != result.dtype:
             return False
         self.env[p.op.outputs[0]] = result
         args, kwargs = arguments.op_arguments(view.op, self.env, self.device)
         seen = view.fn(*args, **kwargs)
-        if not isinstance(seen, torch.Tensor) or seen.numel() != target.numel():
+        if not isinstance(seen, torch.Tensor) or _reshape_copy([seen], target) is None:
             return False
-        target.view(seen.shape).copy_(seen)
         self.written.add(copy.op.id)
         return True
 
