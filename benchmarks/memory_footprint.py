@@ -69,7 +69,7 @@ print(json.dumps({"reserved_growth": torch.cuda.memory_reserved() - before}))
 
 
 def child(code: str, *args: str, cache: str = "") -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     if cache:
         env["NIMBLE_CACHE_DIR"] = cache  # an empty tuning cache: the load times its choices
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False, env=env)

@@ -5,9 +5,10 @@ buffer. Given the op's arguments (its body, tensors in place of Refs) and the bu
 the tensor that holds the result:
 
 - a body that is conv -> relu or conv -> add -> relu, where PyTorch would run the convolution on
-  cuDNN, runs as `cudnn_convolution_relu` or `cudnn_convolution_add_relu`: one kernel, bias
-  included. cuDNN allocates that result (it has no out= form), so it is bound in place of the
-  planned buffer;
+  cuDNN, runs as one cuDNN kernel, bias included: a cuDNN graph that writes the planned buffer
+  where `cudnn_graph` found a plan at least as fast, else `cudnn_convolution_relu` or
+  `cudnn_convolution_add_relu`, whose result cuDNN allocates (no out= form), so it is bound in
+  place of the planned buffer;
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
   convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
   its bias; the kernel then adds the bias and applies the rest of the body in place;
@@ -40,7 +41,7 @@ import torch
 from ..errors import first_line
 from ..ir import Local, contiguous_strides
 from ..ops import fusion
-from . import cache
+from . import cache, cudnn_graph
 
 BLOCK = 1024
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
@@ -83,28 +84,45 @@ class FusedKernel:
         if not out.is_cuda:
             return None
         if self.pattern is not None and self.cudnn_fusion:
-            got = self._cudnn(body)
+            got = self._cudnn(body, out)
             if got is not None:
                 return got
         return self._generated(body, out)
 
     # ---------------------------------------------------------------------------- cuDNN
-    def _cudnn(self, body) -> torch.Tensor | None:
+    def _cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """The body as one cuDNN kernel: a cuDNN graph that writes `out` where one was chosen
+        for this call (`cudnn_graph`), else PyTorch's fused kernel, which allocates its result."""
         target, args, _ = body[0]
         p = fusion.conv_params(target, args)
         x, w, bias = p["input"], p["weight"], p["bias"]
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 4 or not _on_cudnn(p):
+        if x.dtype not in FLOAT_KINDS or x.dim() != 4 or not _on_cudnn(p):
             return None
         stride, padding, dilation = (list(p[k]) for k in ("stride", "padding", "dilation"))
         if w.dtype != x.dtype or (bias is not None and tuple(bias.shape) != (w.shape[0],)):
             return None
-        if self.pattern == "relu":
-            return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
-        add_args = body[1][1]
-        z = add_args[1] if isinstance(add_args[0], Local) else add_args[0]
-        if not isinstance(z, torch.Tensor) or tuple(z.shape) != conv_shape(p) or z.dtype != x.dtype:
-            return None
-        return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation, p["groups"])
+        z = None
+        if self.pattern == "add_relu":
+            add_args = body[1][1]
+            z = add_args[1] if isinstance(add_args[0], Local) else add_args[0]
+            if not isinstance(z, torch.Tensor) or tuple(z.shape) != conv_shape(p) or z.dtype != x.dtype:
+                return None
+
+        def fused() -> torch.Tensor:
+            if z is None:
+                return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
+            return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation,
+                                                             p["groups"])
+        operands = (x, w, bias, z)
+        if tuple(out.shape) == conv_shape(p) and out.dtype == x.dtype:
+            key = ("graph", *((tuple(t.shape), tuple(t.stride())) if t is not None else None
+                              for t in (*operands, out)), x.dtype)
+            if key not in self._built and not torch.cuda.is_current_stream_capturing():
+                self._built[key] = cudnn_graph.choose(p, operands, out, fused)
+            graph = self._built.get(key)
+            if graph is not None:
+                return graph(operands, out)
+        return fused()
 
     # ---------------------------------------------------------------------------- Triton
     def _generated(self, body, out: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,103 @@
+"""cuDNN graphs for convolutions with their epilogue (`runtime/cudnn_graph.py`): each plan writes
+the buffer it is given, agrees with eager PyTorch, and a plan that disagrees is never used."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nimble.formats import read_artifact
+from nimble.runtime import cudnn_graph, tuning
+from nimble.runtime.compare import compare
+from nimble.runtime.executable import Executable
+
+pytestmark = pytest.mark.gpu
+
+needs_frontend = pytest.mark.skipif(cudnn_graph.frontend() is None,
+                                    reason="nvidia-cudnn-frontend is not installed (the cudnn extra)")
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cudnn_graph, "_chosen", {})
+
+
+def _call(n, c, k, hw, r, stride, pad, dtype, layout, residual):
+    torch.manual_seed(0)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(n, c, *hw, device="cuda", dtype=dtype).to(memory_format=fmt)
+    w = (torch.randn(k, c, r, r, device="cuda", dtype=dtype) / (c * r * r) ** 0.5).to(memory_format=fmt)
+    b = torch.randn(k, device="cuda", dtype=dtype)
+    p = {"stride": (stride, stride), "padding": (pad, pad), "dilation": (1, 1), "groups": 1}
+    ref = F.conv2d(x.float(), w.float(), b.float(), stride, pad)
+    z = torch.randn_like(ref, dtype=dtype).to(memory_format=fmt) if residual else None
+    ref = (ref + z.float() if residual else ref).relu()
+    out = torch.empty_like(ref, dtype=dtype).to(memory_format=fmt)
+
+    def fused():
+        if z is None:
+            return torch.ops.aten.cudnn_convolution_relu(x, w, b, [stride] * 2, [pad] * 2, [1, 1], 1)
+        return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, b, [stride] * 2, [pad] * 2, [1, 1], 1)
+    return p, (x, w, b, z), out, ref, fused
+
+
+@needs_frontend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 5, 7, (9, 11), 3, 2, 1), (1, 16, 32, (14, 14), 1, 1, 0)])
+def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dtype, shape):
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))  # any correct plan, however slow
+    for layout in tuning.LAYOUTS:
+        for residual in (False, True):
+            p, operands, out, ref, fused = _call(*shape, dtype, layout, residual)
+            graph = cudnn_graph.choose(p, operands, out, fused)
+            if graph is None:  # cuDNN has no plan for conv -> add -> relu on NCHW
+                assert residual and layout == "contiguous", (layout, residual, cudnn_graph.STATS)
+                continue
+            out.zero_()
+            assert graph(operands, out) is out
+            torch.cuda.synchronize()
+            tol = 2e-2 if dtype == torch.float16 else 1e-2
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+            # captured into a CUDA graph, it runs on the capture's stream into the same buffer
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                graph(operands, out)
+            out.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@needs_frontend
+def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # every plan's result counts as wrong
+    before = cudnn_graph.STATS["rejected"]
+    p, operands, out, _, fused = _call(1, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
+    assert cudnn_graph.choose(p, operands, out, fused) is None
+    assert cudnn_graph.STATS["rejected"] > before
+
+
+@needs_frontend
+def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)
+    assert cudnn_graph.choose(p, (x, w, b, out), out, fused) is None  # z is the output's own buffer
+
+
+@needs_frontend
+@pytest.mark.parametrize("name", ["resnet", "inception"])
+def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name):
+    """With a cuDNN graph for every fused convolution, nothing lies outside the arena."""
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    art = read_artifact(sample_artifacts[name])
+    exe = Executable(art, "cuda", choice=tuning.Choice("channels_last"))
+    result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
+    assert result.passed, result.describe()
+    assert exe.outside_arena() == [], cudnn_graph.STATS
+
+
+def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
+    monkeypatch.setattr(cudnn_graph, "_module", None)
+    p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
+    assert cudnn_graph.choose(p, operands, out, fused) is None
