@@ -21,11 +21,15 @@ A plan is chosen per convolution on the warm-up's tensors, never during a captur
   kind in a process; a kernel cache shared by the process reuses them across shapes), so those
   are tried only where no precompiled engine runs, and only the first `COMPILED_PLANS`.
 
+- plans are timed inside a CUDA graph of ten calls, as they will run: timed eagerly, the launch
+  from Python outlasts a small convolution;
+- among the plans within `SLOWER` of the fastest, the one with the smallest workspace wins.
+
 A choice is kept for the process under the call's signature (shapes, strides, dtypes and
 convolution parameters), so the same convolution in another op, another tuning candidate or
-another load is not timed again. Each op gets its own workspace (most plans need none; plans
-that need more than `MAX_WORKSPACE` are skipped), allocated during the warm-up, outside the
-captured graph's pool, so that ops on different streams never share one.
+another load is not timed again. An executable's graphs share one workspace per CUDA stream
+(`Workspaces`; plans that need more than `MAX_WORKSPACE` are skipped), made during the warm-up,
+outside the captured graph's pool.
 """
 
 from __future__ import annotations
@@ -82,20 +86,43 @@ class Plan:
         self.graph.execute_plan_at_index(pack, workspace, self.index, handle=handle)
 
 
-class ConvGraph:
-    """One fused op's cuDNN graph: its plan and its own workspace, or None where PyTorch's fused
-    kernel runs. `operands` are x, w, bias (or None) and z (or None, for conv -> relu)."""
+class Workspaces:
+    """The workspace of one executable's cuDNN graphs, one per CUDA stream: the ops on a stream
+    run one after another, in the warm-up and in the captured graph, so they share it. It grows
+    during the warm-up to the largest plan on its stream; the capture then finds it at full size."""
 
-    def __init__(self, plan: Plan, device: torch.device):
-        self.plan = plan
-        self.workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=device)
+    def __init__(self):
+        self._by_stream: dict[int, torch.Tensor] = {}
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        held = self._by_stream.get(stream)
+        if held is None or held.numel() < nbytes:
+            held = self._by_stream[stream] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return held
+
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._by_stream.values())
+
+    def release(self) -> None:
+        self._by_stream = {}
+
+
+class ConvGraph:
+    """One fused op's cuDNN plan. `operands` are x, w, bias (or None) and z (or None, for
+    conv -> relu). It keeps the workspace it last ran with, which a captured graph uses."""
+
+    def __init__(self, plan: Plan, workspaces: Workspaces):
+        self.plan, self.workspaces = plan, workspaces
+        self.workspace = None
 
     def __call__(self, operands: tuple, out: torch.Tensor) -> torch.Tensor:
+        self.workspace = self.workspaces.get(self.plan.workspace_bytes, out.device)
         self.plan.run(operands, out, self.workspace)
         return out
 
 
-def choose(p: dict, operands: tuple, out: torch.Tensor, fused) -> ConvGraph | None:
+def choose(p: dict, operands: tuple, out: torch.Tensor, fused, workspaces: Workspaces) -> ConvGraph | None:
     """The fastest correct plan for this call (see the module docstring), or None. `fused()`
     computes the same result with PyTorch's fused kernel. Never called while capturing."""
     if frontend() is None or _overlaps(out, operands):
@@ -108,17 +135,19 @@ def choose(p: dict, operands: tuple, out: torch.Tensor, fused) -> ConvGraph | No
             STATS["failed"].append(f"{type(e).__name__}: {first_line(e)}")
             _chosen[key] = None
     plan = _chosen[key]
-    return ConvGraph(plan, out.device) if plan is not None else None
+    return ConvGraph(plan, workspaces) if plan is not None else None
 
 
 def _time_plans(p: dict, operands: tuple, out: torch.Tensor, fused) -> Plan | None:
+    """Among the plans that agree with PyTorch and are at most SLOWER than its fused kernel, the
+    one with the smallest workspace of those within SLOWER of the fastest."""
     STATS["timed"] += 1
     ref = fused()
     scale = float(ref.abs().max())
     if not torch.isfinite(ref).all():
         return None
     limit = SLOWER * _gpu_us(fused)
-    best, best_us = None, limit
+    timed = []
     plans = _plans(p, operands, out, compiled=False) or \
         (_plans(p, operands, out, compiled=True) if operands[3] is not None else [])
     for plan in plans:
@@ -131,10 +160,13 @@ def _time_plans(p: dict, operands: tuple, out: torch.Tensor, fused) -> Plan | No
             STATS["rejected"] += 1
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace))
-        if us <= best_us:
-            best, best_us = plan, us
-    STATS["chosen"] += best is not None
-    return best
+        if us <= limit:
+            timed.append((us, plan))
+    if not timed:
+        return None
+    fastest = min(us for us, _ in timed)
+    STATS["chosen"] += 1
+    return min((plan for us, plan in timed if us <= SLOWER * fastest), key=lambda plan: plan.workspace_bytes)
 
 
 def _plans(p: dict, operands: tuple, out: torch.Tensor, compiled: bool) -> list[Plan]:
@@ -185,14 +217,25 @@ def _plans(p: dict, operands: tuple, out: torch.Tensor, compiled: bool) -> list[
 
 
 def _gpu_us(fn, runs: int = 10) -> float:
-    """Median microseconds of `fn` on the current stream, over three timings of `runs` calls."""
-    fn()
+    """Median microseconds of one call of `fn`, from three replays of a CUDA graph of `runs` calls:
+    the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch from Python
+    takes longer than a small convolution)."""
+    device = torch.cuda.current_device()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(runs):
+            fn()
+    graph.replay()
     times = []
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(runs):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / runs)

@@ -36,7 +36,7 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import footprint, indices, kernels, regions, streams, tuning
+from . import cudnn_graph, footprint, indices, kernels, regions, streams, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .pairs import copy_pairs, norm_pairs
@@ -113,6 +113,7 @@ class Executable:
             self._arena_size = max(arena_bytes or 0, self.memory.arena_bytes)
             self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
             self._blas_ready: set[int] = set()  # the streams whose cuBLAS workspaces exist
+            self._cudnn_workspaces = cudnn_graph.Workspaces()  # the cuDNN graphs' workspaces, per stream
             self.choice = tuning.Choice()  # on CUDA, replaced by what _choose picks
             self._set_order(self.choice)
         with stages.stage("preflight"):  # before any op touches real memory
@@ -194,6 +195,7 @@ class Executable:
         self._cuda_graph = self._tensors = self._outputs = self._env_after = None
         self._views, self._weights, self._stored_weights, self._inputs = {}, {}, {}, []
         self._channels_last_weights = {}
+        self._cudnn_workspaces.release()
         self.arena = None
         self._streams = []
         if self.device.type == "cuda":
@@ -277,6 +279,7 @@ class Executable:
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
+                p.substitute.workspaces = self._cudnn_workspaces
             elif isinstance(p.substitute, BiasedGemm):
                 p.substitute.separate = choice.gemm_bias == "separate"
         benchmark = torch.backends.cudnn.benchmark

@@ -77,6 +77,7 @@ class FusedKernel:
         self.body = fusion.body_of(op)
         self.pattern = fusion.convolution_pattern(self.body)
         self.cudnn_fusion = True  # False: a cuDNN-fusible body runs as convolution plus generated epilogue
+        self.workspaces = cudnn_graph.Workspaces()  # the executable gives all its kernels one
         self._built: dict[tuple, object] = {}  # call signature -> launcher, or None to interpret
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -118,7 +119,7 @@ class FusedKernel:
             key = ("graph", *((tuple(t.shape), tuple(t.stride())) if t is not None else None
                               for t in (*operands, out)), x.dtype)
             if key not in self._built and not torch.cuda.is_current_stream_capturing():
-                self._built[key] = cudnn_graph.choose(p, operands, out, fused)
+                self._built[key] = cudnn_graph.choose(p, operands, out, fused, self.workspaces)
             graph = self._built.get(key)
             if graph is not None:
                 return graph(operands, out)

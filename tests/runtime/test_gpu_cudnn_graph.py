@@ -49,7 +49,7 @@ def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dt
     for layout in tuning.LAYOUTS:
         for residual in (False, True):
             p, operands, out, ref, fused = _call(*shape, dtype, layout, residual)
-            graph = cudnn_graph.choose(p, operands, out, fused)
+            graph = cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces())
             if graph is None:  # cuDNN has no plan for conv -> add -> relu on NCHW
                 assert residual and layout == "contiguous", (layout, residual, cudnn_graph.STATS)
                 continue
@@ -74,7 +74,7 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # every plan's result counts as wrong
     before = cudnn_graph.STATS["rejected"]
     p, operands, out, _, fused = _call(1, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
-    assert cudnn_graph.choose(p, operands, out, fused) is None
+    assert cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces()) is None
     assert cudnn_graph.STATS["rejected"] > before
 
 
@@ -82,7 +82,8 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
 def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)
-    assert cudnn_graph.choose(p, (x, w, b, out), out, fused) is None  # z is the output's own buffer
+    z = out  # the output's own buffer
+    assert cudnn_graph.choose(p, (x, w, b, z), out, fused, cudnn_graph.Workspaces()) is None
 
 
 @needs_frontend
@@ -95,9 +96,13 @@ def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name)
     result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
     assert result.passed, result.describe()
     assert exe.outside_arena() == [], cudnn_graph.STATS
+    # one workspace per CUDA stream, shared by the graphs on it, and given back on close
+    assert exe._cudnn_workspaces.nbytes() <= cudnn_graph.MAX_WORKSPACE * len(set(exe._stream_of))
+    exe.close()
+    assert exe._cudnn_workspaces.nbytes() == 0
 
 
 def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "_module", None)
     p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
-    assert cudnn_graph.choose(p, operands, out, fused) is None
+    assert cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces()) is None
