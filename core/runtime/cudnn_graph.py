@@ -1,35 +1,38 @@
 """A convolution and its epilogue as one cuDNN operation graph that writes the planned buffer.
 
-PyTorch's fused convolutions (`cudnn_convolution_relu`, `cudnn_convolution_add_relu`) allocate
-their result, so it lies outside the arena: 293 MiB of resnet50's footprint at batch 8. cuDNN's
-graph API takes every tensor by pointer, the output too. Through the `nvidia-cudnn-frontend`
-package (the `cudnn` extra), conv -> bias -> relu and conv -> bias -> add -> relu become one
-operation graph whose plans write the buffer they are given.
+Without it a fused op that leads with a convolution runs as one of two things. conv -> relu and
+conv -> add -> relu run as PyTorch's fused cuDNN kernels, which allocate their result, so it
+lies outside the arena (293 MiB of resnet50's footprint at batch 8). Any other body runs as two
+kernels: cuDNN's convolution into the buffer, then a generated epilogue that reads it back.
+cuDNN's graph API takes every tensor by pointer, the output too. Through the
+`nvidia-cudnn-frontend` package (the `cudnn` extra), the convolution, its bias and a chain of
+pointwise steps (`epilogue`: relu and its clipped forms, SiLU, sigmoid, tanh, GELU, and adding or
+multiplying a tensor that broadcasts) become one operation graph. Its plans write the buffer
+they are given.
 
-The package is optional. Without it, on a convolution cuDNN has no plan for, or where the best
-plan is slower than PyTorch's fused kernel by more than `SLOWER`, `FusedKernel` runs PyTorch's
-kernel as before.
+The package is optional. Nimble's own way runs instead without it, on a body cuDNN has no plan
+for, and where the best plan is slower than nimble's own way by more than `SLOWER`.
 
-A plan is chosen per convolution on the warm-up's tensors, never during a capture (H100, cuDNN
-9.19, `benchmarks/results/cudnn_graph.md`):
-- cuDNN's heuristics rank up to about 40 plans, and the first is often not the fastest, so the
-  first `PLANS` are each built, run, checked and timed;
-- each result is checked against PyTorch's fused result. One of cuDNN's engines returned wrong
-  values for some shapes on the H100, so a plan that disagrees is never used;
-- conv -> bias -> relu has precompiled engines, which build in milliseconds. For add -> relu
-  cuDNN offers only engines compiled at run time with NVRTC (0.3 to 1.7 s for the first of a
-  kind in a process; a kernel cache shared by the process reuses them across shapes), so those
-  are tried only where no precompiled engine runs, and only the first `COMPILED_PLANS`.
+A plan is chosen per convolution on the warm-up's tensors, never during a capture. The figures
+are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the measurements.
+- cuDNN's heuristics rank up to about 40 plans, and the first is often not the fastest (up to
+  300 times slower than the best), so the first `PLANS` are each built, run, checked and timed.
+- Each result is checked against the reference, the result nimble computes without a graph.
+  One of cuDNN's engines returned wrong values for some shapes on the H100, so a plan that
+  disagrees is never used.
+- conv -> bias -> relu has precompiled engines, which build in milliseconds. Other epilogues
+  have only engines compiled at run time with NVRTC. The first of a kind takes 0.3 to 1.7 s in a
+  process; a kernel cache shared by the process reuses them across shapes. So those engines are
+  tried only where no precompiled one runs, and only the first `COMPILED_PLANS`.
+- Plans are timed inside a CUDA graph of ten calls, as they will run. Timed eagerly, the launch
+  from Python outlasts a small convolution.
+- Among the plans within `SLOWER` of the fastest, the one with the smallest workspace wins.
 
-- plans are timed inside a CUDA graph of ten calls, as they will run: timed eagerly, the launch
-  from Python outlasts a small convolution;
-- among the plans within `SLOWER` of the fastest, the one with the smallest workspace wins.
-
-A choice is kept for the process under the call's signature (shapes, strides, dtypes and
-convolution parameters), so the same convolution in another op, another tuning candidate or
-another load is not timed again. An executable's graphs share one workspace per CUDA stream
-(`Workspaces`; plans that need more than `MAX_WORKSPACE` are skipped), made during the warm-up,
-outside the captured graph's pool.
+A choice is kept for the process under the call's signature: shapes, strides, dtypes,
+convolution parameters and steps. The same convolution in another op, another tuning candidate
+or another load is not timed again. An executable's graphs share one workspace per CUDA stream
+(`Workspaces`; plans that need more than `MAX_WORKSPACE` are skipped). It is made during the
+warm-up, outside the captured graph's pool.
 """
 
 from __future__ import annotations
@@ -44,16 +47,16 @@ from ..errors import first_line
 PLANS = 8  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried where no precompiled one runs
 MAX_WORKSPACE = 16 * 2**20
-SLOWER = 1.03  # a plan is used while at most this much slower than PyTorch's fused kernel
-TOLERANCE = 1e-2  # largest difference from PyTorch's result, relative to its largest magnitude
+SLOWER = 1.03  # a plan is used while at most this much slower than the reference
+TOLERANCE = 1e-2  # largest difference from the reference's result, relative to its largest magnitude
 
 _UNTRIED = object()
 _module = _UNTRIED
 _handles: dict[int, object] = {}
 _kernel_cache = None
-_chosen: dict[tuple, Plan | None] = {}  # call signature -> the chosen plan, or None: PyTorch's kernel
+_chosen: dict[tuple, Plan | None] = {}  # call signature -> the chosen plan, or None: nimble's own way
 STATS = {"timed": 0, "chosen": 0, "rejected": 0, "failed": []}  # convolutions timed, plans chosen, plans
-# that disagreed with PyTorch, and why a convolution could not be timed (it then runs PyTorch's kernel)
+# that disagreed with the reference, and why a convolution could not be timed (nimble's own way then runs)
 
 
 def frontend():
@@ -68,12 +71,56 @@ def frontend():
     return _module
 
 
+# fused-body node -> the cuDNN pointwise operation and its fixed arguments (see `epilogue`)
+_UNARY = {
+    "aten::relu.default": ("relu", {}),
+    "aten::relu6.default": ("relu", {"lower_clip": 0.0, "upper_clip": 6.0}),
+    "aten::silu.default": ("swish", {"swish_beta": 1.0}),
+    "aten::sigmoid.default": ("sigmoid", {}),
+    "aten::tanh.default": ("tanh", {}),
+}
+_BINARY = {"aten::add.Tensor": "add", "aten::mul.Tensor": "mul"}
+
+
+def epilogue(body, out: torch.Tensor) -> tuple[tuple, list[torch.Tensor]] | None:
+    """The nodes after a fused body's convolution as cuDNN pointwise steps, or None where one is
+    not a chain cuDNN can take: each node reads the one before it (`Local(k - 1)`) and at most one
+    tensor of the result's dtype that broadcasts to it. Steps are (operation, keyword arguments);
+    "add" and "mul" read the next of the returned tensors, each viewed as 4-D."""
+    from ..ir import Local
+
+    steps, tensors = [], []
+    for k, (target, args, kwargs) in enumerate(body[1:], start=1):
+        kw = dict(kwargs)
+        if target in _UNARY and args[0] == Local(k - 1) and not kw:
+            name, params = _UNARY[target]
+            steps.append((name, tuple(params.items())))
+        elif target == "aten::hardtanh.default" and args[0] == Local(k - 1) and len(args) == 3 \
+                and all(isinstance(a, (int, float)) for a in args[1:]):
+            steps.append(("relu", (("lower_clip", float(args[1])), ("upper_clip", float(args[2])))))
+        elif target == "aten::gelu.default" and args[0] == Local(k - 1) and kw.get("approximate", "none") \
+                in ("none", "tanh"):
+            steps.append(("gelu" if kw.get("approximate", "none") == "none" else "gelu_approx_tanh", ()))
+        elif target in _BINARY and len(args) == 2 and Local(k - 1) in args and kw.get("alpha", 1) == 1:
+            t = args[1] if args[0] == Local(k - 1) else args[0]
+            if not isinstance(t, torch.Tensor) or t.dtype != out.dtype or t.dim() > 4 or t.device != out.device:
+                return None
+            t = t[(None,) * (4 - t.dim())]
+            if any(a not in (1, b) for a, b in zip(t.shape, out.shape)):
+                return None
+            steps.append((_BINARY[target], ()))
+            tensors.append(t)
+        else:
+            return None
+    return tuple(steps), tensors
+
+
 @dataclass
 class Plan:
     """One built plan of one operation graph; the tensors are the graph's, in call order."""
 
     graph: object
-    tensors: tuple  # x, w, bias or None, z or None, y
+    tensors: tuple  # x, w, bias or None, one per tensor the epilogue reads, y
     index: int
     workspace_bytes: int
     name: str
@@ -109,8 +156,8 @@ class Workspaces:
 
 
 class ConvGraph:
-    """One fused op's cuDNN plan. `operands` are x, w, bias (or None) and z (or None, for
-    conv -> relu). It keeps the workspace it last ran with, which a captured graph uses."""
+    """One fused op's cuDNN plan. `operands` are x, w, bias (or None) and the tensors its
+    epilogue reads. It keeps the workspace it last ran with, which a captured graph uses."""
 
     def __init__(self, plan: Plan, workspaces: Workspaces):
         self.plan, self.workspaces = plan, workspaces
@@ -122,34 +169,36 @@ class ConvGraph:
         return out
 
 
-def choose(p: dict, operands: tuple, out: torch.Tensor, fused, workspaces: Workspaces) -> ConvGraph | None:
-    """The fastest correct plan for this call (see the module docstring), or None. `fused()`
-    computes the same result with PyTorch's fused kernel. Never called while capturing."""
+def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
+           workspaces: Workspaces) -> ConvGraph | None:
+    """The fastest correct plan for the convolution `p` and its epilogue `steps` (`epilogue`),
+    or None. `operands` are x, w, bias (or None) and the tensors the steps read; `reference()`
+    computes the same result the way nimble would without cuDNN graphs, into a buffer of its own
+    (None where it cannot). Never called while capturing."""
     if frontend() is None or _overlaps(out, operands):
         return None
-    key = _signature(p, operands, out)
+    key = (_signature(p, operands, out), steps)
     if key not in _chosen:
         try:
-            _chosen[key] = _time_plans(p, operands, out, fused)
-        except Exception as e:  # the package is there but cuDNN refuses it: PyTorch's kernel runs
+            _chosen[key] = _time_plans(p, steps, operands, out, reference)
+        except Exception as e:  # the package is there but cuDNN refuses it: nimble's own way runs
             STATS["failed"].append(f"{type(e).__name__}: {first_line(e)}")
             _chosen[key] = None
     plan = _chosen[key]
     return ConvGraph(plan, workspaces) if plan is not None else None
 
 
-def _time_plans(p: dict, operands: tuple, out: torch.Tensor, fused) -> Plan | None:
-    """Among the plans that agree with PyTorch and are at most SLOWER than its fused kernel, the
-    one with the smallest workspace of those within SLOWER of the fastest."""
+def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:
+    """Among the plans that agree with the reference and are at most SLOWER than it, the one with
+    the smallest workspace of those within SLOWER of the fastest."""
     STATS["timed"] += 1
-    ref = fused()
-    scale = float(ref.abs().max())
-    if not torch.isfinite(ref).all():
+    ref = reference()
+    if ref is None or not torch.isfinite(ref).all():
         return None
-    limit = SLOWER * _gpu_us(fused)
+    scale = float(ref.abs().max())
+    limit = SLOWER * _gpu_us(reference)
     timed = []
-    plans = _plans(p, operands, out, compiled=False) or \
-        (_plans(p, operands, out, compiled=True) if operands[3] is not None else [])
+    plans = _plans(p, steps, operands, out, compiled=False) or _plans(p, steps, operands, out, compiled=True)
     for plan in plans:
         workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device)
         try:
@@ -169,14 +218,14 @@ def _time_plans(p: dict, operands: tuple, out: torch.Tensor, fused) -> Plan | No
     return min((plan for us, plan in timed if us <= SLOWER * fastest), key=lambda plan: plan.workspace_bytes)
 
 
-def _plans(p: dict, operands: tuple, out: torch.Tensor, compiled: bool) -> list[Plan]:
+def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: bool) -> list[Plan]:
     """The first plans cuDNN ranks for this graph, built: precompiled engines only, or (compiled)
     runtime-compiled ones through the process's kernel cache. Empty where cuDNN has none."""
     cudnn = frontend()
     global _kernel_cache
     if compiled and _kernel_cache is None:
         _kernel_cache = cudnn.create_kernel_cache()
-    x, w, bias, z = operands
+    x, w, bias, *tensors = operands
     kind = _data_type(cudnn, x.dtype)
     try:
         g = cudnn.pygraph(io_data_type=kind, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -186,14 +235,20 @@ def _plans(p: dict, operands: tuple, out: torch.Tensor, compiled: bool) -> list[
                   for n, t in (("x", x), ("w", w)))
         y = g.conv_fprop(image=tx, weight=tw, padding=list(p["padding"]), stride=list(p["stride"]),
                          dilation=list(p["dilation"]), compute_data_type=cudnn.data_type.FLOAT)
-        tb = tz = None
+        tb = None
         if bias is not None:
             tb = g.tensor(name="b", dim=[1, bias.numel(), 1, 1], stride=[bias.numel(), 1, 1, 1], data_type=kind)
             y = g.bias(input=y, bias=tb)
-        if z is not None:
-            tz = g.tensor(name="z", dim=list(z.shape), stride=list(z.stride()), data_type=kind)
-            y = g.add(a=y, b=tz)
-        y = g.relu(input=y)
+        read = iter(tensors)
+        graph_tensors = []
+        for name, params in steps:
+            if name in ("add", "mul"):
+                t = next(read)
+                graph_tensors.append(g.tensor(name=f"t{len(graph_tensors)}", dim=list(t.shape),
+                                              stride=list(t.stride()), data_type=kind))
+                y = getattr(g, name)(a=y, b=graph_tensors[-1], compute_data_type=cudnn.data_type.FLOAT)
+            else:
+                y = getattr(g, name)(input=y, compute_data_type=cudnn.data_type.FLOAT, **dict(params))
         y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(kind)
         g.validate()
         g.build_operation_graph()
@@ -212,7 +267,7 @@ def _plans(p: dict, operands: tuple, out: torch.Tensor, compiled: bool) -> list[
         except Exception:
             continue
         if size <= MAX_WORKSPACE:
-            plans.append(Plan(g, (tx, tw, tb, tz, y), i, size, g.get_plan_name_at_index(i)))
+            plans.append(Plan(g, (tx, tw, tb, *graph_tensors, y), i, size, g.get_plan_name_at_index(i)))
     return plans
 
 

@@ -9,6 +9,8 @@ the tensor that holds the result:
   where `cudnn_graph` found a plan at least as fast, else `cudnn_convolution_relu` or
   `cudnn_convolution_add_relu`, whose result cuDNN allocates (no out= form), so it is bound in
   place of the planned buffer;
+- any other body that leads with a convolution runs as one cuDNN graph that writes the planned
+  buffer, where `cudnn_graph` found a correct plan at least as fast as the two kernels below;
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
   convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
   its bias; the kernel then adds the bias and applies the rest of the body in place;
@@ -84,7 +86,7 @@ class FusedKernel:
         body = args[0]
         if not out.is_cuda:
             return None
-        if self.pattern is not None and self.cudnn_fusion:
+        if self.cudnn_fusion and fusion.leads_with_convolution(self.body):
             got = self._cudnn(body, out)
             if got is not None:
                 return got
@@ -92,38 +94,54 @@ class FusedKernel:
 
     # ---------------------------------------------------------------------------- cuDNN
     def _cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
-        """The body as one cuDNN kernel: a cuDNN graph that writes `out` where one was chosen
-        for this call (`cudnn_graph`), else PyTorch's fused kernel, which allocates its result."""
-        target, args, _ = body[0]
-        p = fusion.conv_params(target, args)
+        """The body as one cuDNN kernel where it can be: a cuDNN graph that writes `out` where one
+        was chosen for this call (`cudnn_graph`), else for conv -> relu and conv -> add -> relu
+        PyTorch's fused kernel, which allocates its result. None: run the generated way."""
+        p = fusion.conv_params(body[0][0], body[0][1])
         x, w, bias = p["input"], p["weight"], p["bias"]
         if x.dtype not in FLOAT_KINDS or x.dim() != 4 or not _on_cudnn(p):
             return None
         stride, padding, dilation = (list(p[k]) for k in ("stride", "padding", "dilation"))
         if w.dtype != x.dtype or (bias is not None and tuple(bias.shape) != (w.shape[0],)):
             return None
-        z = None
-        if self.pattern == "add_relu":
+        fused = None
+        if self.pattern == "relu":
+            def fused() -> torch.Tensor:
+                return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
+        elif self.pattern == "add_relu":
             add_args = body[1][1]
             z = add_args[1] if isinstance(add_args[0], Local) else add_args[0]
             if not isinstance(z, torch.Tensor) or tuple(z.shape) != conv_shape(p) or z.dtype != x.dtype:
                 return None
 
-        def fused() -> torch.Tensor:
-            if z is None:
-                return torch.ops.aten.cudnn_convolution_relu(x, w, bias, stride, padding, dilation, p["groups"])
-            return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation,
-                                                             p["groups"])
-        operands = (x, w, bias, z)
-        if tuple(out.shape) == conv_shape(p) and out.dtype == x.dtype:
-            key = ("graph", *((tuple(t.shape), tuple(t.stride())) if t is not None else None
-                              for t in (*operands, out)), x.dtype)
-            if key not in self._built and not torch.cuda.is_current_stream_capturing():
-                self._built[key] = cudnn_graph.choose(p, operands, out, fused, self.workspaces)
-            graph = self._built.get(key)
-            if graph is not None:
-                return graph(operands, out)
-        return fused()
+            def fused() -> torch.Tensor:
+                return torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, bias, stride, padding, dilation,
+                                                                 p["groups"])
+        graph = self._cudnn_graph(body, p, out, fused)
+        if graph is not None:
+            return graph
+        return fused() if fused is not None else None
+
+    def _cudnn_graph(self, body, p: dict, out: torch.Tensor, fused) -> torch.Tensor | None:
+        """`out`, written by this call's cuDNN graph, chosen at its first call outside a capture;
+        None where there is none. The reference is PyTorch's fused kernel, or this body's
+        generated kernels into a buffer of their own."""
+        if tuple(out.shape) != conv_shape(p) or out.dtype != p["input"].dtype:
+            return None
+        chain = cudnn_graph.epilogue(body, out)
+        if chain is None:
+            return None
+        steps, tensors = chain
+        operands = (p["input"], p["weight"], p["bias"], *tensors)
+        key = ("graph", steps, out.dtype, *((tuple(t.shape), tuple(t.stride())) if t is not None else None
+                                            for t in (*operands, out)))
+        if key not in self._built and not torch.cuda.is_current_stream_capturing():
+            def generated() -> torch.Tensor | None:
+                return self._generated(body, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
+                                                                 device=out.device))
+            self._built[key] = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces)
+        graph = self._built.get(key)
+        return graph(operands, out) if graph is not None else None
 
     # ---------------------------------------------------------------------------- Triton
     def _generated(self, body, out: torch.Tensor) -> torch.Tensor | None:

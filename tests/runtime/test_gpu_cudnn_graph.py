@@ -11,6 +11,7 @@ from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
 
 pytestmark = pytest.mark.gpu
+RELU, ADD_RELU = (("relu", ()),), (("add", ()), ("relu", ()))
 
 needs_frontend = pytest.mark.skipif(cudnn_graph.frontend() is None,
                                     reason="nvidia-cudnn-frontend is not installed (the cudnn extra)")
@@ -49,11 +50,14 @@ def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dt
     for layout in tuning.LAYOUTS:
         for residual in (False, True):
             p, operands, out, ref, fused = _call(*shape, dtype, layout, residual)
-            graph = cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces())
+            steps = (("add", ()), ("relu", ())) if residual else (("relu", ()),)
+            graph = cudnn_graph.choose(p, steps, tuple(t for t in operands if t is not None), out, fused,
+                                       cudnn_graph.Workspaces())
             if graph is None:  # cuDNN has no plan for conv -> add -> relu on NCHW
                 assert residual and layout == "contiguous", (layout, residual, cudnn_graph.STATS)
                 continue
             out.zero_()
+            operands = tuple(t for t in operands if t is not None)
             assert graph(operands, out) is out
             torch.cuda.synchronize()
             tol = 2e-2 if dtype == torch.float16 else 1e-2
@@ -73,8 +77,8 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # every plan's result counts as wrong
     before = cudnn_graph.STATS["rejected"]
-    p, operands, out, _, fused = _call(1, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
-    assert cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces()) is None
+    p, (x, w, b, _), out, _, fused = _call(1, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
+    assert cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces()) is None
     assert cudnn_graph.STATS["rejected"] > before
 
 
@@ -83,7 +87,7 @@ def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)
     z = out  # the output's own buffer
-    assert cudnn_graph.choose(p, (x, w, b, z), out, fused, cudnn_graph.Workspaces()) is None
+    assert cudnn_graph.choose(p, ADD_RELU, (x, w, b, z), out, fused, cudnn_graph.Workspaces()) is None
 
 
 @needs_frontend
@@ -102,7 +106,29 @@ def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name)
     assert exe._cudnn_workspaces.nbytes() == 0
 
 
+@needs_frontend
+def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
+    """The sample's conv -> SiLU and conv -> sigmoid bodies run as graphs (its hardswish and
+    scalar-multiplying bodies stay generated), and the whole agrees with the interpreter."""
+    import nimble
+    from nimble.runtime import reference
+
+    from .test_gpu_kernels import Pointwise
+
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    torch.manual_seed(0)
+    module = Pointwise().eval()
+    x = torch.randn(2, 8, 12, 12)
+    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    interpreted = reference.run(artifact.graph, artifact.weights, [x], "cpu")[0]
+    for layout in tuning.LAYOUTS:
+        chosen = cudnn_graph.STATS["chosen"]
+        exe = Executable(artifact, "cuda", choice=tuning.Choice(layout))
+        torch.testing.assert_close(exe(x.cuda()).cpu(), interpreted, rtol=1e-2, atol=1e-3)
+        assert cudnn_graph.STATS["chosen"] > chosen, cudnn_graph.STATS
+
+
 def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "_module", None)
     p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
-    assert cudnn_graph.choose(p, operands, out, fused, cudnn_graph.Workspaces()) is None
+    assert cudnn_graph.choose(p, ADD_RELU, operands, out, fused, cudnn_graph.Workspaces()) is None

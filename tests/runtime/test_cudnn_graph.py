@@ -1,0 +1,53 @@
+"""Which fused bodies become cuDNN graphs (`cudnn_graph.epilogue`), on the CPU: a chain of steps
+cuDNN has, each reading the one before and at most one tensor that broadcasts to the result."""
+
+import torch
+
+from nimble.ir import Local
+from nimble.runtime import cudnn_graph
+
+CONV = ("aten::conv2d.default", (torch.zeros(1, 4, 6, 6), torch.zeros(8, 4, 3, 3), torch.zeros(8)), ())
+OUT = torch.zeros(2, 8, 4, 4)
+
+
+def steps_of(*nodes):
+    return cudnn_graph.epilogue((CONV, *nodes), OUT)
+
+
+def test_a_chain_of_known_steps_becomes_cudnn_pointwise_operations():
+    z, s = torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 1, 1)
+    steps, tensors = steps_of(("aten::silu.default", (Local(0),), ()),
+                              ("aten::mul.Tensor", (Local(1), s), ()),
+                              ("aten::add.Tensor", (z, Local(2)), (("alpha", 1),)),
+                              ("aten::hardtanh.default", (Local(3), 0.0, 6.0), ()),
+                              ("aten::gelu.default", (Local(4),), (("approximate", "tanh"),)))
+    assert steps == (("swish", (("swish_beta", 1.0),)), ("mul", ()), ("add", ()),
+                     ("relu", (("lower_clip", 0.0), ("upper_clip", 6.0))), ("gelu_approx_tanh", ()))
+    assert [(t.data_ptr(), t.shape) for t in tensors] == [(s.data_ptr(), s.shape), (z.data_ptr(), z.shape)]
+
+
+def test_a_per_channel_tensor_is_viewed_as_four_dimensional():
+    steps, (t,) = steps_of(("aten::add.Tensor", (Local(0), torch.zeros(8, 1, 1)), ()))
+    assert steps == (("add", ()),) and t.shape == (1, 8, 1, 1)
+
+
+def test_anything_else_stays_with_nimble():
+    refused = [
+        ("aten::hardswish.default", (Local(0),), ()),  # no cuDNN step
+        ("aten::add.Tensor", (Local(0), torch.zeros(2, 8, 4, 4)), (("alpha", 2),)),  # scaled
+        ("aten::add.Tensor", (Local(0), torch.zeros(2, 8, 4, 3)), ()),  # does not broadcast
+        ("aten::add.Tensor", (Local(0), torch.zeros(2, 8, 4, 4, dtype=torch.float16)), ()),  # another dtype
+        ("aten::add.Tensor", (Local(0), 1.0), ()),  # a scalar
+        ("aten::mul.Tensor", (Local(0), Local(0)), ()),  # reads no tensor
+        ("aten::relu.default", (torch.zeros(2, 8, 4, 4),), ()),  # not the step before
+    ]
+    for node in refused:
+        assert steps_of(node) is None, node
+    # a step that reads an earlier step than the one before it breaks the chain
+    assert steps_of(("aten::relu.default", (Local(0),), ()), ("aten::add.Tensor", (Local(1), Local(0)), ()),
+                    ("aten::sigmoid.default", (Local(0),), ())) is None
+
+
+def test_without_the_package_there_is_no_frontend(monkeypatch):
+    monkeypatch.setattr(cudnn_graph, "_module", None)
+    assert cudnn_graph.frontend() is None
