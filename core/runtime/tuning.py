@@ -12,8 +12,10 @@ fastest:
   adds ordering to what the plan already proved safe;
 - convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
   convolution during the warm-up (what `torch.backends.cudnn.benchmark` does);
-- convolution fusion: conv -> relu and conv -> add -> relu bodies as cuDNN's fused kernels, or
-  split into cuDNN's plain convolution and a generated epilogue kernel. Neither wins everywhere;
+- convolution fusion: conv-led bodies as one cuDNN kernel each (a cuDNN graph where
+  `cudnn_graph` chose one for that convolution, by timing it against nimble's own way; else
+  PyTorch's fused kernels for conv -> relu and conv -> add -> relu), or split into cuDNN's plain
+  convolution and a generated epilogue kernel. Neither wins everywhere;
 - GEMM bias: a float32 addmm or linear with its bias in cuBLASLt's epilogue, or the GEMM alone
   then an in-place add (`placement.BiasedGemm`). The second wins with few rows, the first with
   many (`benchmarks/gemm_bias.py`).
