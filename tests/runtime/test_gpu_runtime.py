@@ -169,7 +169,9 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     assert -2**20 < f.other_allocated <= workspaces + padding + 2**20, f  # nothing else left by warm-ups or tuning
     # whole free segments went back to the device, and no kept tensor pins part of one
     assert -slack <= f.cached < 8 * 2**20 and f.pool_free >= 0, f
-    assert 0 < len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
+    # a segment per stream at most (none where every result is in the arena and cuDNN's graphs
+    # take their workspaces from nimble)
+    assert len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert f.outside_arena == 0 or exe.outside_arena(), f  # only results placed elsewhere count
     assert exe.stats.scratch_bytes == f.outside_arena + f.pool_free  # bench's "scratch": the graph pool
     exe.close()
