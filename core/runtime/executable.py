@@ -276,6 +276,7 @@ class Executable:
         needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
         self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
         self._make_blas_workspaces()
+        self._cudnn_workspaces.release()  # sized anew for this choice's plans (the last graph is gone)
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
