@@ -14,6 +14,7 @@ who can write into it could plant a file that nimble then trusts, so:
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -85,3 +86,30 @@ def write(path: Path, data: bytes) -> bool:
         return True
     except OSError:
         return False
+
+
+def read_table(path: Path | None, limit: int) -> dict:
+    """The JSON object in `path`: {} unless it is a regular file of at most `limit` bytes that
+    holds one."""
+    data = None if path is None else read_small(path, limit)
+    try:
+        table = json.loads(data) if data is not None else {}
+    except (ValueError, RecursionError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def write_entry(path: Path | None, key: str, entry, limit: int) -> None:
+    """Set `key` in the table at `path` (newest last); a cache that cannot be written is skipped
+    silently. The older half of the entries goes whenever the table would pass `limit` bytes."""
+    if path is None:
+        return
+    table = read_table(path, limit)
+    table.pop(key, None)
+    table[key] = entry
+    data = json.dumps(table, indent=1).encode()
+    while len(data) > limit and len(table) > 1:  # drop the older half, newest kept
+        for old in list(table)[:len(table) // 2]:
+            del table[old]
+        data = json.dumps(table, indent=1).encode()
+    write(path, data)

@@ -33,24 +33,31 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
 
 A choice is kept for the process under the call's signature: shapes, strides, dtypes,
 convolution parameters and steps. The same convolution in another op, another tuning candidate
-or another load is not timed again. An executable's graphs share one workspace per CUDA stream
+or another load is not timed again. It is also kept in `cudnn_plans.json` in the cache folder,
+under that signature, the GPU and the cuDNN and torch versions: the plan's name, or none. A later
+process builds only that plan and checks its result against the reference once. A plan the
+cache names that cuDNN no longer ranks, or whose result disagrees, is timed again; the cache can
+only pick among the plans nimble would try itself. An executable's graphs share one workspace per CUDA stream
 (`Workspaces`; plans that need more than `MAX_WORKSPACE` are skipped). It is made during the
 warm-up, outside the captured graph's pool.
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import first_line
+from . import cache
 
-PLANS = 8  # precompiled plans tried per convolution, in cuDNN's heuristic order
+PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
 RESIDUAL = (("add", ()), ("relu", ()))  # the one chain runtime-compiled engines are tried for
 MAX_WORKSPACE = 16 * 2**20
+MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
 SLOWER = 1.03  # a plan is used while at most this much slower than the reference
 TOLERANCE = 1e-2  # largest difference from the reference's result, relative to its largest magnitude
 
@@ -59,8 +66,9 @@ _module = _UNTRIED
 _handles: dict[int, object] = {}
 _kernel_cache = None  # the runtime-compiled kernels, shared by the process
 _chosen: dict[tuple, Plan | None] = {}  # call signature -> the chosen plan, or None: nimble's own way
-STATS = {"timed": 0, "chosen": 0, "rejected": 0, "failed": []}  # convolutions timed, plans chosen, plans
-# that disagreed with the reference, and why a convolution could not be timed (nimble's own way then runs)
+STATS = {"timed": 0, "chosen": 0, "recalled": 0, "rejected": 0, "failed": []}  # convolutions timed, plans
+# chosen, choices read from the cache folder, plans that disagreed with the reference, and why a
+# convolution could not be timed (nimble's own way then runs)
 
 
 def frontend():
@@ -184,12 +192,45 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     key = (_signature(p, operands, out), steps)
     if key not in _chosen:
         try:
-            _chosen[key] = _time_plans(p, steps, operands, out, reference)
+            _chosen[key] = _decide(key, p, steps, operands, out, reference)
         except Exception as e:  # the package is there but cuDNN refuses it: nimble's own way runs
             STATS["failed"].append(f"{type(e).__name__}: {first_line(e)}")
             _chosen[key] = None
     plan = _chosen[key]
     return ConvGraph(plan, workspaces) if plan is not None else None
+
+
+def _decide(key: tuple, p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:
+    """The plan stored for this call in the cache folder, rebuilt and checked; else the plans
+    timed, and the choice stored."""
+    disk_key = _disk_key(key, out.device)
+    stored = cache.read_table(_table_path(), MAX_PLAN_TABLE_BYTES).get(disk_key)
+    if isinstance(stored, dict) and stored.get("plan") is None and "plan" in stored:
+        STATS["recalled"] += 1
+        return None  # nimble's own way was faster
+    if isinstance(stored, dict) and isinstance(stored.get("plan"), str) and len(stored["plan"]) <= 256:
+        plan = _recall(p, steps, operands, out, reference, stored["plan"])
+        if plan is not None:
+            STATS["recalled"] += 1
+            return plan
+    plan = _time_plans(p, steps, operands, out, reference)
+    cache.write_entry(_table_path(), disk_key, {"plan": plan.name if plan else None}, MAX_PLAN_TABLE_BYTES)
+    return plan
+
+
+def _recall(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference, name: str) -> Plan | None:
+    """The plan called `name`, if cuDNN still ranks it for this call and its result agrees with
+    the reference (a crafted cache names a plan, it cannot make nimble trust one)."""
+    plans = _ranked(p, steps, operands, out, name)
+    ref = reference() if plans else None
+    if ref is None or not torch.isfinite(ref).all():
+        return None
+    plan = plans[0]
+    plan.run(operands, out, torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device))
+    if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-6):
+        STATS["rejected"] += 1
+        return None
+    return plan
 
 
 def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:
@@ -202,9 +243,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
     scale = float(ref.abs().max())
     limit = SLOWER * _gpu_us(reference)
     timed = []
-    plans = _plans(p, steps, operands, out, compiled=False) or \
-        (_plans(p, steps, operands, out, compiled=True) if steps == RESIDUAL else [])
-    for plan in plans:
+    for plan in _ranked(p, steps, operands, out):
         workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device)
         try:
             plan.run(operands, out, workspace)
@@ -223,7 +262,15 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
     return min((plan for us, plan in timed if us <= SLOWER * fastest), key=lambda plan: plan.workspace_bytes)
 
 
-def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: bool) -> list[Plan]:
+def _ranked(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, name: str | None = None) -> list[Plan]:
+    """The first plans cuDNN ranks among its precompiled engines, else (for RESIDUAL) among its
+    runtime-compiled ones; only the one called `name`, where given."""
+    return _plans(p, steps, operands, out, False, name) or \
+        (_plans(p, steps, operands, out, True, name) if steps == RESIDUAL else [])
+
+
+def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: bool,
+           name: str | None) -> list[Plan]:
     """The first plans cuDNN ranks for this graph, built: among its precompiled engines, or
     (`compiled`) its runtime-compiled ones through the process's kernel cache. Empty where cuDNN
     has none."""
@@ -247,14 +294,14 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
             y = g.bias(input=y, bias=tb)
         read = iter(tensors)
         graph_tensors = []
-        for name, params in steps:
-            if name in ("add", "mul"):
+        for operation, params in steps:
+            if operation in ("add", "mul"):
                 t = next(read)
                 graph_tensors.append(g.tensor(name=f"t{len(graph_tensors)}", dim=list(t.shape),
                                               stride=list(t.stride()), data_type=kind))
-                y = getattr(g, name)(a=y, b=graph_tensors[-1], compute_data_type=cudnn.data_type.FLOAT)
+                y = getattr(g, operation)(a=y, b=graph_tensors[-1], compute_data_type=cudnn.data_type.FLOAT)
             else:
-                y = getattr(g, name)(input=y, compute_data_type=cudnn.data_type.FLOAT, **dict(params))
+                y = getattr(g, operation)(input=y, compute_data_type=cudnn.data_type.FLOAT, **dict(params))
         y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(kind)
         g.validate()
         g.build_operation_graph()
@@ -268,6 +315,8 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
     plans = []
     for i in range(min(count, COMPILED_PLANS if compiled else PLANS)):
         try:
+            if name is not None and g.get_plan_name_at_index(i) != name:
+                continue
             g.build_plan_at_index(i)
             size = g.get_workspace_size_plan_at_index(i)
         except Exception:
@@ -301,6 +350,20 @@ def _gpu_us(fn, runs: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / runs)
     return statistics.median(times)
+
+
+def _table_path():
+    folder = cache.cache_dir()
+    return None if folder is None else folder / "cudnn_plans.json"
+
+
+def _disk_key(key: tuple, device: torch.device) -> str:
+    """The call's signature and steps, the GPU, and the cuDNN, frontend and torch versions, hashed."""
+    cudnn = frontend()
+    props = torch.cuda.get_device_properties(device)
+    where = (props.name, props.major, props.minor, cudnn.backend_version(), getattr(cudnn, "__version__", ""),
+             torch.__version__)
+    return hashlib.sha256(repr((where, key)).encode()).hexdigest()
 
 
 def _handle(device: torch.device):

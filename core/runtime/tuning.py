@@ -162,21 +162,10 @@ def cache_path():
     return None if folder is None else folder / "tuning.json"
 
 
-def _table(path) -> dict:
-    """The tuning table at `path`: {} unless it is a regular file of at most MAX_TUNING_BYTES that
-    holds a JSON object."""
-    data = None if path is None else cache.read_small(path, MAX_TUNING_BYTES)
-    try:
-        table = json.loads(data) if data is not None else {}
-    except (ValueError, RecursionError):
-        return {}
-    return table if isinstance(table, dict) else {}
-
-
 def cached(key: str) -> Choice | None:
     """The choice stored for `key`, or None (no entry, or a cache that cannot be read or trusted)."""
     try:
-        entry = _table(cache_path()).get(key)
+        entry = cache.read_table(cache_path(), MAX_TUNING_BYTES).get(key)
         choice = Choice(**entry["choice"])
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
@@ -186,15 +175,4 @@ def cached(key: str) -> Choice | None:
 def store(key: str, choice: Choice, timings: dict[str, float]) -> None:
     """Record `choice` for `key`; a cache that cannot be written is skipped silently. The older
     half of the entries goes whenever the table would pass MAX_TUNING_BYTES."""
-    path = cache_path()
-    if path is None:
-        return
-    table = _table(path)
-    table.pop(key, None)
-    table[key] = {"choice": asdict(choice), "gpu_ms": timings}
-    data = json.dumps(table, indent=1).encode()
-    while len(data) > MAX_TUNING_BYTES and len(table) > 1:  # drop the older half, newest kept
-        for old in list(table)[:len(table) // 2]:
-            del table[old]
-        data = json.dumps(table, indent=1).encode()
-    cache.write(path, data)
+    cache.write_entry(cache_path(), key, {"choice": asdict(choice), "gpu_ms": timings}, MAX_TUNING_BYTES)

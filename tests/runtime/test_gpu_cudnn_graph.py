@@ -83,6 +83,38 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
 
 
 @needs_frontend
+def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch):
+    import json
+
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    p, (x, w, b, _), out, _, fused = _call(2, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
+
+    def choose():
+        monkeypatch.setattr(cudnn_graph, "_chosen", {})  # a new process: only the cache folder remembers
+        before = dict(cudnn_graph.STATS)
+        graph = cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces())
+        return graph, {k: cudnn_graph.STATS[k] - before[k] for k in ("timed", "recalled", "rejected")}
+
+    first, counts = choose()
+    assert first is not None and counts["timed"] == 1
+    again, counts = choose()  # read back: that plan alone is built, and checked, not timed
+    assert again.plan.name == first.plan.name and counts == {"timed": 0, "recalled": 1, "rejected": 0}
+    path = cudnn_graph._table_path()
+    table = json.loads(path.read_text())
+    (key,) = table
+    path.write_text(json.dumps({key: {"plan": "eng0_no_such_plan"}}))  # crafted: a plan cuDNN does not rank
+    graph, counts = choose()
+    assert graph is not None and counts["timed"] == 1 and counts["recalled"] == 0
+    monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # the stored plan's result now counts as wrong
+    graph, counts = choose()
+    assert graph is None and counts["recalled"] == 0 and counts["rejected"] >= 1 and counts["timed"] == 1
+    for crafted in ("[1, 2]", '{"%s": {"plan": 7}}' % key, "not json"):  # unreadable entries: timed again
+        path.write_text(crafted)
+        _, counts = choose()
+        assert counts["timed"] == 1, crafted
+
+
+@needs_frontend
 def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)
