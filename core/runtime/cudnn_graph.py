@@ -241,7 +241,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
     if ref is None or not torch.isfinite(ref).all():
         return None
     scale = float(ref.abs().max())
-    limit = SLOWER * _gpu_us(reference)
+    limit = SLOWER * _gpu_us(reference, out.device)
     timed = []
     for plan in _ranked(p, steps, operands, out):
         workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device)
@@ -252,7 +252,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
         if float((out - ref).abs().max()) > TOLERANCE * max(scale, 1e-6):
             STATS["rejected"] += 1
             continue
-        us = _gpu_us(lambda: plan.run(operands, out, workspace))
+        us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
         if us <= limit:
             timed.append((us, plan))
     if not timed:
@@ -326,29 +326,29 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
     return plans
 
 
-def _gpu_us(fn, runs: int = 10) -> float:
+def _gpu_us(fn, device: torch.device, runs: int = 10) -> float:
     """Median microseconds of one call of `fn`, from three replays of a CUDA graph of `runs` calls:
     the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch from Python
     takes longer than a small convolution)."""
-    device = torch.cuda.current_device()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(runs):
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(runs):
+                fn()
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / runs)
+        times = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / runs)
     return statistics.median(times)
 
 

@@ -98,6 +98,8 @@ class FusedKernel:
         was chosen for this call (`cudnn_graph`), else for conv -> relu and conv -> add -> relu
         PyTorch's fused kernel, which allocates its result. None: run the generated way."""
         p = fusion.conv_params(body[0][0], body[0][1])
+        if p is None:  # a transposed or output-padded convolution
+            return None
         x, w, bias = p["input"], p["weight"], p["bias"]
         if x.dtype not in FLOAT_KINDS or x.dim() != 4 or not _on_cudnn(p):
             return None
