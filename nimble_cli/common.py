@@ -152,8 +152,8 @@ def footprint_line(f: dict) -> str:
     """A load's GPU footprint (`runtime/footprint.py`, as a document) in one line."""
     kinds = ", ".join(f"{label} {human_bytes(f[k])}" for k, label in (
         ("weights", "weights"), ("arena", "arena"), ("inputs", "inputs"), ("outside_arena", "results outside the arena"),
-        ("pool_free", "graph-pool workspaces and slack"), ("other_allocated", "other (cuBLAS workspaces)"),
-        ("cached", "cached")))
+        ("pool_free", "graph-pool workspaces and slack"),
+        ("other_allocated", "other (cuBLAS and cuDNN graph workspaces)"), ("cached", "cached")))
     streams = len(f["pool_segments_per_stream"])
     return (f"GPU footprint: {human_bytes(f['growth'])} grown by the load = {kinds}; the graph pool has "
             f"{sum(f['pool_segments_per_stream'].values())} segment(s) over {streams} stream(s)")

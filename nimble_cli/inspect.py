@@ -20,8 +20,9 @@ def inspect_command(
     ops: bool = typer.Option(True, "--ops/--no-ops", help="Show the per-op table."),
     device: Optional[str] = typer.Option(None, "--device", metavar="cuda|cpu|auto", help="Also load the artifact "
                                          "there and report what it holds on the device, by kind (weights, arena, "
-                                         "inputs, results outside the arena, graph-pool workspaces, cuBLAS "
-                                         "workspaces, cached). Without it nothing is loaded and no GPU is needed."),
+                                         "inputs, results outside the arena, graph-pool workspaces, cuBLAS and "
+                                         "cuDNN graph workspaces, cached). Without it nothing is loaded and no GPU "
+                                         "is needed."),
     tune: TuneOption = "cached",
     debug: DebugOption = False,
 ) -> None:
