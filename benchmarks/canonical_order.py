@@ -50,7 +50,7 @@ def bench(name: str, batch: int, tmp: Path) -> list[dict]:
     from nimble.frontend import quiet_torchscript
     from nimble.runtime.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.tuning import gpu_ms
+    from nimble.runtime.timing import gpu_ms
     from nimble.specs import input_specs
 
     model, xs = make(name, batch)

@@ -33,7 +33,7 @@ import json, os, sys, time, torch
 import nimble
 from nimble.formats import read_artifact
 from nimble.runtime import cudnn_graph
-from nimble.runtime.tuning import gpu_ms
+from nimble.runtime.timing import gpu_ms
 sys.path.insert(0, sys.argv[2])
 import report
 torch.cuda.init()

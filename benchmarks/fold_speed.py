@@ -25,7 +25,7 @@ def main() -> int:
 
     import nimble
     from nimble.runtime import executable, placement, regions, streams
-    from nimble.runtime.tuning import gpu_ms
+    from nimble.runtime.timing import gpu_ms
 
     folded, release, pack, pool = streams.fold, executable.release_plan, regions.pack, placement.SUBSTITUTES.copy()
 

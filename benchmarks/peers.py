@@ -87,7 +87,7 @@ def make_inputs(name: str, batch: int):
 def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     import torch
 
-    from nimble.runtime.tuning import gpu_ms
+    from nimble.runtime.timing import gpu_ms
 
     return gpu_ms(call, torch.device("cuda"), calls, repeats, warmup=10)
 

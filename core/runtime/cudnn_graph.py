@@ -45,13 +45,12 @@ warm-up, outside the captured graph's pool.
 from __future__ import annotations
 
 import hashlib
-import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import first_line
-from . import cache
+from . import cache, timing
 
 PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
@@ -186,11 +185,14 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     """The fastest correct plan for the convolution `p` and its epilogue `steps` (`epilogue`),
     or None. `operands` are x, w, bias (or None) and the tensors the steps read; `reference()`
     computes the same result the way nimble would without cuDNN graphs, into a buffer of its own
-    (None where it cannot). Never called while capturing."""
+    (None where it cannot). Plans are timed only outside a capture; the same call later gets the
+    same choice."""
     if frontend() is None or _overlaps(out, operands):
         return None
     key = (_signature(p, operands, out), steps)
     if key not in _chosen:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
         try:
             _chosen[key] = _decide(key, p, steps, operands, out, reference)
         except Exception as e:  # the package is there but cuDNN refuses it: nimble's own way runs
@@ -222,35 +224,48 @@ def _recall(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference
     """The plan called `name`, if cuDNN still ranks it for this call and its result agrees with
     the reference (a crafted cache names a plan, it cannot make nimble trust one)."""
     plans = _ranked(p, steps, operands, out, name)
-    ref = reference() if plans else None
-    if ref is None or not torch.isfinite(ref).all():
+    ref = _reference(reference) if plans else None
+    if ref is None or not _agrees(plans[0], operands, out, ref, _workspace(plans[0], out.device)):
         return None
-    plan = plans[0]
-    plan.run(operands, out, torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device))
+    return plans[0]
+
+
+def _reference(reference) -> torch.Tensor | None:
+    """The reference's result, or None where it has none or it is not finite (nothing to check
+    a plan against)."""
+    ref = reference()
+    return ref if ref is not None and bool(torch.isfinite(ref).all()) else None
+
+
+def _agrees(plan: Plan, operands: tuple, out: torch.Tensor, ref: torch.Tensor, workspace: torch.Tensor) -> bool:
+    """Run `plan` into `out`; whether it agrees with `ref` within TOLERANCE (counted in STATS
+    where it does not)."""
+    plan.run(operands, out, workspace)
     if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-6):
         STATS["rejected"] += 1
-        return None
-    return plan
+        return False
+    return True
+
+
+def _workspace(plan: Plan, device: torch.device) -> torch.Tensor:
+    return torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=device)
 
 
 def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:
     """Among the plans that agree with the reference and are at most SLOWER than it, the one with
     the smallest workspace of those within SLOWER of the fastest."""
     STATS["timed"] += 1
-    ref = reference()
-    if ref is None or not torch.isfinite(ref).all():
+    ref = _reference(reference)
+    if ref is None:
         return None
-    scale = float(ref.abs().max())
     limit = SLOWER * _gpu_us(reference, out.device)
     timed = []
     for plan in _ranked(p, steps, operands, out):
-        workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=out.device)
+        workspace = _workspace(plan, out.device)
         try:
-            plan.run(operands, out, workspace)
-        except Exception:
-            continue
-        if float((out - ref).abs().max()) > TOLERANCE * max(scale, 1e-6):
-            STATS["rejected"] += 1
+            if not _agrees(plan, operands, out, ref, workspace):
+                continue
+        except Exception:  # a plan that fails to run is passed over
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
         if us <= limit:
@@ -327,9 +342,9 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
 
 
 def _gpu_us(fn, device: torch.device, runs: int = 10) -> float:
-    """Median microseconds of one call of `fn`, from three replays of a CUDA graph of `runs` calls:
-    the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch from Python
-    takes longer than a small convolution)."""
+    """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
+    median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
+    from Python takes longer than a small convolution)."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -340,16 +355,7 @@ def _gpu_us(fn, device: torch.device, runs: int = 10) -> float:
         with torch.cuda.graph(graph):
             for _ in range(runs):
                 fn()
-        graph.replay()
-        times = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / runs)
-    return statistics.median(times)
+        return timing.gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs
 
 
 def _table_path():

@@ -36,7 +36,7 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import cudnn_graph, footprint, indices, kernels, regions, streams, tuning
+from . import cudnn_graph, footprint, indices, kernels, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .pairs import copy_pairs, norm_pairs
@@ -230,7 +230,7 @@ class Executable:
                     for stage in tuning.stages(options):
                         for c in stage if isinstance(stage, list) else stage(best):
                             self._build(c)
-                            timed[c.describe()] = tuning.gpu_ms(self._cuda_graph.replay, self.device)
+                            timed[c.describe()] = timing.gpu_ms(self._cuda_graph.replay, self.device)
                             last = c
                         best = min((c for c in options if c.describe() in timed), key=lambda c: timed[c.describe()])
                     tuning.store(key, best, timed)

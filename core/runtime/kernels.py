@@ -125,8 +125,8 @@ class FusedKernel:
         return fused() if fused is not None else None
 
     def _cudnn_graph(self, body, p: dict, out: torch.Tensor, fused) -> torch.Tensor | None:
-        """`out`, written by this call's cuDNN graph, chosen at its first call outside a capture;
-        None where there is none. The reference is PyTorch's fused kernel, or this body's
+        """`out`, written by this call's cuDNN graph (`cudnn_graph.choose` decides once per call
+        signature, outside a capture); None where there is none. The reference is PyTorch's fused kernel, or this body's
         generated kernels into a buffer of their own."""
         if tuple(out.shape) != conv_shape(p) or out.dtype != p["input"].dtype:
             return None
@@ -135,14 +135,11 @@ class FusedKernel:
             return None
         steps, tensors = chain
         operands = (p["input"], p["weight"], p["bias"], *tensors)
-        key = ("graph", steps, out.dtype, *((tuple(t.shape), tuple(t.stride())) if t is not None else None
-                                            for t in (*operands, out)))
-        if key not in self._built and not torch.cuda.is_current_stream_capturing():
-            def generated() -> torch.Tensor | None:
-                return self._generated(body, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
-                                                                 device=out.device))
-            self._built[key] = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces)
-        graph = self._built.get(key)
+
+        def generated() -> torch.Tensor | None:
+            return self._generated(body, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
+                                                             device=out.device))
+        graph = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces)
         return graph(operands, out) if graph is not None else None
 
     # ---------------------------------------------------------------------------- Triton

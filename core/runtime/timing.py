@@ -6,6 +6,9 @@ host enqueue time from the host clock around it. Throughput is the timed inferen
 timed run's wall time; `back_to_back_per_s` is a separate, short run with no synchronization
 between launches (the GPU-bound rate). Every percentile, the median among them, is a nearest-rank
 percentile of the same sorted latencies.
+
+`gpu_ms` is the GPU-bound figure alone (back-to-back replays between CUDA events), which load-time
+tuning, the cuDNN graph plans and the benchmarks time with.
 """
 
 from __future__ import annotations
@@ -88,3 +91,21 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
     sync()
     timing.back_to_back = n / (time.perf_counter() - t0)
     return timing
+
+
+def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, warmup: int = 1) -> float:
+    """Median time per replay over `repeats` runs of `replays` back-to-back replays, after
+    `warmup` replays."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            replay()
+        stop.record()
+        torch.cuda.synchronize(device)
+        samples.append(start.elapsed_time(stop) / replays)
+    return statistics.median(samples)

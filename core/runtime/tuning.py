@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -118,24 +117,6 @@ def channels_last_values(graph: Graph) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------- timing
-def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, warmup: int = 1) -> float:
-    """Median time per replay over `repeats` runs of `replays` back-to-back replays, after
-    `warmup` replays."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(warmup):
-        replay()
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            replay()
-        stop.record()
-        torch.cuda.synchronize(device)
-        samples.append(start.elapsed_time(stop) / replays)
-    return statistics.median(samples)
-
-
 # ---------------------------------------------------------------------------------- cache
 def cache_key(artifact, device: torch.device) -> str:
     """The artifact's content hash, the GPU and the torch version."""
