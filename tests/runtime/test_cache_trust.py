@@ -127,3 +127,28 @@ def test_a_crafted_gemm_bias_in_the_tuning_cache_is_a_miss(root, gemm_bias):
     table["k"]["choice"]["gemm_bias"] = gemm_bias
     (root / "tuning.json").write_text(json.dumps(table))
     assert tuning.cached("k") is None
+
+
+@pytest.mark.parametrize("content", [b"[" * 200_000 + b"]" * 200_000, b" " * (2 * 2**20) + b"{}", b"\xff\xfe",
+                                     b'["not", "an", "object"]'])
+def test_a_crafted_cudnn_plan_table_is_empty_and_replaced(root, content):
+    """cudnn_plans.json is read through the same check as tuning.json before any entry is used
+    (its entries are then rebuilt and checked on the GPU: tests/runtime/test_gpu_cudnn_graph.py)."""
+    from nimble.runtime import cudnn_graph
+
+    root.mkdir(mode=0o700)
+    path = cudnn_graph._table_path()
+    path.write_bytes(content)
+    assert cache.read_table(path, cudnn_graph.MAX_PLAN_TABLE_BYTES) == {}
+    cache.write_entry(path, "k", {"plan": None}, cudnn_graph.MAX_PLAN_TABLE_BYTES)
+    assert cache.read_table(path, cudnn_graph.MAX_PLAN_TABLE_BYTES) == {"k": {"plan": None}}
+
+
+def test_a_cudnn_plan_table_behind_a_symlink_is_not_read(root, tmp_path):
+    from nimble.runtime import cudnn_graph
+
+    root.mkdir(mode=0o700)
+    planted = tmp_path / "planted.json"
+    planted.write_text(json.dumps({"k": {"plan": "eng0"}}))
+    cudnn_graph._table_path().symlink_to(planted)
+    assert cache.read_table(cudnn_graph._table_path(), cudnn_graph.MAX_PLAN_TABLE_BYTES) == {}
