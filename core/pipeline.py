@@ -1,6 +1,6 @@
 """The one place that states the order of nimble's stages (DESIGN.md, "Data flow").
 
-    frontend (model -> Graph) -> REWRITES, FUSION (Graph -> Graph) -> check against the model
+    frontend (model -> Graph) -> REWRITES, LAYOUT, FUSION (Graph -> Graph) -> check against the model
         -> schedule (Graph -> Schedule) -> memory (Graph, Schedule -> MemoryPlan) -> Compiled
 
 `compile_model` reads a file, `compile_script` and `compile_program` take a module or a program in
@@ -43,8 +43,11 @@ REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise
                    passes.inline_scalar_constants, passes.drop_identity_copies, passes.bias_into_epilogue,
                    passes.eliminate_common_subexpressions,
                    passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
+# After the precision is chosen (each weight then has the dtype it is stored in) and before fusion:
+# how the kernels will read what the rewrites left.
+LAYOUT: tuple = (passes.align_attention_masks,)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
-PASSES: tuple = REWRITES + FUSION
+PASSES: tuple = REWRITES + LAYOUT + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)
 
 
@@ -278,6 +281,7 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
             converted, record = _choose_precision(lowered, inputs, source.model, options, device, stages)
         stages.passed("reduce_precision", converted.graph)
         lowered = dataclasses.replace(lowered, graph=converted.graph, weights=converted.weights)
+    lowered = rewrite(lowered, LAYOUT, stages, label=None)
     if options.fuse:
         lowered = rewrite(lowered, FUSION, stages, label=None)
     with stages.stage("check", "running the reference"):

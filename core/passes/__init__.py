@@ -4,12 +4,13 @@ A pass is a pure function over the IR: it takes a linted `Graph` and returns a l
 imports no runtime, and runs on a builder with no GPU. A pass that rewrites weights
 (`fold_batch_norm`) takes and returns the weights beside the graph (`REWRITES_WEIGHTS`).
 The rewrites come first (the frontends emit what the model says, no more), then dead-op removal,
-a canonical op order and naming, then fusion. `reduce_precision` runs between the rewrites and
-fusion where a compile asks for fp16 or bf16; `precision.search` drives it, so the pipeline calls
-it directly rather than from a list.
+a canonical op order and naming, then the layout passes and fusion. `reduce_precision` runs
+between the rewrites and the layout passes where a compile asks for fp16 or bf16;
+`precision.search` drives it, so the pipeline calls it directly rather than from a list.
 """
 
 from .affine_batch_norm import affine_batch_norm
+from .align_attention_masks import align_attention_masks
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
 from .drop_identity_copies import drop_identity_copies
@@ -31,9 +32,9 @@ from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
-                              inline_scalar_constants})
+                              inline_scalar_constants, align_attention_masks})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "bias_into_epilogue", "chain_loose_ops", "drop_identity_copies",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops", "drop_identity_copies",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",

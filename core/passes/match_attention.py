@@ -12,8 +12,17 @@ It matches only where nothing else reads the scores or the probabilities, q, k a
 the transpose swaps k's last two dimensions, the scale is a number or a 0-d weight, and the mask
 is an additive floating tensor, or a boolean one that `where` fills with -1e4 or less elsewhere
 (GPT-2's causal mask: a row that masks every key then differs, softmax of -inf being NaN), either
-broadcasting to the scores. A pass that reads
-weights (the scale), so it takes them beside the graph; dead-op removal drops what it replaced.
+broadcasting to the scores.
+
+Shifted windows (Swin's): the scores of B images' W windows, [B * W, heads, n, n], are viewed as
+[B, W, heads, n, n] to add the windows' mask, [1, W, 1, n, n], and viewed back before the
+softmax. Where that mask and the bias added before it are weights (`fold_constants` made them),
+their sum becomes one weight: the mask of the windows of one image, [W, heads, n, n], which
+attention reads as it is at batch 1 and through one `aten::repeat` over the batch above it. The
+sum must not depend on the image (it never does in Swin: the mask is the windows' own).
+
+A pass that reads weights (the scale) and adds them (the windows' mask), so it takes them beside
+the graph; dead-op removal drops what it replaced.
 """
 
 from __future__ import annotations
@@ -22,13 +31,26 @@ import dataclasses
 
 import torch
 
-from ..ir import WEIGHT, Graph, Op, Ref, TensorSpec
+from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
 from ..ops import arguments, targets, types
+from .fold_constants import FOLD_BYTES
 from .rewrite import Facts
-from .substitute import rebuild
+from .substitute import free_name, rebuild
 
 ATTENTION = "aten::scaled_dot_product_attention.default"
+REPEAT = "aten::repeat.default"
 _SOFTMAX = {"aten::softmax.int", "aten::_softmax.default"}
+_VIEWS = {"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Windows:
+    """The windows' mask of shifted-window attention (module docstring): `mask` is added to the
+    scores viewed as `shape` ([B, W, heads, n, n]); `bias` (or None) was added before the view."""
+
+    mask: Ref
+    bias: Ref | None
+    shape: tuple[int, ...]
 
 
 def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
@@ -36,13 +58,26 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
     facts = Facts(graph)
     ops = list(graph.ops)
     values = list(graph.values)
+    before: dict[int, list[Op]] = {}  # op id -> new ops that run just before it
+    added: dict[int, list[Value]] = {}
+    weights = dict(weights)
     matched = False
     for op in graph.ops:
         found = _match(graph, facts, op, weights)
         if found is None:
             continue
         q, k, v, mask, scale = found
-        spec = _attention_spec(graph, q, k, v, mask, scale)
+        new_ops, new_values = [], []
+        mask_spec = graph.values[mask.id].spec if isinstance(mask, Ref) else None
+        if isinstance(mask, _Windows):
+            made = _windows_mask(graph, weights, mask, len(values) + sum(map(len, added.values())),
+                                 len(ops) + sum(map(len, before.values())), op.source)
+            if made is None:
+                continue
+            new_values, new_ops, tensor = made
+            weights[new_values[0].name] = tensor
+            mask, mask_spec = Ref(new_values[-1].id), new_values[-1].spec
+        spec = _attention_spec(graph, q, k, v, mask_spec, scale)
         if spec is None:
             continue
         schema = targets.resolve(ATTENTION)._schema
@@ -50,14 +85,21 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         args, kwargs = arguments.by_schema(schema, [given.get(a.name, a.default_value) for a in schema.arguments])
         ops[op.id] = dataclasses.replace(op, target=ATTENTION, args=tuple(args), kwargs=tuple(kwargs))
         values[op.outputs[0]] = dataclasses.replace(values[op.outputs[0]], spec=spec)
+        if new_values:
+            added[op.outputs[0]] = new_values
+            before[op.id] = new_ops
         matched = True
     if not matched:
         return graph, weights
-    return rebuild(graph, ops, values=values), weights
+    ordered = [new for o in ops for new in (*before.get(o.id, ()), o)]
+    result = rebuild(graph, ordered, values=values, added=added)
+    names = {v.name for v in result.values if v.kind == WEIGHT}
+    return result, {name: t for name, t in weights.items() if name in names}
 
 
 def _match(graph: Graph, facts: Facts, out: Op, weights):
-    """(q, k, v, mask or None, scale) if `out` is the final product of the pattern, else None."""
+    """(q, k, v, mask (a Ref, `_Windows` or None), scale) if `out` is the final product of the
+    pattern, else None."""
     if out.target != "aten::matmul.default" or len(out.outputs) != 1 or out.kwargs:
         return None
     probs, v = out.args
@@ -65,12 +107,15 @@ def _match(graph: Graph, facts: Facts, out: Op, weights):
     if p is None or p.target not in _SOFTMAX or p.args[1] not in (-1, 3) or p.args[2] not in (None, False):
         return None
     x = _producer(graph, facts, p.args[0], p)
+    windows = None
+    if x is not None and x.target in _VIEWS:
+        x, windows = _windowed(graph, facts, x)
     mask = None
     if x is not None and x.target == "aten::add.Tensor" and dict(x.kwargs).get("alpha", 1) == 1:
         scores, mask = x.args
         x = _producer(graph, facts, scores, x)
     elif x is not None and x.target == "aten::where.self" and isinstance(x.args[0], Ref) \
-            and graph.values[x.args[0].id].spec.dtype == "bool":
+            and graph.values[x.args[0].id].spec.dtype == "bool" and windows is None:
         fill = _number(graph, x.args[2], weights)  # GPT-2's causal mask: where(allowed, scores, finfo.min)
         if fill is None or fill > -1e4:
             return None
@@ -95,6 +140,8 @@ def _match(graph: Graph, facts: Facts, out: Op, weights):
     if mask is not None and (not isinstance(mask, Ref) or graph.values[mask.id].spec.dtype not in
                              ("float32", "float16", "bfloat16", "bool")):
         return None
+    if windows is not None:
+        mask = _Windows(windows[0], mask, windows[1])
     if scale is None:  # the scores are q @ k^T as they stand: said, not sdpa's default
         scale = 1.0
     qp = _producer(graph, facts, q, x)  # q scaled before the product (Swin): that scale is sdpa's too
@@ -127,12 +174,85 @@ def _number(graph: Graph, arg, weights) -> float | None:
     return None
 
 
-def _attention_spec(graph: Graph, q: Ref, k: Ref, v: Ref, mask: Ref | None, scale: float) -> TensorSpec | None:
+def _windowed(graph: Graph, facts: Facts, view: Op) -> tuple[Op | None, tuple | None]:
+    """Where `view` ends Swin's shifted-window masking (module docstring): (the op that makes the
+    4-D scores before it, (the windows' mask, the 5-D shape)); else (`view`, None)."""
+    add = _viewed(graph, facts, view)
+    if add is None or add.target != "aten::add.Tensor" or dict(add.kwargs).get("alpha", 1) != 1 \
+            or not all(isinstance(a, Ref) for a in add.args):
+        return view, None
+    for scores5, mask in (add.args, add.args[::-1]):
+        split = _producer(graph, facts, scores5, add)
+        if split is None or split.target not in _VIEWS or not isinstance(split.args[0], Ref):
+            continue
+        flat, shape = graph.values[split.args[0].id].spec.shape, graph.values[scores5.id].spec.shape
+        m = graph.values[mask.id]
+        if len(flat) == 4 and len(shape) == 5 and graph.values[view.outputs[0]].spec.shape == flat \
+                and shape[0] * shape[1] == flat[0] and shape[2:] == flat[1:] and m.kind == WEIGHT \
+                and m.spec.dtype == graph.values[scores5.id].spec.dtype and len(m.spec.shape) <= 5 \
+                and graph.values[add.outputs[0]].spec.shape == shape:
+            return _viewed(graph, facts, split), (mask, shape)
+    return view, None
+
+
+def _viewed(graph: Graph, facts: Facts, view: Op) -> Op | None:
+    """The op that makes the value `view` views, where nothing but `view` reads or views it."""
+    base = view.args[0]
+    if not isinstance(base, Ref) or base.id in facts.outputs or base.id in facts.mutated \
+            or facts.readers.get(base.id) != {view.id}:
+        return None
+    value = graph.values[base.id]
+    if value.producer is None or value.alias_of is not None \
+            or [v.id for v in graph.values if v.alias_of == base.id] != list(view.outputs):
+        return None
+    op = graph.ops[value.producer]
+    return op if len(op.outputs) == 1 and not op.mutates else None
+
+
+def _windows_mask(graph: Graph, weights: dict, windows: _Windows, next_value: int, next_op: int,
+                  source: str) -> tuple[list[Value], list[Op], torch.Tensor] | None:
+    """The windows' mask and the bias before it summed into one weight for attention (module
+    docstring): (the new values, the weight first and the mask attention reads last; the new ops;
+    the weight's tensor), or None where they are not weights, the sum depends on the image, or it
+    would pass FOLD_BYTES."""
+    batch, count = windows.shape[:2]
+    parts = [windows.mask] + ([windows.bias] if windows.bias is not None else [])
+    if any(not isinstance(r, Ref) or graph.values[r.id].kind != WEIGHT for r in parts):
+        return None
+    mask = weights[graph.values[windows.mask.id].name]
+    total = mask.reshape((1,) * (5 - mask.dim()) + tuple(mask.shape))
+    if windows.bias is not None:
+        bias = weights[graph.values[windows.bias.id].name]
+        if bias.dtype != mask.dtype or bias.dim() > 4:
+            return None
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        if bias.shape[0] not in (1, batch * count):
+            return None
+        total = total + (bias.reshape(1, 1, *bias.shape[1:]) if bias.shape[0] == 1 else
+                         bias.reshape(batch, count, *bias.shape[1:]))
+    if total.shape[0] > 1 and not bool((total == total[:1]).all()):
+        return None  # the mask differs between images
+    total = total[0].contiguous()  # [W or 1, heads or 1, n or 1, n]
+    if total.numel() * total.element_size() > FOLD_BYTES:
+        return None
+    dtype = types.dtype_name(total.dtype)
+    name = free_name(f"{graph.values[windows.mask.id].name}_windows", weights)
+    weight = Value(next_value, WEIGHT, TensorSpec(tuple(total.shape), dtype), name)
+    if batch == 1 or total.shape[0] == 1:  # attention broadcasts it as it is
+        return [weight], [], total
+    shape = (batch * total.shape[0], *total.shape[1:])
+    repeated = Value(next_value + 1, ACTIVATION, TensorSpec(shape, dtype), f"{name}_batch", next_op)
+    repeat = Op(next_op, REPEAT, (Ref(weight.id), (batch, 1, 1, 1)), (), (repeated.id,), (), (), source)
+    return [weight, repeated], [repeat], total
+
+
+def _attention_spec(graph: Graph, q: Ref, k: Ref, v: Ref, mask: TensorSpec | None, scale: float) -> TensorSpec | None:
     """The attention's result typed on the meta device; None where it refuses these inputs."""
-    meta = {r.id: arguments.meta_tensor(graph.values[r.id].spec) for r in (q, k, v, mask) if r is not None}
+    meta = {r.id: arguments.meta_tensor(graph.values[r.id].spec) for r in (q, k, v)}
     try:
         result = targets.resolve(ATTENTION)(meta[q.id], meta[k.id], meta[v.id],
-                                            attn_mask=meta[mask.id] if mask is not None else None, scale=scale)
+                                            attn_mask=arguments.meta_tensor(mask) if mask is not None else None,
+                                            scale=scale)
     except Exception:
         return None
     return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),

@@ -110,3 +110,46 @@ def test_a_residual_sum_and_its_layer_norm_run_as_one_kernel(sample_artifacts, n
     built = [key for _, _, kernel in exe._norms.values() for key, launch in kernel._built.items()
              if key[0] == "norm" and launch is not None]
     assert len(built) >= 1 and all(isinstance(k, FusedKernel) for _, _, k in exe._norms.values())
+
+
+@pytest.mark.parametrize("images, precision", [(1, "fp32"), (3, "fp32"), (3, "fp16")])
+def test_shifted_window_attention_runs_as_attention_and_agrees_with_eager(images, precision):
+    """Swin's shifted windows: one attention op reading the windows' mask, stored aligned (no copy
+    of the mask before the kernel), repeated over the images above one; as eager computes it."""
+    from ..passes.test_attention_masks import WindowAttention
+
+    torch.manual_seed(0)
+    module = WindowAttention(windows=4, tokens=49, heads=3, dim=96).eval().cuda()
+    x = torch.randn(images * 4, 49, 96, device="cuda")
+    model = nimble.Nimble(module).prepare(x, precision=precision, tolerance=1e-2 if precision != "fp32" else None)
+    kinds = [op.target for op in model._runner.graph.ops]
+    assert "aten::scaled_dot_product_attention.default" in kinds and "aten::softmax.int" not in kinds
+    with torch.no_grad():
+        want = module(x)
+    result = compare([model(x)], [want], rtol=1e-2 if precision == "fp32" else 5e-2, atol=1e-3 if precision == "fp32" else 2e-2)
+    assert result.passed, result.describe()
+
+
+def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_path, monkeypatch):
+    """The same weight mask of 49 keys, stored padded (`align_attention_masks`) and as it is: the
+    padded one's captured graph has fewer kernels (PyTorch pads an unaligned mask on every call)."""
+    from nimble import pipeline
+    from nimble.runtime.streams import count_kernels
+
+    from ..passes.test_attention_masks import WeightMask
+
+    module = WeightMask(49).eval().cuda()
+    xs = [torch.randn(2, 2, 49, 64, device="cuda") for _ in range(3)]
+    counts, results = [], []
+    for layout in (pipeline.LAYOUT, ()):
+        monkeypatch.setattr(pipeline, "LAYOUT", layout)
+        artifact = nimble.Nimble(module).prepare(xs)._runner.artifact
+        dump = tmp_path / f"graph{len(counts)}.dot"
+        exe = Executable(artifact, "cuda", graph_dump=str(dump))
+        results.append(exe.run(*xs)[0])
+        counts.append(count_kernels(dump))
+    with torch.no_grad():
+        want = module(*xs)
+    for got in results:
+        assert compare([got], [want], rtol=1e-3, atol=1e-4).passed
+    assert counts[0] < counts[1], counts

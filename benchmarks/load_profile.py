@@ -1,0 +1,79 @@
+"""Where load to first inference goes: each load in a fresh process, empty caches then warm,
+with Python's profiler over the load and first call.
+
+    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm] [--top 30] [--out DIR]
+
+Prints, per run, the seconds from `nimble.load` to the first result, the stage seconds the load
+reports (`exe.stats.seconds`), the tuning outcome, the cuDNN graph counts where the `cudnn` extra
+is installed, and the `--top` functions by cumulative time, then by time spent in each. The
+caches (nimble's and Triton's) are a temporary folder shared by the runs, so a cold run empties
+them and the runs after it are warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROBE = """
+import cProfile, io, json, pstats, sys, time
+import torch
+from nimble.runtime.executable import load
+from nimble.runtime import cudnn_graph
+torch.cuda.init()
+profile = cProfile.Profile()
+t = time.perf_counter()
+profile.enable()
+exe = load(sys.argv[1], "cuda")
+x = [torch.randn(b.shape, device="cuda").to(b.dtype) for b in exe.input_buffers]
+exe(*x)
+torch.cuda.synchronize()
+profile.disable()
+seconds = time.perf_counter() - t
+text = io.StringIO()
+for order in ("cumulative", "tottime"):
+    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(int(sys.argv[2]))
+stats = {k: v for k, v in cudnn_graph.STATS.items() if k != "failed"}
+print(json.dumps({"seconds": seconds, "stages": exe.stats.seconds, "choice": exe.stats.choice,
+                  "tuning": exe.stats.tuning, "cudnn_graph": stats, "profile": text.getvalue()}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"], choices=["cold", "warm"])
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    root = Path(__file__).resolve().parents[1]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, NIMBLE_CACHE_DIR=f"{tmp}/nimble", TRITON_CACHE_DIR=f"{tmp}/triton",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])))
+        for label in args.runs:
+            if label == "cold":
+                subprocess.run(["rm", "-rf", f"{tmp}/nimble", f"{tmp}/triton"], check=True)
+            done = subprocess.run([sys.executable, "-c", PROBE, str(args.artifact), str(args.top)], env=env,
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"the {label} load failed: {done.stderr.strip().splitlines()[-1:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["run"] = label
+            rows.append(row)
+            print(f"{label}: {row['seconds']:.2f} s to the first result; stages "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in row["stages"].items())
+                  + f"; {row['tuning']}; {row['choice']}; cuDNN graphs {row['cudnn_graph']}")
+            print(row["profile"])
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"load_profile_{args.artifact.stem}.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
