@@ -44,8 +44,8 @@ REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise
                    passes.eliminate_common_subexpressions,
                    passes.eliminate_dead_ops, passes.order_canonically, passes.name_values)
 # After the precision is chosen (each weight then has the dtype it is stored in) and before fusion:
-# how the kernels will read what the rewrites left.
-LAYOUT: tuple = (passes.align_attention_masks,)
+# which dtype and layout the kernels read what the rewrites left in.
+LAYOUT: tuple = (passes.drop_precision_casts, passes.align_attention_masks)
 FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise)
 PASSES: tuple = REWRITES + LAYOUT + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)

@@ -14,6 +14,7 @@ from .align_attention_masks import align_attention_masks
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
 from .drop_identity_copies import drop_identity_copies
+from .drop_precision_casts import drop_precision_casts
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
@@ -34,7 +35,8 @@ from .precompute_attention_masks import precompute_attention_masks
 REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
                               inline_scalar_constants, align_attention_masks})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops", "drop_identity_copies",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops",
+           "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_conv", "fuse_pointwise", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",

@@ -85,6 +85,17 @@ def _copy(args: list, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _cast(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """_to_copy or to(dtype) into the planned buffer (whose dtype is the cast's): one converting
+    copy. Its generated out= overload converts into a temporary, then copies that in (a second
+    kernel per cast). None where the cast changes the device or the shape."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.device != out.device or tuple(x.shape) != tuple(out.shape):
+        return None
+    out.copy_(x)
+    return out
+
+
 def _reshape_copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """A reshape or flatten that must copy (its input's strides allow no view; the plan gave it a
     buffer): the input's elements, in its row-major order, copied once into the contiguous buffer
@@ -148,6 +159,8 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
     "aten::contiguous.default": _copy,
+    "aten::_to_copy.default": _cast,
+    "aten::to.dtype": _cast,
     "aten::reshape.default": _reshape_copy,
     "aten::flatten.using_ints": _reshape_copy,
     "aten::roll.default": roll,

@@ -101,7 +101,7 @@ def test_a_weight_mask_is_stored_padded_only_where_its_rows_are_unaligned(keys, 
 def test_the_layout_passes_run_after_the_precision_is_chosen():
     """In float16 the padded weight is float16 and attention reads it through the slice alone: a
     cast after the slice would copy it into an unaligned tensor again."""
-    assert [p.__name__ for p in LAYOUT] == ["align_attention_masks"]
+    assert [p.__name__ for p in LAYOUT] == ["drop_precision_casts", "align_attention_masks"]
     model = WindowAttention().eval()
     x = torch.randn(8, 7, 16)
     compiled = compile_script(torch.jit.trace(model, x), [TensorSpec((8, 7, 16), "float32")], "w", "w", "",

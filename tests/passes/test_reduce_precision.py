@@ -236,3 +236,58 @@ def test_outputs_float16_cannot_hold_are_measured_as_handed_out(tmp_path):
     with pytest.raises(MismatchError, match="--io-dtype model"):
         compile_model(path, input_specs(["4x8"]), device="cpu", precision="fp16", io_dtype="reduced", tolerance=1e-2)
     assert compile_model(path, input_specs(["4x8"]), device="cpu", precision="fp16", tolerance=1e-2).check.passed
+
+
+class NormBetweenGemms(nn.Module):
+    """GPT-2's shape in small: a residual sum, its layer norm, a GEMM, and pow in a GELU; `tap`
+    also returns the layer norm's result (a float32 graph output at --io-dtype model)."""
+
+    def __init__(self, tap: bool = False):
+        super().__init__()
+        self.tap = tap
+        self.up, self.down, self.norm = nn.Linear(32, 64), nn.Linear(64, 32), nn.LayerNorm(32)
+
+    def forward(self, x):
+        y = self.norm(x + 1.0)
+        h = self.up(y)
+        h = 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0))))
+        out = self.down(h)
+        return (out, y) if self.tap else out
+
+
+def _traced(tmp_path, model):
+    path = tmp_path / "n.pt"
+    torch.jit.save(torch.jit.trace(model, torch.randn(4, 8, 32)), str(path))
+    return path
+
+
+def _casts_around(graph, op) -> list[str]:
+    """The casts next to `op`: the producer of its input, and its readers."""
+    producer = graph.values[op.args[0].id].producer
+    near = [graph.ops[producer]] if producer is not None else []
+    near += [o for o in graph.ops if op.outputs[0] in o.refs()]
+    return [o.target for o in near if o.target == "aten::_to_copy.default"]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_layer_norm_and_pow_read_and_write_the_reduced_dtype_without_casts(tmp_path, dtype):
+    model = NormBetweenGemms().eval()
+    path = _traced(tmp_path, model)
+    c = compile_model(path, [TensorSpec((4, 8, 32), "float32")], device="cpu", precision=dtype, io_dtype="reduced",
+                      tolerance=1e-2)
+    g = c.graph
+    low = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    [norm] = [op for op in g.ops if op.target == "aten::layer_norm.default"]
+    assert g.values[norm.outputs[0]].spec.dtype == low and _casts_around(g, norm) == []
+    assert [op.target for op in g.ops].count("aten::_to_copy.default") == 0, [op.target for op in g.ops]
+    assert any(name == "drop_precision_casts" and n < dict(c.passes)["reduce_precision"] for name, n in c.passes)
+
+
+def test_a_float32_result_something_else_reads_keeps_its_casts(tmp_path):
+    model = NormBetweenGemms(tap=True).eval()
+    path = _traced(tmp_path, model)
+    c = compile_model(path, [TensorSpec((4, 8, 32), "float32")], device="cpu", precision="fp16", tolerance=1e-2)
+    g = c.graph
+    [norm] = [op for op in g.ops if op.target == "aten::layer_norm.default"]
+    assert g.values[norm.outputs[0]].spec.dtype == "float32"  # the graph returns it in float32
+    assert _casts_around(g, norm)

@@ -153,3 +153,42 @@ def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_
     for got in results:
         assert compare([got], [want], rtol=1e-3, atol=1e-4).passed
     assert counts[0] < counts[1], counts
+
+
+class Casts(nn.Module):
+    def forward(self, x):
+        return (x * 2.0).to(torch.float16) * 3.0 + (x - 1.0).to(torch.bfloat16).float()
+
+
+def test_a_cast_writes_its_planned_buffer_in_one_kernel(tmp_path, monkeypatch):
+    """_to_copy and to(dtype) copy once into their buffer (`placement._cast`); their generated
+    out= overloads convert into a temporary and copy that in: a memcpy node more per cast."""
+    import re
+
+    from nimble.runtime import placement
+
+    x = torch.randn(4, 64, device="cuda")
+    artifact = nimble.Nimble(Casts().eval()).prepare(x)._runner.artifact
+    nodes = []
+    for substitutes in (placement.SUBSTITUTES, {k: v for k, v in placement.SUBSTITUTES.items()
+                                                if k not in ("aten::_to_copy.default", "aten::to.dtype")}):
+        monkeypatch.setattr(placement, "SUBSTITUTES", substitutes)
+        dump = tmp_path / f"graph{len(nodes)}.dot"
+        exe = Executable(artifact, "cuda", graph_dump=str(dump), tune="off")
+        torch.testing.assert_close(exe(x), Casts()(x))
+        nodes.append(len(re.findall(r"\b(?:KERNEL|MEMCPY)\b", dump.read_text(errors="replace"))))
+    assert nodes[0] < nodes[1], nodes
+
+
+def test_a_float16_transformer_block_runs_its_layer_norm_without_casts():
+    from ..passes.test_reduce_precision import NormBetweenGemms
+
+    torch.manual_seed(0)
+    module = NormBetweenGemms().eval().cuda()
+    x = torch.randn(8, 128, 32, device="cuda")
+    model = nimble.Nimble(module).prepare(x, precision="fp16", tolerance=1e-2)
+    g = model._runner.graph
+    assert [op.target for op in g.ops].count("aten::_to_copy.default") <= 2  # the input's and the output's only
+    with torch.no_grad():
+        want = module(x)
+    assert compare([model(x)], [want], rtol=5e-2, atol=2e-2).passed
