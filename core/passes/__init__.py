@@ -33,7 +33,7 @@ from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
-                              inline_scalar_constants, align_attention_masks})
+                              inline_scalar_constants, align_attention_masks, drop_precision_casts})
 
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",

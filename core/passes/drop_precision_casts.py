@@ -4,58 +4,79 @@ reads and writes the reduced dtype instead, where that gives the same values.
 Autocast's float32 list puts layer norm and pow in float32, so a float16 transformer ran each of
 them as three kernels: a cast of its float16 input up, the op in float32, a cast of its result
 down for the next GEMM (GPT-2 at batch 8: 76 casts, a third of its kernel time at fp16 on the
-H100). Layer norm given a float16 input and float32 weight and bias computes in float32 and
-rounds its result to float16 once; so do PyTorch's elementwise kernels on float16 (they compute in
-float32, `opmath`) and nimble's generated ones. Reading the float16 value directly and rounding
-once is exactly what the two casts did around the float32 op, in one kernel, and the layer norm
-can then join the kernel of the elementwise op before it (`pairs.norm_pairs`).
+H100). PyTorch's elementwise kernels on float16 compute in float32 (`opmath`) and round the result
+once, as nimble's generated ones do: reading the float16 value directly and rounding once is
+exactly what the two casts did around the float32 op, in one kernel. Layer norm computes its
+statistics in float32 too, but takes its weight and bias in its input's dtype (on CUDA), so they
+are stored in the reduced dtype for it, as a module cast with `.half()` has them: its result then
+differs from autocast's by the rounding of those weights (at most 2**-11 relative for float16),
+which the compile's check against the model covers. The layer norm can then also join the kernel
+of the elementwise op before it (`pairs.norm_pairs`).
 
-An op is rewritten where it is aten::layer_norm or a one-tensor elementwise op a fused body may
-hold (`ops/fusion.py`), its tensor input is a cast up from float16 or bfloat16 that nothing else
-reads, and every reader of its float32 result is a cast back down to that same dtype (at least
-one; the result is no graph output and no view shares it). The casts go; the readers of the casts
-down read the op's result.
+An op is rewritten where it is aten::layer_norm (whose weight and bias are weights, or absent) or
+a one-tensor elementwise op a fused body may hold (`ops/fusion.py`), its tensor input is a cast up
+from float16 or bfloat16 that nothing else reads, and every reader of its float32 result is a cast
+back down to that same dtype (at least one; the result is no graph output and no view shares it).
+The casts go; the readers of the casts down read the op's result. A pass that adds weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Graph, Op, Ref, Special
-from ..ops import fusion
+import torch
+
+from ..ir import WEIGHT, Graph, Op, Ref, Special, TensorSpec, Value
+from ..ops import fusion, types
 from .rewrite import Facts
-from .substitute import rebuild
+from .substitute import free_name, rebuild
 
 CAST = "aten::_to_copy.default"
 LAYER_NORM = "aten::layer_norm.default"
 REDUCED = ("float16", "bfloat16")
+SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _PLAIN_CAST = {"layout": None, "device": None, "pin_memory": None, "non_blocking": False, "memory_format": None}
 
 
-def drop_precision_casts(graph: Graph) -> Graph:
+def drop_precision_casts(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Each float32 op between a cast up and casts down computes in the reduced dtype instead."""
     facts = Facts(graph)
     ops = {op.id: op for op in graph.ops}
     values = list(graph.values)
+    weights = dict(weights)
     same: dict[int, int] = {}
+    added: dict[int, list[Value]] = {}
+    stored: dict[tuple[int, str], int] = {}  # (float32 weight, reduced dtype) -> its reduced copy
     for op in graph.ops:
         found = _between_casts(graph, facts, op)
         if found is None:
             continue
         up, downs, source = found
+        low = graph.values[source].spec.dtype
         args = list(op.args)
         args[0] = Ref(source)
+        for k in (2, 3) if op.target == LAYER_NORM else ():  # weight and bias, in the input's dtype
+            if k < len(args) and isinstance(args[k], Ref) and graph.values[args[k].id].spec.dtype != low:
+                w = graph.values[args[k].id]
+                if (w.id, low) not in stored:
+                    name = free_name(f"{w.name}_{SHORT[low]}", weights)
+                    weights[name] = weights[w.name].to(types.DTYPES[low])
+                    stored[w.id, low] = len(values) + sum(map(len, added.values()))
+                    added.setdefault(w.id, []).append(Value(stored[w.id, low], WEIGHT,
+                                                            TensorSpec(w.spec.shape, low), name))
+                args[k] = Ref(stored[w.id, low])
         ops[op.id] = dataclasses.replace(op, args=tuple(args))
         result = values[op.outputs[0]]
-        values[result.id] = dataclasses.replace(result, spec=dataclasses.replace(
-            result.spec, dtype=graph.values[source].spec.dtype))
+        values[result.id] = dataclasses.replace(result, spec=dataclasses.replace(result.spec, dtype=low))
         del ops[up.id]
         for down in downs:
             del ops[down.id]
             same[down.outputs[0]] = result.id
     if not same:
-        return graph
-    return rebuild(graph, list(ops.values()), same=same, values=values)
+        return graph, weights
+    result = rebuild(graph, list(ops.values()), same=same, values=values, added=added)
+    names = {v.name for v in result.values if v.kind == WEIGHT}
+    return result, {name: t for name, t in weights.items() if name in names}
 
 
 def _between_casts(graph: Graph, facts: Facts, op: Op) -> tuple[Op, list[Op], int] | None:
@@ -66,6 +87,8 @@ def _between_casts(graph: Graph, facts: Facts, op: Op) -> tuple[Op, list[Op], in
     if len(op.outputs) != 1 or op.mutates or not op.args or not isinstance(op.args[0], Ref):
         return None
     if op.target != LAYER_NORM and fusion.pointwise_problem((op.target, op.args, op.kwargs)):
+        return None
+    if op.target == LAYER_NORM and any(isinstance(a, Ref) and graph.values[a.id].kind != WEIGHT for a in op.args[1:]):
         return None
     x, result = graph.values[op.args[0].id], graph.values[op.outputs[0]]
     if x.producer is None or result.spec.dtype != "float32" or x.spec.dtype != "float32" \

@@ -279,6 +279,7 @@ def test_layer_norm_and_pow_read_and_write_the_reduced_dtype_without_casts(tmp_p
     low = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
     [norm] = [op for op in g.ops if op.target == "aten::layer_norm.default"]
     assert g.values[norm.outputs[0]].spec.dtype == low and _casts_around(g, norm) == []
+    assert [g.values[a.id].spec.dtype for a in norm.args[2:4]] == [low, low]  # CUDA's layer norm wants them so
     assert [op.target for op in g.ops].count("aten::_to_copy.default") == 0, [op.target for op in g.ops]
     assert any(name == "drop_precision_casts" and n < dict(c.passes)["reduce_precision"] for name, n in c.passes)
 
