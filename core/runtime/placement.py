@@ -96,6 +96,22 @@ def _cast(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _linear(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """linear(x, w, bias) on CUDA as one GEMM with cuBLASLt's bias epilogue, into the planned
+    buffer: addmm over x and the buffer seen as matrices, as PyTorch's functional linear runs a
+    contiguous input. Its out= overload runs a 3-D input as a GEMM, then a kernel that adds the
+    bias. None where x or the buffer is not contiguous, or there is no 1-D bias."""
+    if len(args) != 3 or not out.is_cuda:
+        return None
+    x, w, bias = args
+    if not (isinstance(bias, torch.Tensor) and bias.dim() == 1 and isinstance(x, torch.Tensor) and x.dim() >= 2
+            and w.dim() == 2 and x.is_contiguous() and out.is_contiguous() and bias.numel() == w.shape[0]
+            and out.shape[-1] == w.shape[0] and x.dtype == w.dtype == bias.dtype == out.dtype):
+        return None
+    torch.addmm(bias, x.view(-1, x.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+    return out
+
+
 def _reshape_copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """A reshape or flatten that must copy (its input's strides allow no view; the plan gave it a
     buffer): the input's elements, in its row-major order, copied once into the contiguous buffer
@@ -117,7 +133,8 @@ class BiasedGemm:
     the bias, where load-time tuning found that faster (`tuning.GEMM_BIAS`). In full float32,
     cuBLASLt's bias epilogue can cost 1.2 to 2.6 times the plain GEMM at transformer shapes with
     few rows (H100, `benchmarks/gemm_bias.py`); in half precision it is the faster one. Until
-    `separate` is set, the op runs its own out= overload."""
+    `separate` is set, a linear runs as one GEMM with the bias epilogue (`_linear`) and an addmm
+    as its own out= overload."""
 
     def __init__(self, linear: bool):
         self.linear, self.separate = linear, False
@@ -138,8 +155,10 @@ class BiasedGemm:
         return isinstance(bias, Ref) and len(graph.values[bias.id].spec.shape) == 1
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
-        if not self.separate or not out.is_cuda:
+        if not out.is_cuda:
             return None
+        if not self.separate:
+            return _linear(args, out) if self.linear else None
         if self.linear:
             x, w, bias = args
             torch.ops.aten.linear.out(x, w, None, out=out)
@@ -159,6 +178,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
     "aten::contiguous.default": _copy,
+    "aten::linear.default": _linear,
     "aten::_to_copy.default": _cast,
     "aten::to.dtype": _cast,
     "aten::reshape.default": _reshape_copy,

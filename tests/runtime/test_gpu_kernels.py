@@ -13,6 +13,7 @@ from nimble.ops import fusion
 from nimble.runtime import reference, tuning
 from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
+from nimble.runtime.streams import count_kernels
 
 from ..conftest import MODELS
 
@@ -134,7 +135,6 @@ def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_
     """The same weight mask of 49 keys, stored padded (`align_attention_masks`) and as it is: the
     padded one's captured graph has fewer kernels (PyTorch pads an unaligned mask on every call)."""
     from nimble import pipeline
-    from nimble.runtime.streams import count_kernels
 
     from ..passes.test_attention_masks import WeightMask
 
@@ -192,3 +192,38 @@ def test_a_float16_transformer_block_runs_its_layer_norm_without_casts():
     with torch.no_grad():
         want = module(x)
     assert compare([model(x)], [want], rtol=5e-2, atol=2e-2).passed
+
+
+class Projection(nn.Module):
+    """A projection of a 3-D input whose result goes on as it is (BERT's query, key and value
+    before the head split): its bias cannot move into an elementwise kernel after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 96)
+
+    def forward(self, x):
+        return self.proj(x).view(8, 16, 6, 16).transpose(1, 2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, precision):
+    """`placement._linear`: addmm with cuBLASLt's bias epilogue into the planned buffer, one
+    kernel; linear's out= overload runs a GEMM and then an add of the bias."""
+    from nimble.runtime import placement
+
+    torch.manual_seed(0)
+    module = Projection().eval().cuda()
+    x = torch.randn(8, 16, 64, device="cuda")
+    model = nimble.Nimble(module).prepare(x, precision=precision, tolerance=1e-2 if precision != "fp32" else None)
+    artifact = model._runner.artifact
+    kernels = []
+    for linear in (placement._linear, lambda args, out: None):
+        monkeypatch.setattr(placement, "_linear", linear)
+        monkeypatch.setitem(placement.SUBSTITUTES, "aten::linear.default", linear)
+        dump = tmp_path / f"graph{len(kernels)}.dot"
+        exe = Executable(artifact, "cuda", graph_dump=str(dump), tune="off")
+        with torch.no_grad():
+            assert compare([exe(x)], [module(x)], rtol=1e-2, atol=1e-2).passed
+        kernels.append(count_kernels(dump))
+    assert kernels[0] < kernels[1], kernels
