@@ -111,8 +111,8 @@ def one_thread():
 class CompileOptions:
     """How to compile, as `nimble compile`'s options say: where the check runs (`device`), the
     stream cap (`streams`: "auto", 1 or a cap), whether to check the op list against the model,
-    whether to run the FUSION passes (the REWRITES always run, `fold_constants` where asked), and
-    the precision."""
+    whether to run the FUSION passes (the REWRITES and LAYOUT passes always run, `fold_constants`
+    where asked), and the precision."""
 
     device: str = "auto"
     streams: str | int = "auto"
