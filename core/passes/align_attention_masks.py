@@ -22,7 +22,7 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value, contiguous_strides
 from .rewrite import Facts
-from .substitute import free_name, rebuild
+from .substitute import free_name, in_order, read_weights, rebuild
 
 ATTENTION = "aten::scaled_dot_product_attention.default"
 REPEAT = "aten::repeat.default"
@@ -84,10 +84,7 @@ def align_attention_masks(graph: Graph, weights: dict[str, torch.Tensor]) -> tup
             before.setdefault(op.id, []).extend(new_ops)
     if not before:
         return graph, weights
-    ordered = [new for o in ops for new in (*before.get(o.id, ()), o)]
-    result = rebuild(graph, ordered, values=values, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {name: t for name, t in weights.items() if name in names}
+    return read_weights(rebuild(graph, in_order(ops, before), values=values, added=added), weights)
 
 
 def _unaligned_mask(graph: Graph, facts: Facts, op: Op) -> tuple[Value, Op | None] | None:

@@ -29,7 +29,7 @@ import torch
 from ..ir import WEIGHT, Graph, Op, Ref, Special, TensorSpec, Value
 from ..ops import fusion, types
 from .rewrite import Facts
-from .substitute import free_name, rebuild
+from .substitute import free_name, read_weights, rebuild
 
 CAST = "aten::_to_copy.default"
 LAYER_NORM = "aten::layer_norm.default"
@@ -74,9 +74,7 @@ def drop_precision_casts(graph: Graph, weights: dict[str, torch.Tensor]) -> tupl
             same[down.outputs[0]] = result.id
     if not same:
         return graph, weights
-    result = rebuild(graph, list(ops.values()), same=same, values=values, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {name: t for name, t in weights.items() if name in names}
+    return read_weights(rebuild(graph, list(ops.values()), same=same, values=values, added=added), weights)
 
 
 def _between_casts(graph: Graph, facts: Facts, op: Op) -> tuple[Op, list[Op], int] | None:

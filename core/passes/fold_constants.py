@@ -26,7 +26,7 @@ import torch
 from ..dtypes import STORABLE
 from ..ir import WEIGHT, Graph, TensorSpec, Value
 from ..ops import arguments, targets, types
-from .substitute import free_name, rebuild
+from .substitute import free_name, read_weights, rebuild
 
 FOLD_BYTES = 16 * 2**20  # the most one folded value may hold
 # ops that read only the dtype, device (and for the _like ones, the shape) of their first argument
@@ -76,9 +76,7 @@ def fold_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Grap
         return graph, weights
     needed = _producers_of(graph, constant, kept_constant)
     ops = [op for op in graph.ops if op.id not in constant or op.id in needed]
-    result = rebuild(graph, ops, same=same, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {k: t for k, t in weights.items() if k in names}
+    return read_weights(rebuild(graph, ops, same=same, added=added), weights)
 
 
 def _constant_ops(graph: Graph) -> set[int]:

@@ -35,7 +35,7 @@ from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
 from ..ops import arguments, targets, types
 from .fold_constants import FOLD_BYTES
 from .rewrite import Facts
-from .substitute import free_name, rebuild
+from .substitute import free_name, in_order, read_weights, rebuild
 
 ATTENTION = "aten::scaled_dot_product_attention.default"
 REPEAT = "aten::repeat.default"
@@ -91,10 +91,7 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         matched = True
     if not matched:
         return graph, weights
-    ordered = [new for o in ops for new in (*before.get(o.id, ()), o)]
-    result = rebuild(graph, ordered, values=values, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {name: t for name, t in weights.items() if name in names}
+    return read_weights(rebuild(graph, in_order(ops, before), values=values, added=added), weights)
 
 
 def _match(graph: Graph, facts: Facts, out: Op, weights):

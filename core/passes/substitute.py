@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Graph, Op, Ref, TensorSpec, Value, map_refs, renumber, with_ordering_edges
+from ..ir import WEIGHT, Graph, Op, Ref, TensorSpec, Value, map_refs, renumber, with_ordering_edges
 from ..ops import arguments, targets, types
 
 
@@ -42,6 +42,17 @@ def rebuild(graph: Graph, ops: list[Op], same: dict[int, int] | None = None,
         if v.id in used:
             kept.append(v if v.alias_of is None else dataclasses.replace(v, alias_of=image(v.alias_of)))
     return with_ordering_edges(renumber(kept, ops, graph.inputs, outputs))
+
+
+def in_order(ops: list[Op], before: dict[int, list[Op]]) -> list[Op]:
+    """`ops` with each op's new ops in `before` (op id -> ops) just before it."""
+    return [new for op in ops for new in (*before.get(op.id, ()), op)]
+
+
+def read_weights(graph: Graph, weights: dict) -> tuple[Graph, dict]:
+    """`graph`, and of `weights` those it still reads (by name)."""
+    names = {v.name for v in graph.values if v.kind == WEIGHT}
+    return graph, {name: t for name, t in weights.items() if name in names}
 
 
 def free_name(name: str, weights: dict) -> str:
