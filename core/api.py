@@ -278,9 +278,10 @@ class Nimble:
 class _Guard:
     """Notices a module changed after `prepare`: a parameter or buffer replaced or given new
     storage, or, where the prepared copy is frozen (inference), written in place. A call checks
-    all of that with three C-level passes over flat lists (about 0.05 ms for 300 tensors on a
-    2-core CPU, against 0.24 ms attribute by attribute); only a change found is looked at closer,
-    to name it."""
+    all of that with three passes over flat lists, each a `map` that runs in C: the tables' `get`
+    (a plain module's parameters and buffers are dicts), `Tensor.data_ptr` and `_version` (about
+    0.05 ms for resnet50's 320 tensors on a 2-core CPU, against 0.06 ms with Python loops and 0.24
+    ms attribute by attribute); only a change found is looked at closer, to name it."""
 
     def __init__(self, module: torch.nn.Module, versions: bool):
         self.versions = versions
@@ -289,11 +290,14 @@ class _Guard:
             for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
                 if t is not None:
                     self.entries.append((m, name, t, t.data_ptr(), t._version, f"{prefix}.{name}".lstrip(".")))
-        self._getters = [_getter(m, name) for m, name, *_ in self.entries]
+        self._tables = [_table(m, name) for m, name, *_ in self.entries]
         self._names = [e[1] for e in self.entries]
         self._tensors = [e[2] for e in self.entries]
         self._pointers = [e[3] for e in self.entries]
         self._versions = [e[4] for e in self.entries]
+        plain = all(isinstance(t, dict) for t in self._tables)  # else TorchScript's wrappers: getattr
+        self._now = (lambda: map(dict.get, self._tables, self._names)) if plain else \
+            (lambda: (getattr(m, name, None) for m, name, *_ in self.entries))
 
     def check(self) -> None:
         problem = self._problem() if self._maybe_changed() else None
@@ -304,11 +308,11 @@ class _Guard:
         return not self._maybe_changed() or self._problem() is None
 
     def _maybe_changed(self) -> bool:
-        if any(map(operator.is_not, [get(name) for get, name in zip(self._getters, self._names)], self._tensors)):
+        if any(map(operator.is_not, self._now(), self._tensors)):
             return True
-        if [t.data_ptr() for t in self._tensors] != self._pointers:
+        if list(map(torch.Tensor.data_ptr, self._tensors)) != self._pointers:
             return True
-        return self.versions and [t._version for t in self._tensors] != self._versions
+        return self.versions and list(map(_VERSION, self._tensors)) != self._versions
 
     def _problem(self) -> str | None:
         for m, name, t, ptr, version, qualified in self.entries:
@@ -322,13 +326,16 @@ class _Guard:
         return None
 
 
-def _getter(m: torch.nn.Module, name: str):
-    """A fast way to read `m.name` again: the dict that holds it (a plain module's), else getattr
-    (a TorchScript module's wrappers have no `get`)."""
+_VERSION = operator.attrgetter("_version")
+
+
+def _table(m: torch.nn.Module, name: str):
+    """Where `m.name` is held: the dict of a plain module's parameters or buffers, else None (a
+    TorchScript module's wrappers are read with getattr)."""
     for table in (m._parameters, m._buffers):
         if isinstance(table, dict) and name in table:
-            return table.get
-    return lambda attribute: getattr(m, attribute, None)
+            return table
+    return None
 
 
 _VARIANTS = ("negated", "random", "random", "random", "random")

@@ -228,6 +228,24 @@ def test_new_storage_and_replaced_buffers_are_refused_and_an_untouched_module_is
         assert word in _one_line(e)
 
 
+def test_a_torchscript_module_changed_after_prepare_is_refused():
+    """A TorchScript module's parameters sit behind wrappers, not dicts: read through getattr."""
+    module = torch.jit.script(build_module("resnet").eval())
+    model = nimble.Nimble(module).prepare(torch.randn(1, 3, 32, 32))
+    model(torch.randn(1, 3, 32, 32))
+    with torch.no_grad():
+        module.fc.bias.add_(1)
+    with pytest.raises(ModelError) as e:
+        model(torch.randn(1, 3, 32, 32))
+    assert "fc.bias" in _one_line(e) and "written in place" in _one_line(e)
+    module = torch.jit.script(build_module("resnet").eval())
+    model = nimble.Nimble(module).prepare(torch.randn(1, 3, 32, 32))
+    module.fc.weight = nn.Parameter(module.fc.weight.detach().clone())
+    with pytest.raises(ModelError) as e:
+        model(torch.randn(1, 3, 32, 32))
+    assert "'fc.weight' was replaced" in _one_line(e)
+
+
 def test_switching_mode_after_prepare_is_refused(prepared):
     module, model = prepared
     module.eval()
