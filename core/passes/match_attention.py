@@ -89,8 +89,8 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
             added[op.outputs[0]] = new_values
             before[op.id] = new_ops
         matched = True
-    if not matched:
-        return graph, weights
+    if not matched:  # a windows' mask made for a match that then failed is dropped too
+        return read_weights(graph, weights)
     return read_weights(rebuild(graph, in_order(ops, before), values=values, added=added), weights)
 
 
