@@ -26,10 +26,16 @@ from ..conftest import SAMPLES  # noqa: E402
 MAX_BODY = 2**20
 
 
+RAY_PORTS = {6379, 8265, 10001, 52365}  # Ray's own defaults (52365: its dashboard agent): a clash fails ray.init
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_PORTS:
+            return port
 
 
 NIMBLE = str(Path(sys.executable).parent / "nimble")  # the console script, as a user runs it
