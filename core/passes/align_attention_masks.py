@@ -21,11 +21,11 @@ import dataclasses
 import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value, contiguous_strides
+from ..ops.attention import ATTENTION
+from .match_attention import REPEAT
 from .rewrite import Facts
 from .substitute import free_name, in_order, read_weights, rebuild
 
-ATTENTION = "aten::scaled_dot_product_attention.default"
-REPEAT = "aten::repeat.default"
 SLICE = "aten::slice.Tensor"
 ALIGN = 16  # elements: PyTorch asks for 8; 16 also meets the older rule
 _MASK = 3  # attn_mask's position in scaled_dot_product_attention's schema

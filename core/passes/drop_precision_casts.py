@@ -28,13 +28,12 @@ import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, Special, TensorSpec, Value
 from ..ops import fusion, types
+from .reduce_precision import CAST, SHORT
 from .rewrite import Facts
 from .substitute import free_name, read_weights, rebuild
 
-CAST = "aten::_to_copy.default"
 LAYER_NORM = "aten::layer_norm.default"
 REDUCED = ("float16", "bfloat16")
-SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _PLAIN_CAST = {"layout": None, "device": None, "pin_memory": None, "non_blocking": False, "memory_format": None}
 
 
@@ -61,7 +60,7 @@ def drop_precision_casts(graph: Graph, weights: dict[str, torch.Tensor]) -> tupl
                 if (w.id, low) not in stored:
                     name = free_name(f"{w.name}_{SHORT[low]}", weights)
                     weights[name] = weights[w.name].to(types.DTYPES[low])
-                    stored[w.id, low] = len(values) + sum(map(len, added.values()))
+                    stored[w.id, low] = len(graph.values) + len(stored)  # one new value each
                     added.setdefault(w.id, []).append(Value(stored[w.id, low], WEIGHT,
                                                             TensorSpec(w.spec.shape, low), name))
                 args[k] = Ref(stored[w.id, low])

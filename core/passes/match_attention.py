@@ -33,11 +33,11 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
 from ..ops import arguments, targets, types
+from ..ops.attention import ATTENTION
 from .fold_constants import FOLD_BYTES
 from .rewrite import Facts
 from .substitute import free_name, in_order, read_weights, rebuild
 
-ATTENTION = "aten::scaled_dot_product_attention.default"
 REPEAT = "aten::repeat.default"
 _SOFTMAX = {"aten::softmax.int", "aten::_softmax.default"}
 _VIEWS = {"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"}
@@ -61,6 +61,7 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
     before: dict[int, list[Op]] = {}  # op id -> new ops that run just before it
     added: dict[int, list[Value]] = {}
     weights = dict(weights)
+    next_value, next_op = len(graph.values), len(graph.ops)
     matched = False
     for op in graph.ops:
         found = _match(graph, facts, op, weights)
@@ -70,12 +71,12 @@ def match_attention(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         new_ops, new_values = [], []
         mask_spec = graph.values[mask.id].spec if isinstance(mask, Ref) else None
         if isinstance(mask, _Windows):
-            made = _windows_mask(graph, weights, mask, len(values) + sum(map(len, added.values())),
-                                 len(ops) + sum(map(len, before.values())), op.source)
+            made = _windows_mask(graph, weights, mask, next_value, next_op, op.source)
             if made is None:
                 continue
             new_values, new_ops, tensor = made
             weights[new_values[0].name] = tensor
+            next_value, next_op = next_value + len(new_values), next_op + len(new_ops)
             mask, mask_spec = Ref(new_values[-1].id), new_values[-1].spec
         spec = _attention_spec(graph, q, k, v, mask_spec, scale)
         if spec is None:

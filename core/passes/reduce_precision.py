@@ -53,7 +53,7 @@ FOLLOW_OPS = frozenset({
     "reflection_pad2d", "replication_pad2d", "flip", "roll", "repeat", "channel_shuffle", "native_channel_shuffle",
     "tril", "triu", "pixel_shuffle", "upsample_nearest2d",
 })
-_CAST = "aten::_to_copy.default"
+CAST = "aten::_to_copy.default"
 # batch norm: (input, weight, bias, running_mean, running_var, ...); the four after the input stay float32
 STATISTICS = {"aten::batch_norm.default": range(1, 5),
               "aten::_native_batch_norm_legit_no_training.default": range(1, 5)}
@@ -105,7 +105,7 @@ def convert(graph: Graph, weights: dict[str, torch.Tensor], precision: Precision
         if have == dtype or have not in ("float32", low):
             return ref
         if (ref.id, dtype) not in casts:
-            new = b.op(_CAST, [ref, types.DTYPES[dtype]], source)
+            new = b.op(CAST, [ref, types.DTYPES[dtype]], source)
             names[new.id] = f"{names[ref.id]}_{SHORT[dtype]}"
             casts[ref.id, dtype] = new
         return casts[ref.id, dtype]

@@ -79,16 +79,10 @@ def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _copy(args: list, out: torch.Tensor) -> torch.Tensor:
-    """contiguous: one copy into the planned buffer (the op itself would copy, then be copied in)."""
-    out.copy_(args[0])
-    return out
-
-
-def _cast(args: list, out: torch.Tensor) -> torch.Tensor | None:
-    """_to_copy or to(dtype) into the planned buffer (whose dtype is the cast's): one converting
-    copy. Its generated out= overload converts into a temporary, then copies that in (a second
-    kernel per cast). None where the cast changes the device or the shape."""
+def _copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """contiguous, _to_copy or to(dtype): one copy into the planned buffer, converting to its dtype
+    (the cast's). The op itself would copy, then be copied in; a cast's generated out= overload
+    converts into a temporary, then copies that in. None where the device or the shape changes."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or x.device != out.device or tuple(x.shape) != tuple(out.shape):
         return None
@@ -179,8 +173,8 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::max_pool2d.default": max_pool2d,
     "aten::contiguous.default": _copy,
     "aten::linear.default": _linear,
-    "aten::_to_copy.default": _cast,
-    "aten::to.dtype": _cast,
+    "aten::_to_copy.default": _copy,
+    "aten::to.dtype": _copy,
     "aten::reshape.default": _reshape_copy,
     "aten::flatten.using_ints": _reshape_copy,
     "aten::roll.default": roll,

@@ -116,7 +116,6 @@ def channels_last_values(graph: Graph) -> set[int]:
             and v.spec.is_contiguous}
 
 
-# ---------------------------------------------------------------------------------- timing
 # ---------------------------------------------------------------------------------- cache
 def cache_key(artifact, device: torch.device) -> str:
     """The artifact's content hash, the GPU and the torch version."""
