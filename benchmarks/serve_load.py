@@ -109,16 +109,17 @@ def one_row(metadata: dict) -> tuple[bytes, dict]:
     return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
 
 
-async def load(url: str, clients: int, seconds: float, warmup: float, request=None) -> dict:
-    """`clients` closed-loop clients posting `request` (body, headers; default one 1x3x224x224
-    image for input x) for `warmup` + `seconds`; what the timed part saw."""
+async def timed(url: str, clients: int, start: float, seconds: float, warmup: float, request=None) -> tuple[list[float], int]:
+    """`clients` closed-loop clients posting `request` (body, headers; default one 1x3x224x224 image
+    for input x) from `start` (a `time.perf_counter()` reading, which is one clock for every process
+    of the machine) for `warmup` + `seconds`: the latencies in ms and the errors of the timed part."""
     import aiohttp
 
     body, headers = request or one_row({"inputs": [{"name": "x", "shape": [-1, 3, 224, 224], "datatype": "FP32"}]})
     latencies: list[float] = []
     errors = 0
-    start = time.perf_counter()
     begin, end = start + warmup, start + warmup + seconds
+    await asyncio.sleep(max(0.0, start - time.perf_counter()))
 
     async def client(session):
         nonlocal errors
@@ -137,13 +138,45 @@ async def load(url: str, clients: int, seconds: float, warmup: float, request=No
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(clients)))
-    latencies.sort()
+    return latencies, errors
+
+
+def load_figures(latencies: list[float], errors: int, clients: int, seconds: float) -> dict:
+    """Throughput and latency percentiles of a timed load."""
+    latencies = sorted(latencies)
 
     def pct(p):
         return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] if latencies else None
 
     return {"clients": clients, "requests": len(latencies), "errors": errors, "seconds": seconds,
             "throughput_per_s": len(latencies) / seconds, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99)}
+
+
+async def load(url: str, clients: int, seconds: float, warmup: float, request=None) -> dict:
+    """`clients` closed-loop clients in this process for `warmup` + `seconds`; what the timed part saw."""
+    latencies, errors = await timed(url, clients, time.perf_counter(), seconds, warmup, request)
+    return load_figures(latencies, errors, clients, seconds)
+
+
+def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: float, request=None) -> dict:
+    """`load` with the clients spread over `procs` processes, so that one Python client process does
+    not limit what several replicas can serve; one timed window for all of them."""
+    import concurrent.futures
+    import multiprocessing
+
+    if procs <= 1:
+        return asyncio.run(load(url, clients, seconds, warmup, request))
+    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=context) as pool:
+        list(pool.map(time.sleep, [0.5] * procs))  # every worker started and its imports done
+        start = time.perf_counter() + 1.0
+        parts = list(pool.map(_timed_in_process, [(url, n, start, seconds, warmup, request) for n in shares if n]))
+    return load_figures([ms for lat, _ in parts for ms in lat], sum(e for _, e in parts), clients, seconds)
+
+
+def _timed_in_process(job: tuple) -> tuple[list[float], int]:
+    return asyncio.run(timed(*job))
 
 
 def calls(port: int, variant: str) -> dict:

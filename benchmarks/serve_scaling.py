@@ -3,25 +3,33 @@ as a user starts it, under the same closed-loop load (`serve_load.load`). On a m
 GPU the replicas run on the CPU, each with its share of the cores:
 
     python benchmarks/serve_scaling.py ARTIFACT --replicas 1 2 --clients 16 --device cpu --out benchmarks/results
+
+On a machine with GPUs, `--replicas 1 auto` compares one replica with one per GPU, and nvidia-smi,
+sampled through each timed window, shows which GPUs were busy and how many processes each held:
+
+    python benchmarks/serve_scaling.py resnet50.nimble --replicas 1 auto --clients 64 --client-procs 4 \
+        --device cuda --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
 import signal
 import socket
+import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import report
-from serve_load import load, one_row
+from serve_load import one_row, spread_load
 
 
 def free_port() -> int:
@@ -30,34 +38,87 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class GpuWatch:
+    """nvidia-smi sampled every half second between `start()` and `stop()`: each GPU's mean
+    utilization, its most memory used, and the processes that held it."""
+
+    def __init__(self):
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.index: dict[str, str] = {}
+        self.pids: dict[str, set[str]] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _query(what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    def _run(self):
+        while not self._done.wait(0.5):
+            for index, uuid, util, used in self._query("gpu=index,uuid,utilization.gpu,memory.used"):
+                self.index[uuid] = index
+                self.samples.setdefault(uuid, []).append((float(util), float(used)))
+            for uuid, pid in self._query("compute-apps=gpu_uuid,pid"):
+                self.pids.setdefault(uuid, set()).add(pid)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self) -> list[dict]:
+        self._done.set()
+        self._thread.join()
+        return [{"gpu": int(self.index[u]), "utilization_pct": sum(x for x, _ in v) / len(v),
+                 "memory_mib": max(m for _, m in v), "processes": sorted(self.pids.get(u, ()))}
+                for u, v in sorted(self.samples.items(), key=lambda kv: int(self.index[kv[0]]))]
+
+
+def gpu_cell(gpus: list[dict]) -> str:
+    return "; ".join(f"GPU {g['gpu']}: {g['utilization_pct']:.0f} %, {g['memory_mib']:.0f} MiB, "
+                     f"{len(g['processes'])} process{'es' if len(g['processes']) != 1 else ''}" for g in gpus)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--replicas", nargs="+", default=["1", "2"], help="numbers, or auto (one per GPU)")
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--warmup", type=float, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    nimble = str(Path(sys.executable).parent / "nimble")
+    beside = Path(sys.executable).parent / "nimble"
+    nimble = [str(beside)] if beside.exists() else [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
     name = args.artifact.name.removesuffix(".nimble")
+    watch_gpus = args.device != "cpu" and shutil.which("nvidia-smi") is not None
     rows = []
     for n in args.replicas:
         port = free_port()
-        proc = subprocess.Popen([nimble, "serve", str(args.artifact), "--port", str(port), "--replicas", str(n),
+        proc = subprocess.Popen([*nimble, "serve", str(args.artifact), "--port", str(port), "--replicas", str(n),
                                  "--device", args.device, "--metrics-port", str(free_port())],
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        started = None
         for line in proc.stderr:
+            found = re.search(r"on (\d+) (?:GPU|CPU) replica", line)
+            started = int(found.group(1)) if found else started
             if "ready at" in line:
                 break
         else:
             print(f"{n} replicas: nimble serve did not start", file=sys.stderr)
             return 1
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # the pipe never fills
         base = f"http://127.0.0.1:{port}/v2/models/{name}"
         metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
-        row = asyncio.run(load(f"{base}/infer", args.clients, args.seconds, args.warmup, one_row(metadata)))
-        row["replicas"] = n
+        watch = GpuWatch() if watch_gpus else None
+        if watch:
+            threading.Timer(args.warmup + 2.0, watch.start).start()  # the timed window, about
+        row = spread_load(f"{base}/infer", args.clients, args.client_procs, args.seconds, args.warmup, one_row(metadata))
+        row["replicas_asked"], row["replicas"] = n, started
+        if watch:
+            row["gpus"] = watch.stop()
         rows.append(row)
         print(json.dumps(row), flush=True)
         os.kill(proc.pid, signal.SIGTERM)
@@ -66,12 +127,15 @@ def main() -> int:
     base = rows[0]["throughput_per_s"]
     lines = [f"`nimble serve {args.artifact.name} --replicas N --device {args.device}` on {platform.node() or 'this machine'} "
              f"({os.cpu_count()} CPU cores), {time.strftime('%Y-%m-%d')}; {args.clients} closed-loop clients sending one row "
-             f"each, {args.seconds:g} s timed after {args.warmup:g} s. Command: `python benchmarks/serve_scaling.py "
-             f"{' '.join(sys.argv[1:])}`.", "",
-             "| replicas | requests/s | vs 1 replica | p50 ms | p99 ms | errors |", "| --- | --- | --- | --- | --- | --- |"]
+             f"each ({args.client_procs} client process{'es' if args.client_procs != 1 else ''}), {args.seconds:g} s "
+             f"timed after {args.warmup:g} s. Command: `python benchmarks/serve_scaling.py {' '.join(sys.argv[1:])}`.", "",
+             "| --replicas | replicas started | requests/s | vs first row | p50 ms | p99 ms | errors |"
+             + (" nvidia-smi in the timed window |" if watch_gpus else ""),
+             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
     for r in rows:
-        lines.append(f"| {r['replicas']} | {r['throughput_per_s']:.1f} | {r['throughput_per_s'] / base:.2f}x | "
-                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
+        lines.append(f"| {r['replicas_asked']} | {r['replicas']} | {r['throughput_per_s']:.1f} | "
+                     f"{r['throughput_per_s'] / base:.2f}x | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |"
+                     + (f" {gpu_cell(r['gpus'])} |" if watch_gpus else ""))
     report.write(args.out, f"serve_scaling_{args.device}", lines, {"rows": rows, "command": sys.argv})
     print("\n".join(lines))
     return 0
