@@ -14,6 +14,7 @@ sampled through each timed window, shows which GPUs were busy and how many proce
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -125,8 +126,12 @@ def main() -> int:
         proc.wait(timeout=120)
         time.sleep(2)
     base = rows[0]["throughput_per_s"]
-    lines = [f"`nimble serve {args.artifact.name} --replicas N --device {args.device}` on {platform.node() or 'this machine'} "
-             f"({os.cpu_count()} CPU cores), {time.strftime('%Y-%m-%d')}; {args.clients} closed-loop clients sending one row "
+    machine = f"{platform.node() or 'this machine'} ({os.cpu_count()} CPU cores"
+    if watch_gpus:
+        names = [n for (n,) in GpuWatch._query("gpu=name")]
+        machine += f", {len(names)} x {names[0]}, torch {importlib.metadata.version('torch')}" if names else ""
+    lines = [f"`nimble serve {args.artifact.name} --replicas N --device {args.device}` on {machine}), "
+             f"{time.strftime('%Y-%m-%d')}; {args.clients} closed-loop clients sending one row "
              f"each ({args.client_procs} client process{'es' if args.client_procs != 1 else ''}), {args.seconds:g} s "
              f"timed after {args.warmup:g} s. Command: `python benchmarks/serve_scaling.py {' '.join(sys.argv[1:])}`.", "",
              "| --replicas | replicas started | requests/s | vs first row | p50 ms | p99 ms | errors |"
