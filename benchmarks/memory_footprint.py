@@ -44,7 +44,8 @@ exe = nimble.load(sys.argv[1], device="cuda")
 exe(*x, copy=False)
 torch.cuda.synchronize()
 after = torch.cuda.memory_reserved()
-doc = {"reserved_growth": after - before, "footprint": exe.stats.footprint.document(), "choice": exe.stats.choice}
+doc = {"reserved_growth": after - before, "footprint": exe.stats.footprint.document(), "choice": exe.stats.choice,
+       "tuning_ms": exe.stats.tuning_ms, "tuning_pool_bytes": exe.stats.tuning_pool_bytes}
 exe.close()
 doc["after_close"] = torch.cuda.memory_reserved() - before
 print(json.dumps(doc))

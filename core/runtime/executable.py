@@ -57,6 +57,7 @@ class LoadStats:
     choice: str = ""  # the layout, streams, algorithms and convolution fusion it runs with (CUDA)
     tuning: str = ""  # how they were chosen: off, forced, cache hit, or timed
     tuning_ms: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
+    tuning_pool_bytes: dict[str, int] = field(default_factory=dict)  # and the bytes of its graph pool
     kernels_generated: int = 0  # fused kernels built in this load
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
@@ -216,6 +217,7 @@ class Executable:
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
         timed: dict[str, float] = {}
+        held: dict[str, int] = {}  # bytes in each timed candidate's graph pool
         if forced is not None:
             best, how = forced, "forced"
         elif len(options) == 1 or tune == "off":
@@ -231,19 +233,21 @@ class Executable:
                         for c in stage if isinstance(stage, list) else stage(best):
                             self._build(c)
                             timed[c.describe()] = timing.gpu_ms(self._cuda_graph.replay, self.device)
+                            held[c.describe()] = footprint.pool_segments(self.device, self.pools())[0]
                             last = c
-                        best = min((c for c in options if c.describe() in timed), key=lambda c: timed[c.describe()])
+                        best = tuning.pick([c for c in options if c.describe() in timed], timed, held)
                     tuning.store(key, best, timed)
                 how = "timed"
                 if best == last and not graph_dump:
-                    self._record_choice(best, how, timed)
+                    self._record_choice(best, how, timed, held)
                     return
         self._build(best, graph_dump)
-        self._record_choice(best, how, timed)
+        self._record_choice(best, how, timed, held)
 
-    def _record_choice(self, choice, how: str, timed: dict[str, float]) -> None:
+    def _record_choice(self, choice, how: str, timed: dict[str, float], held: dict[str, int]) -> None:
         self.choice = choice
         self.stats.choice, self.stats.tuning, self.stats.tuning_ms = choice.describe(), how, timed
+        self.stats.tuning_pool_bytes = held
 
     def _set_order(self, choice) -> None:
         n = len(self.graph.ops)
@@ -289,6 +293,7 @@ class Executable:
             with self._stages.stage("warmup"):
                 self._issue(validate=True)  # eager warm-up on every stream: handles, workspaces and kernels exist
                 torch.cuda.synchronize(self.device)
+                self._cudnn_workspaces.settle(self.device)
             with self._stages.stage("capture"):
                 self._capture(graph_dump)
         finally:

@@ -65,17 +65,8 @@ def measure(device: torch.device, before: Mark, planned: dict[str, int], pools, 
     """The footprint on `device` since `before`: `planned` gives the bytes of weights, arena and
     inputs; `pools` are the captured graphs' pools (empty: no graph); `outside_arena` the bytes of
     results the graphs hold outside the arena."""
-    pools = {tuple(p) for p in pools}
     after = Mark.now(device)
-    pool_reserved, pool_allocated, per_stream = 0, 0, {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if pools:
-        for seg in torch.cuda.memory_snapshot():
-            if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools:
-                pool_reserved += seg["total_size"]
-                pool_allocated += seg["allocated_size"]
-                stream = f"{seg.get('stream', 0):#x}"
-                per_stream[stream] = per_stream.get(stream, 0) + 1
+    pool_reserved, pool_allocated, per_stream = pool_segments(device, pools)
     grown_allocated = after.allocated - before.allocated
     fp = Footprint(weights=planned["weights"], arena=planned["arena"], inputs=planned["inputs"],
                    outside_arena=outside_arena, pool_free=pool_reserved - pool_allocated,
@@ -83,3 +74,19 @@ def measure(device: torch.device, before: Mark, planned: dict[str, int], pools, 
     fp.other_allocated = grown_allocated - fp.weights - fp.arena - fp.inputs - fp.outside_arena
     fp.cached = fp.growth - grown_allocated - fp.pool_free  # free parts of segments outside the pool
     return fp
+
+
+def pool_segments(device: torch.device, pools) -> tuple[int, int, dict[str, int]]:
+    """The reserved and allocated bytes of the segments of `pools` (graph pools) on `device`, and
+    their number per stream."""
+    pools = {tuple(p) for p in pools}
+    reserved, allocated, per_stream = 0, 0, {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if pools:
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools:
+                reserved += seg["total_size"]
+                allocated += seg["allocated_size"]
+                stream = f"{seg.get('stream', 0):#x}"
+                per_stream[stream] = per_stream.get(stream, 0) + 1
+    return reserved, allocated, per_stream

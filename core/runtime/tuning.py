@@ -22,7 +22,10 @@ fastest:
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
 convolutions, then the best of those split, then the best so far on one stream, then that with
-its GEMM biases separate.
+its GEMM biases separate. The best of a stage is the fastest, unless a candidate at most
+`MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the workspaces and
+temporaries of its capture): then the one that holds least (`pick`). cuDNN's benchmarked
+algorithms, for one, often take large workspaces for a gain within noise.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -91,6 +94,21 @@ def stages(options: list[Choice]):
     yield lambda best: [c for c in options if c == replace(best, convolutions="split")]
     yield lambda best: [c for c in options if c == replace(best, streams="serial")]
     yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
+
+
+MEMORY_SLACK = 0.02  # a candidate this much slower than the fastest may win on memory ...
+MEMORY_WORTH = 8 * 2**20  # ... where its graph pool holds at least this many bytes less
+
+
+def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int]) -> Choice:
+    """The best of timed `options`: the fastest by `ms` (GPU-bound ms by `describe()`), or, among
+    those within MEMORY_SLACK of it whose graph pool (`held`, bytes) is at least MEMORY_WORTH
+    smaller than the fastest's, the one that holds least (the faster of equals)."""
+    fastest = min(options, key=lambda c: ms[c.describe()])
+    limit_ms = ms[fastest.describe()] * (1 + MEMORY_SLACK)
+    limit_bytes = held.get(fastest.describe(), 0) - MEMORY_WORTH
+    leaner = [c for c in options if ms[c.describe()] <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
+    return min(leaner, key=lambda c: (held[c.describe()], ms[c.describe()])) if leaner else fastest
 
 
 def conv_weights(graph: Graph) -> set[int]:

@@ -165,3 +165,28 @@ def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "_module", None)
     p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
     assert cudnn_graph.choose(p, ADD_RELU, operands, out, fused, cudnn_graph.Workspaces()) is None
+
+
+def test_settled_workspaces_share_one_allocation_of_their_own():
+    """Grown during the warm-up, each stream's workspace sat in a 20 MiB segment; settled, they
+    are views of one allocation, of their sizes, in a segment that holds nothing else."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    spaces, streams = cudnn_graph.Workspaces(), [torch.cuda.Stream() for _ in range(2)]
+    for s, nbytes in zip(streams, (3 * 2**20, 2 * 2**20 + 5)):
+        with torch.cuda.stream(s):
+            spaces.get(2**20, torch.device("cuda"))
+            spaces.get(nbytes, torch.device("cuda"))  # grown: a new tensor
+    spaces.settle(torch.device("cuda"))
+    held = list(spaces._by_stream.values())
+    assert sorted(t.numel() for t in held) == [2 * 2**20 + 5, 3 * 2**20] == sorted(
+        spaces._by_stream[s.cuda_stream].numel() for s in streams)
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    base = held[0].untyped_storage()
+    segments = [seg for seg in torch.cuda.memory_snapshot()
+                if seg["address"] <= base.data_ptr() < seg["address"] + seg["total_size"]]
+    assert len(segments) == 1 and segments[0]["total_size"] == base.nbytes() == 10 * 2**20, segments
+    for s in streams:  # the ops on each stream find theirs at full size, without a new allocation
+        with torch.cuda.stream(s):
+            assert spaces.get(2**20, torch.device("cuda")).untyped_storage().data_ptr() == base.data_ptr()
+    spaces.release()

@@ -337,3 +337,16 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
     moved = [k % 2 for k in range(n)]
     moved[first], moved[view.op.id], moved[copy.op.id] = 0, 0, 1
     assert first not in pairing.copy_pairs(g, placed, order, moved, [()] * n)
+
+
+def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
+    from nimble.runtime.tuning import MEMORY_SLACK, MEMORY_WORTH, Choice, pick
+
+    fast, lean, leaner = Choice(), Choice(algorithms="benchmark"), Choice(layout="channels_last")
+    options = [fast, lean, leaner]
+    ms = {fast.describe(): 1.0, lean.describe(): 1.0 + MEMORY_SLACK / 2, leaner.describe(): 1.0 + 2 * MEMORY_SLACK}
+    pool = {fast.describe(): 60 * 2**20, lean.describe(): 60 * 2**20 - MEMORY_WORTH, leaner.describe(): 0}
+    assert pick(options, ms, pool) == lean  # the leaner one is too slow
+    assert pick(options, ms, {**pool, lean.describe(): 60 * 2**20 - MEMORY_WORTH + 1}) == fast  # saves too little
+    assert pick(options, {**ms, leaner.describe(): 1.0 + MEMORY_SLACK}, pool) == leaner  # the least memory wins
+    assert pick(options, {k: 1.0 for k in ms}, {}) == fast  # nothing known of memory: the first fastest
