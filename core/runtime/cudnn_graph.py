@@ -145,14 +145,18 @@ class Plan:
 
 
 class Workspaces:
-    """The workspace of one executable's cuDNN graphs, one per CUDA stream: the ops on a stream
-    run one after another, in the warm-up and in the captured graph, so they share it. It grows
-    during the warm-up to the largest plan on its stream; `settle` then moves them all into one
-    allocation of their own, which the capture finds at full size. It is the only holder of these
-    tensors, so `release` (at `close`) gives them back."""
+    """The workspace of cuDNN graphs, one per CUDA stream: the ops on a stream run one after
+    another, in the warm-up and in the captured graph, so they share it. It grows during the
+    warm-up to the largest plan on its stream; `settle` then moves them all into one allocation of
+    their own, which the capture finds at full size. The executables of one multi-batch artifact
+    share one `Workspaces` and their CUDA streams (their graphs replay one at a time, as they share
+    the arena), so a settled allocation stays while any of their graphs may use it. Its holders
+    are the executables that use it: each drops it at `close`, and the last gives it back."""
 
     def __init__(self):
         self._by_stream: dict[int, torch.Tensor] = {}
+        self._settled: dict[int, torch.Tensor] = {}  # what the last `settle` made
+        self._regions: list[dict[int, torch.Tensor]] = []  # every settled allocation: a graph may use any
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -168,17 +172,17 @@ class Workspaces:
         """After the warm-up, before the capture: the workspaces at their final sizes, packed into
         one allocation (`regions.pack`). Grown one by one, a workspace of 1 to 10 MiB sat in a 20
         MiB segment of the caching allocator, often beside the freed workspaces of the plans timed,
-        and kept the rest of it reserved (up to 39 MiB of a conv net's footprint)."""
-        sizes = {stream: t.numel() for stream, t in self._by_stream.items()}
-        if not sizes:
+        and kept the rest of it reserved (up to 39 MiB of a conv net's footprint). Nothing happens
+        where the warm-up found every workspace it needed settled already."""
+        if all(self._settled.get(stream) is t for stream, t in self._by_stream.items()):
             return
+        sizes = {stream: t.numel() for stream, t in self._by_stream.items()}
         self._by_stream = {}
-        torch.cuda.synchronize(device)  # the warm-up's kernels are done with the old ones
+        torch.cuda.synchronize(device)  # the warm-up's kernels are done with the ones it grew
         torch.cuda.empty_cache()  # whole free segments go, so the packed one is a segment of its own
-        self._by_stream = regions.pack({}, device, blank=sizes)
-
-    def release(self) -> None:
-        self._by_stream = {}
+        self._settled = regions.pack({}, device, blank=sizes)
+        self._regions.append(self._settled)
+        self._by_stream = dict(self._settled)
 
 
 class ConvGraph:

@@ -196,7 +196,7 @@ class Executable:
         self._cuda_graph = self._tensors = self._outputs = self._env_after = None
         self._views, self._weights, self._stored_weights, self._inputs = {}, {}, {}, []
         self._channels_last_weights = {}
-        self._cudnn_workspaces.release()
+        self._cudnn_workspaces = cudnn_graph.Workspaces()  # given back here unless another holder has them
         self.arena = None
         self._streams = []
         if self.device.type == "cuda":
@@ -280,7 +280,8 @@ class Executable:
         needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
         self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
         self._make_blas_workspaces()
-        self._cudnn_workspaces.release()  # sized anew for this choice's plans (the last graph is gone)
+        if self._share is None:  # sized anew for this choice's plans (the last graph is gone)
+            self._cudnn_workspaces = cudnn_graph.Workspaces()
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
@@ -339,11 +340,19 @@ class Executable:
         self._stored_weights = {v.id: lender._weights_by_name[v.name] for v in g.values if v.kind == WEIGHT}
         self._channels_last_weights = {}
         self.arena = lender.arena
+        self._share_streams(lender)
         try:
             self._inputs = [torch.zeros(g.values[i].spec.shape, dtype=types.DTYPES[g.values[i].spec.dtype],
                                         device=self.device) for i in g.inputs]
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):
             raise ExecutionError(f"out of memory on {self.device} while loading the input buffers") from None
+
+    def _share_streams(self, lender: Executable) -> None:
+        """The lender's CUDA streams, with the cuBLAS workspaces PyTorch keeps for each (32 MiB on
+        Hopper), and its cuDNN graphs' workspaces: a multi-batch artifact's graphs replay one at a
+        time, so they can run on the same ones."""
+        self._streams, self._blas_ready, self._cudnn_workspaces = \
+            lender._streams, lender._blas_ready, lender._cudnn_workspaces
 
     @property
     def _weights_by_name(self) -> dict[str, torch.Tensor]:

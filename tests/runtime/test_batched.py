@@ -228,6 +228,10 @@ def test_on_cuda_each_batch_size_is_a_graph_on_one_arena_and_one_copy_of_the_wei
         assert len(arenas) == 1 and exe.executable(8).arena.numel() >= max(m for m in (
             exe.executable(b).memory.arena_bytes for b in sizes))
         assert all(exe.executable(b)._cuda_graph is not None for b in sizes)
+        # one set of CUDA streams (each new one would get its own 32 MiB cuBLAS workspace) and
+        # one set of cuDNN graph workspaces for every batch size
+        assert len({id(exe.executable(b)._streams) for b in sizes}) == 1
+        assert len({id(exe.executable(b)._cudnn_workspaces) for b in sizes}) == 1
         fp = exe.stats.footprint
         assert fp.weights == weights  # counted, and held, once
         for b in (1, 2, 3, 5, 8):

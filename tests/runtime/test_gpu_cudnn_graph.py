@@ -189,4 +189,13 @@ def test_settled_workspaces_share_one_allocation_of_their_own():
     for s in streams:  # the ops on each stream find theirs at full size, without a new allocation
         with torch.cuda.stream(s):
             assert spaces.get(2**20, torch.device("cuda")).untyped_storage().data_ptr() == base.data_ptr()
-    spaces.release()
+    spaces.settle(torch.device("cuda"))  # nothing grew: the same allocation
+    assert all(t.untyped_storage().data_ptr() == base.data_ptr() for t in spaces._by_stream.values())
+    with torch.cuda.stream(streams[0]):  # another executable of the artifact needs more
+        spaces.get(4 * 2**20, torch.device("cuda"))
+    spaces.settle(torch.device("cuda"))
+    bases = {t.untyped_storage().data_ptr() for t in spaces._by_stream.values()}
+    assert len(bases) == 1 and bases != {base.data_ptr()}
+    assert spaces._by_stream[streams[0].cuda_stream].numel() == 4 * 2**20
+    # the first allocation stays: graphs captured on it may still replay
+    assert [r[streams[1].cuda_stream].untyped_storage().data_ptr() for r in spaces._regions][0] == base.data_ptr()
