@@ -24,8 +24,7 @@ Timing is greedy: every layout and algorithm setting on the planned streams with
 convolutions, then the best of those split, then the best so far on one stream, then that with
 its GEMM biases separate. The best of a stage is the fastest, unless a candidate at most
 `MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the workspaces and
-temporaries of its capture): then the one that holds least (`pick`). cuDNN's benchmarked
-algorithms, for one, often take large workspaces for a gain within noise.
+temporaries of its capture): then the one that holds least (`pick`).
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -108,7 +107,7 @@ def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int]) -> C
     limit_ms = ms[fastest.describe()] * (1 + MEMORY_SLACK)
     limit_bytes = held.get(fastest.describe(), 0) - MEMORY_WORTH
     leaner = [c for c in options if ms[c.describe()] <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
-    return min(leaner, key=lambda c: (held[c.describe()], ms[c.describe()])) if leaner else fastest
+    return min(leaner, key=lambda c: (held.get(c.describe(), 0), ms[c.describe()])) if leaner else fastest
 
 
 def conv_weights(graph: Graph) -> set[int]:

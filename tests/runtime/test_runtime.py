@@ -350,3 +350,4 @@ def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
     assert pick(options, ms, {**pool, lean.describe(): 60 * 2**20 - MEMORY_WORTH + 1}) == fast  # saves too little
     assert pick(options, {**ms, leaner.describe(): 1.0 + MEMORY_SLACK}, pool) == leaner  # the least memory wins
     assert pick(options, {k: 1.0 for k in ms}, {}) == fast  # nothing known of memory: the first fastest
+    assert pick(options, ms, {fast.describe(): 60 * 2**20}) == lean  # a candidate whose pool is unknown holds none
