@@ -230,12 +230,13 @@ class Nimble:
             now, then = ("training", "inference") if self.module.training else ("eval", "training")
             raise UsageError(f"the module is in {now} mode but was prepared for {then}; call "
                              f"prepare(example_inputs, training={self.module.training}) again")
-        self._guard.check()
         xs = self._check_inputs(inputs)
-        if self._training:
+        if self._training:  # the step writes the module's gradients: checked first
+            self._guard.check()
             outs = self._runner(xs)
-        else:
-            outs = self._runner.run(*xs, copy=copy)
+        else:  # the prepared copy runs on its own weights, so the module is checked once the run is
+            outs = self._runner.run(*xs, copy=copy)  # issued: on CUDA the check overlaps the GPU's
+            self._guard.check()  # work, and what a stale copy computed is never returned
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _check_inputs(self, inputs) -> list[torch.Tensor]:
