@@ -64,12 +64,17 @@ class GpuWatch:
             for uuid, pid in self._query("compute-apps=gpu_uuid,pid"):
                 self.pids.setdefault(uuid, set()).add(pid)
 
-    def start(self):
-        self._thread.start()
+    def start_after(self, seconds: float) -> None:
+        """Sample from `seconds` from now (the load's warm-up) until `stop`."""
+        self._timer = threading.Timer(seconds, self._thread.start)
+        self._timer.start()
 
     def stop(self) -> list[dict]:
         self._done.set()
-        self._thread.join()
+        self._timer.cancel()
+        self._timer.join()
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
         return [{"gpu": int(self.index[u]), "utilization_pct": sum(x for x, _ in v) / len(v),
                  "memory_mib": max(m for _, m in v), "processes": sorted(self.pids.get(u, ()))}
                 for u, v in sorted(self.samples.items(), key=lambda kv: int(self.index[kv[0]]))]
@@ -114,8 +119,8 @@ def main() -> int:
         base = f"http://127.0.0.1:{port}/v2/models/{name}"
         metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
         watch = GpuWatch() if watch_gpus else None
-        if watch:
-            threading.Timer(args.warmup + 2.0, watch.start).start()  # the timed window, about
+        if watch:  # the timed window, about: the client processes start and wait a little first
+            watch.start_after(args.warmup + 2.0)
         row = spread_load(f"{base}/infer", args.clients, args.client_procs, args.seconds, args.warmup, one_row(metadata))
         row["replicas_asked"], row["replicas"] = n, started
         if watch:
