@@ -18,10 +18,10 @@ import importlib.metadata
 import json
 import os
 import platform
-import signal
-import socket
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
