@@ -155,7 +155,6 @@ class Workspaces:
 
     def __init__(self):
         self._by_stream: dict[int, torch.Tensor] = {}
-        self._settled: dict[int, torch.Tensor] = {}  # what the last `settle` made
         self._regions: list[dict[int, torch.Tensor]] = []  # every settled allocation: a graph may use any
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -174,15 +173,15 @@ class Workspaces:
         MiB segment of the caching allocator, often beside the freed workspaces of the plans timed,
         and kept the rest of it reserved (up to 39 MiB of a conv net's footprint). Nothing happens
         where the warm-up found every workspace it needed settled already."""
-        if all(self._settled.get(stream) is t for stream, t in self._by_stream.items()):
+        last = self._regions[-1] if self._regions else {}
+        if all(last.get(stream) is t for stream, t in self._by_stream.items()):
             return
         sizes = {stream: t.numel() for stream, t in self._by_stream.items()}
         self._by_stream = {}
         torch.cuda.synchronize(device)  # the warm-up's kernels are done with the ones it grew
         torch.cuda.empty_cache()  # whole free segments go, so the packed one is a segment of its own
-        self._settled = regions.pack({}, device, blank=sizes)
-        self._regions.append(self._settled)
-        self._by_stream = dict(self._settled)
+        self._regions.append(regions.pack({}, device, blank=sizes))
+        self._by_stream = dict(self._regions[-1])
 
 
 class ConvGraph:
