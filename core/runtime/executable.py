@@ -10,7 +10,7 @@ issue order: each op on its stream, an event wait for each planned wait, every s
 from the capturing stream and joined back to it. A call copies the inputs into their buffers and
 replays the graph. Loading reads the schedule and the memory plan from the artifact; it never
 computes them. What it does choose is how they run on this GPU (`tuning.py`): the layout, the
-planned streams or one, cuDNN's convolution algorithms and its fused convolutions, by building
+planned streams, at most two or one, cuDNN's convolution algorithms and its fused convolutions, by building
 and timing a few candidates, or by reading the choice from the tuning cache. Fused ops run as
 cuDNN fused convolutions or generated kernels (`kernels.py`).
 
@@ -213,7 +213,8 @@ class Executable:
     def _choose(self, tune: str, forced, graph_dump) -> None:
         """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
         then build the CUDA graph that runs it."""
-        options = tuning.candidates(self.graph, self.schedule.num_streams)
+        folded = streams.fold(self.schedule.order, self.schedule.stream, self.schedule.waits)
+        options = tuning.candidates(self.graph, max(folded, default=0) + 1)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
         timed: dict[str, float] = {}
@@ -256,9 +257,11 @@ class Executable:
         elif choice.streams == "serial":
             self._order, self._stream_of, self._waits = list(self.schedule.order), [0] * n, [()] * n
         else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel
-            self._order = list(self.schedule.order)
-            self._waits = list(self.schedule.waits)
-            self._stream_of = streams.fold(self._order, self.schedule.stream, self._waits)
+            self._order = list(self.schedule.order)  # (or as `choice` caps them)
+            self._stream_of = streams.fold(self._order, self.schedule.stream, self.schedule.waits,
+                                           tuning.stream_cap(choice.streams))
+            self._waits = [tuple(u for u in ws if self._stream_of[u] != self._stream_of[i])  # the rest: in order
+                           for i, ws in enumerate(self.schedule.waits)]
         planned = not self._single_stream and choice.streams != "serial"
         self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
         paired = self.device.type == "cuda" and self._with_arena  # kernels that write two ops' buffers

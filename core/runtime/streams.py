@@ -57,13 +57,20 @@ def issue(order: Sequence[int], run: Callable[[int], None], device: torch.device
                     events[i].record(stream)
 
 
-def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
+def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequence[int]],
+         cap: int | None = None) -> list[int]:
     """The CUDA stream each op is issued on, when the planned streams share as few CUDA streams as
     the schedule allows: a planned stream, at its first op, takes over a CUDA stream whose planned
     stream has issued its last op and whose last op already precedes this one (through the planned
     streams' order and waits), so capture records no ordering the schedule lacks and the captured
     graph keeps its parallelism. Fewer CUDA streams mean fewer per-stream segments in the graph's
-    memory pool and fewer cuBLAS workspaces (one per stream that multiplies matrices)."""
+    memory pool and fewer cuBLAS workspaces (one per stream that multiplies matrices).
+
+    With `cap`, at most that many CUDA streams: a planned stream that finds none to take over
+    once `cap` exist shares the one with the fewest planned streams still running (a finished one
+    first), then the one whose last op was issued earliest. Sharing a stream only adds ordering,
+    and every op still follows its waits' ops in issue order, so the memory plan, proved safe
+    under the planned order, stays safe, and nothing can wait on an op issued after it."""
     last_on_planned: dict[int, int] = {}
     waiters: dict[int, int] = {}  # op -> how many ops wait on it
     for i in order:
@@ -74,7 +81,8 @@ def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequenc
     previous: dict[int, int] = {}  # planned stream -> its latest op so far
     physical: dict[int, int] = {}  # planned stream -> CUDA stream
     tail: list[int] = []  # CUDA stream -> the last op issued on it
-    free: list[bool] = []  # CUDA stream -> its planned stream is done
+    running: list[int] = []  # CUDA stream -> how many of its planned streams have ops still to issue
+    position = {op: k for k, op in enumerate(order)}
     out = [0] * len(stream_of)
     for i in order:
         planned = stream_of[i]
@@ -92,16 +100,19 @@ def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequenc
                 if previous.get(stream_of[u]) != u:  # its own stream needs it no more either
                     before.pop(u, None)
         if planned not in physical:
-            reuse = next((k for k, (done, last) in enumerate(zip(free, tail)) if done and mask >> last & 1), None)
+            reuse = next((k for k, (n, last) in enumerate(zip(running, tail)) if not n and mask >> last & 1), None)
+            if reuse is None and cap is not None and len(tail) >= cap:
+                reuse = min(range(len(tail)), key=lambda k: (running[k], position[tail[k]]))
             if reuse is None:
                 reuse = len(tail)
                 tail.append(-1)
-                free.append(False)
-            physical[planned], free[reuse] = reuse, False
+                running.append(0)
+            physical[planned] = reuse
+            running[reuse] += 1
         k = physical[planned]
         out[i], tail[k], previous[planned] = k, i, i
         if last_on_planned[planned] == i:
-            free[k] = True
+            running[k] -= 1
     return out
 
 

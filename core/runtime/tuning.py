@@ -7,9 +7,11 @@ fastest:
 - layout: 4-D activations contiguous (NCHW), or channels_last (NHWC) with the convolution
   weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
   bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares;
-- streams: the artifact's schedule as planned, or every op on one stream in the schedule's issue
-  order. The second is safe under the same memory plan: running the issue order serially only
-  adds ordering to what the plan already proved safe;
+- streams: the artifact's schedule as planned (its streams folded onto as few CUDA streams as
+  keep them parallel), the same folded onto at most `CAP` CUDA streams, or every op on one stream
+  in the schedule's issue order. All three are safe under the one memory plan the artifact
+  stores: sharing a stream only adds ordering to what the plan already proved safe. Fewer
+  streams compete less for a busy GPU, and hold fewer per-stream workspaces and pool segments;
 - convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
   convolution during the warm-up (what `torch.backends.cudnn.benchmark` does);
 - convolution fusion: conv-led bodies as one cuDNN kernel each (a cuDNN graph where
@@ -21,8 +23,8 @@ fastest:
   many (`benchmarks/gemm_bias.py`).
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
-convolutions, then the best of those split, then the best so far on one stream, then that with
-its GEMM biases separate. The best of a stage is the fastest, unless a candidate at most
+convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
+one, then that with its GEMM biases separate. The best of a stage is the fastest, unless a candidate at most
 `MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the workspaces and
 temporaries of its capture): then the one that holds least (`pick`).
 
@@ -46,7 +48,8 @@ from . import cache
 from .placement import BiasedGemm
 
 LAYOUTS = ("contiguous", "channels_last")
-STREAMS = ("planned", "serial")
+CAP = 2  # the CUDA streams of the capped stream candidate
+STREAMS = ("planned", f"at most {CAP}", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
 CONVOLUTIONS = ("cudnn-fused", "split")
 GEMM_BIAS = ("epilogue", "separate")
@@ -66,13 +69,19 @@ class Choice:
         return f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}{separate}"
 
 
+def stream_cap(streams: str) -> int | None:
+    """The most CUDA streams a `Choice.streams` setting allows (None: as many as planned)."""
+    return {"planned": None, "serial": 1}.get(streams, CAP)
+
+
 def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
-    convolution exists, split convolutions only where cuDNN's fused ones could run, one stream
-    only where the schedule has several, a separate GEMM bias only where a float32 GEMM has one."""
+    convolution exists, split convolutions only where cuDNN's fused ones could run, a stream cap
+    only below `num_streams` (the CUDA streams the planned ones fold onto), a separate GEMM bias
+    only where a float32 GEMM has one."""
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
-    streams = STREAMS if num_streams > 1 else STREAMS[:1]
+    streams = [s for s in STREAMS if (stream_cap(s) or num_streams) < num_streams or s == STREAMS[0]]
     fused = any(op.target == fusion.FUSED and fusion.convolution_pattern(fusion.body_of(op)) for op in graph.ops)
     kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
     biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) for op in graph.ops) else GEMM_BIAS[:1]
@@ -91,7 +100,7 @@ def stages(options: list[Choice]):
     yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]
            and c.gemm_bias == GEMM_BIAS[0]]
     yield lambda best: [c for c in options if c == replace(best, convolutions="split")]
-    yield lambda best: [c for c in options if c == replace(best, streams="serial")]
+    yield lambda best: [c for c in options if c in [replace(best, streams=s) for s in STREAMS[1:]]]
     yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
 
 

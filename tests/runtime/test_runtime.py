@@ -265,6 +265,21 @@ def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bia
                                artifacts["transformer"][1].sample_outputs[0], rtol=1e-4, atol=1e-5)
 
 
+def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(artifacts):
+    """One CUDA stream: only the plan; two: the plan or serial; more: also at most `CAP`. The
+    stream settings are timed together, after the best of the planned streams."""
+    from nimble.runtime import tuning
+
+    g = artifacts["transformer"][1].graph
+    assert [{c.streams for c in tuning.candidates(g, n)} for n in (1, 2, 3)] == \
+        [{"planned"}, {"planned", "serial"}, {"planned", f"at most {tuning.CAP}", "serial"}]
+    assert [tuning.stream_cap(s) for s in tuning.STREAMS] == [None, tuning.CAP, 1]
+    options = tuning.candidates(g, 3)
+    best = tuning.Choice()
+    assert [c.streams for c in list(tuning.stages(options))[2](best)] == [f"at most {tuning.CAP}", "serial"]
+    assert tuning.Choice(streams=f"at most {tuning.CAP}").describe().startswith(f"contiguous, at most {tuning.CAP} streams")
+
+
 def test_a_copying_reshape_or_contiguous_writes_its_buffer_in_one_copy():
     """A reshape the plan gave a buffer (its input allows no view) copies the input's elements
     once, in row-major order, into the buffer seen in the input's shape; contiguous copies in."""

@@ -1,15 +1,22 @@
 """Folding the planned streams onto fewer CUDA streams for capture (`streams.fold`) adds no
 ordering the schedule lacks: each CUDA stream's ops follow one another in the schedule already."""
 
+import dataclasses
+import random
+
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
 from nimble.pipeline import rewrite
+from nimble.plan.memory import plan
 from nimble.plan.schedule import assign_streams, schedule_dag
+from nimble.plan.verify import check_plan
 from nimble.runtime.streams import fold
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES
+from ..plan.test_memory import random_graph
 from ..plan.test_schedule import dags
 
 
@@ -42,6 +49,47 @@ def assert_folds_without_new_order(schedule) -> list[int]:
 @given(dags)
 def test_folding_never_orders_what_the_schedule_leaves_parallel(preds):
     assert_folds_without_new_order(schedule_dag(preds))
+
+
+def folded_schedule(schedule, cap):
+    """The schedule as capture issues it with `fold(..., cap)`: each op on its CUDA stream, the
+    waits on ops of other CUDA streams kept (the executable drops the rest: issue order keeps them)."""
+    cuda = fold(schedule.order, schedule.stream, schedule.waits, cap)
+    waits = tuple(tuple(u for u in ws if cuda[u] != cuda[i]) for i, ws in enumerate(schedule.waits))
+    return dataclasses.replace(schedule, stream=tuple(cuda), waits=waits)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dags, st.integers(1, 3))
+def test_a_stream_cap_is_kept_and_keeps_each_planned_stream_whole(preds, cap):
+    schedule = schedule_dag(preds)
+    cuda = fold(schedule.order, schedule.stream, schedule.waits, cap)
+    assert len(set(cuda)) <= cap
+    assert set(cuda) == set(range(len(set(cuda))))  # numbered from 0 without gaps
+    planned = {}
+    for i in schedule.order:
+        assert planned.setdefault(schedule.stream[i], cuda[i]) == cuda[i]
+    if len(set(fold(schedule.order, schedule.stream, schedule.waits))) <= cap:  # the cap is not reached:
+        assert cuda == fold(schedule.order, schedule.stream, schedule.waits)  # folding as without it
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 120), st.integers(1, 4), st.integers(0, 2**32))
+def test_the_memory_plan_of_the_planned_streams_is_safe_on_capped_streams(n, cap, seed):
+    """The plan is made once, for the planned streams; the plan checker proves it safe as the
+    capped streams run it, and proves the capped streams keep every dependency."""
+    graph = random_graph(random.Random(seed), n)
+    schedule = assign_streams(graph)
+    memory = plan(graph, schedule)
+    check_plan(graph, folded_schedule(schedule, cap), memory)
+
+
+def test_the_nasnet_sample_plan_holds_on_two_cuda_streams():
+    graph = rewrite(lower(load_module(SAMPLES / "nasnet.pt"), input_specs(["1x3x64x64"]), "nasnet")).graph
+    schedule = assign_streams(graph)
+    capped = folded_schedule(schedule, 2)
+    assert len(set(capped.stream)) == 2 < len(set(fold(schedule.order, schedule.stream, schedule.waits)))
+    check_plan(graph, capped, plan(graph, schedule))
 
 
 def test_inception_needs_fewer_cuda_streams_than_it_plans():
