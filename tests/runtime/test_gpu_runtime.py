@@ -173,6 +173,13 @@ def test_the_footprint_accounts_for_every_byte_and_close_returns_it(artifacts, n
     # take their workspaces from nimble)
     assert len(f.pool_segments_per_stream) <= len(set(exe._stream_of)) + 1, f
     assert f.outside_arena == 0 or exe.outside_arena(), f  # only results placed elsewhere count
+    # the total against the plan: weights, arena and inputs; results that cuDNN's fused convolutions
+    # place themselves; the workspaces (cuBLAS's per stream, the cuDNN graphs' one region, and in
+    # the graph pool PyTorch's convolutions' at most one large segment per stream) and padding
+    large_segment = 20 * 2**20  # what the allocator gives a request between 1 and 10 MiB
+    pool = large_segment * max(1, len(f.pool_segments_per_stream))
+    assert f.pool_free <= pool, f
+    assert f.growth <= f.weights + f.arena + f.inputs + f.outside_arena + workspaces + padding + pool + 8 * 2**20, f
     assert exe.stats.scratch_bytes == f.outside_arena + f.pool_free  # bench's "scratch": the graph pool
     exe.close()
     # all but cuBLAS's workspaces, which PyTorch keeps per stream, and their segments' free room
