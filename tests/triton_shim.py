@@ -39,14 +39,15 @@ def _checked(p: Pointer, mask):
 
 
 class _Program:
-    pid = 0
+    pid: tuple[int, ...] = (0,)  # the program's id along each axis of the grid
 
 
 def language() -> types.ModuleType:
     tl = types.ModuleType("triton.language")
     tl.float32, tl.float16, tl.bfloat16, tl.int64 = torch.float32, torch.float16, torch.bfloat16, torch.int64
     tl.constexpr = int
-    tl.program_id = lambda axis: torch.tensor([_Program.pid], dtype=torch.int32)  # 1-D: promotes as Triton does
+    tl.program_id = lambda axis: torch.tensor([_Program.pid[axis]], dtype=torch.int32)  # 1-D: promotes as Triton does
+    tl.zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
     tl.arange = lambda start, end: torch.arange(start, end, dtype=torch.int32)
     tl.full = lambda shape, value, dtype: torch.full(shape, value, dtype=dtype)
     tl.static_range = range
@@ -82,19 +83,22 @@ def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int
     kernel = namespace["kernel"]
     numel = out.numel()
     for pid in range((numel + block - 1) // block):
-        _Program.pid = pid
+        _Program.pid = (pid,)
         kernel(Pointer(out), *(Pointer(t) for t in operands), N=numel, BLOCK=block)
 
 
-def run_grid(source: str, grid: int, *args, **constants) -> None:
-    """Execute the kernel `source` defines once per program id in range(`grid`), with tensor
-    arguments as pointers, as `kernel[(grid,)](*args, **constants)` would on the GPU."""
+def run_grid(source: str, grid: int | tuple[int, ...], *args, **constants) -> None:
+    """Execute the kernel `source` defines once per program id in the grid (`grid` programs, or
+    a tuple of programs per axis), with tensor arguments as pointers, as `kernel[grid](*args,
+    **constants)` would on the GPU."""
+    import itertools
+
     triton = types.ModuleType("triton")
     triton.jit = lambda fn: fn
     namespace = {"triton": triton, "tl": language()}
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
     exec(compile(code, "<kernel>", "exec"), namespace)
     constants.pop("num_warps", None)
-    for pid in range(grid):
+    for pid in itertools.product(*(range(g) for g in (grid if isinstance(grid, tuple) else (grid,)))):
         _Program.pid = pid
         namespace["kernel"](*(Pointer(a) if isinstance(a, torch.Tensor) else a for a in args), **constants)

@@ -3,8 +3,8 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, generated kernels for layer norm and max pooling (`reductions.py`) and roll
-(`movement.py`), one copy
+clamp_min for relu, generated kernels for layer norm, max pooling and the mean over height and
+width (global average pooling; `reductions.py`) and roll (`movement.py`), one copy
 for a reshape or `contiguous` that must copy, and a float32 GEMM then its bias where tuning chose
 that (`BiasedGemm`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
@@ -27,7 +27,7 @@ from ..plan.memory import MemoryPlan
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter
 from .movement import roll
-from .reductions import layer_norm, max_pool2d
+from .reductions import layer_norm, max_pool2d, spatial_mean
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,12 +71,26 @@ def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
 
 
 def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
-    """adaptive_avg_pool2d to 1x1 as eager computes it, a mean over H and W; its out= overload
-    would run the generic pooling kernel, which is far slower on large maps."""
-    if list(args[1]) != [1, 1]:
+    """adaptive_avg_pool2d to 1x1: a mean over H and W, by the generated kernel where it applies
+    (`reductions.spatial_mean`), else as eager computes it; its out= overload would run the
+    generic pooling kernel, which is far slower on large maps."""
+    if len(args) < 2 or not isinstance(args[1], (list, tuple)) or list(args[1]) != [1, 1]:
         return None
-    torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
+    if spatial_mean(args[0], out) is None:
+        torch.ops.aten.mean.out(args[0], [-1, -2], True, out=out)
     return out
+
+
+def _mean(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """mean.dim over the last two dimensions of a 4-D tensor, without a dtype: the generated
+    kernel (`reductions.spatial_mean`); None for any other mean, which runs its out= overload."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or len(args) < 2 or not isinstance(args[1], (list, tuple)) \
+            or (len(args) > 3 and args[3] is not None) \
+            or sorted(d % 4 if isinstance(d, int) and not isinstance(d, bool) and -4 <= d < 4 else -1
+                      for d in args[1]) != [2, 3]:
+        return None
+    return spatial_mean(x, out)
 
 
 def _copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -169,6 +183,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::convolution.default": _conv,
     "aten::relu.default": _relu,
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
+    "aten::mean.dim": _mean,
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
     "aten::contiguous.default": _copy,

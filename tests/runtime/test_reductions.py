@@ -174,3 +174,80 @@ def test_a_fused_sum_and_the_layer_norm_after_it_compute_what_torch_does_in_one_
         torch.testing.assert_close(x, total, rtol=0, atol=0)
     else:
         assert (x == 7.0).all()  # nothing else reads the sum: it is never written
+
+
+def shim_spatial_mean(x, keepdim=True, sms=1):
+    out = torch.full((*x.shape[:2], 1, 1) if keepdim else tuple(x.shape[:2]), 7.0, dtype=x.dtype)
+    launches = reductions.mean_launches(x, out, sms)
+    for grid, args, constants in launches:
+        triton_shim.run_grid(reductions.SPATIAL_MEAN, grid, *args, **constants)
+    return out, launches
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 9), (3, 37, 13, 13), (2, 3, 1, 17), (2, 3, 17, 1), (1, 70, 2, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("sms", [1, 64])  # 64: few programs for the GPU, so the positions split into parts
+def test_the_spatial_mean_source_computes_what_torch_does(shape, channels_last, sms):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 3 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    for keepdim in (True, False):
+        got, _ = shim_spatial_mean(x, keepdim, sms)
+        torch.testing.assert_close(got, x.mean((2, 3), keepdim=keepdim), rtol=1e-5, atol=1e-6)
+
+
+def test_a_large_map_with_few_channels_is_summed_in_parts_in_a_fixed_order():
+    x = torch.randn(1, 4, 40, 40, generator=torch.Generator().manual_seed(3))
+    got, launches = shim_spatial_mean(x, sms=64)
+    assert len(launches) == 2 and launches[0][0][2] > 1  # the parts, then their sum
+    assert launches[1][1][0].shape == (launches[0][0][2], 1, 4) and launches[1][1][0].dtype == torch.float32
+    torch.testing.assert_close(got, x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-6)
+    again, _ = shim_spatial_mean(x, sms=64)
+    assert torch.equal(got, again)
+
+
+def test_the_spatial_mean_declines_what_it_does_not_cover():
+    x = torch.randn(2, 3, 6, 9)
+    out = torch.empty(2, 3, 1, 1)
+    assert reductions.spatial_mean(x, out) is None  # the CPU
+    assert reductions.mean_launches(x[:, :, :, :5], out, 1) is None  # no one stride walks H and W
+    assert reductions.mean_launches(x, torch.empty(2, 3, 1, 1, dtype=torch.float16), 1) is None  # a cast
+    assert reductions.mean_launches(x, torch.empty(2, 3, 6, 1), 1) is None  # not over H and W
+    assert reductions.mean_launches(x[:, :, :0], out, 1) is None  # the mean of nothing: PyTorch's NaN
+    assert reductions.mean_launches(x[:0], torch.empty(0, 3, 1, 1), 1) == []
+    every_other = torch.randn(2, 3, 6, 10)[:, :, :, ::2]  # one stride (2) still walks them
+    strided, _ = shim_spatial_mean(every_other)
+    torch.testing.assert_close(strided, every_other.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
+    from nimble.runtime import placement
+
+    mean = placement.SUBSTITUTES["aten::mean.dim"]
+    x = torch.randn(2, 3, 4, 5)
+    for dims in ([1, 2], [3], [0, 1, 2, 3], [2, 2], [True, 3]):
+        assert placement._mean([x, dims, True], torch.empty(1)) is None
+    assert placement._mean([x, [-1, -2], True, torch.float64], torch.empty(2, 3, 1, 1)) is None  # a dtype
+    assert placement._mean([torch.randn(2, 3, 4), [1, 2]], torch.empty(2)) is None  # not 4-D
+    assert mean([x, [2, 3], True], torch.empty(2, 3, 1, 1)) is None  # the CPU: its out= overload runs
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(8, 32, 112, 112), (8, 1152, 7, 7), (3, 37, 13, 11), (1, 1280, 7, 7)])
+def test_the_spatial_mean_kernel_matches_eager_on_the_gpu(dtype, channels_last, shape):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.runtime import placement
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = (torch.randn(*shape, device="cuda") * 2 + 1).to(dtype).contiguous(memory_format=fmt)
+    want = x.float().mean((2, 3), keepdim=True)
+    out = torch.full((*shape[:2], 1, 1), float("nan"), device="cuda", dtype=dtype)
+    assert placement._global_avg_pool([x, [1, 1]], out) is out and reductions._spatial_mean.kernel is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    flat = torch.full(shape[:2], float("nan"), device="cuda", dtype=dtype)
+    assert placement._mean([x, [-1, -2], False], flat) is flat
+    torch.testing.assert_close(flat.float(), want.flatten(1), rtol=tol, atol=tol)
