@@ -30,9 +30,11 @@ kernel takes 9 to 21 us for each of efficientnet_b0's at batch 8 in channels_las
 channels are the dense dimension. Each program of SPATIAL_MEAN sums a tile of channels over a
 run of positions in float32, reading whole rows of the dense dimension (channels in
 channels_last, positions in NCHW). Where the images times channel tiles make too few programs to
-fill the GPU (a large map with few channels), the positions are split into parts: the same
-kernel writes each part's scaled sum to a float32 scratch tensor, then sums the parts into the
-result, so the sum's order is fixed (no atomics) and the result the same on every run.
+fill the GPU (a large map with few channels), the positions are split into parts of at least
+MEAN_STEPS tiles each: the same kernel writes each part's scaled sum to a float32 scratch
+tensor, then sums the parts into the result, so the sum's order is fixed (no atomics) and the
+result the same on every run. On efficientnet_b0 at batch 8 the 17 means took 0.153 ms of kernel
+time per inference, and take 0.087 (`benchmarks/results/kernel_diff_mean.md`).
 
 Indexing is 64-bit where an element offset can pass 2**31 - 1, as in `kernels.py`.
 """
@@ -136,6 +138,7 @@ def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, WIDE
     tl.store(out_ptr + part * sop + n * son + cs * soc, tl.sum(acc, axis=0) * scale, mask=cmask)
 '''
 MEAN_TILE = 2048  # elements each program sums per step (BLOCK_S x BLOCK_C)
+MEAN_STEPS = 8  # the fewest steps of a part, where the positions are split
 
 class FixedKernel:
     """A kernel of fixed source, built on its first launch through `kernels.define` (cached and
@@ -275,7 +278,9 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int) -> list[tuple[tu
     block_c = min(64, kernels.triton_block(c)) if x.stride(1) == 1 and c > 1 else min(16, kernels.triton_block(c))
     block_s = max(1, min(MEAN_TILE // block_c, kernels.triton_block(positions)))
     tiles = -(-c // block_c)
-    parts = max(1, min(-(-positions // block_s), -(-2 * sms // (n * tiles))))  # two programs per multiprocessor
+    # two programs per multiprocessor, but no part shorter than MEAN_STEPS steps: a second launch
+    # costs more than a short sum
+    parts = max(1, min(-(-positions // (block_s * MEAN_STEPS)), -(-2 * sms // (n * tiles))))
     rows = -(-(-(-positions // parts)) // block_s) * block_s  # each part's positions, whole steps
     parts = -(-positions // rows)
     reach = sum((d - 1) * st for d, st in zip(x.shape, x.stride())) + rows + MEAN_TILE
