@@ -125,7 +125,9 @@ def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, WIDE
     tile = tl.program_id(1)
     part = tl.program_id(2)
     if WIDE:
-        n, tile, part = n.to(tl.int64), tile.to(tl.int64), part.to(tl.int64)
+        n = n.to(tl.int64)
+        tile = tile.to(tl.int64)
+        part = part.to(tl.int64)
     cs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cs < C
     acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)

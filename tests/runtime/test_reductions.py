@@ -176,11 +176,12 @@ def test_a_fused_sum_and_the_layer_norm_after_it_compute_what_torch_does_in_one_
         assert (x == 7.0).all()  # nothing else reads the sum: it is never written
 
 
-def shim_spatial_mean(x, keepdim=True, sms=1):
+def shim_spatial_mean(x, keepdim=True, sms=1, wide=None):
     out = torch.full((*x.shape[:2], 1, 1) if keepdim else tuple(x.shape[:2]), 7.0, dtype=x.dtype)
     launches = reductions.mean_launches(x, out, sms)
     for grid, args, constants in launches:
-        triton_shim.run_grid(reductions.SPATIAL_MEAN, grid, *args, **constants)
+        triton_shim.run_grid(reductions.SPATIAL_MEAN, grid, *args,
+                             **(constants if wide is None else {**constants, "WIDE": wide}))
     return out, launches
 
 
@@ -194,6 +195,13 @@ def test_the_spatial_mean_source_computes_what_torch_does(shape, channels_last, 
     for keepdim in (True, False):
         got, _ = shim_spatial_mean(x, keepdim, sms)
         torch.testing.assert_close(got, x.mean((2, 3), keepdim=keepdim), rtol=1e-5, atol=1e-6)
+
+
+def test_the_spatial_mean_indexes_in_64_bits_when_told_to():
+    x = torch.randn(1, 4, 40, 40, generator=torch.Generator().manual_seed(4)).contiguous(memory_format=torch.channels_last)
+    got, launches = shim_spatial_mean(x, sms=64, wide=True)
+    assert not launches[0][2]["WIDE"]  # this map's offsets fit 32 bits: the test forces the wide form
+    torch.testing.assert_close(got, x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-6)
 
 
 def test_a_large_map_with_few_channels_is_summed_in_parts_in_a_fixed_order():
@@ -251,3 +259,17 @@ def test_the_spatial_mean_kernel_matches_eager_on_the_gpu(dtype, channels_last, 
     flat = torch.full(shape[:2], float("nan"), device="cuda", dtype=dtype)
     assert placement._mean([x, [-1, -2], False], flat) is flat
     torch.testing.assert_close(flat.float(), want.flatten(1), rtol=tol, atol=tol)
+
+
+@gpu
+def test_the_wide_form_of_the_spatial_mean_builds_and_agrees_on_the_gpu():
+    """Its 64-bit indexing, forced on a small map (a real one needs 2**31 elements)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = torch.randn(8, 32, 112, 112, device="cuda").contiguous(memory_format=torch.channels_last)
+    out = torch.full((8, 32, 1, 1), float("nan"), device="cuda")
+    kernel = reductions.FixedKernel(reductions.SPATIAL_MEAN, "spatial mean, wide")
+    launches = reductions.mean_launches(x, out, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert len(launches) == 2  # both launches, in the wide form
+    assert all(kernel.launch(grid, *args, **{**constants, "WIDE": True}) for grid, args, constants in launches)
+    torch.testing.assert_close(out, x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-5)
