@@ -10,9 +10,9 @@ issue order: each op on its stream, an event wait for each planned wait, every s
 from the capturing stream and joined back to it. A call copies the inputs into their buffers and
 replays the graph. Loading reads the schedule and the memory plan from the artifact; it never
 computes them. What it does choose is how they run on this GPU (`tuning.py`): the layout, the
-planned streams, at most two or one, cuDNN's convolution algorithms and its fused convolutions, by building
-and timing a few candidates, or by reading the choice from the tuning cache. Fused ops run as
-cuDNN fused convolutions or generated kernels (`kernels.py`).
+planned streams (or at most two, or one), cuDNN's convolution algorithms and its fused
+convolutions, by building and timing a few candidates, or by reading the choice from the tuning
+cache. Fused ops run as cuDNN fused convolutions or generated kernels (`kernels.py`).
 
 The planned streams are folded onto as few CUDA streams as keep them all parallel
 (`streams.fold`), made once per load. During the warm-up and the capture, a result outside the

@@ -24,9 +24,9 @@ fastest:
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
 convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
-one, then that with its GEMM biases separate. The best of a stage is the fastest, unless a candidate at most
-`MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the workspaces and
-temporaries of its capture): then the one that holds least (`pick`).
+one, then that with its GEMM biases separate. The best of a stage is the fastest, unless a
+candidate at most `MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the
+workspaces and temporaries of its capture): then the one that holds least (`pick`).
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without

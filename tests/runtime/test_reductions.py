@@ -198,7 +198,8 @@ def test_the_spatial_mean_source_computes_what_torch_does(shape, channels_last, 
 
 
 def test_the_spatial_mean_indexes_in_64_bits_when_told_to():
-    x = torch.randn(1, 4, 40, 40, generator=torch.Generator().manual_seed(4)).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(1, 4, 40, 40, generator=torch.Generator().manual_seed(4))
+    x = x.contiguous(memory_format=torch.channels_last)
     got, launches = shim_spatial_mean(x, sms=64, wide=True)
     assert not launches[0][2]["WIDE"]  # this map's offsets fit 32 bits: the test forces the wide form
     torch.testing.assert_close(got, x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-6)
