@@ -39,6 +39,15 @@ def test_a_folder_others_can_write_is_not_used_and_said_once(root, capsys):
 def test_tuning_round_trips_in_a_private_folder(root):
     tuning.store("k", tuning.Choice(layout="channels_last"), {"a": 1.0})
     assert tuning.cached("k") == tuning.Choice(layout="channels_last")
+    capped = tuning.Choice(streams=f"at most {tuning.CAP}")
+    tuning.store("c", capped, {})
+    assert tuning.cached("c") == capped
+
+
+def test_a_stream_setting_nimble_does_not_offer_is_a_miss(root):
+    """A cache written by another version (another cap), or by hand: timed again, not obeyed."""
+    tuning.store("k", tuning.Choice(streams="at most 7"), {})
+    assert tuning.cached("k") is None
 
 
 def test_a_fifo_is_a_miss_and_does_not_hang(root):
