@@ -84,11 +84,10 @@ def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
 def _mean(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """mean.dim over the last two dimensions of a 4-D tensor, without a dtype: the generated
     kernel (`reductions.spatial_mean`); None for any other mean, which runs its out= overload."""
-    x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or len(args) < 2 or not isinstance(args[1], (list, tuple)) \
-            or (len(args) > 3 and args[3] is not None) \
-            or sorted(d % 4 if isinstance(d, int) and not isinstance(d, bool) and -4 <= d < 4 else -1
-                      for d in args[1]) != [2, 3]:
+    x, dims = (list(args) + [None, None])[:2]
+    last_two = isinstance(dims, (list, tuple)) and len(dims) == 2 \
+        and all(type(d) is int and -4 <= d < 4 for d in dims) and {d % 4 for d in dims} == {2, 3}
+    if not (isinstance(x, torch.Tensor) and x.dim() == 4 and last_two) or (len(args) > 3 and args[3] is not None):
         return None
     return spatial_mean(x, out)
 

@@ -175,7 +175,6 @@ class FixedKernel:
 _layer_norm = FixedKernel(LAYER_NORM, "layer norm")
 _max_pool = FixedKernel(MAX_POOL, "max pooling")
 _spatial_mean = FixedKernel(SPATIAL_MEAN, "spatial mean")
-_sms: dict[int, int] = {}  # device index -> its multiprocessors
 
 
 def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -246,10 +245,7 @@ def spatial_mean(x, out: torch.Tensor) -> torch.Tensor | None:
     width that no single stride walks (a view neither NCHW- nor channels_last-dense)."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda and out.is_cuda) or _spatial_mean.failed:
         return None
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if device not in _sms:
-        _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    launches = mean_launches(x, out, _sms[device])
+    launches = mean_launches(x, out, torch.cuda.get_device_properties(x.device).multi_processor_count)
     if launches is None:
         return None
     for grid, args, constants in launches:

@@ -81,7 +81,7 @@ def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     only where a float32 GEMM has one."""
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
-    streams = [s for s in STREAMS if (stream_cap(s) or num_streams) < num_streams or s == STREAMS[0]]
+    streams = [s for s in STREAMS if stream_cap(s) is None or stream_cap(s) < num_streams]
     fused = any(op.target == fusion.FUSED and fusion.convolution_pattern(fusion.body_of(op)) for op in graph.ops)
     kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
     biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) for op in graph.ops) else GEMM_BIAS[:1]
