@@ -134,7 +134,8 @@ def test_concurrent_requests_are_batched_together(server):
     for _ in range(3):
         pending = [c.async_infer("resnet", [infer_input(x)]) for _ in range(4)]
         results = [p.get_result().as_numpy("linear_27") for p in pending]
-        assert all(np.array_equal(r, results[0]) for r in results)
+        for r in results:  # batched with others or alone: the CPU's kernels round differently by batch size
+            np.testing.assert_allclose(r, results[0], rtol=1e-5, atol=1e-6)
     stats = c.get_inference_statistics("resnet")["model_stats"][0]
     assert max(b["batch_size"] for b in stats["batch_stats"]) > 1, stats["batch_stats"]
     assert stats["inference_count"] >= 12 and stats["execution_count"] < stats["inference_count"]
