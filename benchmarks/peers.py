@@ -22,6 +22,7 @@ tolerances).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -142,7 +143,36 @@ def first_inference_s(path: Path, cache: Path) -> dict:
     return out
 
 
-def bench_one(name: str, batch: int, tmp: Path) -> dict:
+PASS_LISTS = ("REWRITES", "LAYOUT", "FUSION")  # the pipeline's lists `--without` may take a pass from
+
+
+def known_pass(name: str) -> str:
+    """`name`, if a pass of the pipeline's lists is called that (`--without`); else exit saying so."""
+    from nimble import pipeline
+
+    known = [p.__name__ for attr in PASS_LISTS for p in getattr(pipeline, attr)]
+    if name not in known:
+        raise SystemExit(f"--without {name}: no such pass; the pipeline's passes are {', '.join(known)}")
+    return name
+
+
+@contextlib.contextmanager
+def without_pass(name: str):
+    """The pipeline running every pass but the one called `name`, inside the block."""
+    from unittest import mock
+
+    from nimble import pipeline
+
+    with contextlib.ExitStack() as stack:
+        for attr in PASS_LISTS:
+            kept = tuple(p for p in getattr(pipeline, attr) if p.__name__ != name)
+            stack.enter_context(mock.patch.object(pipeline, attr, kept))
+        yield
+
+
+def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = ()) -> dict:
+    """One model at fp32, every variant in this process; `without`: passes each timed left out too,
+    as the variant `nimble_without_<pass>` (compiled and tuned as `nimble`)."""
     import torch
 
     from nimble.formats import read_artifact, write_artifact
@@ -178,8 +208,11 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
 
     specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu],
                         [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
-    for variant, fuse in (("nimble_unfused", False), ("nimble", True)):
-        c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
+    variants = [("nimble_unfused", False, None), ("nimble", True, None),
+                *((f"nimble_without_{p}", True, p) for p in without)]
+    for variant, fuse, left_out in variants:
+        with without_pass(left_out) if left_out else contextlib.nullcontext():
+            c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
         path = tmp / f"{name}_{batch}_{variant}.nimble"
         write_artifact(path, c.artifact())
         art = read_artifact(path)
@@ -190,7 +223,9 @@ def bench_one(name: str, batch: int, tmp: Path) -> dict:
         row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
         choice = exe.choice if fuse else tuning.Choice()
         row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
-        if fuse:
+        if left_out:
+            row.setdefault("choice_without", {})[left_out] = exe.stats.choice
+        elif fuse:
             row["choice"], row["tuning_ms"] = exe.stats.choice, exe.stats.tuning_ms
             row["load_breakdown_s"] = exe.stats.seconds
             row["kernel_fallbacks"] = exe.stats.kernel_fallbacks
@@ -369,7 +404,11 @@ def main() -> int:
     parser.add_argument("--tag", default="run")
     parser.add_argument("--report", type=Path, nargs="*", help="merge these JSON files into a markdown table")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    parser.add_argument("--without", nargs="*", default=[], metavar="PASS",
+                        help="fp32: also time nimble compiled without each named pass (a pipeline pass's "
+                             "function name), in the same process, as the variant nimble_without_PASS")
     args = parser.parse_args()
+    args.without = [known_pass(p) for p in args.without]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         docs = [json.loads(p.read_text()) for p in args.report]
@@ -395,7 +434,7 @@ def main() -> int:
         for name in args.models:
             for batch in args.batches:
                 try:
-                    rows.append(bench_one(name, batch, Path(tmp)) if args.precision == "fp32" else
+                    rows.append(bench_one(name, batch, Path(tmp), tuple(args.without)) if args.precision == "fp32" else
                                 bench_reduced(name, batch, args.precision, Path(tmp)))
                 except Exception as e:  # record and go on: one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
     group: dict[int, list[int]] = {}  # op id -> the members of the group it ends
     conv_of: dict[int, int | None] = {}  # op id -> the convolution leading its group, if any
     for op in graph.ops:
-        result = _elementwise(graph, facts, op)
+        result = elementwise(graph, facts, op)
         if result is None:
             continue
         members, conv = [op.id], None
@@ -56,7 +56,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
     return fuse(graph, ordered)
 
 
-def _elementwise(graph: Graph, facts: Facts, op: Op):
+def elementwise(graph: Graph, facts: Facts, op: Op):
     """`op`'s result if `op` may join a group: an elementwise op in the fused set whose operands
     share its floating dtype and broadcast to its result."""
     if op.target not in fusion.POINTWISE or not facts.movable(op) \

@@ -116,6 +116,41 @@ def test_generated_chains_match_the_unfused_reference(steps):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+class SqueezeExcite(nn.Module):
+    """efficientnet_b0's block: the SiLU result is read by the pooling and by the multiply, and the
+    scale comes from a convolution smaller than the product, so no fusion group takes it in."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(4, 8, 3, padding=1)
+        self.reduce = nn.Conv2d(8, 2, 1)
+        self.restore = nn.Conv2d(2, 8, 1)
+        self.project = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = F.silu(self.expand(x))
+        scale = torch.sigmoid(self.restore(F.silu(self.reduce(F.adaptive_avg_pool2d(y, 1)))))
+        return self.project(y * scale), y + y  # y + y: alone too, but it broadcasts nothing
+
+
+def test_a_lone_broadcasting_multiply_becomes_a_generated_op():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 9, 7)
+    with quiet_torchscript():
+        traced = torch.jit.trace(SqueezeExcite().eval(), (x,))
+    runs = {fuse: compile_script(traced, input_specs(["2x4x9x7"]), "se", "se.pt", "0" * 64,
+                                 CompileOptions(device="cpu", fuse=fuse)) for fuse in (False, True)}
+    alone = [fusion.body_of(op) for op in runs[True].graph.ops
+             if op.target == fusion.FUSED and len(fusion.body_of(op)) == 1]
+    assert [node[0] for body in alone for node in body] == ["aten::mul.Tensor"]
+    assert "aten::mul.Tensor" in targets(runs[False].graph) and "aten::mul.Tensor" not in targets(runs[True].graph)
+    assert "aten::add.Tensor" in targets(runs[True].graph)
+    got = reference.run(runs[True].graph, runs[True].weights, [x])
+    want = reference.run(runs[False].graph, runs[False].weights, [x])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_every_fusible_op_has_a_kernel_expression():
     for target, tensors in fusion.POINTWISE.items():
         args = [None] * 3

@@ -72,6 +72,8 @@ def test_generated_kernels_match_the_interpreted_body(shape):
         runner = nimble.Nimble(module).prepare(x)
         exe = runner._runner
         assert any(op.target == fusion.FUSED for op in exe.graph.ops)
+        lone = [fusion.body_of(op) for op in exe.graph.ops if op.target == fusion.FUSED and len(fusion.body_of(op)) == 1]
+        assert [body[0][0] for body in lone] == ["aten::mul.Tensor"]  # y * s: `generate_broadcast_ops`
         exe = Executable(exe.artifact, "cuda", choice=tuning.Choice(layout))
         assert exe.stats.kernel_fallbacks == [] and exe.stats.kernels_generated > 0
         got = exe(x.cuda()).cpu()
