@@ -1,13 +1,14 @@
 """What a loaded artifact holds on the GPU, by kind, beside torch.compile(mode="reduce-overhead").
 
     python benchmarks/memory_footprint.py --out DIR [--models inception_v3 resnet50 ...] [--batches 1 8]
-                                          [--no-peer]
+                                          [--no-peer] [--set cudnn_graph.SLOWER_OUTSIDE=1.03 ...]
 
 Each measurement runs in a fresh process, so that nothing else sits in the caching allocator:
 
 - nimble: `torch.cuda.memory_reserved()` before `nimble.load` (default tuning, empty tuning
   cache) and after one call, and the footprint by kind the load reports (`runtime/footprint.py`);
-  then `close()` and what is still reserved;
+  then `close()` and what is still reserved; with `--set MODULE.NAME=VALUE`, again for each such
+  setting of a constant of a `nimble.runtime` module (a row of its own, an empty cache of its own);
 - torch.compile(mode="reduce-overhead"): reserved after moving the model to the GPU and three
   calls, less before (weights included, as for nimble).
 """
@@ -33,8 +34,12 @@ MODELS = ["resnet50", "inception_v3", "googlenet", "mobilenet_v2", "efficientnet
           "densenet121", "inception", "nasnet", "resnet", "mobilenet", "transformer"]
 
 NIMBLE = """
-import json, sys, torch
+import ast, importlib, json, sys, torch
 import nimble
+for setting in sys.argv[2:]:  # MODULE.NAME=VALUE (peers.setting checked them)
+    target, value = setting.split("=", 1)
+    module, name = target.rsplit(".", 1)
+    setattr(importlib.import_module("nimble.runtime." + module), name, ast.literal_eval(value))
 from nimble.formats import read_artifact
 torch.cuda.init()
 x = [t.cuda() for t in read_artifact(sys.argv[1]).sample_inputs]
@@ -107,7 +112,14 @@ def main() -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--no-peer", action="store_true", help="Leave torch.compile out (it compiles for minutes).")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                        help="also measure nimble with this constant of a nimble.runtime module set, as "
+                             "cudnn_graph.SLOWER_OUTSIDE=1.03 (a row each)")
     args = parser.parse_args()
+    from peers import setting
+
+    for text in args.set:
+        setting(text)  # exits, saying why, on a setting it cannot apply
     rows = []
     mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +132,12 @@ def main() -> int:
                     row["torch_compile"] = child(PEER, name, str(ROOT / "benchmarks"), str(batch))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                for k, text in enumerate(args.set):
+                    row = {"model": f"{name} ({text})", "batch": batch, "setting": text,
+                           "nimble": child(NIMBLE, str(path), text, cache=str(Path(tmp) / f"cache_{name}_{batch}_{k}")),
+                           "torch_compile": row.get("torch_compile", {})}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
             "command": "python " + " ".join(sys.argv)}
     body = []

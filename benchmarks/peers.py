@@ -170,9 +170,39 @@ def without_pass(name: str):
         yield
 
 
-def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = ()) -> dict:
-    """One model at fp32, every variant in this process; `without`: passes each timed left out too,
-    as the variant `nimble_without_<pass>` (compiled and tuned as `nimble`)."""
+def setting(text: str) -> tuple[str, str, object]:
+    """`--set MODULE.NAME=VALUE`: (module, name, value) of a constant of a `nimble.runtime` module."""
+    import ast
+    import importlib
+
+    target, _, value = text.partition("=")
+    module, _, constant = target.rpartition(".")
+    try:
+        parsed = ast.literal_eval(value)
+        found = hasattr(importlib.import_module(f"nimble.runtime.{module}"), constant)
+    except (ValueError, SyntaxError, ImportError):
+        found = False
+    if not found or not module:
+        raise SystemExit(f"--set {text}: expected MODULE.NAME=VALUE naming a constant of a nimble.runtime module "
+                         "and a Python literal, as cudnn_graph.SLOWER_OUTSIDE=1.03")
+    return module, constant, parsed
+
+
+@contextlib.contextmanager
+def with_setting(module: str, constant: str, value, cache: Path):
+    """nimble.runtime.`module`.`constant` set to `value`, with a tuning and plan cache of its own."""
+    import importlib
+    from unittest import mock
+
+    with mock.patch.object(importlib.import_module(f"nimble.runtime.{module}"), constant, value), \
+            mock.patch.dict(os.environ, {"NIMBLE_CACHE_DIR": str(cache)}):
+        yield
+
+
+def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), settings: tuple = ()) -> dict:
+    """One model at fp32, every variant in this process. Also, compiled and tuned as `nimble`:
+    `without` each pass named (the variant `nimble_without_<pass>`), and under each of `settings`
+    ((module, constant, value) of `nimble.runtime`: the variant `nimble_set_<module>.<constant>=<value>`)."""
     import torch
 
     from nimble.formats import read_artifact, write_artifact
@@ -209,36 +239,39 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = ()) -
     specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu],
                         [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
     variants = [("nimble_unfused", False, None), ("nimble", True, None),
-                *((f"nimble_without_{p}", True, p) for p in without)]
-    for variant, fuse, left_out in variants:
-        with without_pass(left_out) if left_out else contextlib.nullcontext():
+                *((f"nimble_without_{p}", True, lambda p=p: without_pass(p)) for p in without),
+                *((f"nimble_set_{m}.{k}={v!r}", True, lambda m=m, k=k, v=v: with_setting(m, k, v, tmp / f"cache_{m}_{k}"))
+                  for m, k, v in settings)]
+    for variant, fuse, context in variants:
+        extra = variant != "nimble" and fuse
+        with context() if context else contextlib.nullcontext():
             c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
-        path = tmp / f"{name}_{batch}_{variant}.nimble"
-        write_artifact(path, c.artifact())
-        art = read_artifact(path)
-        exe = Executable(art, "cuda", tune="off" if not fuse else "full")
-        row["check"][variant] = compare(exe.run(*xs), ref, 1e-2, 1e-3).max_rel
-        record(variant, exe.replay, lambda: exe(*xs, copy=False))
-        row.setdefault("ops", {})[variant] = len(c.graph.ops)
-        row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
-        choice = exe.choice if fuse else tuning.Choice()
-        row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
-        if left_out:
-            row.setdefault("choice_without", {})[left_out] = exe.stats.choice
-        elif fuse:
-            row["choice"], row["tuning_ms"] = exe.stats.choice, exe.stats.tuning_ms
-            row["load_breakdown_s"] = exe.stats.seconds
-            row["kernel_fallbacks"] = exe.stats.kernel_fallbacks
-            row["streams"] = c.schedule.num_streams
-            for forced in tuning.candidates(art.graph, art.schedule.num_streams):
-                other = Executable(art, "cuda", choice=forced)
-                row["check"][f"nimble[{forced.describe()}]"] = compare([o.clone() for o in other.run(*xs)], ref,
-                                                                       1e-2, 1e-3).max_rel
-                del other
-            if name == "inception_v3" and batch == 1:
-                row["first_inference_s"] = first_inference_s(path, tmp / "probe-cache")
-        del exe
-        torch.cuda.empty_cache()
+            path = tmp / f"{name}_{batch}_{variant}.nimble"
+            write_artifact(path, c.artifact())
+            art = read_artifact(path)
+            exe = Executable(art, "cuda", tune="off" if not fuse else "full")
+            row["check"][variant] = compare(exe.run(*xs), ref, 1e-2, 1e-3).max_rel
+            record(variant, exe.replay, lambda: exe(*xs, copy=False))
+            row.setdefault("ops", {})[variant] = len(c.graph.ops)
+            row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
+            choice = exe.choice if fuse else tuning.Choice()
+            row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
+            if extra:
+                row.setdefault("choice_of", {})[variant] = exe.stats.choice
+            elif fuse:
+                row["choice"], row["tuning_ms"] = exe.stats.choice, exe.stats.tuning_ms
+                row["load_breakdown_s"] = exe.stats.seconds
+                row["kernel_fallbacks"] = exe.stats.kernel_fallbacks
+                row["streams"] = c.schedule.num_streams
+                for forced in tuning.candidates(art.graph, art.schedule.num_streams):
+                    other = Executable(art, "cuda", choice=forced)
+                    row["check"][f"nimble[{forced.describe()}]"] = compare([o.clone() for o in other.run(*xs)], ref,
+                                                                           1e-2, 1e-3).max_rel
+                    del other
+                if name == "inception_v3" and batch == 1:
+                    row["first_inference_s"] = first_inference_s(path, tmp / "probe-cache")
+            del exe
+            torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
     return row
 
@@ -407,8 +440,12 @@ def main() -> int:
     parser.add_argument("--without", nargs="*", default=[], metavar="PASS",
                         help="fp32: also time nimble compiled without each named pass (a pipeline pass's "
                              "function name), in the same process, as the variant nimble_without_PASS")
+    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                        help="fp32: also time nimble loaded with a constant of a nimble.runtime module set (as "
+                             "cudnn_graph.SLOWER_OUTSIDE=1.03), in the same process, with a cache of its own")
     args = parser.parse_args()
     args.without = [known_pass(p) for p in args.without]
+    args.set = [setting(t) for t in args.set]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         docs = [json.loads(p.read_text()) for p in args.report]
@@ -434,7 +471,7 @@ def main() -> int:
         for name in args.models:
             for batch in args.batches:
                 try:
-                    rows.append(bench_one(name, batch, Path(tmp), tuple(args.without)) if args.precision == "fp32" else
+                    rows.append(bench_one(name, batch, Path(tmp), tuple(args.without), tuple(args.set)) if args.precision == "fp32" else
                                 bench_reduced(name, batch, args.precision, Path(tmp)))
                 except Exception as e:  # record and go on: one model's failure is a result too
                     print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -139,7 +139,8 @@ class FusedKernel:
         def generated() -> torch.Tensor | None:
             return self._generated(body, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
                                                              device=out.device))
-        graph = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces)
+        graph = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces,
+                                   outside=fused is not None)
         return graph(operands, out) if graph is not None else None
 
     # ---------------------------------------------------------------------------- Triton

@@ -83,6 +83,20 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
 
 
 @needs_frontend
+def test_a_plan_may_be_slower_where_the_reference_leaves_its_result_outside_the_arena(monkeypatch):
+    monkeypatch.setattr(cudnn_graph, "SLOWER", 0.0)  # no plan is as fast as nothing
+    monkeypatch.setattr(cudnn_graph, "SLOWER_OUTSIDE", float("inf"))
+    p, (x, w, b, _), out, _, fused = _call(2, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
+    timed = cudnn_graph.STATS["timed"]
+    assert cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces()) is None
+    graph = cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces(), outside=True)
+    assert graph is not None and cudnn_graph.STATS["timed"] == timed + 2  # two limits: two decisions
+    out.zero_()
+    graph((x, w, b), out)
+    torch.testing.assert_close(out, fused(), rtol=1e-2, atol=1e-2)
+
+
+@needs_frontend
 def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch):
     import json
 
