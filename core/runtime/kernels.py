@@ -14,6 +14,9 @@ the tensor that holds the result:
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
   convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
   its bias; the kernel then adds the bias and applies the rest of the body in place;
+- a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
+  convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
+  cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
 - an elementwise body and the layer norm issued right after it (`pairs.norm_pairs`) run as
   one row kernel, `with_norm`: the body over a row, stored where others read it, then that row
   normalised into the norm's buffer.
@@ -158,7 +161,9 @@ class FusedKernel:
         if conv is not None:
             if conv_shape(conv) != tuple(out.shape) or conv["input"].dtype != out.dtype:
                 return None  # the body broadcasts past its convolution: interpret it
-            _conv_into(conv, out)
+            if len(body) == 1:  # a convolution alone: nothing to generate
+                return conv_into(conv, out, with_bias=True)
+            conv_into(conv, out)
         if launch is _UNBUILT:
             t = time.perf_counter()
             try:  # the first launch compiles: a failure there falls back too
@@ -254,10 +259,13 @@ def _on_cudnn(p: dict) -> bool:
     return backend == torch._C._ConvBackend.Cudnn
 
 
-def _conv_into(p: dict, out: torch.Tensor) -> bool:
-    """The convolution, without its bias, written into `out`: through cuDNN's or the depthwise
-    kernel's out= overload where PyTorch would pick those, else computed and copied."""
+def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
+    """The convolution (`fusion.conv_params`), with its bias or without, written into `out` with
+    the kernel eager PyTorch would pick, through that kernel's out= overload: cuDNN's (the bias
+    then added in place, as eager does) or the depthwise kernel (the bias in it); else computed
+    and copied. Returns `out`."""
     x, w = p["input"], p["weight"]
+    bias = p["bias"] if with_bias else None
     stride, padding, dilation = list(p["stride"]), list(p["padding"]), list(p["dilation"])
     backend = torch._C._select_conv_backend(x, w, p["bias"], stride, padding, dilation, False, [0, 0],
                                             p["groups"], None)
@@ -265,11 +273,13 @@ def _conv_into(p: dict, out: torch.Tensor) -> bool:
         torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, p["groups"],
                                              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
                                              torch.backends.cudnn.allow_tf32, out=out)
+        if bias is not None:
+            out.add_(bias.reshape(1, -1, 1, 1))
     elif backend == torch._C._ConvBackend.CudaDepthwise2d:
-        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), None, stride, padding, dilation, out=out)
+        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), bias, stride, padding, dilation, out=out)
     else:
-        out.copy_(torch.ops.aten.convolution(x, w, None, stride, padding, dilation, False, [0, 0], p["groups"]))
-    return True
+        out.copy_(torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0, 0], p["groups"]))
+    return out
 
 
 def _operands(body, skip_first: bool) -> list[torch.Tensor]:

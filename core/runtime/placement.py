@@ -25,7 +25,7 @@ from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
 from .indices import clamped
-from .kernels import FusedKernel, NormAfter
+from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
 from .reductions import layer_norm, max_pool2d, spatial_mean
 
@@ -57,17 +57,11 @@ def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
         return None
     backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed, output_padding,
                                             groups, None)
-    if backend == torch._C._ConvBackend.Cudnn:
-        torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, groups,
-                                             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-                                             torch.backends.cudnn.allow_tf32, out=out)
-        if bias is not None:
-            out.add_(bias.reshape(1, -1, 1, 1))
-        return out
-    if backend == torch._C._ConvBackend.CudaDepthwise2d:
-        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), bias, stride, padding, dilation, out=out)
-        return out
-    return None
+    if backend not in (torch._C._ConvBackend.Cudnn, torch._C._ConvBackend.CudaDepthwise2d):
+        return None
+    p = {"input": x, "weight": w, "bias": bias, "stride": stride, "padding": padding, "dilation": dilation,
+         "groups": groups}
+    return conv_into(p, out, with_bias=True)
 
 
 def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:

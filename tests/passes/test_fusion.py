@@ -142,7 +142,8 @@ def test_a_lone_broadcasting_multiply_becomes_a_generated_op():
                                  CompileOptions(device="cpu", fuse=fuse)) for fuse in (False, True)}
     alone = [fusion.body_of(op) for op in runs[True].graph.ops
              if op.target == fusion.FUSED and len(fusion.body_of(op)) == 1]
-    assert [node[0] for body in alone for node in body] == ["aten::mul.Tensor"]
+    # the multiply, and the projection that reads it (`fuse_lone_convolutions`)
+    assert [node[0] for body in alone for node in body] == ["aten::mul.Tensor", "aten::convolution.default"]
     assert "aten::mul.Tensor" in targets(runs[False].graph) and "aten::mul.Tensor" not in targets(runs[True].graph)
     assert "aten::add.Tensor" in targets(runs[True].graph)
     got = reference.run(runs[True].graph, runs[True].weights, [x])

@@ -175,6 +175,51 @@ def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
     assert cudnn_graph.STATS["timed"] > timed, cudnn_graph.STATS
 
 
+class Projections(torch.nn.Module):
+    """Convolutions nothing fuses with: a depthwise one and a 1x1 projection, each with a bias
+    (`fuse_lone_convolutions` makes each a fused op of one node), odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.depthwise = torch.nn.Conv2d(12, 12, 3, padding=1, groups=12)
+        self.project = torch.nn.Conv2d(12, 20, 1)
+
+    def forward(self, x):
+        return self.project(self.depthwise(x))
+
+
+@pytest.mark.parametrize("layout", tuning.LAYOUTS)
+def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path, layout):
+    """With a plan (any, however slow) the projection and its bias are one kernel, not the
+    convolution then an add; without the package it runs as eager PyTorch does. Both agree with
+    eager in either layout."""
+    import nimble
+    from nimble.ops import fusion
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    torch.manual_seed(0)
+    module = Projections().eval()
+    x = torch.randn(3, 12, 9, 11)
+    with torch.no_grad():
+        want = module(x)
+    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    lone = [fusion.body_of(op) for op in artifact.graph.ops if op.target == fusion.FUSED]
+    assert [[node[0] for node in body] for body in lone] == [["aten::convolution.default"]] * 2
+    kernels = {}
+    for package in ("installed", "missing"):
+        if package == "missing":
+            monkeypatch.setattr(cudnn_graph, "_module", None)
+        elif cudnn_graph.frontend() is None:
+            continue
+        dump = tmp_path / f"{package}.dot"
+        exe = Executable(artifact, "cuda", choice=tuning.Choice(layout), graph_dump=str(dump))
+        torch.testing.assert_close(exe(x.cuda()).cpu(), want, rtol=1e-2, atol=1e-3)
+        kernels[package] = count_kernels(dump)
+    if "installed" in kernels:  # the projection's bias joins its kernel
+        assert kernels["installed"] < kernels["missing"], kernels
+
+
 def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "_module", None)
     p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
