@@ -305,7 +305,8 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
         return None
     fastest = min(us for us, _ in timed)
     STATS["chosen"] += 1
-    return min((plan for us, plan in timed if us <= SLOWER * fastest), key=lambda plan: plan.workspace_bytes)
+    return min((plan for us, plan in timed if us == fastest or us <= SLOWER * fastest),
+               key=lambda plan: plan.workspace_bytes)
 
 
 def _ranked(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, name: str | None = None) -> list[Plan]:
