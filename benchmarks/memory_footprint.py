@@ -132,12 +132,12 @@ def main() -> int:
                     row["torch_compile"] = child(PEER, name, str(ROOT / "benchmarks"), str(batch))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                peer = row.get("torch_compile", {})  # the same model's, beside each setting's row
                 for k, text in enumerate(args.set):
-                    row = {"model": f"{name} ({text})", "batch": batch, "setting": text,
-                           "nimble": child(NIMBLE, str(path), text, cache=str(Path(tmp) / f"cache_{name}_{batch}_{k}")),
-                           "torch_compile": row.get("torch_compile", {})}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    cache = str(Path(tmp) / f"cache_{name}_{batch}_{k}")
+                    rows.append({"model": f"{name} ({text})", "batch": batch, "setting": text,
+                                 "nimble": child(NIMBLE, str(path), text, cache=cache), "torch_compile": peer})
+                    print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
             "command": "python " + " ".join(sys.argv)}
     body = []

@@ -40,7 +40,7 @@ REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
-           "fold_batch_norm", "functionalise", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise", "generate_broadcast_ops",
-           "inline_scalar_constants",
+           "fold_batch_norm", "functionalise", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
+           "generate_broadcast_ops", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]

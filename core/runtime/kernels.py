@@ -6,7 +6,7 @@ the tensor that holds the result:
 
 - a body that is conv -> relu or conv -> add -> relu, where PyTorch would run the convolution on
   cuDNN, runs as one cuDNN kernel, bias included: a cuDNN graph that writes the planned buffer
-  where `cudnn_graph` found a plan at least as fast, else `cudnn_convolution_relu` or
+  where `cudnn_graph` found a plan at most `SLOWER_OUTSIDE` slower, else `cudnn_convolution_relu` or
   `cudnn_convolution_add_relu`, whose result cuDNN allocates (no out= form), so it is bound in
   place of the planned buffer;
 - any other body that leads with a convolution runs as one cuDNN graph that writes the planned
