@@ -21,14 +21,12 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
   One of cuDNN's engines returned wrong values for some shapes on the H100, so a plan that
   disagrees is never used.
 - Precompiled engines build in milliseconds. conv -> bias -> relu has them, and cuDNN ranks
-  them for other chains where it has them. conv -> bias -> add -> relu and conv -> bias -> add
-  (a residual block's projection, as in mobilenet_v2 and efficientnet_b0) have only engines
-  compiled at run time with NVRTC, so for those chains alone (`COMPILED_CHAINS`) the first
-  `COMPILED_PLANS` of those are tried. They take 0.3 to 1.7 s for the first of a kind in a
-  process, and a kernel cache shared by the process reuses them across shapes. With them resnet50
-  at batch 8 ran 14 % faster and loaded as fast. They stay out of other chains: efficientnet_b0's
-  SiLU and sigmoid chains took its load from 11 s to 23 s, and 41 of the plans tried there
-  disagreed with the reference.
+  them for other chains where it has them. conv -> bias -> add -> relu has only engines compiled
+  at run time with NVRTC, so for that chain alone the first `COMPILED_PLANS` of those are tried.
+  They take 0.3 to 1.7 s for the first of a kind in a process, and a kernel cache shared by the
+  process reuses them across shapes. With them resnet50 at batch 8 ran 14 % faster and loaded as
+  fast. They stay out of other chains: efficientnet_b0's SiLU and sigmoid chains took its load
+  from 11 s to 23 s, and 41 of the plans tried there disagreed with the reference.
 - Plans are timed inside a CUDA graph of ten calls, as they will run. Timed eagerly, the launch
   from Python outlasts a small convolution.
 - Among the plans within `SLOWER` of the fastest, the one with the smallest workspace wins.
@@ -63,7 +61,7 @@ from . import cache, regions, timing
 
 PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
-COMPILED_CHAINS = ((("add", ()), ("relu", ())), (("add", ()),))  # the chains runtime-compiled engines are tried for
+RESIDUAL = (("add", ()), ("relu", ()))  # the one chain runtime-compiled engines are tried for
 MAX_WORKSPACE = 16 * 2**20
 MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
 SLOWER = 1.03  # a plan is used while at most this much slower than the reference
@@ -217,7 +215,7 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     call later gets the same choice."""
     if frontend() is None or _overlaps(out, operands):
         return None
-    key = (_signature(p, operands, out), steps, _limit(outside), steps in COMPILED_CHAINS)
+    key = (_signature(p, operands, out), steps, _limit(outside))
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
@@ -249,7 +247,7 @@ def _decide(key: tuple, p: dict, steps: tuple, operands: tuple, out: torch.Tenso
         if plan is not None:
             STATS["recalled"] += 1
             return plan
-    plan = _time_plans(p, steps, operands, out, reference, key[2])
+    plan = _time_plans(p, steps, operands, out, reference, key[-1])
     cache.write_entry(_table_path(), disk_key, {"plan": plan.name if plan else None}, MAX_PLAN_TABLE_BYTES)
     return plan
 
@@ -313,10 +311,10 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
 
 
 def _ranked(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, name: str | None = None) -> list[Plan]:
-    """The first plans cuDNN ranks among its precompiled engines, else (for COMPILED_CHAINS) among
-    its runtime-compiled ones; only the one called `name`, where given."""
+    """The first plans cuDNN ranks among its precompiled engines, else (for RESIDUAL) among its
+    runtime-compiled ones; only the one called `name`, where given."""
     return _plans(p, steps, operands, out, False, name) or \
-        (_plans(p, steps, operands, out, True, name) if steps in COMPILED_CHAINS else [])
+        (_plans(p, steps, operands, out, True, name) if steps == RESIDUAL else [])
 
 
 def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: bool,
