@@ -256,6 +256,7 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), s
             row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
             choice = exe.choice if fuse else tuning.Choice()
             row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
+            row.setdefault("load_s", {})[variant] = exe.stats.seconds.get("total")  # in this process, after the others
             if extra:
                 row.setdefault("choice_of", {})[variant] = exe.stats.choice
             elif fuse:
