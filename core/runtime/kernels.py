@@ -383,7 +383,7 @@ def _offset(shape, strides, order, dense: bool) -> str:
             coord = f"({coord} % {n})" if step * n < math.prod(shape) else coord
             terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
         step *= n
-    return " + ".join(terms) or "0"
+    return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
 
 
 INT32_LIMIT = 2**31 - 1

@@ -232,3 +232,23 @@ def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, pre
         kernels.append(count_kernels(dump))
     # in half precision cuBLASLt fuses the bias; in float32 it may run the bias apart either way
     assert kernels[0] < kernels[1] if precision == "fp16" else kernels[0] <= kernels[1], kernels
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("scale_shape", [(3, 5, 1, 1), ()])
+def test_a_generated_kernel_reads_a_broadcast_scale_even_a_0d_one(layout, scale_shape):
+    """A one-node body as `generate_broadcast_ops` makes it, x * scale: a per-image, per-channel
+    scale, and a 0-d one (every stride 0: its offsets are a block of zeros, as Triton's load
+    needs), compiled, not interpreted, in either layout and at odd sizes."""
+    from nimble.ir import Op, Ref
+    from nimble.runtime import kernels
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7, 9, device="cuda").to(memory_format=layout)
+    scale = torch.randn(scale_shape, device="cuda")
+    op = Op(0, fusion.FUSED, ((("aten::mul.Tensor", (Ref(0), Ref(1)), ()),),), (), (2,), (), (), "test")
+    fallbacks = len(kernels.STATS.fallbacks)
+    out = torch.empty_like(x)
+    got = kernels.FusedKernel(op)([(("aten::mul.Tensor", (x, scale), ()),)], out)
+    assert got is out and len(kernels.STATS.fallbacks) == fallbacks, kernels.STATS.fallbacks[fallbacks:]
+    torch.testing.assert_close(out, x * scale, rtol=0, atol=0)

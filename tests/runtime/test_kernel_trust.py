@@ -126,6 +126,20 @@ def test_generated_kernels_agree_with_the_interpreted_body(body, seed):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("scale_shape", [(2, 5, 1, 1), (1, 5, 1, 1), ()])
+def test_a_lone_broadcast_multiply_addresses_its_scale_in_either_layout(layout, scale_shape):
+    """`generate_broadcast_ops`'s one-node body: x * scale, scale per image and channel (the
+    squeeze-and-excitation multiply), per channel, or 0-d."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 7, generator=g).to(memory_format=layout)
+    scale = torch.randn(scale_shape, generator=g)
+    body = (("aten::mul.Tensor", (x, scale), ()),)
+    out = torch.empty_like(x)  # the planned buffer, in the layout chosen at load
+    got = generated(body, out, kernels._operands(body, skip_first=False))
+    torch.testing.assert_close(got, x * scale, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------- schema checks
 @pytest.mark.parametrize("node, problem", [
     (("aten::relu.default", (Ref(0), 1.0), ()), "positional arguments"),
