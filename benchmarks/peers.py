@@ -180,7 +180,7 @@ def setting(text: str) -> tuple[str, str, object]:
     try:
         parsed = ast.literal_eval(value)
         found = hasattr(importlib.import_module(f"nimble.runtime.{module}"), constant)
-    except (ValueError, SyntaxError, ImportError):
+    except Exception:  # a value literal_eval refuses, or a module name import refuses
         found = False
     if not found or not module:
         raise SystemExit(f"--set {text}: expected MODULE.NAME=VALUE naming a constant of a nimble.runtime module "

@@ -49,18 +49,12 @@ def out_overload(target: str):
 
 
 def _conv(args: list, out: torch.Tensor) -> torch.Tensor | None:
-    """aten::convolution into `out` with the kernel eager PyTorch would pick, through that kernel's
-    own out= overload: cuDNN (bias added in place, as eager does) or the CUDA depthwise kernel.
-    None where neither applies; the caller then computes and copies."""
-    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
-    if not x.is_cuda or x.dim() != 4 or transposed:
+    """aten::convolution into `out` as eager PyTorch computes it (`kernels.conv_into`): through
+    cuDNN's out= kernel (bias added in place) or the CUDA depthwise kernel's, else computed and
+    copied. None for a transposed convolution or one off CUDA: the caller computes and copies."""
+    p = fusion.conv_params("aten::convolution.default", args)  # None: transposed
+    if p is None or not p["input"].is_cuda or p["input"].dim() != 4:
         return None
-    backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed, output_padding,
-                                            groups, None)
-    if backend not in (torch._C._ConvBackend.Cudnn, torch._C._ConvBackend.CudaDepthwise2d):
-        return None
-    p = {"input": x, "weight": w, "bias": bias, "stride": stride, "padding": padding, "dilation": dilation,
-         "groups": groups}
     return conv_into(p, out, with_bias=True)
 
 
