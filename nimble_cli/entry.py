@@ -18,3 +18,6 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    finally:  # the command is over: a SIGTERM while the interpreter shuts down (which gives its
+        # handler back to the default, death by the signal) must not replace the exit status
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
