@@ -1,13 +1,17 @@
 """Where load to first inference goes: each load in a fresh process, empty caches then warm,
 with Python's profiler over the load and first call.
 
-    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm] [--top 30] [--out DIR]
+    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm] [--top 30] [--no-profile]
+                                      [--set MODULE.NAME=VALUE] [--out DIR]
 
 Prints, per run, the seconds from `nimble.load` to the first result, the stage seconds the load
 reports (`exe.stats.seconds`), the tuning outcome, the cuDNN graph counts where the `cudnn` extra
 is installed, and the `--top` functions by cumulative time, then by time spent in each. The
 caches (nimble's and Triton's) are a temporary folder shared by the runs, so a cold run empties
-them and the runs after it are warm.
+them and the runs after it are warm. `--no-profile` times the same runs without the profiler,
+which adds to every figure: those are the seconds to quote. Each row also says whether the load
+imported Triton. `--set` changes a constant of a `nimble.runtime` module in every run (as
+`peers.py --set` does), to compare a change with the load before it.
 """
 
 from __future__ import annotations
@@ -20,27 +24,34 @@ import sys
 import tempfile
 from pathlib import Path
 
+from peers import setting
+
 PROBE = """
-import cProfile, io, json, pstats, sys, time
+import cProfile, importlib, io, json, pstats, sys, time
 import torch
+for module, constant, value in json.loads(sys.argv[3]):
+    setattr(importlib.import_module(f"nimble.runtime.{module}"), constant, value)
 from nimble.runtime.executable import load
 from nimble.runtime import cudnn_graph
 torch.cuda.init()
-profile = cProfile.Profile()
+profile = cProfile.Profile() if sys.argv[2] != "0" else None
 t = time.perf_counter()
-profile.enable()
+if profile is not None:
+    profile.enable()
 exe = load(sys.argv[1], "cuda")
 x = [torch.randn(b.shape, device="cuda").to(b.dtype) for b in exe.input_buffers]
 exe(*x)
 torch.cuda.synchronize()
-profile.disable()
 seconds = time.perf_counter() - t
 text = io.StringIO()
-for order in ("cumulative", "tottime"):
-    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(int(sys.argv[2]))
+if profile is not None:
+    profile.disable()
+    for order in ("cumulative", "tottime"):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(int(sys.argv[2]))
 stats = {k: v for k, v in cudnn_graph.STATS.items() if k != "failed"}
 print(json.dumps({"seconds": seconds, "stages": exe.stats.seconds, "choice": exe.stats.choice,
-                  "tuning": exe.stats.tuning, "cudnn_graph": stats, "profile": text.getvalue()}))
+                  "tuning": exe.stats.tuning, "cudnn_graph": stats, "triton_imported": "triton" in sys.modules,
+                  "profile": text.getvalue()}))
 """
 
 
@@ -49,9 +60,13 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"], choices=["cold", "warm"])
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--no-profile", action="store_true", help="time the runs without Python's profiler")
+    parser.add_argument("--set", default=None, metavar="MODULE.NAME=VALUE",
+                        help="a constant of a nimble.runtime module, changed in every run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
+    settings = [setting(args.set)] if args.set else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, NIMBLE_CACHE_DIR=f"{tmp}/nimble", TRITON_CACHE_DIR=f"{tmp}/triton",
@@ -59,7 +74,9 @@ def main() -> None:
         for label in args.runs:
             if label == "cold":
                 subprocess.run(["rm", "-rf", f"{tmp}/nimble", f"{tmp}/triton"], check=True)
-            done = subprocess.run([sys.executable, "-c", PROBE, str(args.artifact), str(args.top)], env=env,
+            done = subprocess.run([sys.executable, "-c", PROBE, str(args.artifact),
+                                   "0" if args.no_profile else str(max(args.top, 1)), json.dumps(settings)],
+                                  env=env,
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"the {label} load failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -68,7 +85,8 @@ def main() -> None:
             rows.append(row)
             print(f"{label}: {row['seconds']:.2f} s to the first result; stages "
                   + ", ".join(f"{k} {v:.2f}" for k, v in row["stages"].items())
-                  + f"; {row['tuning']}; {row['choice']}; cuDNN graphs {row['cudnn_graph']}")
+                  + f"; {row['tuning']}; {row['choice']}; cuDNN graphs {row['cudnn_graph']}"
+                  + f"; Triton imported: {row['triton_imported']}")
             print(row["profile"])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

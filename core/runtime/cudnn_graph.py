@@ -256,16 +256,23 @@ def _recall(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference
     """The plan called `name`, if cuDNN still ranks it for this call and its result agrees with
     the reference (a crafted cache names a plan, it cannot make nimble trust one)."""
     plans = _ranked(p, steps, operands, out, name)
-    ref = _reference(reference) if plans else None
+    ref = _reference(reference, heuristic=True) if plans else None
     if ref is None or not _agrees(plans[0], operands, out, ref, _workspace(plans[0], out.device)):
         return None
     return plans[0]
 
 
-def _reference(reference) -> torch.Tensor | None:
+def _reference(reference, heuristic: bool = False) -> torch.Tensor | None:
     """The reference's result, or None where it has none or it is not finite (nothing to check
-    a plan against)."""
-    ref = reference()
+    a plan against). `heuristic`: PyTorch's convolutions take the algorithm cuDNN's heuristics
+    rank first rather than timing every one (in benchmark mode 9 ms for each new shape: 0.4 s of
+    inception_v3's warm load), which is enough where a recalled plan is only checked, not timed."""
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = benchmark and not heuristic
+    try:
+        ref = reference()
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
     return ref if ref is not None and bool(torch.isfinite(ref).all()) else None
 
 

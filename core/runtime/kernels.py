@@ -12,8 +12,10 @@ the tensor that holds the result:
 - any other body that leads with a convolution runs as one cuDNN graph that writes the planned
   buffer, where `cudnn_graph` found a correct plan at least as fast as the two kernels below;
 - any other body runs as one generated Triton kernel that writes the planned buffer. A
-  convolution leading such a body first writes the buffer through cuDNN's out= kernel, without
-  its bias; the kernel then adds the bias and applies the rest of the body in place;
+  convolution leading such a body first writes the buffer without its bias, as a cuDNN graph of
+  the convolution alone where `cudnn_graph` chose one (no workspace of its own in the captured
+  graph's pool), else through cuDNN's out= kernel; the kernel then adds the bias and applies the
+  rest of the body in place;
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
   cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
@@ -25,8 +27,9 @@ A kernel is specialised to its call: the body, the shapes, the strides of every 
 layout) and the dtypes. It is compiled from the source text generated here, never imported from
 disk; a copy is kept in the cache folder under the hash of that source (which names all of these
 and the torch and Triton versions) for reading, and Triton keeps the compiled binary in its own
-cache, keyed by the GPU's compute capability too. If Triton is missing or a kernel cannot be
-built, the body is interpreted op by op instead, and `STATS` counts it.
+cache, keyed by the GPU's compute capability too. A later process launches that binary without
+importing Triton (`binaries.py`). If Triton is missing or a kernel cannot be built, the body is
+interpreted op by op instead, and `STATS` counts it.
 
 Index arithmetic is 32-bit where every element offset the kernel can form stays below 2**31, and
 64-bit otherwise (`_wide`), so no kernel can address outside its buffers. NaN propagates through
@@ -46,11 +49,12 @@ import torch
 from ..errors import first_line
 from ..ir import Local, contiguous_strides
 from ..ops import fusion
-from . import cache, cudnn_graph
+from . import binaries, cache, cudnn_graph
 
 BLOCK = 1024
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
+BARE_CONVOLUTION_GRAPHS = True  # False: a generated body's convolution is always PyTorch's (for comparisons)
 
 
 def triton_block(n: int) -> int:
@@ -163,7 +167,7 @@ class FusedKernel:
                 return None  # the body broadcasts past its convolution: interpret it
             if len(body) == 1:  # a convolution alone: nothing to generate
                 return conv_into(conv, out, with_bias=True)
-            conv_into(conv, out)
+            self._convolution(conv, out)
         if launch is _UNBUILT:
             t = time.perf_counter()
             try:  # the first launch compiles: a failure there falls back too
@@ -179,6 +183,28 @@ class FusedKernel:
         launch(out, operands)
         return out
 
+
+    def _convolution(self, p: dict, out: torch.Tensor) -> None:
+        """The convolution that leads a generated body, without its bias (the kernel adds it),
+        into `out`: as a cuDNN graph of the convolution alone where `cudnn_graph` chose one, else
+        through cuDNN's out= kernel. The graph's workspace is its stream's (`Workspaces`); the
+        out= kernel allocates its own during the capture, which then keeps a pool segment of 20
+        MiB for as long as the graph lives. The split tuning candidate (`cudnn_fusion` False)
+        keeps PyTorch's kernel, as eager runs it."""
+        x = p["input"]
+        if BARE_CONVOLUTION_GRAPHS and self.cudnn_fusion and x.dtype in FLOAT_KINDS and x.dim() == 4 and out.dtype == x.dtype \
+                and p["weight"].dtype == x.dtype and _on_cudnn(p):
+            bare = {**p, "bias": None}
+            operands = (x, p["weight"], None)
+
+            def reference() -> torch.Tensor:
+                return conv_into(bare, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
+                                                           device=out.device))
+            graph = cudnn_graph.choose(bare, (), operands, out, reference, self.workspaces)
+            if graph is not None:
+                graph(operands, out)
+                return
+        conv_into(p, out)
 
     # ---------------------------------------------------------------------------- with a layer norm
     def with_norm(self, body, out: torch.Tensor, norm: NormAfter) -> bool:
@@ -499,13 +525,11 @@ def _compile_norm(source: str):
     return launch
 
 
-def define(source: str):
-    """The `kernel` that generated `source` defines, compiled from this text (Triton reads a
-    kernel's source through `inspect`, so the text is registered with `linecache` under a name no
-    file has); a copy goes to the cache folder for reading, never to be imported."""
-    import triton
-
-    digest = hashlib.sha256(f"{source}triton {triton.__version__}".encode()).hexdigest()[:32]
+def define(source: str) -> Generated:
+    """The `kernel` that generated `source` defines, launched as a Triton kernel is
+    (`kernel[grid](*args, **constants)`, see `Generated`); a copy of the text goes to the cache
+    folder for reading, never to be imported."""
+    digest = hashlib.sha256(f"{source}triton {binaries.triton_version()}".encode()).hexdigest()[:32]
     folder = cache.cache_dir("kernels")
     if folder is not None:
         path = folder / f"k{digest}.py"
@@ -513,22 +537,58 @@ def define(source: str):
             STATS.source_hits += 1
         else:
             cache.write(path, source.encode())
-    filename = f"<nimble kernel k{digest}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": f"nimble_kernel_{digest}"}
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - text generated here, just now
     STATS.generated += 1
-    return namespace["kernel"]
+    return Generated(source, digest)
+
+
+class Generated:
+    """A generated kernel. A launch whose call signature met a binary before runs it without
+    Triton (`binaries.recall`); any other is Triton's, which compiles the text on first use (Triton
+    reads a kernel's source through `inspect`, so the text is registered with `linecache` under a
+    name no file has), and its binary is then recorded for later loads (`binaries.remember`)."""
+
+    def __init__(self, source: str, digest: str):
+        self.source, self.digest = source, digest
+        self._jit = None
+        self._binaries: dict[str, binaries.Binary | None] = {}  # call signature -> recorded binary, or None
+        self._recorded: set[str] = set()  # signatures Triton built and `remember` saw in this process
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **constants: self.launch(tuple(grid), args, constants)
+
+    def launch(self, grid: tuple, args: tuple, constants: dict) -> None:
+        signature = binaries.specialisation(args, constants)
+        if signature not in self._binaries:
+            self._binaries[signature] = binaries.recall(self.digest, signature, args, constants)
+        binary = self._binaries[signature]
+        if binary is not None:
+            binary.run(grid, args, constants)
+            return
+        compiled = self.jit()[grid](*args, **constants)
+        if signature not in self._recorded:
+            self._recorded.add(signature)
+            self._binaries[signature] = binaries.remember(self.digest, signature, compiled, args, constants,
+                                                          list(self.jit().arg_names))
+
+    def jit(self):
+        """The Triton kernel, compiled from this text on first use."""
+        if self._jit is None:
+            import triton  # noqa: F401 - fails here, where Triton is missing, and the caller falls back
+
+            filename = f"<nimble kernel k{self.digest}>"
+            linecache.cache[filename] = (len(self.source), None, self.source.splitlines(keepends=True), filename)
+            namespace = {"__name__": f"nimble_kernel_{self.digest}"}
+            exec(compile(self.source, filename, "exec"), namespace)  # noqa: S102 - text generated in this process
+            self._jit = namespace["kernel"]
+        return self._jit
 
 
 def _compile(source: str):
     """A launcher for the generated elementwise source (`define`)."""
-    import triton
-
     kernel = define(source)
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:
         numel = out.numel()
-        kernel[(triton.cdiv(numel, BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
+        kernel[(-(-numel // BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
 
     return launch

@@ -258,3 +258,48 @@ def test_settled_workspaces_share_one_allocation_of_their_own():
     assert spaces._by_stream[streams[0].cuda_stream].numel() == 4 * 2**20
     # the first allocation stays: graphs captured on it may still replay
     assert [r[streams[1].cuda_stream].untyped_storage().data_ptr() for r in spaces._regions][0] == base.data_ptr()
+
+
+class Activated(torch.nn.Module):
+    """Convolutions whose epilogue is generated: relu6 and SiLU after each, odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(8, 24, 3, padding=1)
+        self.b = torch.nn.Conv2d(24, 16, 1)
+
+    def forward(self, x):
+        return F.silu(self.b(F.relu6(self.a(x))))
+
+
+@needs_frontend
+@pytest.mark.parametrize("layout", tuning.LAYOUTS)
+def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch, tmp_path, layout):
+    """Where the whole body has no plan, its convolution alone still runs as a cuDNN graph (where
+    cuDNN has a plan for it) into the planned buffer (its workspace the stream's), and the generated kernel adds the bias and
+    the rest: as many kernels as with PyTorch's convolution, the same results as eager."""
+    import nimble
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    monkeypatch.setattr(cudnn_graph, "epilogue", lambda body, out: None)  # no plan for any whole body
+    torch.manual_seed(0)
+    module = Activated().eval()
+    x = torch.randn(3, 8, 9, 11)
+    with torch.no_grad():
+        want = module(x)
+    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    kernels = {}
+    for package in ("installed", "missing"):
+        if package == "missing":
+            monkeypatch.setattr(cudnn_graph, "_module", None)
+        chosen = cudnn_graph.STATS["chosen"]
+        dump = tmp_path / f"{package}.dot"
+        exe = Executable(artifact, "cuda", choice=tuning.Choice(layout), graph_dump=str(dump))
+        torch.testing.assert_close(exe(x.cuda()).cpu(), want, rtol=1e-2, atol=1e-3)
+        kernels[package] = count_kernels(dump)
+        if package == "installed":
+            bare = [key for key, plan in cudnn_graph._chosen.items() if plan is not None and key[1] == ()]
+            assert cudnn_graph.STATS["chosen"] - chosen == len(bare) >= 1, (cudnn_graph.STATS, list(cudnn_graph._chosen))
+            assert all(key[0][4] is None for key in bare)  # the bias is the generated kernel's
+    assert kernels["installed"] == kernels["missing"], kernels
