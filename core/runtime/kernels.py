@@ -190,10 +190,11 @@ class FusedKernel:
         through cuDNN's out= kernel. The graph's workspace is its stream's (`Workspaces`); the
         out= kernel allocates its own during the capture, which then keeps a pool segment of 20
         MiB for as long as the graph lives. The split tuning candidate (`cudnn_fusion` False)
-        keeps PyTorch's kernel, as eager runs it."""
+        keeps PyTorch's kernel, as eager runs it, and so do grouped convolutions: cuDNN's graph
+        plans for mobilenet_v2's depthwise ones were so slow that timing them took minutes."""
         x = p["input"]
-        if BARE_CONVOLUTION_GRAPHS and self.cudnn_fusion and x.dtype in FLOAT_KINDS and x.dim() == 4 and out.dtype == x.dtype \
-                and p["weight"].dtype == x.dtype and _on_cudnn(p):
+        if BARE_CONVOLUTION_GRAPHS and self.cudnn_fusion and p["groups"] == 1 and x.dtype in FLOAT_KINDS \
+                and x.dim() == 4 and out.dtype == x.dtype and p["weight"].dtype == x.dtype and _on_cudnn(p):
             bare = {**p, "bias": None}
             operands = (x, p["weight"], None)
 
