@@ -152,6 +152,7 @@ def bench_command(
                        "candidates_pool_bytes": stats.tuning_pool_bytes},
             "kernels": {"per_inference": kernels, "generated": stats.kernels_generated,
                         "source_cache_hits": stats.kernel_source_hits,
+                        "binaries_recalled": stats.kernel_binaries_recalled,
                         "interpreted_fused_ops": stats.kernel_fallbacks},
             "batch": exe.artifact.batch, "batch_sizes": per_batch,
             "inputs": "given" if inputs else "stored sample",
@@ -218,7 +219,8 @@ def _print(r: dict, pcts) -> None:
         console.print(f"  runs as: {t['choice']} ({t['how']})")
     if k["per_inference"] is not None:
         console.print(f"  kernels per inference: {k['per_inference']}; fused kernels generated {k['generated']} "
-                      f"({k['source_cache_hits']} from the cache folder)"
+                      f"({k['source_cache_hits']} from the cache folder; {k['binaries_recalled']} launched from an "
+                      "earlier process's binary, without Triton)"
                       + (f", {len(k['interpreted_fused_ops'])} fused ops interpreted" if k["interpreted_fused_ops"]
                          else ""))
     names = list(r["results"])

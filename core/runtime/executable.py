@@ -36,7 +36,7 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import cudnn_graph, footprint, indices, kernels, regions, streams, timing, tuning
+from . import binaries, cudnn_graph, footprint, indices, kernels, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .pairs import copy_pairs, norm_pairs
@@ -60,6 +60,7 @@ class LoadStats:
     tuning_pool_bytes: dict[str, int] = field(default_factory=dict)  # and the bytes of its graph pool
     kernels_generated: int = 0  # fused kernels built in this load
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
+    kernel_binaries_recalled: int = 0  # kernels launched from the binary of an earlier process, without Triton
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
     footprint: footprint.Footprint | None = None  # CUDA: what the load holds on the GPU, by kind
 
@@ -130,12 +131,13 @@ class Executable:
             self._allocate()
         if self.device.type == "cuda":
             kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
-                              len(kernels.STATS.fallbacks))
+                              len(kernels.STATS.fallbacks), binaries.STATS.recalled)
             self._choose(tune, choice, graph_dump)
             self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
             self._channels_last_weights = {}
             self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
             self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
+            self.stats.kernel_binaries_recalled = binaries.STATS.recalled - kernels_before[4]
             stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
             settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
