@@ -59,6 +59,7 @@ class Stats:
 
 
 STATS = Stats()
+_LOADED: dict[tuple, int] = {}  # (sha256, entry, shared bytes, device index) -> the loaded function
 
 
 def specialisation(args: tuple, constants: dict) -> str:
@@ -113,8 +114,11 @@ class Binary:
     stream (inside a capture too)."""
 
     def __init__(self, record: dict, device: torch.device):
-        got = _launcher()._load_kernel(record["binary"], record["name"], record["shared"], device.index or 0)
-        self.function = got[1] if len(got) == 4 else got[0]  # newer torch returns the module first
+        key = (record["sha256"], record["name"], record["shared"], device.index or 0)
+        if key not in _LOADED:  # a process loads each binary once, however many executables launch it
+            got = _launcher()._load_kernel(record["binary"], record["name"], record["shared"], device.index or 0)
+            _LOADED[key] = got[1] if len(got) == 4 else got[0]  # newer torch returns the module first
+        self.function = _LOADED[key]
         self.record, self.device = record, device
         self.slots = [s if isinstance(s, int) else str(s) for s, _ in record["params"]]
         self.types = "".join(t for _, t in record["params"]) + "O" * record["scratch"]

@@ -183,7 +183,6 @@ class FusedKernel:
         launch(out, operands)
         return out
 
-
     def _convolution(self, p: dict, out: torch.Tensor) -> None:
         """The convolution that leads a generated body, without its bias (the kernel adds it),
         into `out`: as a cuDNN graph of the convolution alone where `cudnn_graph` chose one, else
@@ -206,6 +205,7 @@ class FusedKernel:
                 graph(operands, out)
                 return
         conv_into(p, out)
+
 
     # ---------------------------------------------------------------------------- with a layer norm
     def with_norm(self, body, out: torch.Tensor, norm: NormAfter) -> bool:

@@ -175,6 +175,18 @@ def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
     assert cudnn_graph.STATS["timed"] > timed, cudnn_graph.STATS
 
 
+def _prepared(make, shape: tuple):
+    """An input of `shape`, the eager result of the module `make()` builds, and its artifact."""
+    import nimble
+
+    torch.manual_seed(0)
+    module = make().eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = module(x)
+    return x, want, nimble.Nimble(module).prepare(x)._runner.artifact
+
+
 class Projections(torch.nn.Module):
     """Convolutions nothing fuses with: a depthwise one and a 1x1 projection, each with a bias
     (`fuse_lone_convolutions` makes each a fused op of one node), odd sizes."""
@@ -193,17 +205,11 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
     """With a plan (any, however slow) the projection and its bias are one kernel, not the
     convolution then an add; without the package it runs as eager PyTorch does. Both agree with
     eager in either layout."""
-    import nimble
     from nimble.ops import fusion
     from nimble.runtime.streams import count_kernels
 
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
-    torch.manual_seed(0)
-    module = Projections().eval()
-    x = torch.randn(3, 12, 9, 11)
-    with torch.no_grad():
-        want = module(x)
-    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    x, want, artifact = _prepared(Projections, (3, 12, 9, 11))
     lone = [fusion.body_of(op) for op in artifact.graph.ops if op.target == fusion.FUSED]
     assert [[node[0] for node in body] for body in lone] == [["aten::convolution.default"]] * 2
     kernels = {}
@@ -278,17 +284,11 @@ def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch
     """Where the whole body has no plan, its convolution alone still runs as a cuDNN graph (where
     cuDNN has a plan for it) into the planned buffer (its workspace the stream's), and the generated kernel adds the bias and
     the rest: as many kernels as with PyTorch's convolution, the same results as eager."""
-    import nimble
     from nimble.runtime.streams import count_kernels
 
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     monkeypatch.setattr(cudnn_graph, "epilogue", lambda body, out: None)  # no plan for any whole body
-    torch.manual_seed(0)
-    module = Activated().eval()
-    x = torch.randn(3, 8, 9, 11)
-    with torch.no_grad():
-        want = module(x)
-    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    x, want, artifact = _prepared(Activated, (3, 8, 9, 11))
     kernels = {}
     for package in ("installed", "missing"):
         if package == "missing":
