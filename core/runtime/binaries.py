@@ -75,12 +75,16 @@ def _describe(v) -> str:
     return f"?{type(v).__name__}"  # nothing a generated kernel passes: never recorded, see `remember`
 
 
-@lru_cache(maxsize=1)
 def triton_version() -> str | None:
     """Triton's version without importing it (an imported Triton says its own); None if missing."""
     module = sys.modules.get("triton")
     if module is not None:
         return getattr(module, "__version__", None)
+    return _installed_triton()
+
+
+@lru_cache(maxsize=1)
+def _installed_triton() -> str | None:
     try:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
