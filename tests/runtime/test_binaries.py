@@ -93,3 +93,67 @@ def test_without_cuda_nothing_is_recalled_or_remembered(tmp_path, monkeypatch):
     assert binaries.recall("d" * 32, signature, args, constants) is None
     assert binaries.remember("d" * 32, signature, object(), args, constants, ["a", "b", "s", "N", "BLOCK"]) is None
     assert not (tmp_path / "cache" / "binaries").exists() or not any((tmp_path / "cache" / "binaries").iterdir())
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    """A stand-in for `triton.runtime.cache` whose cache manager keeps every kernel in tmp_path."""
+    import sys
+    import types
+
+    folder = tmp_path / "triton"
+    folder.mkdir()
+    module = types.ModuleType("triton.runtime.cache")
+    module.get_cache_manager = lambda key: types.SimpleNamespace(cache_dir=str(folder))
+    for name in ("triton", "triton.runtime"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "triton.runtime.cache", module)
+    return folder
+
+
+def compiled(folder, binary=b"\x7fELF-cubin", written=None, signature=None, constants=None, **meta):
+    """A CompiledKernel as Triton 3.6 describes one: kernel(out_ptr, x_ptr, s, N, BLOCK: constexpr)."""
+    import types
+
+    (folder / "kernel.cubin").write_bytes(binary if written is None else written)
+    fields = {"name": "kernel", "num_warps": 4, "num_ctas": 1, "shared": 0, "global_scratch_size": 0,
+              "profile_scratch_size": 0, **meta}
+    src = types.SimpleNamespace(
+        signature=signature or {"out_ptr": "*fp32", "x_ptr": "*fp32", "s": "fp32", "N": "i32", "BLOCK": "constexpr"},
+        constants=constants if constants is not None else {(4,): 1024})
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(**fields), asm={"cubin": binary}, src=src, hash="h")
+
+
+NAMES = ["out_ptr", "x_ptr", "s", "N", "BLOCK"]
+
+
+def test_the_record_of_a_compiled_kernel_names_what_the_binary_takes(triton_cache):
+    args, constants = (torch.empty(4), torch.empty(4), 0.5), {"N": 4, "BLOCK": 1024}
+    record = binaries._describe_compiled(compiled(triton_cache), args, constants, NAMES)
+    assert record["params"] == [[0, "O"], [1, "O"], [2, "f"], ["N", "i"]]  # BLOCK is a constexpr: not passed
+    assert record["scratch"] == 2 and record["num_warps"] == 4 and record["shared"] == 0
+    assert record["binary"] == str((triton_cache / "kernel.cubin").resolve()) and record["size"] == 10
+    path = triton_cache / "record.json"
+    path.write_text(json.dumps(record))
+    assert binaries.read_record(path, args, constants) == record  # what nimble writes, it reads back
+    # N == 1: Triton makes it a constant of the binary, which then takes no N
+    one = compiled(triton_cache, signature={"out_ptr": "*fp32", "x_ptr": "*fp32", "s": "fp32", "N": "constexpr",
+                                            "BLOCK": "constexpr"}, constants={(3,): 1, (4,): 1024})
+    assert binaries._describe_compiled(one, args, {"N": 1, "BLOCK": 1024}, NAMES)["params"] == \
+        [[0, "O"], [1, "O"], [2, "f"]]
+    older = compiled(triton_cache)  # an older Triton: no scratch fields, and the binary takes no scratch pointers
+    del older.metadata.global_scratch_size, older.metadata.profile_scratch_size
+    assert binaries._describe_compiled(older, args, constants, NAMES)["scratch"] == 0
+
+
+@pytest.mark.parametrize("case", ["scratch", "ctas", "elsewhere", "default"])
+def test_what_the_static_launcher_cannot_run_is_not_recorded(triton_cache, case):
+    args, constants = (torch.empty(4), torch.empty(4), 0.5), {"N": 4, "BLOCK": 1024}
+    kernel = {"scratch": lambda: compiled(triton_cache, global_scratch_size=256),
+              "ctas": lambda: compiled(triton_cache, num_ctas=2),
+              "elsewhere": lambda: compiled(triton_cache, written=b"another binary"),  # not Triton's file
+              "default": lambda: compiled(triton_cache)}[case]()
+    if case == "default":  # N left at a default the call does not pass
+        assert binaries._describe_compiled(kernel, args[:3], {"BLOCK": 1024}, NAMES) is None
+    else:
+        assert binaries._describe_compiled(kernel, args, constants, NAMES) is None
