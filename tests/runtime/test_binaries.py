@@ -1,5 +1,6 @@
-"""What a record of a compiled kernel (`runtime/binaries.py`) must be before a launch trusts it:
-crafted records in the cache folder are misses, never launches. The launches themselves are
+"""Records of compiled kernels (`runtime/binaries.py`): what one says about Triton's compiled
+kernel, which kernels get none, and what a record must be before a launch trusts it (crafted
+records in the cache folder are misses, never launches). The launches themselves are
 `test_gpu_binaries.py`."""
 
 import json
