@@ -17,6 +17,9 @@ A plan is chosen per convolution on the warm-up's tensors, never during a captur
 are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the measurements.
 - cuDNN's heuristics rank up to about 40 plans, and the first is often not the fastest (up to
   300 times slower than the best), so the first `PLANS` are each built, run, checked and timed.
+  A plan whose checked run alone took more than `TOO_SLOW_S` and `TOO_SLOW` times the limit is
+  not timed: timing runs it 34 more times, and some plans (for depthwise convolutions) take
+  seconds each.
 - Each result is checked against the reference, the result nimble computes without a graph.
   One of cuDNN's engines returned wrong values for some shapes on the H100, so a plan that
   disagrees is never used.
@@ -52,6 +55,7 @@ warm-up, outside the captured graph's pool.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,15 +71,17 @@ MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
 SLOWER = 1.03  # a plan is used while at most this much slower than the reference
 SLOWER_OUTSIDE = 1.25  # ... or this much, where the reference's result lies outside the arena
 TOLERANCE = 1e-2  # largest difference from the reference's result, relative to its largest magnitude
+TOO_SLOW_S = 0.05  # a plan whose checked run alone takes longer (and TOO_SLOW times the limit) is not timed
+TOO_SLOW = 20
 
 _UNTRIED = object()
 _module = _UNTRIED
 _handles: dict[int, object] = {}
 _kernel_cache = None  # the runtime-compiled kernels, shared by the process
 _chosen: dict[tuple, Plan | None] = {}  # call signature -> the chosen plan, or None: nimble's own way
-STATS = {"timed": 0, "chosen": 0, "recalled": 0, "rejected": 0, "failed": []}  # convolutions timed, plans
-# chosen, choices read from the cache folder, plans that disagreed with the reference, and why a
-# convolution could not be timed (nimble's own way then runs)
+STATS = {"timed": 0, "chosen": 0, "recalled": 0, "rejected": 0, "too_slow": 0, "failed": []}  # convolutions timed, plans
+# chosen, choices read from the cache folder, plans that disagreed with the reference, plans too
+# slow to time, and why a convolution could not be timed (nimble's own way then runs)
 
 
 def frontend():
@@ -301,10 +307,14 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
     timed = []
     for plan in _ranked(p, steps, operands, out):
         workspace = _workspace(plan, out.device)
+        started = time.perf_counter()
         try:
             if not _agrees(plan, operands, out, ref, workspace):
                 continue
         except Exception:  # a plan that fails to run is passed over
+            continue
+        if time.perf_counter() - started > max(TOO_SLOW_S, TOO_SLOW * limit / 1e6):
+            STATS["too_slow"] += 1  # timing it would take 34 more runs (some plans take seconds each)
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
         if us <= limit:

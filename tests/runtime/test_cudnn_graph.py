@@ -51,3 +51,33 @@ def test_anything_else_stays_with_nimble():
 def test_without_the_package_there_is_no_frontend(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "_module", None)
     assert cudnn_graph.frontend() is None
+
+
+def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
+    """Timing a plan runs it 34 more times; one whose checked run alone is far past the limit
+    (some depthwise plans take seconds) is passed over, and a fast one is still chosen."""
+    import time
+
+    ref = torch.ones(4)
+
+    class Plan:
+        def __init__(self, seconds):
+            self.seconds, self.runs, self.workspace_bytes = seconds, 0, 0
+
+        def run(self, operands, out, workspace):
+            self.runs += 1
+            time.sleep(self.seconds)
+            out.copy_(ref)
+
+    slow, fast = Plan(0.05), Plan(0.0)
+    monkeypatch.setattr(cudnn_graph, "TOO_SLOW_S", 0.01)
+    monkeypatch.setattr(cudnn_graph, "_ranked", lambda *args: [slow, fast])
+
+    def gpu_us(fn, device):
+        fn()
+        return 10.0
+    monkeypatch.setattr(cudnn_graph, "_gpu_us", gpu_us)
+    before = cudnn_graph.STATS["too_slow"]
+    chosen = cudnn_graph._time_plans({}, (), (), torch.empty(4), lambda: ref.clone(), 1.03)
+    assert chosen is fast and fast.runs == 2  # checked, then timed
+    assert slow.runs == 1 and cudnn_graph.STATS["too_slow"] == before + 1  # checked only
