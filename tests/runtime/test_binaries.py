@@ -158,3 +158,43 @@ def test_what_the_static_launcher_cannot_run_is_not_recorded(triton_cache, case)
         assert binaries._describe_compiled(kernel, args[:3], {"BLOCK": 1024}, NAMES) is None
     else:
         assert binaries._describe_compiled(kernel, args, constants, NAMES) is None
+
+
+def test_a_generated_kernel_asks_for_a_binary_once_per_signature_and_records_what_triton_built(monkeypatch):
+    """`kernels.Generated`: a recalled binary runs without Triton; a miss goes to Triton once
+    per signature, whose build is then recorded and launched from its record."""
+    from nimble.runtime import kernels
+
+    asked, recorded, ran = [], [], []
+
+    class Recorded:
+        def run(self, grid, args, constants):
+            ran.append(("binary", grid, args[2]))
+
+    def recall(digest, signature, args, constants):
+        asked.append(signature)
+        return Recorded() if args[2] == 0.25 else None  # only this value's binary was recorded
+
+    def remember(digest, signature, compiled, args, constants, arg_names):
+        recorded.append((signature, compiled, arg_names))
+        return Recorded()
+
+    class Jit:
+        arg_names = ["out_ptr", "x_ptr", "s", "N", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                ran.append(("triton", grid, args[2]))
+                return "compiled"
+            return launch
+
+    monkeypatch.setattr(binaries, "recall", recall)
+    monkeypatch.setattr(binaries, "remember", remember)
+    kernel = kernels.Generated("source", "d" * 32)
+    monkeypatch.setattr(kernel, "jit", lambda: Jit())
+    x = torch.empty(8)
+    for s in (0.25, 0.25, 0.5, 0.5):
+        kernel[(2,)](x, x, s, N=8, BLOCK=1024)
+    assert ran == [("binary", (2,), 0.25), ("binary", (2,), 0.25), ("triton", (2,), 0.5), ("binary", (2,), 0.5)]
+    assert len(asked) == 2 and len(set(asked)) == 2  # each signature asked for once
+    assert recorded == [(asked[1], "compiled", Jit.arg_names)]
