@@ -1,6 +1,7 @@
 """nimble's cache folder, read as carefully as an artifact.
 
-The folder holds generated kernel sources and the tuning choices (`tuning.json`). Another user
+The folder holds generated kernel sources, records of compiled kernels (`binaries/`), the tuning
+choices (`tuning.json`) and the cuDNN plan choices (`cudnn_plans.json`). Another user
 who can write into it could plant a file that nimble then trusts, so:
 - the folder is created 0700; one not owned by this user, or writable by group or others, is
   not used at all (nimble says so once per process, and runs without a cache);
@@ -9,7 +10,9 @@ who can write into it could plant a file that nimble then trusts, so:
 - files are written through `fileio.atomic_file`: an exclusive temp file, then a rename, so a
   planted temp name or symlink is never written through;
 - nothing read from the cache is imported or executed: kernels are compiled from the source
-  text generated in this process (`kernels.py`).
+  text generated in this process (`kernels.py`), and a record of a compiled kernel
+  (`binaries.py`) only names the binary in Triton's own cache, which is launched while its size
+  and sha256 are the ones Triton built.
 """
 
 from __future__ import annotations
