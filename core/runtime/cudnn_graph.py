@@ -18,7 +18,7 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
 - cuDNN's heuristics rank up to about 40 plans, and the first is often not the fastest (up to
   300 times slower than the best), so the first `PLANS` are each built, run, checked and timed.
   A plan whose checked run alone took more than `TOO_SLOW_S` and `TOO_SLOW` times the limit is
-  not timed: timing runs it 34 more times, and some plans (for depthwise convolutions) take
+  not timed: timing runs it 41 more times, and some plans (for depthwise convolutions) take
   seconds each.
 - Each result is checked against the reference, the result nimble computes without a graph.
   One of cuDNN's engines returned wrong values for some shapes on the H100, so a plan that
@@ -314,7 +314,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
         except Exception:  # a plan that fails to run is passed over
             continue
         if time.perf_counter() - started > max(TOO_SLOW_S, TOO_SLOW * limit / 1e6):
-            STATS["too_slow"] += 1  # timing it would take 34 more runs (some plans take seconds each)
+            STATS["too_slow"] += 1  # timing would run it 41 more times (some plans take seconds each)
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
         if us <= limit:

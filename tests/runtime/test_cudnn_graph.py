@@ -54,7 +54,7 @@ def test_without_the_package_there_is_no_frontend(monkeypatch):
 
 
 def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
-    """Timing a plan runs it 34 more times; one whose checked run alone is far past the limit
+    """Timing a plan runs it 41 more times; one whose checked run alone is far past the limit
     (some depthwise plans take seconds) is passed over, and a fast one is still chosen."""
     import time
 
