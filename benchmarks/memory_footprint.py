@@ -34,12 +34,10 @@ MODELS = ["resnet50", "inception_v3", "googlenet", "mobilenet_v2", "efficientnet
           "densenet121", "inception", "nasnet", "resnet", "mobilenet", "transformer"]
 
 NIMBLE = """
-import ast, importlib, json, sys, torch
+import importlib, json, sys, torch
 import nimble
-for setting in sys.argv[2:]:  # MODULE.NAME=VALUE (peers.setting checked them)
-    target, value = setting.split("=", 1)
-    module, name = target.rsplit(".", 1)
-    setattr(importlib.import_module("nimble.runtime." + module), name, ast.literal_eval(value))
+for module, constant, value in json.loads(sys.argv[2]) if len(sys.argv) > 2 else []:  # from peers.setting
+    setattr(importlib.import_module("nimble.runtime." + module), constant, value)
 from nimble.formats import read_artifact
 torch.cuda.init()
 x = [t.cuda() for t in read_artifact(sys.argv[1]).sample_inputs]
@@ -136,7 +134,8 @@ def main() -> int:
                 for k, text in enumerate(args.set):
                     cache = str(Path(tmp) / f"cache_{name}_{batch}_{k}")
                     rows.append({"model": f"{name} ({text})", "batch": batch, "setting": text,
-                                 "nimble": child(NIMBLE, str(path), text, cache=cache), "torch_compile": peer})
+                                 "nimble": child(NIMBLE, str(path), json.dumps([setting(text)]), cache=cache),
+                                 "torch_compile": peer})
                     print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
             "command": "python " + " ".join(sys.argv)}

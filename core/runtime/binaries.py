@@ -105,9 +105,10 @@ def _record_path(digest: str, signature: str, device: torch.device) -> Path | No
 
 
 def _device(args: tuple, constants: dict) -> torch.device | None:
-    """The one CUDA device the call's tensors are on; None if none or several."""
+    """The one CUDA device the call's tensors are on, where recorded binaries can serve the call
+    (enabled, torch has the static launcher, Triton is installed); else None."""
     devices = {v.device for v in [*args, *constants.values()] if isinstance(v, torch.Tensor)}
-    if len(devices) != 1:
+    if not ENABLED or len(devices) != 1 or _launcher() is None or triton_version() is None:
         return None
     (device,) = devices
     return device if device.type == "cuda" else None
@@ -140,7 +141,7 @@ class Binary:
 def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary | None:
     """The binary recorded for this kernel and signature, loaded; None on any miss."""
     device = _device(args, constants)
-    if not ENABLED or device is None or _launcher() is None or triton_version() is None:
+    if device is None:
         return None
     path = _record_path(digest, signature, device)
     record = read_record(path, args, constants) if path is not None else None
@@ -201,7 +202,7 @@ def remember(digest: str, signature: str, compiled, args: tuple, constants: dict
     for this process's next launches; None where it cannot be described, found or loaded (the
     kernel then stays Triton's)."""
     device = _device(args, constants)
-    if not ENABLED or device is None or _launcher() is None or "?" in signature:
+    if device is None or "?" in signature:
         return None
     try:
         record = _describe_compiled(compiled, args, constants, arg_names)

@@ -303,7 +303,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
     ref = _reference(reference)
     if ref is None:
         return None
-    limit *= _gpu_us(reference, out.device)
+    limit_us = limit * _gpu_us(reference, out.device)
     timed = []
     for plan in _ranked(p, steps, operands, out):
         workspace = _workspace(plan, out.device)
@@ -313,11 +313,11 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
                 continue
         except Exception:  # a plan that fails to run is passed over
             continue
-        if time.perf_counter() - started > max(TOO_SLOW_S, TOO_SLOW * limit / 1e6):
+        if time.perf_counter() - started > max(TOO_SLOW_S, TOO_SLOW * limit_us / 1e6):
             STATS["too_slow"] += 1  # timing would run it 41 more times (some plans take seconds each)
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
-        if us <= limit:
+        if us <= limit_us:
             timed.append((us, plan))
     if not timed:
         return None

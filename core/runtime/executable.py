@@ -130,16 +130,17 @@ class Executable:
             self._check_budget(max_memory, self._planned_bytes())
             self._allocate()
         if self.device.type == "cuda":
-            kernels_before = (kernels.STATS.generated, kernels.STATS.source_hits, kernels.STATS.seconds,
-                              len(kernels.STATS.fallbacks), binaries.STATS.recalled)
+            built, hits, seconds, fallbacks, recalled = (kernels.STATS.generated, kernels.STATS.source_hits,
+                                                         kernels.STATS.seconds, len(kernels.STATS.fallbacks),
+                                                         binaries.STATS.recalled)
             self._choose(tune, choice, graph_dump)
             self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
             self._channels_last_weights = {}
-            self.stats.kernels_generated = kernels.STATS.generated - kernels_before[0]
-            self.stats.kernel_source_hits = kernels.STATS.source_hits - kernels_before[1]
-            self.stats.kernel_binaries_recalled = binaries.STATS.recalled - kernels_before[4]
-            stages.move("warmup", "kernels", kernels.STATS.seconds - kernels_before[2])  # kernels build on first run
-            self.stats.kernel_fallbacks = kernels.STATS.fallbacks[kernels_before[3]:]
+            self.stats.kernels_generated = kernels.STATS.generated - built
+            self.stats.kernel_source_hits = kernels.STATS.source_hits - hits
+            self.stats.kernel_binaries_recalled = binaries.STATS.recalled - recalled
+            stages.move("warmup", "kernels", kernels.STATS.seconds - seconds)  # kernels build on first run
+            self.stats.kernel_fallbacks = kernels.STATS.fallbacks[fallbacks:]
             settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
         self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
 

@@ -144,8 +144,7 @@ class FusedKernel:
         operands = (p["input"], p["weight"], p["bias"], *tensors)
 
         def generated() -> torch.Tensor | None:
-            return self._generated(body, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
-                                                             device=out.device))
+            return self._generated(body, _scratch_like(out))
         graph = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces,
                                    outside=fused is not None)
         return graph(operands, out) if graph is not None else None
@@ -197,10 +196,8 @@ class FusedKernel:
             bare = {**p, "bias": None}
             operands = (x, p["weight"], None)
 
-            def reference() -> torch.Tensor:
-                return conv_into(bare, torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
-                                                           device=out.device))
-            graph = cudnn_graph.choose(bare, (), operands, out, reference, self.workspaces)
+            graph = cudnn_graph.choose(bare, (), operands, out, lambda: conv_into(bare, _scratch_like(out)),
+                                       self.workspaces)
             if graph is not None:
                 graph(operands, out)
                 return
@@ -277,6 +274,11 @@ def conv_shape(p: dict) -> tuple[int, ...]:
         k = (w.shape[2 + d] - 1) * p["dilation"][d] + 1
         dims.append((x.shape[2 + d] + 2 * p["padding"][d] - k) // p["stride"][d] + 1)
     return (x.shape[0], w.shape[0], *dims)
+
+
+def _scratch_like(out: torch.Tensor) -> torch.Tensor:
+    """A buffer of `out`'s shape, strides and dtype, for a reference result to be compared with it."""
+    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
 
 
 def _on_cudnn(p: dict) -> bool:
@@ -565,11 +567,12 @@ class Generated:
         if binary is not None:
             binary.run(grid, args, constants)
             return
-        compiled = self.jit()[grid](*args, **constants)
+        jit = self.jit()
+        compiled = jit[grid](*args, **constants)
         if signature not in self._recorded:
             self._recorded.add(signature)
             self._binaries[signature] = binaries.remember(self.digest, signature, compiled, args, constants,
-                                                          list(self.jit().arg_names))
+                                                          list(jit.arg_names))
 
     def jit(self):
         """The Triton kernel, compiled from this text on first use."""
