@@ -233,7 +233,7 @@ class Executable:
             if best is None or best not in options:
                 last = None
                 with self._stages.stage("tuning"):  # its builds' warm-ups and captures count as those
-                    for stage in tuning.stages(options):
+                    for stage in tuning.stages(options, graphs=cudnn_graph.frontend() is not None):
                         for c in stage if isinstance(stage, list) else stage(best):
                             self._build(c)
                             timed[c.describe()] = timing.gpu_ms(self._cuda_graph.replay, self.device)

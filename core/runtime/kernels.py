@@ -546,9 +546,10 @@ def define(source: str) -> Generated:
 
 class Generated:
     """A generated kernel. A launch whose call signature met a binary before runs it without
-    Triton (`binaries.recall`); any other is Triton's, which compiles the text on first use (Triton
-    reads a kernel's source through `inspect`, so the text is registered with `linecache` under a
-    name no file has), and its binary is then recorded for later loads (`binaries.remember`)."""
+    Triton (`binaries.recall`). For any other Triton compiles the text (Triton reads a kernel's
+    source through `inspect`, so the text is registered with `linecache` under a name no file
+    has); its binary is recorded for later loads (`binaries.remember`) and launched as a recalled
+    one is. Where it cannot be recorded or loaded, Triton launches it."""
 
     def __init__(self, source: str, digest: str):
         self.source, self.digest = source, digest
@@ -568,11 +569,15 @@ class Generated:
             binary.run(grid, args, constants)
             return
         jit = self.jit()
-        compiled = jit[grid](*args, **constants)
-        if signature not in self._recorded:
-            self._recorded.add(signature)
-            self._binaries[signature] = binaries.remember(self.digest, signature, compiled, args, constants,
-                                                          list(jit.arg_names))
+        if signature not in self._recorded:  # Triton builds it, launches nothing (`warmup`): the binary
+            self._recorded.add(signature)    # runs through the static launcher, so Triton's own launcher,
+            compiled = jit.warmup(*args, grid=grid, **constants)  # a C module per signature, is never built
+            binary = binaries.remember(self.digest, signature, compiled, args, constants, list(jit.arg_names))
+            self._binaries[signature] = binary
+            if binary is not None:
+                binary.run(grid, args, constants)
+                return
+        jit[grid](*args, **constants)
 
     def jit(self):
         """The Triton kernel, compiled from this text on first use."""

@@ -24,7 +24,13 @@ fastest:
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
 convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
-one, then that with its GEMM biases separate. The best of a stage is the fastest, unless a
+one, then that with its GEMM biases separate. Where cuDNN graphs can run (the `cudnn` extra),
+the split candidate is not timed: each conv-led body has then already been timed against its
+alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_graph`). On the H100,
+with graphs, split was 1.14 to 1.33 times the best candidate's time on every peers row that had
+it (googlenet, inception_v3, resnet50, squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and
+timing it was half of inception_v3's cold load (5 s: with benchmark algorithms, each plain
+convolution first runs cuDNN's search of its algorithms). A forced choice can still split. The best of a stage is the fastest, unless a
 candidate at most `MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the
 workspaces and temporaries of its capture): then the one that holds least (`pick`).
 
@@ -94,12 +100,13 @@ def every_choice() -> list[Choice]:
             for b in GEMM_BIAS]
 
 
-def stages(options: list[Choice]):
+def stages(options: list[Choice], graphs: bool = False):
     """The greedy order of timing: a list of candidates, then functions from the best so far to
-    the next candidates."""
+    the next candidates. With `graphs` (cuDNN graphs can run: `cudnn_graph.frontend()`), split
+    convolutions are not timed (see the module docstring)."""
     yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]
            and c.gemm_bias == GEMM_BIAS[0]]
-    yield lambda best: [c for c in options if c == replace(best, convolutions="split")]
+    yield lambda best: [] if graphs else [c for c in options if c == replace(best, convolutions="split")]
     yield lambda best: [c for c in options if c in [replace(best, streams=s) for s in STREAMS[1:]]]
     yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
 

@@ -107,8 +107,10 @@ def test_a_warm_load_imports_no_triton(sample_artifacts, tmp_path, name):
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["ok"] and warm["ok"] and cold["fallbacks"] == warm["fallbacks"] == []
-    assert cold["load_recalled"] == 0 and warm["load_recalled"] == warm["recalled"]  # as the load reports it
+    # as the load reports it. A cold load recalls too: a kernel that several ops launch with one
+    # signature is built by Triton once, then loaded from its record for the other ops
+    assert cold["load_recalled"] == cold["recalled"] and warm["load_recalled"] == warm["recalled"]
     if cold["generated"]:
-        assert warm["recalled"] > 0 and not warm["triton"], warm
+        assert cold["triton"] and warm["recalled"] > cold["recalled"] and not warm["triton"], (cold, warm)
     else:
         assert warm["recalled"] == 0

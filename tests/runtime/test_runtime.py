@@ -1,6 +1,7 @@
 """The runtime on the CPU: placed execution, parity, and loading without re-planning."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -263,6 +264,18 @@ def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bia
     exe = nimble.load(artifacts["transformer"][0], device="cpu")
     torch.testing.assert_close(exe.run(*artifacts["transformer"][1].sample_inputs)[0],
                                artifacts["transformer"][1].sample_outputs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_split_convolutions_are_timed_only_without_cudnn_graphs():
+    """The split stage times the best fused candidate split; where cuDNN graphs run, each conv-led
+    body was already timed against the split way, and the stage is empty."""
+    from nimble.runtime import tuning
+
+    options = tuning.every_choice()
+    best = tuning.Choice(layout="channels_last", algorithms="benchmark")
+    assert list(tuning.stages(options))[1](best) == [replace(best, convolutions="split")]
+    assert list(tuning.stages(options, graphs=True))[1](best) == []
+    assert list(tuning.stages(options, graphs=True))[0] == list(tuning.stages(options))[0]
 
 
 def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(artifacts):
