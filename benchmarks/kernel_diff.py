@@ -16,7 +16,8 @@ torch.profiler records the CUDA kernels of REPS inferences of each, in one proce
 
 It prints, per op class (convolution, GEMM, epilogue, normalisation, softmax or attention,
 concatenation and copy, pooling, reduction, other), the kernel time per inference of each and the
-difference, and the ten nimble ops that take the most kernel time. Kernel times are the sum of
+difference, the ten nimble ops that take the most kernel time, and for each class where nimble
+loses, the ops (by kind) that launch nimble's kernels of that class. Kernel times are the sum of
 kernel durations: they do not count the gaps between kernels or the overlap of streams, which the
 GPU-bound figures of `peers.py` do.
 """
@@ -244,7 +245,10 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
         names[(cls, k["name"][:90])] += k["dur"] / 1000 / REPS
     row["torch_compile_top_kernels"] = [{"class": c, "kernel": n, "ms": ms}
                                         for (c, n), ms in sorted(names.items(), key=lambda kv: -kv[1])[:12]]
+    from nimble.runtime.trace import op_label
+
     per_op: dict = defaultdict(float)
+    by_label: dict = defaultdict(lambda: [0.0, 0])  # (class, op label) -> nimble's ms and kernels
     our_names: dict = defaultdict(lambda: [0.0, 0])
     unmapped = 0
     for k in ours:
@@ -255,6 +259,9 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
         else:
             cls = nimble_class(g.ops[op], k["name"])
             per_op[op] += k["dur"] / 1000 / REPS
+            labelled = by_label[(cls, op_label(g.ops[op]))]
+            labelled[0] += k["dur"] / 1000 / REPS
+            labelled[1] += 1
         named = our_names[(cls, k["name"][:90])]
         named[0] += k["dur"] / 1000 / REPS
         named[1] += 1
@@ -263,11 +270,13 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     for cls in per_class.values():
         cls["torch_compile_kernels"] //= REPS
         cls["nimble_kernels"] //= REPS
-    from nimble.runtime.trace import op_label
-
     row["nimble_top_kernels"] = [{"class": c, "kernel": n, "ms": ms, "count": count // REPS}
                                  for (c, n), (ms, count) in sorted(our_names.items(), key=lambda kv: -kv[1][0])[:12]]
     row["classes"] = per_class
+    losing = [c for c, v in per_class.items() if v["nimble_ms"] > v["torch_compile_ms"]]
+    row["losing_class_ops"] = {c: [{"op": label, "kernels": n // REPS, "ms": ms}
+                                   for (cls, label), (ms, n) in sorted(by_label.items(), key=lambda kv: -kv[1][0])
+                                   if cls == c][:8] for c in losing}
     row["unmapped_kernels"] = unmapped // REPS
     row["choice"] = exe.stats.choice
     row["top_ops"] = [{"op": i, "label": op_label(g.ops[i]), "value": g.values[g.ops[i].outputs[0]].name,
@@ -298,6 +307,9 @@ def table(rows: list[dict], meta: dict) -> list[str]:
                                     sum(v["nimble_kernels"] for v in r["classes"].values())]]),
                   "", "nimble's ten costliest ops: " + "; ".join(f"{o['value']} {o['label']} {o['ms']:.3f} ms"
                                                                  for o in r["top_ops"]),
+                  "", *[f"nimble's ops launching its {cls} kernels (a class where it loses): " + "; ".join(
+                      f"{o['op']} {o['kernels']} kernels {o['ms']:.3f} ms" for o in ops)
+                        for cls, ops in r.get("losing_class_ops", {}).items()],
                   "", "torch.compile's costliest kernels: " + "; ".join(
                       f"`{k['kernel']}` ({k['class']}) {k['ms']:.3f} ms" for k in r["torch_compile_top_kernels"][:8]),
                   "", "nimble's costliest kernels: " + "; ".join(
