@@ -569,9 +569,11 @@ class Generated:
             binary.run(grid, args, constants)
             return
         jit = self.jit()
-        if signature not in self._recorded:  # Triton builds it, launches nothing (`warmup`): the binary
-            self._recorded.add(signature)    # runs through the static launcher, so Triton's own launcher,
-            compiled = jit.warmup(*args, grid=grid, **constants)  # a C module per signature, is never built
+        if signature not in self._recorded:
+            # Triton builds it and launches nothing (`warmup`); the binary runs through the static
+            # launcher, so Triton's own launcher (a C module per signature) is never compiled
+            self._recorded.add(signature)
+            compiled = jit.warmup(*args, grid=grid, **constants)
             binary = binaries.remember(self.digest, signature, compiled, args, constants, list(jit.arg_names))
             self._binaries[signature] = binary
             if binary is not None:

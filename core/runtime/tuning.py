@@ -30,9 +30,11 @@ alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_gra
 with graphs, split was 1.14 to 1.33 times the best candidate's time on every peers row that had
 it (googlenet, inception_v3, resnet50, squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and
 timing it was half of inception_v3's cold load (5 s: with benchmark algorithms, each plain
-convolution first runs cuDNN's search of its algorithms). A forced choice can still split. The best of a stage is the fastest, unless a
-candidate at most `MEMORY_SLACK` slower holds at least `MEMORY_WORTH` less in its graph pool (the
-workspaces and temporaries of its capture): then the one that holds least (`pick`).
+convolution first runs cuDNN's search of its algorithms). A forced choice can still split.
+
+The best of a stage is the fastest, unless a candidate at most `MEMORY_SLACK` slower holds at
+least `MEMORY_WORTH` less in its graph pool (the workspaces and temporaries of its capture): then
+the one that holds least (`pick`).
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
