@@ -36,10 +36,9 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import binaries, cudnn_graph, footprint, indices, kernels, regions, streams, timing, tuning
+from . import binaries, cudnn_graph, footprint, indices, kernels, pairs, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
-from .pairs import copy_pairs, norm_pairs
 from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
 from .preflight import preflight
 
@@ -268,9 +267,8 @@ class Executable:
         planned = not self._single_stream and choice.streams != "serial"
         self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
         paired = self.device.type == "cuda" and self._with_arena  # kernels that write two ops' buffers
-        self._norms = norm_pairs(self.graph, self._placed, self._order, self._stream_of, self._waits) if paired else {}
-        self._copies = copy_pairs(self.graph, self._placed, self._order, self._stream_of, self._waits) \
-            if paired else {}
+        self._pairs = pairs.find(self.graph, self._placed, self._order, self._stream_of, self._waits) \
+            if paired else pairs.Pairs()
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
         """Lay out the buffers and weights for `choice`, warm up every stream, and capture."""
@@ -409,8 +407,7 @@ class Executable:
         cuda = self.device.type == "cuda"
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
                         release=release_plan(self.graph, self._order, self._stream_of) if cuda else None,
-                        kept=self._own_storages() if cuda else frozenset(), norms=self._norms,
-                        copies=self._copies)
+                        kept=self._own_storages() if cuda else frozenset(), pairs=self._pairs)
         run_ops(self._placed, run, self._order,
                 lambda order, step: streams.issue(order, step if around is None else around(step), self.device,
                                                   self._streams, self._stream_of, self._waits))

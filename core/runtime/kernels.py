@@ -32,7 +32,7 @@ importing Triton (`binaries.py`). If Triton is missing or a kernel cannot be bui
 interpreted op by op instead, and `STATS` counts it.
 
 Index arithmetic is 32-bit where every element offset the kernel can form stays below 2**31, and
-64-bit otherwise (`_wide`), so no kernel can address outside its buffers. NaN propagates through
+64-bit otherwise (`needs_wide`), so no kernel can address outside its buffers. NaN propagates through
 relu, clamps, maximum and minimum as it does in torch.
 """
 
@@ -54,6 +54,7 @@ from . import binaries, cache, cudnn_graph
 BLOCK = 1024
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
+TL_KINDS = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 BARE_CONVOLUTION_GRAPHS = True  # False: a generated body's convolution is always PyTorch's (for comparisons)
 
 
@@ -93,11 +94,15 @@ class FusedKernel:
         body = args[0]
         if not out.is_cuda:
             return None
+        got = self.whole_on_cudnn(body, out)
+        return got if got is not None else self._generated(body, out)
+
+    def whole_on_cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """The tensor holding the result where this call runs the whole body as one cuDNN kernel
+        (see the module docstring); None, with nothing run, where it runs the generated way."""
         if self.cudnn_fusion and fusion.leads_with_convolution(self.body):
-            got = self._cudnn(body, out)
-            if got is not None:
-                return got
-        return self._generated(body, out)
+            return self._cudnn(body, out)
+        return None
 
     # ---------------------------------------------------------------------------- cuDNN
     def _cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
@@ -151,36 +156,66 @@ class FusedKernel:
 
     # ---------------------------------------------------------------------------- Triton
     def _generated(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        operands, conv = self.operands(body)
+        key = (tuple(out.shape), tuple(out.stride()), out.dtype,
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+        if self.declined(key):
+            return None
+        if conv is not None and len(body) == 1:  # a convolution alone: nothing to generate
+            return conv_into(conv, out, with_bias=True) if _writes(conv, out) else None
+        if not self.lead(conv, out):
+            return None
+        bias = conv is not None and conv["bias"] is not None
+        built = self.launch(key, lambda: _compile(_source(body, out, operands, conv is not None, bias)),
+                            (out, operands))
+        return out if built else None
+
+    def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
+        """The distinct tensors a generated kernel of `body` reads, in first-use order, with the
+        leading convolution's bias last (shaped (1, C, 1, 1)) where it has one; and that
+        convolution's parameters (`fusion.conv_params`), None where none leads."""
         leads = fusion.leads_with_convolution(self.body)
         conv = fusion.conv_params(body[0][0], body[0][1]) if leads else None
         operands = _operands(body, skip_first=leads)
         if conv is not None and conv["bias"] is not None:
             operands.append(conv["bias"].reshape(1, -1, 1, 1))
-        key = (tuple(out.shape), tuple(out.stride()), out.dtype,
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+        return operands, conv
+
+    def lead(self, conv: dict | None, out: torch.Tensor) -> bool:
+        """The convolution leading a generated body (`operands`), without its bias, written into
+        `out`, where the kernel then reads it; nothing where none leads. False, with nothing run,
+        where the body broadcasts past its convolution (it is interpreted)."""
+        if conv is None:
+            return True
+        if not _writes(conv, out):
+            return False
+        self._convolution(conv, out)
+        return True
+
+    def declined(self, key: tuple) -> bool:
+        """Whether the kernel for `key` failed to build: every later call is interpreted."""
+        return key in self._built and self._built[key] is None
+
+    def launch(self, key: tuple, build, args: tuple, what: str = "") -> bool:
+        """Run the launcher for `key` (a call signature) on `args`, built by `build()` on its first
+        use; False where that first build or launch fails (no Triton, or a body it cannot
+        compile): `STATS` records why, and `declined(key)` holds from then on."""
         launch = self._built.get(key, _UNBUILT)
         if launch is None:
-            return None
-        if conv is not None:
-            if conv_shape(conv) != tuple(out.shape) or conv["input"].dtype != out.dtype:
-                return None  # the body broadcasts past its convolution: interpret it
-            if len(body) == 1:  # a convolution alone: nothing to generate
-                return conv_into(conv, out, with_bias=True)
-            self._convolution(conv, out)
-        if launch is _UNBUILT:
-            t = time.perf_counter()
-            try:  # the first launch compiles: a failure there falls back too
-                launch = _compile(_source(body, out, operands, conv is not None,
-                                          conv is not None and conv["bias"] is not None))
-                launch(out, operands)
-            except Exception as e:  # no Triton, or a body it cannot compile: interpret instead
-                STATS.fallbacks.append(f"op {self.op.id}: {type(e).__name__}: {first_line(e)}")
-                launch = None
-            STATS.seconds += time.perf_counter() - t
-            self._built[key] = launch
-            return out if launch is not None else None
-        launch(out, operands)
-        return out
+            return False
+        if launch is not _UNBUILT:
+            launch(*args)
+            return True
+        t = time.perf_counter()
+        try:  # the first launch compiles: a failure there falls back too
+            launch = build()
+            launch(*args)
+        except Exception as e:
+            STATS.fallbacks.append(f"op {self.op.id}{what}: {type(e).__name__}: {first_line(e)}")
+            launch = None
+        STATS.seconds += time.perf_counter() - t
+        self._built[key] = launch
+        return launch is not None
 
     def _convolution(self, p: dict, out: torch.Tensor) -> None:
         """The convolution that leads a generated body, without its bias (the kernel adds it),
@@ -215,22 +250,8 @@ class FusedKernel:
         operands = _operands(body, skip_first=False)
         key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
-        launch = self._built.get(key, _UNBUILT)
-        if launch is None:
-            return False
-        if launch is _UNBUILT:
-            t = time.perf_counter()
-            try:
-                launch = _compile_norm(_norm_source(body, out, operands, norm))
-                launch(out, operands, norm)
-            except Exception as e:
-                STATS.fallbacks.append(f"op {self.op.id} with its layer norm: {type(e).__name__}: {first_line(e)}")
-                launch = None
-            STATS.seconds += time.perf_counter() - t
-            self._built[key] = launch
-            return launch is not None
-        launch(out, operands, norm)
-        return True
+        return self.launch(key, lambda: _compile_norm(_norm_source(body, out, operands, norm)), (out, operands, norm),
+                           " with its layer norm")
 
 
 @dataclass
@@ -274,6 +295,11 @@ def conv_shape(p: dict) -> tuple[int, ...]:
         k = (w.shape[2 + d] - 1) * p["dilation"][d] + 1
         dims.append((x.shape[2 + d] + 2 * p["padding"][d] - k) // p["stride"][d] + 1)
     return (x.shape[0], w.shape[0], *dims)
+
+
+def _writes(conv: dict, out: torch.Tensor) -> bool:
+    """Whether the convolution computes `out`'s shape and dtype (a body may broadcast past it)."""
+    return conv_shape(conv) == tuple(out.shape) and conv["input"].dtype == out.dtype
 
 
 def _scratch_like(out: torch.Tensor) -> torch.Tensor:
@@ -418,7 +444,7 @@ def _offset(shape, strides, order, dense: bool) -> str:
 INT32_LIMIT = 2**31 - 1
 
 
-def _wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
+def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
     """Whether an index or element offset of this kernel can pass 2**31 - 1, so that its index
     arithmetic must be 64-bit: the launch's last index, or the farthest element of any operand as
     broadcast to the output's shape."""
@@ -442,7 +468,7 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
         step *= shape[d]
     out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
     names = {id(t): f"in{k}" for k, t in enumerate(operands)}
-    first = "tl.program_id(0).to(tl.int64)" if _wide(out, operands) else "tl.program_id(0)"
+    first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
              "BLOCK: tl.constexpr):",
@@ -459,17 +485,22 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
         first = "tl.load(out_ptr + o, mask=mask).to(tl.float32)"
         lines.append(f"    v0 = {first} + in{len(operands) - 1}" if bias else f"    v0 = {first}")
         start = 1
-    for k in range(start, len(body)):
-        target, args, kwargs = body[k]
-        tensors = []
-        for pos in fusion.POINTWISE[target]:
-            a = args[pos]
-            tensors.append(f"v{a.index}" if isinstance(a, Local) else names[id(a)])
-        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
-    kind = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}[out.dtype]
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({kind}), mask=mask)")
+    lines += body_lines(body, names, start)
+    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
     lines.append(f"# torch {torch.__version__}")
     return "\n".join(lines) + "\n"
+
+
+def body_lines(body: list, names: dict[int, str], start: int) -> list[str]:
+    """`    v<k> = ...` for each body node from `start` on: its Triton expression over the values
+    before it (`v<j>`) and the operands loaded as `names` says (tensor id -> name)."""
+    lines = []
+    for k in range(start, len(body)):
+        target, args, kwargs = body[k]
+        tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
+                   for pos in fusion.POINTWISE[target]]
+        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+    return lines
 
 
 def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> str:
@@ -480,8 +511,8 @@ def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm
     order = list(range(x.dim()))
     dense_strides = contiguous_strides(shape)
     names = {id(t): f"in{k}" for k, t in enumerate(operands)}
-    row = "tl.program_id(0).to(tl.int64)" if _wide(x, operands) else "tl.program_id(0)"
-    kind = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}[x.dtype]
+    row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
+    kind = TL_KINDS[x.dtype]
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}eps, "
              "N: tl.constexpr, BLOCK: tl.constexpr):",
@@ -494,10 +525,7 @@ def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm
         dense = all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(x.dim()))
         lines.append(f"    in{k} = tl.load(in{k}_ptr + ({_offset(shape, strides, order, dense)}), mask=mask)"
                      ".to(tl.float32)")
-    for k, (target, args, kwargs) in enumerate(body):
-        tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
-                   for pos in fusion.POINTWISE[target]]
-        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+    lines += body_lines(body, names, 0)
     lines.append(f"    stored = v{len(body) - 1}.to({kind})")
     if norm.store:
         lines.append("    tl.store(x_ptr + i, stored, mask=mask)")

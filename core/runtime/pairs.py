@@ -1,8 +1,10 @@
 """Ops that one kernel runs together with the op issued before them, on CUDA, chosen at load from
 the issue order: a layer norm in the kernel of the elementwise op whose result it reads
-(`norm_pairs`, run by `FusedKernel.with_norm`), and the head merge after attention, whose copy
-takes attention's result straight into its buffer (`copy_pairs`). `placement.PlacedRun` runs
-each pair, and runs the two ops apart where the tensors do not fit.
+(`norm_pairs`, run by `FusedKernel.with_norm`), the mean over height and width in the kernel of
+the fused op whose result it reads (`mean_pairs`, run by `fused_mean.run`), and the head merge
+after attention, whose copy takes attention's result straight into its buffer (`copy_pairs`).
+`find` finds all three; `placement.PlacedRun` runs each pair, and runs the two ops apart where
+the tensors do not fit.
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
 first's stream, and it waits for no other stream, so its buffer is free when the first runs.
@@ -10,12 +12,32 @@ first's stream, and it waits for no other stream, so its buffer is free when the
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
 from .kernels import FusedKernel
 from .placement import PlacedOp
+
+MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
+
+
+@dataclass
+class Pairs:
+    """Every pair of one load's issue order (see the module docstring), keyed by the first op."""
+
+    norms: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
+    means: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
+    copies: dict[int, tuple[PlacedOp, PlacedOp]] = field(default_factory=dict)
+
+
+def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
+         waits: Sequence) -> Pairs:
+    """The pairs of this issue order, on CUDA streams `stream_of` with `waits`."""
+    return Pairs(norm_pairs(graph, placed, order, stream_of, waits),
+                 mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
+                 copy_pairs(graph, placed, order, stream_of, waits))
 
 
 def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -25,6 +47,45 @@ def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
     layer norm reads, where the norm is the next op issued on the same stream and waits for
     nothing. `PlacedRun` runs each pair as one kernel (`FusedKernel.with_norm`), or as two where
     the tensors do not fit it."""
+    norms = [op for op in graph.ops if op.target == "aten::layer_norm.default" and len(op.args) >= 5]
+    return _after(graph, placed, order, stream_of, waits, norms, _elementwise_kernel)
+
+
+def mean_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
+               waits: Sequence) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
+    """fused op -> (the spatial mean that reads its 4-D result, whether anything else reads that
+    result, the op's kernel) for each fused op whose result a mean over height and width reads
+    (adaptive_avg_pool2d to 1x1, or mean.dim over the last two dimensions), where the mean is the
+    next op issued on the same stream and waits for nothing. `PlacedRun` runs each pair as one
+    kernel (`fused_mean.run`), or as two where the tensors do not fit it."""
+    means = [op for op in graph.ops if _spatial_mean(graph, op)]
+
+    def fused(graph: Graph, p: PlacedOp) -> FusedKernel | None:
+        return p.substitute if isinstance(p.substitute, FusedKernel) else None
+    return _after(graph, placed, order, stream_of, waits, means, fused)
+
+
+def _spatial_mean(graph: Graph, op: Op) -> bool:
+    """Whether `op` is a mean of a 4-D floating tensor over its last two dimensions, in its dtype."""
+    x = op.args[0] if op.args else None
+    if not isinstance(x, Ref) or len(op.outputs) != 1 or graph.values[x.id].spec.dtype not in fusion.FLOATS \
+            or len(graph.values[x.id].spec.shape) != 4:
+        return False
+    if op.target == "aten::adaptive_avg_pool2d.default":
+        return len(op.args) == 2 and list(op.args[1]) == [1, 1] and not op.kwargs
+    if op.target != "aten::mean.dim" or len(op.args) < 2 or (len(op.args) > 3 and op.args[3] is not None) \
+            or any(k != "keepdim" and not (k == "dtype" and v is None) for k, v in op.kwargs):
+        return False
+    dims = op.args[1]
+    return isinstance(dims, (list, tuple)) and len(dims) == 2 \
+        and all(type(d) is int and -4 <= d < 4 for d in dims) and {d % 4 for d in dims} == {2, 3}
+
+
+def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int], waits: Sequence,
+           readers_of_one: Sequence[Op], kernel_of) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
+    """producer -> (the op of `readers_of_one` that reads its result as its first argument and no
+    other, whether anything else reads that result, `kernel_of(graph, producer)`), where that op
+    is the next issued on the producer's stream, waits for nothing, and the kernel is not None."""
     next_on_stream = _next_on_stream(order, stream_of)
     readers: dict[int, set[int]] = {}
     for op in graph.ops:
@@ -33,20 +94,20 @@ def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
     outputs = {graph.root(o) for o in graph.outputs}
     aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
     pairs = {}
-    for norm in graph.ops:
-        if norm.target != "aten::layer_norm.default" or len(norm.args) < 5 or not isinstance(norm.args[0], Ref):
+    for second in readers_of_one:
+        if not isinstance(second.args[0], Ref):
             continue
-        x = norm.args[0].id
+        x = second.args[0].id
         producer = graph.values[x].producer
-        if producer is None or graph.values[x].alias_of is not None or waits[norm.id] \
-                or next_on_stream.get(producer) != norm.id or any(isinstance(a, Ref) and a.id == x
-                                                                  for a in norm.args[1:]):
+        if producer is None or graph.values[x].alias_of is not None or waits[second.id] \
+                or next_on_stream.get(producer) != second.id or any(isinstance(a, Ref) and a.id == x
+                                                                    for a in second.args[1:]):
             continue
-        kernel = _elementwise_kernel(graph, placed[producer])
+        kernel = kernel_of(graph, placed[producer])
         if kernel is None:
             continue
-        store = readers.get(x, set()) != {norm.id} or x in outputs or x in aliased
-        pairs[producer] = (placed[norm.id], store, kernel)
+        store = readers.get(x, set()) != {second.id} or x in outputs or x in aliased
+        pairs[producer] = (placed[second.id], store, kernel)
     return pairs
 
 

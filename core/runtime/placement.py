@@ -24,6 +24,8 @@ from ..ops import arguments, fusion, interpret, targets, types
 from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
+from . import fused_mean
+from .fused_mean import MeanAfter
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
@@ -238,17 +240,18 @@ class PlacedRun(Executor):
 
     def __init__(self, env: dict[int, torch.Tensor], views: dict[int, torch.Tensor], device,
                  name_failures: bool = True, release: dict[int, list[int]] | None = None,
-                 kept: frozenset[int] = frozenset(), norms: dict[int, tuple[PlacedOp, bool, FusedKernel]] | None = None,
-                 copies: dict[int, tuple[PlacedOp, PlacedOp]] | None = None):
+                 kept: frozenset[int] = frozenset(), pairs=None):
         """`release` (op -> values) drops each listed value once that op is issued, where its tensor
         lies outside the storages in `kept` (the arena, weights and inputs), so its memory goes
-        back to the allocator. `norms` (elementwise op -> the layer norm after it, whether anything
-        else reads the op's result, the kernel for both; `pairs.norm_pairs`) runs each such pair
-        as one kernel where it can. `copies` (`pairs.copy_pairs`) copies a computed result through
-        its view into the buffer of the copy that reads it."""
+        back to the allocator. `pairs` (`pairs.Pairs`) runs each elementwise op and the layer norm
+        after it as one kernel where it can, and each fused op and the spatial mean after it, and
+        copies a computed result through its view into the buffer of the copy that reads it."""
         self.env, self.views, self.device, self.name_failures = env, views, device, name_failures
         self.release, self.kept = release or {}, kept
-        self.norms, self.copies, self.written = norms or {}, copies or {}, set()
+        self.norms = pairs.norms if pairs is not None else {}
+        self.means = pairs.means if pairs is not None else {}
+        self.copies = pairs.copies if pairs is not None else {}
+        self.written: set[int] = set()
 
     def arguments(self, p: PlacedOp):
         args, kwargs = arguments.op_arguments(p.op, self.env, self.device)
@@ -264,6 +267,10 @@ class PlacedRun(Executor):
         if planned and all(t is not None for t in planned):
             if p.op.id in self.norms and self._with_norm(p, args, kwargs, planned[0]):
                 return planned
+            if p.op.id in self.means:
+                got = self._with_mean(p, args, planned[0])
+                if got is not None:
+                    return [got]
             got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
             if got is not None:
                 return [got]
@@ -293,6 +300,19 @@ class PlacedRun(Executor):
             return False
         self.written.add(norm.op.id)
         return True
+
+    def _with_mean(self, p: PlacedOp, args, out: torch.Tensor) -> torch.Tensor | None:
+        """The fused op `p` and, where one kernel can run both, the spatial mean after it
+        (`fused_mean.run`): the tensor holding `p`'s result, or None with nothing run."""
+        mean, store, kernel = self.means[p.op.id]
+        mean_out = self.views.get(mean.op.outputs[0])
+        if mean_out is None:
+            return None
+        after = MeanAfter(mean_out, store)
+        got = fused_mean.run(kernel, args[0], out, after)
+        if after.done:
+            self.written.add(mean.op.id)
+        return got
 
     def _copy_through_view(self, p: PlacedOp, result: torch.Tensor) -> bool:
         """`result` seen through the view after `p`, copied into the buffer of the copy after

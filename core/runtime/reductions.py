@@ -141,6 +141,8 @@ def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, WIDE
 '''
 MEAN_TILE = 2048  # elements each program sums per step (BLOCK_S x BLOCK_C)
 MEAN_STEPS = 8  # the fewest steps of a part, where the positions are split
+FUSED_MEAN_STEPS = 2  # the same where the part also computes the fused op the mean reads (`FusedKernel.with_mean`)
+
 
 class FixedKernel:
     """A kernel of fixed source, built on its first launch through `kernels.define` (cached and
@@ -246,19 +248,21 @@ def spatial_mean(x, out: torch.Tensor) -> torch.Tensor | None:
     if not (isinstance(x, torch.Tensor) and x.is_cuda and out.is_cuda) or _spatial_mean.failed:
         return None
     launches = mean_launches(x, out, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    if launches is None:
-        return None
-    for grid, args, constants in launches:
-        if not _spatial_mean.launch(grid, *args, **constants):
-            return None
-    return out
+    return out if launches is not None and launch_means(launches) else None
 
 
-def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int) -> list[tuple[tuple, tuple, dict]] | None:
+def launch_means(launches: list[tuple[tuple, tuple, dict]]) -> bool:
+    """Run SPATIAL_MEAN's `launches` (`mean_launches`) in order; False where it cannot be built."""
+    return all(_spatial_mean.launch(grid, *args, **constants) for grid, args, constants in launches)
+
+
+def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
+                  steps: int = MEAN_STEPS) -> list[tuple[tuple, tuple, dict]] | None:
     """The launches of SPATIAL_MEAN (grid, arguments, constants) that write the mean of `x` over
     its last two dimensions into `out`, on a GPU of `sms` multiprocessors; None where the kernel
     does not apply. Two launches where the positions are split into parts (see the module
-    docstring): the first into a float32 scratch tensor that the second reads."""
+    docstring), none shorter than `steps` tiles: the first into a float32 scratch tensor that the
+    second reads."""
     if not (x.dim() == 4 and x.dtype in kernels.FLOAT_KINDS and out.dtype == x.dtype
             and tuple(out.shape) in ((*x.shape[:2], 1, 1), tuple(x.shape[:2]))):
         return None
@@ -276,9 +280,9 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int) -> list[tuple[tu
     block_c = min(64, kernels.triton_block(c)) if x.stride(1) == 1 and c > 1 else min(16, kernels.triton_block(c))
     block_s = max(1, min(MEAN_TILE // block_c, kernels.triton_block(positions)))
     tiles = -(-c // block_c)
-    # two programs per multiprocessor, but no part shorter than MEAN_STEPS steps: a second launch
+    # two programs per multiprocessor, but no part shorter than `steps` steps: a second launch
     # costs more than a short sum
-    parts = max(1, min(-(-positions // (block_s * MEAN_STEPS)), -(-2 * sms // (n * tiles))))
+    parts = max(1, min(-(-positions // (block_s * steps)), -(-2 * sms // (n * tiles))))
     rows = -(-(-(-positions // parts)) // block_s) * block_s  # each part's positions, whole steps
     parts = -(-positions // rows)
     reach = sum((d - 1) * st for d, st in zip(x.shape, x.stride())) + rows + MEAN_TILE

@@ -110,12 +110,12 @@ def test_a_residual_sum_and_its_layer_norm_run_as_one_kernel(sample_artifacts, n
 
     art = read_artifact(sample_artifacts[name])
     exe = Executable(art, "cuda", choice=tuning.Choice(streams="serial"))
-    assert exe._norms and exe._copies and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
+    assert exe._pairs.norms and exe._pairs.copies and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
     result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
     assert result.passed, result.describe()
-    built = [key for _, _, kernel in exe._norms.values() for key, launch in kernel._built.items()
+    built = [key for _, _, kernel in exe._pairs.norms.values() for key, launch in kernel._built.items()
              if key[0] == "norm" and launch is not None]
-    assert len(built) >= 1 and all(isinstance(k, FusedKernel) for _, _, k in exe._norms.values())
+    assert len(built) >= 1 and all(isinstance(k, FusedKernel) for _, _, k in exe._pairs.norms.values())
 
 
 @pytest.mark.parametrize("images, precision", [(1, "fp32"), (3, "fp32"), (3, "fp16")])

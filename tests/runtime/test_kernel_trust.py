@@ -45,7 +45,7 @@ def test_an_operand_whose_offsets_pass_2_31_gets_64_bit_indices_and_stays_in_its
     out = torch.empty(3)
     generated([("aten::relu.default", (strided,), ())], out, [strided])
     assert out.tolist() == [1.0, 2.0, 3.0]
-    monkeypatch.setattr(kernels, "_wide", lambda out, operands: False)  # the old 32-bit kernel
+    monkeypatch.setattr(kernels, "needs_wide", lambda out, operands: False)  # the old 32-bit kernel
     with pytest.raises(IndexError, match="outside a buffer"):
         generated([("aten::relu.default", (strided,), ())], torch.empty(3), [strided])
 
