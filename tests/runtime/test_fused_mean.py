@@ -184,8 +184,10 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 16, 12, 12), (1, 24, 56, 56), (3, 40, 7, 5)])
 def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_agrees_with_eager(
         tmp_path, monkeypatch, layout, shape):
-    """Both pairs run as one kernel each (two fewer launches than apart), the outputs match
-    the stored eager ones and those of the ops run apart."""
+    """With the convolutions split from their epilogues (no cuDNN graph takes a whole body), both
+    pairs run as one generated kernel each: two launches fewer than apart, and the outputs match
+    the stored eager ones and those of the ops run apart. With the default choice (cuDNN may take
+    a body whole, and its mean then runs apart) the outputs match too."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
@@ -196,17 +198,20 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, shape))
     art = read_artifact(tmp_path / "se.nimble")
-    choice = tuning.Choice(layout=layout, streams="serial")
-    exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / "paired.dot"))
+    x = [t.cuda() for t in art.sample_inputs]
+    split = tuning.Choice(layout=layout, streams="serial", convolutions="split")
+    exe = Executable(art, "cuda", choice=split, graph_dump=str(tmp_path / "paired.dot"))
     assert len(exe._pairs.means) == 2 and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
     built = [key for _, _, kernel in exe._pairs.means.values() for key, launch in kernel._built.items()
              if key[0] == "mean" and launch is not None]
     assert len(built) == 2
-    result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-3, atol=1e-4)
+    result = compare(exe.run(*x), art.sample_outputs, rtol=1e-3, atol=1e-4)
+    assert result.passed, result.describe()
+    default = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"))
+    result = compare(default.run(*x), art.sample_outputs, rtol=1e-3, atol=1e-4)
     assert result.passed, result.describe()
     monkeypatch.setattr(pairs, "MEAN_PAIRS", False)
-    apart = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / "apart.dot"))
+    apart = Executable(art, "cuda", choice=split, graph_dump=str(tmp_path / "apart.dot"))
     assert not apart._pairs.means
-    x = [t.cuda() for t in art.sample_inputs]
     torch.testing.assert_close(exe.run(*x)[0], apart.run(*x)[0], rtol=1e-5, atol=1e-6)
     assert count_kernels(tmp_path / "paired.dot") <= count_kernels(tmp_path / "apart.dot") - 2
