@@ -8,8 +8,9 @@ back, one launch more per block; torch.compile fuses the two (its `..._mean_silu
 `run` computes both in one kernel (two where the positions are split into parts):
 
 - it takes SPATIAL_MEAN's geometry (`reductions.mean_launches`): one program per image, tile of
-  channels and run of positions, with runs of at least FUSED_MEAN_STEPS tiles (the kernel also
-  writes the map, so a run needs fewer steps to pay for its launch);
+  channels and run of positions, aiming at FUSED_MEAN_PROGRAMS programs per multiprocessor with
+  runs of at least FUSED_MEAN_STEPS tiles (the kernel also reads and writes the map, so more,
+  shorter runs pay: at batch 1 and 8, 2 programs and 8 steps made efficientnet_b0 slower);
 - a leading convolution first writes the buffer without its bias, as for any generated body
   (`FusedKernel.lead`); each program then loads its tile of positions by channels, computes the
   body over it, stores it where anything but the mean reads it, and sums the stored values in
@@ -17,9 +18,9 @@ back, one launch more per block; torch.compile fuses the two (its `..._mean_silu
 - each program writes its channels' sum, scaled, into the mean's buffer, or where the positions
   are split into a float32 scratch that SPATIAL_MEAN's second launch sums in a fixed order.
 
-The mean is that of the values as stored, summed in the order the kernel run apart sums them, so
-the pair's results are those of the two ops run apart, bit for bit. Where the whole body runs as
-one cuDNN kernel, or the tensors do not fit (see `run`), the two ops run apart.
+The mean is that of the values as stored, summed as SPATIAL_MEAN sums them over the same parts:
+in a fixed order, so every run gives the same result. Where the whole body runs as one cuDNN
+kernel, or the tensors do not fit (see `run`), the two ops run apart.
 
 Index arithmetic is 64-bit where an offset can pass 2**31 - 1, as in `kernels.py`.
 """
@@ -55,7 +56,8 @@ def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -
     if whole is not None:
         return whole
     sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS)
+    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS,
+                                          reductions.FUSED_MEAN_PROGRAMS)
     if not launches:  # a layout no stride walks, or nothing to sum
         return None
     operands, conv = kernel.operands(body)
