@@ -8,9 +8,10 @@ back, one launch more per block; torch.compile fuses the two (its `..._mean_silu
 `run` computes both in one kernel (two where the positions are split into parts):
 
 - it takes SPATIAL_MEAN's geometry (`reductions.mean_launches`): one program per image, tile of
-  channels and run of positions, aiming at FUSED_MEAN_PROGRAMS programs per multiprocessor with
-  runs of at least FUSED_MEAN_STEPS tiles (the kernel also reads and writes the map, so more,
-  shorter runs pay: at batch 1 and 8, 2 programs and 8 steps made efficientnet_b0 slower);
+  channels and run of positions, with runs of at least FUSED_MEAN_STEPS tiles, not the mean's
+  own 8 (the kernel also reads and writes the map; with runs of 8, efficientnet_b0 took 0.494
+  ms GPU-bound at batch 1 against 0.466, and 0.871 against 0.859 at batch 8; aiming at 8 or 16
+  programs per multiprocessor instead of 2 changed nothing measurable);
 - a leading convolution first writes the buffer without its bias, as for any generated body
   (`FusedKernel.lead`); each program then loads its tile of positions by channels, computes the
   body over it, stores it where anything but the mean reads it, and sums the stored values in
@@ -56,8 +57,7 @@ def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -
     if whole is not None:
         return whole
     sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS,
-                                          reductions.FUSED_MEAN_PROGRAMS)
+    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS)
     if not launches:  # a layout no stride walks, or nothing to sum
         return None
     operands, conv = kernel.operands(body)

@@ -141,11 +141,9 @@ def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, WIDE
 '''
 MEAN_TILE = 2048  # elements each program sums per step (BLOCK_S x BLOCK_C)
 MEAN_STEPS = 8  # the fewest steps of a part, where the positions are split
-MEAN_PROGRAMS = 2  # programs per multiprocessor that splitting the positions aims for
 # the same where each part also computes and stores the fused op the mean reads (`fused_mean.py`):
-# the map is read and written, so a part pays for its launch sooner and more programs hide latency
+# it reads and writes the map, so a shorter part pays for its launch
 FUSED_MEAN_STEPS = 2
-FUSED_MEAN_PROGRAMS = 8
 
 
 class FixedKernel:
@@ -260,13 +258,13 @@ def launch_means(launches: list[tuple[tuple, tuple, dict]]) -> bool:
     return all(_spatial_mean.launch(grid, *args, **constants) for grid, args, constants in launches)
 
 
-def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int, steps: int = MEAN_STEPS,
-                  programs: int = MEAN_PROGRAMS) -> list[tuple[tuple, tuple, dict]] | None:
+def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
+                  steps: int = MEAN_STEPS) -> list[tuple[tuple, tuple, dict]] | None:
     """The launches of SPATIAL_MEAN (grid, arguments, constants) that write the mean of `x` over
     its last two dimensions into `out`, on a GPU of `sms` multiprocessors; None where the kernel
     does not apply. Two launches where the positions are split into parts (see the module
-    docstring), to give `programs` programs per multiprocessor but no part shorter than `steps`
-    tiles: the first into a float32 scratch tensor that the second reads."""
+    docstring), none shorter than `steps` tiles: the first into a float32 scratch tensor that the
+    second reads."""
     if not (x.dim() == 4 and x.dtype in kernels.FLOAT_KINDS and out.dtype == x.dtype
             and tuple(out.shape) in ((*x.shape[:2], 1, 1), tuple(x.shape[:2]))):
         return None
@@ -284,8 +282,9 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int, steps: int = MEA
     block_c = min(64, kernels.triton_block(c)) if x.stride(1) == 1 and c > 1 else min(16, kernels.triton_block(c))
     block_s = max(1, min(MEAN_TILE // block_c, kernels.triton_block(positions)))
     tiles = -(-c // block_c)
-    # a second launch costs more than a short sum
-    parts = max(1, min(-(-positions // (block_s * steps)), -(-programs * sms // (n * tiles))))
+    # two programs per multiprocessor, but no part shorter than `steps` steps: a second launch
+    # costs more than a short sum
+    parts = max(1, min(-(-positions // (block_s * steps)), -(-2 * sms // (n * tiles))))
     rows = -(-(-(-positions // parts)) // block_s) * block_s  # each part's positions, whole steps
     parts = -(-positions // rows)
     reach = sum((d - 1) * st for d, st in zip(x.shape, x.stride())) + rows + MEAN_TILE

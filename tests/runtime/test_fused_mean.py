@@ -20,8 +20,7 @@ SILU = ("aten::silu.default", (Local(0),), ())
 
 def shim_pair(body, out, operands, mean, leads, bias, sms=1, wide=None):
     """The pair's launches on the CPU, as `fused_mean.run` makes them; returns the launches."""
-    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS,
-                                            reductions.FUSED_MEAN_PROGRAMS)
+    launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS)
     (grid, args, constants), rest = launches[0], launches[1:]
     wide = constants["WIDE"] if wide is None else wide
     text = fused_mean.source(body, out, operands, leads, bias, mean.store, wide)
@@ -32,8 +31,7 @@ def shim_pair(body, out, operands, mean, leads, bias, sms=1, wide=None):
 
 
 def shim_apart(x, out, sms):
-    geometry = reductions.FUSED_MEAN_STEPS, reductions.FUSED_MEAN_PROGRAMS
-    for grid, args, constants in reductions.mean_launches(x, out, sms, *geometry):
+    for grid, args, constants in reductions.mean_launches(x, out, sms, reductions.FUSED_MEAN_STEPS):
         triton_shim.run_grid(reductions.SPATIAL_MEAN, grid, *args, **constants)
 
 
