@@ -96,7 +96,6 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
     kept per channel. With `leads`, `out` already holds the convolution (the bias, where `bias`,
     is the last operand)."""
     width = out.shape[3]
-    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              "def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, "
              f"{''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
@@ -118,15 +117,8 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
              "        mask = ((step < ROWS) & (pos < S))[:, None] & cmask[None, :]",
              "        o = n * sxn + pos[:, None] * sxs + cs[None, :] * sxc"]
     shape = tuple(out.shape)
-    for k, t in enumerate(operands):
-        lines.append(f"        in{k} = tl.load(in{k}_ptr + ({tile_offset(shape, t.expand(shape).stride(), width)}), "
-                     "mask=mask).to(tl.float32)")
-    start = 0
-    if leads:
-        loaded = "tl.load(x_ptr + o, mask=mask).to(tl.float32)"
-        lines.append(f"        v0 = {loaded} + in{len(operands) - 1}" if bias else f"        v0 = {loaded}")
-        start = 1
-    lines += ["    " + line for line in kernels.body_lines(body, names, start)]
+    offsets = [tile_offset(shape, t.expand(shape).stride(), width) for t in operands]
+    lines += kernels.epilogue_lines(body, operands, offsets, "x_ptr + o" if leads else None, bias, " " * 8)
     lines.append(f"        stored = v{len(body) - 1}.to({kernels.TL_KINDS[out.dtype]})")
     if store:
         lines.append("        tl.store(x_ptr + o, stored, mask=mask)")

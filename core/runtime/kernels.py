@@ -467,7 +467,6 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
         dense_strides[d] = step
         step *= shape[d]
     out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
     first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
@@ -475,31 +474,37 @@ def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: 
              f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
              "    mask = i < N",
              f"    o = {_offset(shape, out.stride(), order, out_dense)}"]
-    for k, t in enumerate(operands):
+    offsets = []
+    for t in operands:
         strides = t.expand(shape).stride()
         dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-        lines.append(f"    in{k} = tl.load(in{k}_ptr + ({_offset(shape, strides, order, dense)}), mask=mask)"
-                     ".to(tl.float32)")
-    start = 0
-    if leads:
-        first = "tl.load(out_ptr + o, mask=mask).to(tl.float32)"
-        lines.append(f"    v0 = {first} + in{len(operands) - 1}" if bias else f"    v0 = {first}")
-        start = 1
-    lines += body_lines(body, names, start)
+        offsets.append(_offset(shape, strides, order, dense))
+    lines += epilogue_lines(body, operands, offsets, "out_ptr + o" if leads else None, bias)
     lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
     lines.append(f"# torch {torch.__version__}")
     return "\n".join(lines) + "\n"
 
 
-def body_lines(body: list, names: dict[int, str], start: int) -> list[str]:
-    """`    v<k> = ...` for each body node from `start` on: its Triton expression over the values
-    before it (`v<j>`) and the operands loaded as `names` says (tensor id -> name)."""
-    lines = []
+def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,
+                   indent: str = "    ") -> list[str]:
+    """A generated body's statements, each at `indent`, where `mask` says which lanes are real:
+    each operand loaded as `in<k>` from its element `offsets[k]`; with `lead` (the pointer
+    expression of the buffer a leading convolution wrote), `v0` read from there, plus the bias
+    (the last operand) where `bias`; then `v<k> = ...` for every other node, its Triton expression
+    over the values before it and the operands."""
+    lines = [f"{indent}in{k} = tl.load(in{k}_ptr + ({offset}), mask=mask).to(tl.float32)"
+             for k, offset in enumerate(offsets)]
+    start = 0
+    if lead is not None:
+        loaded = f"tl.load({lead}, mask=mask).to(tl.float32)"
+        lines.append(f"{indent}v0 = {loaded} + in{len(operands) - 1}" if bias else f"{indent}v0 = {loaded}")
+        start = 1
+    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
     for k in range(start, len(body)):
         target, args, kwargs = body[k]
         tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
                    for pos in fusion.POINTWISE[target]]
-        lines.append(f"    v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+        lines.append(f"{indent}v{k} = {_expr(target, tensors, args, dict(kwargs))}")
     return lines
 
 
@@ -510,7 +515,6 @@ def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm
     shape = tuple(x.shape)
     order = list(range(x.dim()))
     dense_strides = contiguous_strides(shape)
-    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
     row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
     kind = TL_KINDS[x.dtype]
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
@@ -520,12 +524,12 @@ def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm
              "    cols = tl.arange(0, BLOCK)",
              "    mask = cols < N",
              "    i = row * N + cols"]
-    for k, t in enumerate(operands):
+    offsets = []
+    for t in operands:
         strides = t.expand(shape).stride()
         dense = all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(x.dim()))
-        lines.append(f"    in{k} = tl.load(in{k}_ptr + ({_offset(shape, strides, order, dense)}), mask=mask)"
-                     ".to(tl.float32)")
-    lines += body_lines(body, names, 0)
+        offsets.append(_offset(shape, strides, order, dense))
+    lines += epilogue_lines(body, operands, offsets, None, False)
     lines.append(f"    stored = v{len(body) - 1}.to({kind})")
     if norm.store:
         lines.append("    tl.store(x_ptr + i, stored, mask=mask)")
