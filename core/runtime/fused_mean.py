@@ -23,7 +23,7 @@ The mean is that of the values as stored, summed as SPATIAL_MEAN sums them over 
 in a fixed order, so every run gives the same result. Where the whole body runs as one cuDNN
 kernel, or the tensors do not fit (see `run`), the two ops run apart.
 
-Index arithmetic is 64-bit where an offset can pass 2**31 - 1, as in `kernels.py`.
+Index arithmetic is 64-bit where an offset can pass 2**31 - 1, as in `codegen.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, reductions
+from . import codegen, kernels, reductions
 
 
 @dataclass
@@ -67,7 +67,7 @@ def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -
         return None
     (grid, args, constants), rest = launches[0], launches[1:]
     bias = conv is not None and conv["bias"] is not None
-    wide = constants["WIDE"] or kernels.needs_wide(out, operands)
+    wide = constants["WIDE"] or codegen.needs_wide(out, operands)
 
     def build():
         return _launcher(source(body, out, operands, conv is not None, bias, mean.store, wide))
@@ -118,8 +118,8 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
              "        o = n * sxn + pos[:, None] * sxs + cs[None, :] * sxc"]
     shape = tuple(out.shape)
     offsets = [tile_offset(shape, t.expand(shape).stride(), width) for t in operands]
-    lines += kernels.epilogue_lines(body, operands, offsets, "x_ptr + o" if leads else None, bias, " " * 8)
-    lines.append(f"        stored = v{len(body) - 1}.to({kernels.TL_KINDS[out.dtype]})")
+    lines += codegen.epilogue_lines(body, operands, offsets, "x_ptr + o" if leads else None, bias, " " * 8)
+    lines.append(f"        stored = v{len(body) - 1}.to({codegen.TL_KINDS[out.dtype]})")
     if store:
         lines.append("        tl.store(x_ptr + o, stored, mask=mask)")
     lines += ["        acc += tl.where(mask, stored.to(tl.float32), 0.0)",

@@ -24,16 +24,13 @@ the tensor that holds the result:
   normalised into the norm's buffer.
 
 A kernel is specialised to its call: the body, the shapes, the strides of every operand (so the
-layout) and the dtypes. It is compiled from the source text generated here, never imported from
-disk; a copy is kept in the cache folder under the hash of that source (which names all of these
+layout) and the dtypes. It is compiled from the source text `codegen.py` generates, never
+imported from disk; a copy is kept in the cache folder under the hash of that source (which names all of these
 and the torch and Triton versions) for reading, and Triton keeps the compiled binary in its own
 cache, keyed by the GPU's compute capability too. A later process launches that binary without
 importing Triton (`binaries.py`). If Triton is missing or a kernel cannot be built, the body is
-interpreted op by op instead, and `STATS` counts it.
-
-Index arithmetic is 32-bit where every element offset the kernel can form stays below 2**31, and
-64-bit otherwise (`needs_wide`), so no kernel can address outside its buffers. NaN propagates through
-relu, clamps, maximum and minimum as it does in torch.
+interpreted op by op instead, and `STATS` counts it. Index arithmetic is 64-bit wherever an
+offset can pass 2**31 - 1 (`codegen.needs_wide`).
 """
 
 from __future__ import annotations
@@ -47,14 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import first_line
-from ..ir import Local, contiguous_strides
+from ..ir import Local
 from ..ops import fusion
 from . import binaries, cache, cudnn_graph
+from .codegen import BLOCK, elementwise_source, norm_source
 
-BLOCK = 1024
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
-TL_KINDS = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 BARE_CONVOLUTION_GRAPHS = True  # False: a generated body's convolution is always PyTorch's (for comparisons)
 
 
@@ -166,7 +162,7 @@ class FusedKernel:
         if not self.lead(conv, out):
             return None
         bias = conv is not None and conv["bias"] is not None
-        built = self.launch(key, lambda: _compile(_source(body, out, operands, conv is not None, bias)),
+        built = self.launch(key, lambda: _compile(elementwise_source(body, out, operands, conv is not None, bias)),
                             (out, operands))
         return out if built else None
 
@@ -250,7 +246,7 @@ class FusedKernel:
         operands = _operands(body, skip_first=False)
         key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
-        return self.launch(key, lambda: _compile_norm(_norm_source(body, out, operands, norm)), (out, operands, norm),
+        return self.launch(key, lambda: _compile_norm(norm_source(body, out, operands, norm)), (out, operands, norm),
                            " with its layer norm")
 
 
@@ -350,205 +346,8 @@ def _operands(body, skip_first: bool) -> list[torch.Tensor]:
     return seen
 
 
-# -------------------------------------------------------------------------------- source
-def _num(x) -> str:
-    x = float(x)
-    return repr(x) if math.isfinite(x) else f"float('{x}')"
-
-
-def _at_least(x: str, lo: str) -> str:
-    """max(x, lo) that keeps a NaN x, as torch does (tl.maximum would give lo)."""
-    return f"tl.where({x} < {lo}, {lo}, {x})"
-
-
-def _at_most(x: str, hi: str) -> str:
-    return f"tl.where({x} > {hi}, {hi}, {x})"
-
-
-_HARD_SIGMOID = _at_most(_at_least("{x} + 3.0", "0.0"), "6.0") + " / 6.0"
-# Ops of one operand and no other arguments: their Triton expression over {x}.
-_UNARY = {
-    "relu.default": _at_least("{x}", "0.0"), "sigmoid.default": "tl.sigmoid({x})",
-    "silu.default": "({x} * tl.sigmoid({x}))", "hardswish.default": f"({{x}} * ({_HARD_SIGMOID}))",
-    "hardsigmoid.default": f"({_HARD_SIGMOID})", "tanh.default": "(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
-    "neg.default": "(-{x})", "exp.default": "tl.exp({x})", "sqrt.default": "tl.sqrt({x})",
-    "rsqrt.default": "tl.rsqrt({x})", "reciprocal.default": "(1.0 / {x})", "abs.default": "tl.abs({x})",
-    "erf.default": "tl.erf({x})",
-}
-
-
-_POWERS = {2.0: "({x} * {x})", 3.0: "({x} * {x} * {x})", 0.5: "tl.sqrt({x})", -0.5: "tl.rsqrt({x})",
-           -1.0: "(1.0 / {x})", -2.0: "(1.0 / ({x} * {x}))"}
-
-
-def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
-    """One body node as a Triton expression over the fp32 values `a` (its tensor operands)."""
-    x = a[0]
-    extra = list(args)
-
-    def arg(i, name, default):
-        if name in kwargs:
-            return kwargs[name]
-        return extra[i] if i < len(extra) and extra[i] is not None else default
-
-    name = target.split("::")[1]
-    if name in ("relu6.default", "hardtanh.default"):
-        lo, hi = (0.0, 6.0) if name == "relu6.default" else (arg(1, "min_val", -1.0), arg(2, "max_val", 1.0))
-        return _at_most(_at_least(x, _num(lo)), _num(hi))
-    if name in ("clamp.default", "clamp_min.default", "clamp_max.default"):
-        lo = arg(1, "min", None) if name != "clamp_max.default" else None
-        hi = arg(2, "max", None) if name == "clamp.default" else arg(1, "max", None) if name == "clamp_max.default" \
-            else None
-        out = x if lo is None else _at_least(x, _num(lo))
-        return out if hi is None else _at_most(out, _num(hi))
-    if name == "leaky_relu.default":
-        return f"tl.where({x} > 0, {x}, {x} * {_num(arg(1, 'negative_slope', 0.01))})"
-    if name == "gelu.default":
-        if arg(1, "approximate", "none") == "tanh":
-            inner = f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})"
-            return f"(0.5 * {x} * (1.0 + (2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)))"
-        return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
-    if name in _UNARY:
-        return _UNARY[name].format(x=x)
-    if name == "pow.Tensor_Scalar":  # fusion.POWERS, as PyTorch's CUDA kernel computes them
-        return _POWERS[float(extra[1])].format(x=x)
-    op, kind = name.split(".")
-    y = a[1] if kind == "Tensor" or kind == "default" else _num(extra[1])
-    alpha = arg(2, "alpha", 1)
-    if op in ("add", "sub"):
-        scaled = y if alpha == 1 else f"({y} * {_num(alpha)})"
-        return f"({x} {'+' if op == 'add' else '-'} {scaled})"
-    if op in ("mul", "div"):
-        return f"({x} {'*' if op == 'mul' else '/'} {y})"
-    if op in ("maximum", "minimum"):  # a NaN on either side gives NaN, as in torch
-        return f"tl.where(({x} != {x}) | ({y} != {y}), {x} + {y}, tl.{op}({x}, {y}))"
-    raise NotImplementedError(f"no Triton expression for {target}")
-
-
-def _offset(shape, strides, order, dense: bool) -> str:
-    """The element offset of index `i` (counted in the output's memory order) in a tensor of
-    these strides; `order` lists the output's dims from outermost to innermost."""
-    if dense:
-        return "i"
-    terms, step = [], 1
-    for d in reversed(order):
-        n = shape[d]
-        if n > 1 and strides[d]:
-            coord = f"(i // {step})" if step > 1 else "i"
-            coord = f"({coord} % {n})" if step * n < math.prod(shape) else coord
-            terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
-        step *= n
-    return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
-
-
-INT32_LIMIT = 2**31 - 1
-
-
-def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
-    """Whether an index or element offset of this kernel can pass 2**31 - 1, so that its index
-    arithmetic must be 64-bit: the launch's last index, or the farthest element of any operand as
-    broadcast to the output's shape."""
-    if out.numel() + BLOCK > INT32_LIMIT:
-        return True
-    for t in (out, *operands):
-        strides = t.expand(out.shape).stride() if t is not out else t.stride()
-        if sum((n - 1) * st for n, st in zip(out.shape, strides)) > INT32_LIMIT:
-            return True
-    return False
-
-
-def _source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
-    """The kernel's source. `body` is the op's body as the runtime passes it (tensors in place of
-    Refs), and `operands` the distinct tensors it reads."""
-    shape = tuple(out.shape)
-    order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))  # outermost first
-    dense_strides, step = [0] * out.dim(), 1
-    for d in reversed(order):
-        dense_strides[d] = step
-        step *= shape[d]
-    out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-    first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-             f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
-             "BLOCK: tl.constexpr):",
-             f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
-             "    mask = i < N",
-             f"    o = {_offset(shape, out.stride(), order, out_dense)}"]
-    offsets = []
-    for t in operands:
-        strides = t.expand(shape).stride()
-        dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-        offsets.append(_offset(shape, strides, order, dense))
-    lines += epilogue_lines(body, operands, offsets, "out_ptr + o" if leads else None, bias)
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
-    return "\n".join(lines) + "\n"
-
-
-def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,
-                   indent: str = "    ") -> list[str]:
-    """A generated body's statements, each at `indent`, where `mask` says which lanes are real:
-    each operand loaded as `in<k>` from its element `offsets[k]`; with `lead` (the pointer
-    expression of the buffer a leading convolution wrote), `v0` read from there, plus the bias
-    (the last operand) where `bias`; then `v<k> = ...` for every other node, its Triton expression
-    over the values before it and the operands."""
-    lines = [f"{indent}in{k} = tl.load(in{k}_ptr + ({offset}), mask=mask).to(tl.float32)"
-             for k, offset in enumerate(offsets)]
-    start = 0
-    if lead is not None:
-        loaded = f"tl.load({lead}, mask=mask).to(tl.float32)"
-        lines.append(f"{indent}v0 = {loaded} + in{len(operands) - 1}" if bias else f"{indent}v0 = {loaded}")
-        start = 1
-    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
-    for k in range(start, len(body)):
-        target, args, kwargs = body[k]
-        tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
-                   for pos in fusion.POINTWISE[target]]
-        lines.append(f"{indent}v{k} = {_expr(target, tensors, args, dict(kwargs))}")
-    return lines
-
-
-def _norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> str:
-    """A row kernel: the body over one row of `x` (row-major), its result stored where
-    `norm.store`, then that row normalised as `reductions.LAYER_NORM` does (float32 mean and
-    variance of the values as stored) into `norm.out`."""
-    shape = tuple(x.shape)
-    order = list(range(x.dim()))
-    dense_strides = contiguous_strides(shape)
-    row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
-    kind = TL_KINDS[x.dtype]
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-             f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}eps, "
-             "N: tl.constexpr, BLOCK: tl.constexpr):",
-             f"    row = {row}",
-             "    cols = tl.arange(0, BLOCK)",
-             "    mask = cols < N",
-             "    i = row * N + cols"]
-    offsets = []
-    for t in operands:
-        strides = t.expand(shape).stride()
-        dense = all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(x.dim()))
-        offsets.append(_offset(shape, strides, order, dense))
-    lines += epilogue_lines(body, operands, offsets, None, False)
-    lines.append(f"    stored = v{len(body) - 1}.to({kind})")
-    if norm.store:
-        lines.append("    tl.store(x_ptr + i, stored, mask=mask)")
-    lines += ["    v = tl.where(mask, stored.to(tl.float32), 0.0)",
-              "    mean = tl.sum(v, axis=0) / N",
-              "    d = tl.where(mask, v - mean, 0.0)",
-              "    var = tl.sum(d * d, axis=0) / N",
-              "    y = d * tl.rsqrt(var + eps)"]
-    if norm.weight is not None:
-        lines.append("    y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)")
-    if norm.bias is not None:
-        lines.append("    y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)")
-    lines.append(f"    tl.store(y_ptr + i, y.to({kind}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
-    return "\n".join(lines) + "\n"
-
-
 def _compile_norm(source: str):
-    """A launcher for `_norm_source`'s kernel: one program per row."""
+    """A launcher for `norm_source`'s kernel: one program per row."""
     kernel = define(source)
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import codegen, kernels
 from .reductions import FixedKernel
 
 ROLL = '''import triton
@@ -70,7 +70,7 @@ def roll_launch(x: torch.Tensor, out: torch.Tensor, shifts, dims) -> tuple[tuple
     so = [0] * pad + list(out.stride())
     reach = max(sum((n - 1) * s for n, s in zip(t.shape, t.stride())) for t in (x, out))
     return ((x, out, out.numel(), *sizes[1:], *sx, *so, *rolls, sizes[0]),
-            dict(WIDE=max(reach, out.numel()) + ROLL_BLOCK > kernels.INT32_LIMIT, BLOCK=ROLL_BLOCK))
+            dict(WIDE=max(reach, out.numel()) + ROLL_BLOCK > codegen.INT32_LIMIT, BLOCK=ROLL_BLOCK))
 
 
 def roll(args: list, out: torch.Tensor) -> torch.Tensor | None:

@@ -46,7 +46,7 @@ import time
 import torch
 
 from ..errors import first_line
-from . import kernels
+from . import codegen, kernels
 
 
 LAYER_NORM = '''import triton
@@ -196,7 +196,7 @@ def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
     block = kernels.triton_block(norm.n)
     done = _layer_norm.launch((rows,), x, x if weight is None else weight, x if bias is None else bias, out,
                               float(eps), N=norm.n, HAS_W=weight is not None, HAS_B=bias is not None,
-                              WIDE=x.numel() + block > kernels.INT32_LIMIT, BLOCK=block,
+                              WIDE=x.numel() + block > codegen.INT32_LIMIT, BLOCK=block,
                               num_warps=kernels.row_warps(block))
     return out if done else None
 
@@ -224,7 +224,7 @@ def pool_launch(x: torch.Tensor, out: torch.Tensor, params) -> tuple[tuple, dict
     reach = max(sum((d - 1) * s for d, s in zip(t.shape, t.stride())) for t in (x, out))
     return ((x, out, out.numel(), c, h, w, oh, ow, *x.stride(), *out.stride()),
             dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, CHANNELS_LAST=channels_last,
-                 WIDE=max(reach, out.numel()) + POOL_BLOCK > kernels.INT32_LIMIT, BLOCK=POOL_BLOCK))
+                 WIDE=max(reach, out.numel()) + POOL_BLOCK > codegen.INT32_LIMIT, BLOCK=POOL_BLOCK))
 
 
 def max_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -288,7 +288,7 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
     rows = -(-(-(-positions // parts)) // block_s) * block_s  # each part's positions, whole steps
     parts = -(-positions // rows)
     reach = sum((d - 1) * st for d, st in zip(x.shape, x.stride())) + rows + MEAN_TILE
-    wide = max(reach, parts * n * c + MEAN_TILE) > kernels.INT32_LIMIT
+    wide = max(reach, parts * n * c + MEAN_TILE) > codegen.INT32_LIMIT
     warps = 8 if block_s * block_c >= MEAN_TILE else 4
     first = dict(WIDE=wide, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
     if parts == 1:

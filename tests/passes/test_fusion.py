@@ -21,7 +21,7 @@ from nimble.ir import Local
 from nimble.ops import fusion
 from nimble.pipeline import CompileOptions, compile_model, compile_script
 from nimble.runtime import reference
-from nimble.runtime.kernels import _expr, _offset, _source
+from nimble.runtime.codegen import _expr, _offset, elementwise_source
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES
@@ -188,7 +188,7 @@ def test_kernel_source_is_python_naming_each_operand():
     out = torch.empty(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
     bias, other = torch.empty(1, 3, 1, 1), torch.empty(2, 3, 4, 4)
     body = [("aten::add.Tensor", (Local(0), other), ()), ("aten::silu.default", (Local(1),), ())]
-    source = _source([("aten::conv2d.default", (), ())] + body, out, [other, bias], leads=True, bias=True)
+    source = elementwise_source([("aten::conv2d.default", (), ())] + body, out, [other, bias], leads=True, bias=True)
     ast.parse(source)
     assert "in1_ptr" in source and "v2 = (v1 * tl.sigmoid(v1))" in source
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from nimble.runtime import cache, kernels, tuning
+from nimble.runtime import cache, codegen, kernels, tuning
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def fake_triton(monkeypatch):
 
 def test_a_planted_pyc_beside_a_matching_source_never_runs(root, tmp_path, fake_triton):
     x = torch.empty(4, device="meta")
-    source = kernels._source([("aten::relu.default", (x,), ())], torch.empty(4, device="meta"), [x], False, False)
+    source = codegen.elementwise_source([("aten::relu.default", (x,), ())], torch.empty(4, device="meta"), [x], False, False)
     import hashlib
 
     digest = hashlib.sha256(f"{source}triton 0-test".encode()).hexdigest()[:32]

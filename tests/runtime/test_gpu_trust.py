@@ -15,7 +15,7 @@ from torch import nn
 
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
-from nimble.runtime import kernels
+from nimble.runtime import codegen, kernels
 
 from ..conftest import ROOT, SAMPLES, save_script
 
@@ -37,7 +37,7 @@ def test_a_generated_kernel_over_more_than_2_31_elements():
     x[-8192:].normal_()
     out = torch.empty_like(x)
     body = [("aten::relu.default", (x,), ()), ("aten::add.Scalar", (Local(0), 1.0, 1), ())]
-    source = kernels._source(body, out, [x], False, False)
+    source = codegen.elementwise_source(body, out, [x], False, False)
     assert "tl.program_id(0).to(tl.int64)" in source
     kernels._compile(source)(out, [x])
     torch.cuda.synchronize()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from nimble.errors import GraphError
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
-from nimble.runtime import kernels
+from nimble.runtime import codegen, kernels
 
 from .. import triton_shim
 
@@ -23,7 +23,7 @@ BLOCK = 64
 
 def generated(body, out, operands):
     """Run `body` (tensors in place of Refs) through the generated kernel, on the CPU."""
-    source = kernels._source(body, out, operands, leads=False, bias=False)
+    source = codegen.elementwise_source(body, out, operands, leads=False, bias=False)
     ast.parse(source)
     triton_shim.run(source, out, operands, BLOCK)
     return out
@@ -32,9 +32,9 @@ def generated(body, out, operands):
 def test_small_kernels_index_in_32_bits_and_large_ones_in_64():
     small = torch.empty(4, 8, device="meta")
     body = [("aten::relu.default", (small,), ())]
-    assert "tl.program_id(0) * BLOCK" in kernels._source(body, torch.empty(4, 8, device="meta"), [small], False, False)
+    assert "tl.program_id(0) * BLOCK" in codegen.elementwise_source(body, torch.empty(4, 8, device="meta"), [small], False, False)
     big = torch.empty(2**31 + 2048, device="meta", dtype=torch.float16)
-    source = kernels._source([("aten::relu.default", (big,), ())], torch.empty_like(big), [big], False, False)
+    source = codegen.elementwise_source([("aten::relu.default", (big,), ())], torch.empty_like(big), [big], False, False)
     assert "tl.program_id(0).to(tl.int64) * BLOCK" in source
 
 
@@ -45,7 +45,7 @@ def test_an_operand_whose_offsets_pass_2_31_gets_64_bit_indices_and_stays_in_its
     out = torch.empty(3)
     generated([("aten::relu.default", (strided,), ())], out, [strided])
     assert out.tolist() == [1.0, 2.0, 3.0]
-    monkeypatch.setattr(kernels, "needs_wide", lambda out, operands: False)  # the old 32-bit kernel
+    monkeypatch.setattr(codegen, "needs_wide", lambda out, operands: False)  # the old 32-bit kernel
     with pytest.raises(IndexError, match="outside a buffer"):
         generated([("aten::relu.default", (strided,), ())], torch.empty(3), [strided])
 

@@ -5,7 +5,7 @@ planned buffer, and declines what it does not cover."""
 import pytest
 import torch
 
-from nimble.runtime import kernels, reductions
+from nimble.runtime import codegen, kernels, reductions
 
 from .. import triton_shim
 
@@ -146,7 +146,7 @@ def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtyp
 
 
 def shim_norm_after(body, x, operands, norm):
-    source = kernels._norm_source(body, x, operands, norm)
+    source = codegen.norm_source(body, x, operands, norm)
     block = kernels.triton_block(norm.n)
     triton_shim.run_grid(source, x.numel() // norm.n, x, norm.out, x if norm.weight is None else norm.weight,
                          x if norm.bias is None else norm.bias, *operands, norm.eps, N=norm.n, BLOCK=block)
