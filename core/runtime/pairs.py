@@ -62,6 +62,7 @@ def mean_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
 
     def fused(graph: Graph, p: PlacedOp) -> FusedKernel | None:
         return p.substitute if isinstance(p.substitute, FusedKernel) else None
+
     return _after(graph, placed, order, stream_of, waits, means, fused)
 
 
@@ -72,7 +73,8 @@ def _spatial_mean(graph: Graph, op: Op) -> bool:
             or len(graph.values[x.id].spec.shape) != 4:
         return False
     if op.target == "aten::adaptive_avg_pool2d.default":
-        return len(op.args) == 2 and list(op.args[1]) == [1, 1] and not op.kwargs
+        return len(op.args) == 2 and isinstance(op.args[1], (list, tuple)) and list(op.args[1]) == [1, 1] \
+            and not op.kwargs
     if op.target != "aten::mean.dim" or len(op.args) < 2 or (len(op.args) > 3 and op.args[3] is not None) \
             or any(k != "keepdim" and not (k == "dtype" and v is None) for k, v in op.kwargs):
         return False
@@ -82,8 +84,8 @@ def _spatial_mean(graph: Graph, op: Op) -> bool:
 
 
 def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int], waits: Sequence,
-           readers_of_one: Sequence[Op], kernel_of) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
-    """producer -> (the op of `readers_of_one` that reads its result as its first argument and no
+           seconds: Sequence[Op], kernel_of) -> dict[int, tuple[PlacedOp, bool, FusedKernel]]:
+    """producer -> (the op of `seconds` that reads its result as its first argument and no
     other, whether anything else reads that result, `kernel_of(graph, producer)`), where that op
     is the next issued on the producer's stream, waits for nothing, and the kernel is not None."""
     next_on_stream = _next_on_stream(order, stream_of)
@@ -94,7 +96,7 @@ def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], strea
     outputs = {graph.root(o) for o in graph.outputs}
     aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
     pairs = {}
-    for second in readers_of_one:
+    for second in seconds:
         if not isinstance(second.args[0], Ref):
             continue
         x = second.args[0].id

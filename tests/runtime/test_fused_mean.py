@@ -176,6 +176,22 @@ def test_a_mean_dim_pairs_only_over_the_last_two_dimensions(tmp_path, dims, keep
     assert bool(found) == pairs_
 
 
+def test_pooling_to_more_than_one_position_stays_apart(tmp_path):
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    class Pool(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.adaptive_avg_pool2d(torch.relu(x * 2.0), (2, 2))
+
+    path = tmp_path / "pool.pt"
+    torch.jit.save(torch.jit.trace(Pool(), torch.randn(2, 3, 4, 6)), str(path))
+    a = compile_model(path, input_specs(["2x3x4x6"]), device="cpu").artifact()
+    n = len(a.graph.ops)
+    assert "aten::adaptive_avg_pool2d.default" in {op.target for op in a.graph.ops}
+    assert pairs.mean_pairs(a.graph, placement.prepare(a.graph), list(a.schedule.order), [0] * n, [()] * n) == {}
+
+
 gpu = pytest.mark.gpu
 
 
