@@ -25,9 +25,9 @@ the tensor that holds the result:
 
 A kernel is specialised to its call: the body, the shapes, the strides of every operand (so the
 layout) and the dtypes. It is compiled from the source text `codegen.py` generates, never
-imported from disk; a copy is kept in the cache folder under the hash of that source (which names all of these
-and the torch and Triton versions) for reading, and Triton keeps the compiled binary in its own
-cache, keyed by the GPU's compute capability too. A later process launches that binary without
+imported from disk; a copy is kept in the cache folder under the hash of that source (which
+names all of these and the torch and Triton versions) for reading, and Triton keeps the compiled
+binary in its own cache, keyed by the GPU's compute capability too. A later process launches that binary without
 importing Triton (`binaries.py`). If Triton is missing or a kernel cannot be built, the body is
 interpreted op by op instead, and `STATS` counts it. Index arithmetic is 64-bit wherever an
 offset can pass 2**31 - 1 (`codegen.needs_wide`).

@@ -18,7 +18,7 @@ from typing import Sequence
 from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
 from .kernels import FusedKernel
-from .placement import PlacedOp
+from .placement import PlacedOp, height_and_width
 
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 
@@ -78,9 +78,7 @@ def _spatial_mean(graph: Graph, op: Op) -> bool:
     if op.target != "aten::mean.dim" or len(op.args) < 2 or (len(op.args) > 3 and op.args[3] is not None) \
             or any(k != "keepdim" and not (k == "dtype" and v is None) for k, v in op.kwargs):
         return False
-    dims = op.args[1]
-    return isinstance(dims, (list, tuple)) and len(dims) == 2 \
-        and all(type(d) is int and -4 <= d < 4 for d in dims) and {d % 4 for d in dims} == {2, 3}
+    return height_and_width(op.args[1])
 
 
 def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int], waits: Sequence,

@@ -25,7 +25,6 @@ from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
 from . import fused_mean
-from .fused_mean import MeanAfter
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
@@ -71,13 +70,18 @@ def _global_avg_pool(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def height_and_width(dims) -> bool:
+    """Whether `dims` (a mean's dimensions) are the last two of a 4-D tensor, in any order."""
+    return isinstance(dims, (list, tuple)) and len(dims) == 2 \
+        and all(type(d) is int and -4 <= d < 4 for d in dims) and {d % 4 for d in dims} == {2, 3}
+
+
 def _mean(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """mean.dim over the last two dimensions of a 4-D tensor, without a dtype: the generated
     kernel (`reductions.spatial_mean`); None for any other mean, which runs its out= overload."""
     x, dims = (list(args) + [None, None])[:2]
-    last_two = isinstance(dims, (list, tuple)) and len(dims) == 2 \
-        and all(type(d) is int and -4 <= d < 4 for d in dims) and {d % 4 for d in dims} == {2, 3}
-    if not (isinstance(x, torch.Tensor) and x.dim() == 4 and last_two) or (len(args) > 3 and args[3] is not None):
+    if not (isinstance(x, torch.Tensor) and x.dim() == 4 and height_and_width(dims)) \
+            or (len(args) > 3 and args[3] is not None):
         return None
     return spatial_mean(x, out)
 
@@ -308,7 +312,7 @@ class PlacedRun(Executor):
         mean_out = self.views.get(mean.op.outputs[0])
         if mean_out is None:
             return None
-        after = MeanAfter(mean_out, store)
+        after = fused_mean.MeanAfter(mean_out, store)
         got = fused_mean.run(kernel, args[0], out, after)
         if after.done:
             self.written.add(mean.op.id)
