@@ -46,7 +46,7 @@ REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise
 # After the precision is chosen (each weight then has the dtype it is stored in) and before fusion:
 # which dtype and layout the kernels read what the rewrites left in.
 LAYOUT: tuple = (passes.drop_precision_casts, passes.align_attention_masks)
-FUSION: tuple = (passes.fuse_conv, passes.fuse_pointwise, passes.generate_broadcast_ops,
+FUSION: tuple = (passes.bias_into_broadcast, passes.fuse_conv, passes.fuse_pointwise, passes.generate_broadcast_ops,
                  passes.fuse_lone_convolutions)
 PASSES: tuple = REWRITES + LAYOUT + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)

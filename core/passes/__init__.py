@@ -11,6 +11,7 @@ between the rewrites and the layout passes where a compile asks for fp16 or bf16
 
 from .affine_batch_norm import affine_batch_norm
 from .align_attention_masks import align_attention_masks
+from .bias_into_broadcast import bias_into_broadcast
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
 from .drop_identity_copies import drop_identity_copies
@@ -35,9 +36,11 @@ from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
-                              inline_scalar_constants, align_attention_masks, drop_precision_casts})
+                              inline_scalar_constants, align_attention_masks, drop_precision_casts,
+                              bias_into_broadcast})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_epilogue", "chain_loose_ops",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_broadcast",
+           "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",

@@ -37,6 +37,10 @@ def fuse_pointwise(graph: Graph) -> Graph:
                 theirs, their_conv = [producer.id], producer.id
             else:
                 continue
+            if their_conv is not None and _smaller_unbiased(graph, graph.ops[their_conv], result):
+                theirs, their_conv = [m for m in theirs if m != their_conv], None  # it runs alone
+                if not theirs:
+                    continue
             if their_conv is not None and (conv is not None or graph.values[graph.ops[their_conv].outputs[0]].spec.shape
                                            != result.spec.shape):
                 continue  # one convolution per group, and it computes the group's whole result
@@ -78,6 +82,14 @@ def elementwise(graph: Graph, facts: Facts, op: Op):
         elif not (a is None or isinstance(a, (int, float, str)) and not isinstance(a, bool)):
             return None
     return result
+
+
+def _smaller_unbiased(graph: Graph, conv: Op, result) -> bool:
+    """True if `conv`, leading the group of an operand, has no bias and a result smaller than
+    `result`: the group's elementwise ops then join `result`'s group without it
+    (`bias_into_broadcast` moved its bias into them), and it runs alone."""
+    return (len(conv.args) < 3 or conv.args[2] is None) \
+        and graph.values[conv.outputs[0]].spec.numel < result.spec.numel
 
 
 def _operands(graph: Graph, members: list[int]) -> set[int]:

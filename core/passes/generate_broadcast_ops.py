@@ -2,8 +2,9 @@
 its result, becomes a fused op of one node, so that the runtime runs it as a generated kernel.
 
 The squeeze-and-excitation multiply of efficientnet_b0 (`x * scale`, x [N, C, H, W], scale
-[N, C, 1, 1]) is such an op: its one tensor operand is read by the pooling too, and its scale
-comes from a convolution whose result is smaller than the product, so no group takes it in.
+[N, C, 1, 1]) was such an op before `bias_into_broadcast`: its one tensor operand is read by the
+pooling too, and its scale came from a convolution whose result is smaller than the product, so
+no group took it in.
 Alone, it ran as PyTorch's elementwise kernel, which reads a broadcast operand through a general
 offset calculator, one element at a time; the generated kernel reads it by one division of the
 flat index, in either layout. efficientnet_b0 has 16 of them.

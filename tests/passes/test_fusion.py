@@ -115,10 +115,9 @@ def test_generated_chains_match_the_unfused_reference(steps):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
-
 class SqueezeExcite(nn.Module):
     """efficientnet_b0's block: the SiLU result is read by the pooling and by the multiply, and the
-    scale comes from a convolution smaller than the product, so no fusion group takes it in."""
+    scale comes from a convolution smaller than the product."""
 
     def __init__(self):
         super().__init__()
@@ -130,27 +129,71 @@ class SqueezeExcite(nn.Module):
     def forward(self, x):
         y = F.silu(self.expand(x))
         scale = torch.sigmoid(self.restore(F.silu(self.reduce(F.adaptive_avg_pool2d(y, 1)))))
-        return self.project(y * scale), y + y  # y + y: alone too, but it broadcasts nothing
+        return self.project(y * scale), y + y  # y + y: alone, and it broadcasts nothing
 
 
-def test_a_lone_broadcasting_multiply_becomes_a_generated_op():
+def compile_both(module: nn.Module, shape: tuple[int, ...], name: str) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(2, 4, 9, 7)
+    x = torch.randn(shape)
     with quiet_torchscript():
-        traced = torch.jit.trace(SqueezeExcite().eval(), (x,))
-    runs = {fuse: compile_script(traced, input_specs(["2x4x9x7"]), "se", "se.pt", "0" * 64,
+        traced = torch.jit.trace(module.eval(), (x,))
+    runs = {fuse: compile_script(traced, input_specs(["x".join(map(str, shape))]), name, f"{name}.pt", "0" * 64,
                                  CompileOptions(device="cpu", fuse=fuse)) for fuse in (False, True)}
-    alone = [fusion.body_of(op) for op in runs[True].graph.ops
-             if op.target == fusion.FUSED and len(fusion.body_of(op)) == 1]
-    # the multiply, and the projection that reads it (`fuse_lone_convolutions`)
-    assert [node[0] for body in alone for node in body] == ["aten::mul.Tensor", "aten::convolution.default"]
-    assert "aten::mul.Tensor" in targets(runs[False].graph) and "aten::mul.Tensor" not in targets(runs[True].graph)
-    assert "aten::add.Tensor" in targets(runs[True].graph)
     got = reference.run(runs[True].graph, runs[True].weights, [x])
     want = reference.run(runs[False].graph, runs[False].weights, [x])
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    return runs
 
+
+def bodies_of(op) -> list[str]:
+    return [node[0] for node in fusion.body_of(op)] if op.target == fusion.FUSED else []
+
+
+def bodies(graph) -> list[list[str]]:
+    return [bodies_of(op) for op in graph.ops if op.target == fusion.FUSED]
+
+
+def test_the_excitation_scale_is_computed_in_the_multiply_and_its_convolution_runs_alone():
+    runs = compile_both(SqueezeExcite(), (2, 4, 9, 7), "se")
+    conv = "aten::convolution.default"
+    assert sorted(bodies(runs[True].graph)) == sorted([
+        [conv, "aten::silu.default"],  # expand
+        [conv, "aten::silu.default"],  # reduce, on the pooled map
+        [conv],  # restore, its bias moved (`bias_into_broadcast`)
+        ["aten::add.Tensor", "aten::sigmoid.default", "aten::mul.Tensor"],  # its bias, the sigmoid, the multiply
+        [conv],  # project (`fuse_lone_convolutions`)
+    ])
+    graph = runs[True].graph
+    restore = next(op for op in graph.ops
+                   if bodies_of(op) == [conv] and graph.values[op.outputs[0]].spec.shape[2:] == (1, 1))
+    assert fusion.body_of(restore)[0][1][2] is None
+    moved = [v for v in graph.values if v.name == "restore.bias.broadcast"]
+    assert [v.spec.shape for v in moved] == [(1, 8, 1, 1)] and "restore.bias" not in runs[True].weights
+    assert targets(graph).count("aten::add.Tensor") == 1  # y + y alone: it broadcasts nothing
+
+
+class BroadcastReaders(nn.Module):
+    """A scale from a pooling (no convolution), and two convolutions whose small results are read
+    by something other than one larger elementwise op: all keep their bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.restore = nn.Conv2d(4, 4, 1)
+        self.twice = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        pooled = F.adaptive_avg_pool2d(x, 1)
+        same = torch.sigmoid(self.restore(pooled)) + pooled  # read by an op of its own shape
+        s = torch.sigmoid(self.twice(pooled))
+        return x * pooled, same, x * s + s.mean()  # s read twice
+
+
+def test_a_lone_broadcasting_multiply_becomes_a_generated_op_and_other_biases_stay():
+    runs = compile_both(BroadcastReaders(), (2, 4, 5, 3), "readers")
+    assert not any(v.name.endswith(".broadcast") for v in runs[True].graph.values)
+    assert ["aten::mul.Tensor"] in bodies(runs[True].graph)  # x * pooled, alone and generated
+    assert "aten::mul.Tensor" in targets(runs[False].graph)
 
 def test_every_fusible_op_has_a_kernel_expression():
     for target, tensors in fusion.POINTWISE.items():

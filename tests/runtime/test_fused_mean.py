@@ -231,3 +231,37 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     assert not apart._pairs.means
     torch.testing.assert_close(exe.run(*x)[0], apart.run(*x)[0], rtol=1e-5, atol=1e-6)
     assert count_kernels(tmp_path / "paired.dot") < count_kernels(tmp_path / "apart.dot")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_kernel_fewer(
+        tmp_path, monkeypatch, layout):
+    """`bias_into_broadcast`: the excitation's convolution runs alone without its bias, and its
+    bias and sigmoid run in the multiply's kernel. The block matches the stored eager outputs, and
+    the same block compiled without the pass, in one kernel fewer."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble import pipeline
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    write_artifact(tmp_path / "moved.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
+    monkeypatch.setattr(pipeline, "FUSION", tuple(p for p in pipeline.FUSION if p.__name__ != "bias_into_broadcast"))
+    write_artifact(tmp_path / "kept.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
+    outputs = {}
+    for name in ("moved", "kept"):
+        art = read_artifact(tmp_path / f"{name}.nimble")
+        assert any(v.name.endswith(".broadcast") for v in art.graph.values) == (name == "moved")
+        x = [t.cuda() for t in art.sample_inputs]
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial", convolutions="split"),
+                         graph_dump=str(tmp_path / f"{name}.dot"))
+        assert exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
+        outputs[name] = exe.run(*x)
+        result = compare(outputs[name], art.sample_outputs, rtol=1e-3, atol=1e-4)
+        assert result.passed, result.describe()
+    torch.testing.assert_close(outputs["moved"][0], outputs["kept"][0], rtol=1e-4, atol=1e-5)
+    assert count_kernels(tmp_path / "moved.dot") == count_kernels(tmp_path / "kept.dot") - 1
