@@ -72,8 +72,10 @@ def test_generated_kernels_match_the_interpreted_body(shape):
         runner = nimble.Nimble(module).prepare(x)
         exe = runner._runner
         assert any(op.target == fusion.FUSED for op in exe.graph.ops)
-        lone = [fusion.body_of(op) for op in exe.graph.ops if op.target == fusion.FUSED and len(fusion.body_of(op)) == 1]
-        assert [body[0][0] for body in lone] == ["aten::mul.Tensor"]  # y * s: `generate_broadcast_ops`
+        bodies = [[node[0] for node in fusion.body_of(op)] for op in exe.graph.ops if op.target == fusion.FUSED]
+        # y * s computes s's bias and sigmoid (`bias_into_broadcast`); the convolution runs alone
+        assert ["aten::add.Tensor", "aten::sigmoid.default", "aten::mul.Tensor"] in bodies
+        assert [body for body in bodies if len(body) == 1] == [["aten::convolution.default"]]
         exe = Executable(exe.artifact, "cuda", choice=tuning.Choice(layout))
         assert exe.stats.kernel_fallbacks == [] and exe.stats.kernels_generated > 0
         got = exe(x.cuda()).cpu()
