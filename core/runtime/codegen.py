@@ -136,6 +136,28 @@ def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
 def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
     """The kernel's source. `body` is the op's body as the runtime passes it (tensors in place of
     Refs), and `operands` the distinct tensors it reads."""
+    first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
+    out_offset, offsets = flat_offsets(out, operands)
+    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+             f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
+             "BLOCK: tl.constexpr):",
+             f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
+             "    mask = i < N",
+             f"    o = {out_offset}"]
+    lines += epilogue_lines(body, operands, offsets, loaded("out_ptr + o") if leads else None, bias)
+    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
+    lines.append(f"# torch {torch.__version__}")
+    return "\n".join(lines) + "\n"
+
+
+def loaded(pointer: str) -> str:
+    """The float32 value a kernel's lanes (`mask`) read at `pointer`."""
+    return f"tl.load({pointer}, mask=mask).to(tl.float32)"
+
+
+def flat_offsets(out: torch.Tensor, operands: list[torch.Tensor]) -> tuple[str, list[str]]:
+    """The element offsets, in `out` and in each operand broadcast to its shape, of index `i`
+    counted in `out`'s memory order: plain `i` where a tensor is dense in that order."""
     shape = tuple(out.shape)
     order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))  # outermost first
     dense_strides, step = [0] * out.dim(), 1
@@ -143,37 +165,25 @@ def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tenso
         dense_strides[d] = step
         step *= shape[d]
     out_dense = all(out.stride(d) == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-    first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-             f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
-             "BLOCK: tl.constexpr):",
-             f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
-             "    mask = i < N",
-             f"    o = {_offset(shape, out.stride(), order, out_dense)}"]
     offsets = []
     for t in operands:
         strides = t.expand(shape).stride()
         dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
         offsets.append(_offset(shape, strides, order, dense))
-    lines += epilogue_lines(body, operands, offsets, "out_ptr + o" if leads else None, bias)
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
-    return "\n".join(lines) + "\n"
+    return _offset(shape, out.stride(), order, out_dense), offsets
 
 
 def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,
                    indent: str = "    ") -> list[str]:
     """A generated body's statements, each at `indent`, where `mask` says which lanes are real:
-    each operand loaded as `in<k>` from its element `offsets[k]`; with `lead` (the pointer
-    expression of the buffer a leading convolution wrote), `v0` read from there, plus the bias
-    (the last operand) where `bias`; then `v<k> = ...` for every other node, its Triton expression
-    over the values before it and the operands."""
-    lines = [f"{indent}in{k} = tl.load(in{k}_ptr + ({offset}), mask=mask).to(tl.float32)"
-             for k, offset in enumerate(offsets)]
+    each operand loaded as `in<k>` from its element `offsets[k]`; with `lead` (the float32 value
+    of a leading convolution: read back from the buffer it wrote, or computed in the kernel), `v0`
+    that value, plus the bias (the last operand) where `bias`; then `v<k> = ...` for every other
+    node, its Triton expression over the values before it and the operands."""
+    lines = [f"{indent}in{k} = {loaded(f'in{k}_ptr + ({offset})')}" for k, offset in enumerate(offsets)]
     start = 0
     if lead is not None:
-        loaded = f"tl.load({lead}, mask=mask).to(tl.float32)"
-        lines.append(f"{indent}v0 = {loaded} + in{len(operands) - 1}" if bias else f"{indent}v0 = {loaded}")
+        lines.append(f"{indent}v0 = {lead} + in{len(operands) - 1}" if bias else f"{indent}v0 = {lead}")
         start = 1
     names = {id(t): f"in{k}" for k, t in enumerate(operands)}
     for k in range(start, len(body)):

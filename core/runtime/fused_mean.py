@@ -118,7 +118,8 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
              "        o = n * sxn + pos[:, None] * sxs + cs[None, :] * sxc"]
     shape = tuple(out.shape)
     offsets = [tile_offset(shape, t.expand(shape).stride(), width) for t in operands]
-    lines += codegen.epilogue_lines(body, operands, offsets, "x_ptr + o" if leads else None, bias, " " * 8)
+    lines += codegen.epilogue_lines(body, operands, offsets, codegen.loaded("x_ptr + o") if leads else None, bias,
+                                    " " * 8)
     lines.append(f"        stored = v{len(body) - 1}.to({codegen.TL_KINDS[out.dtype]})")
     if store:
         lines.append("        tl.store(x_ptr + o, stored, mask=mask)")

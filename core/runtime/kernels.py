@@ -16,6 +16,8 @@ the tensor that holds the result:
   the convolution alone where `cudnn_graph` chose one (no workspace of its own in the captured
   graph's pool), else through cuDNN's out= kernel; the kernel then adds the bias and applies the
   rest of the body in place;
+- a body led by a 1x1 convolution of a 1x1 map (squeeze-and-excitation's, `pooled_conv.fits`)
+  runs as one generated kernel that computes the convolution too (`pooled_conv`);
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
   cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
@@ -46,7 +48,7 @@ import torch
 from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
-from . import binaries, cache, cudnn_graph
+from . import binaries, cache, cudnn_graph, pooled_conv
 from .codegen import BLOCK, elementwise_source, norm_source
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
@@ -90,7 +92,9 @@ class FusedKernel:
         body = args[0]
         if not out.is_cuda:
             return None
-        got = self.whole_on_cudnn(body, out)
+        got = self._pooled(body, out)
+        if got is None:
+            got = self.whole_on_cudnn(body, out)
         return got if got is not None else self._generated(body, out)
 
     def whole_on_cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
@@ -164,6 +168,23 @@ class FusedKernel:
         bias = conv is not None and conv["bias"] is not None
         built = self.launch(key, lambda: _compile(elementwise_source(body, out, operands, conv is not None, bias)),
                             (out, operands))
+        return out if built else None
+
+    def _pooled(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """`out`, where a convolution of a 1x1 map and the rest of the body ran as one generated
+        kernel (`pooled_conv`); None, with nothing run, where it does not lead or fit."""
+        if not fusion.leads_with_convolution(self.body):
+            return None
+        operands, conv = self.operands(body)
+        if conv is None or not pooled_conv.fits(conv, out):
+            return None
+        x, w = conv["input"], conv["weight"]
+        key = ("pooled", tuple(out.shape), tuple(out.stride()), out.dtype,
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)))
+        bias = conv["bias"] is not None
+        built = self.launch(key, lambda: pooled_conv.launcher(define(pooled_conv.source(body, out, x, w, operands,
+                                                                                          bias))),
+                            (out, x, w, operands), " as a pooled convolution")
         return out if built else None
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:

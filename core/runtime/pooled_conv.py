@@ -1,0 +1,89 @@
+"""A 1x1 convolution of a 1x1 map and the body after it, as one generated kernel.
+
+Squeeze-and-excitation convolves the pooled map: [N, C, 1, 1] in, [N, C', 1, 1] out, a matrix
+product of N rows by a C' x C weight (efficientnet_b0: 16 blocks, two each, C up to 1152, C'
+down to 8). cuDNN runs each as an implicit-GEMM kernel sized for large maps, and the body after it
+(bias, SiLU) as a second kernel over a few thousand numbers: two launches of about 2 us for work
+that takes far less. Here program (n, j) computes output channels j * BLOCK ... of image n as
+float32 dot products of the input's channels with the weight's rows, then the rest of the body
+(`codegen.epilogue_lines`), and stores the result: one launch, nothing written twice, no
+workspace. The sums are float32 over the channels in order of blocks, as exact as cuDNN's
+(which may round its inputs to TF32).
+
+Only convolutions small enough to be bound by their launch qualify (`fits`); larger ones stay
+with cuDNN. `ENABLED = False` turns this off, for comparisons.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codegen import TL_KINDS, epilogue_lines, flat_offsets, needs_wide
+
+ENABLED = True
+MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
+MAX_TILE = 4096  # weight elements one program holds at once
+PROGRAMS = 128  # programs a launch aims for, where the output has room
+
+
+def fits(p: dict, out: torch.Tensor) -> bool:
+    """Whether convolution `p` (`fusion.conv_params`, tensors in place) is one this kernel runs:
+    2-D, ungrouped, a 1x1 kernel over a 1x1 map with no padding, float operands of one dtype,
+    at most MAX_PRODUCTS multiply-adds, its result `out`'s shape."""
+    x, w, bias = p["input"], p["weight"], p["bias"]
+    if not (ENABLED and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4 and p["groups"] == 1):
+        return False
+    if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
+            or bias is not None and bias.dtype != out.dtype:
+        return False
+    n, c, h, width = x.shape
+    return (h, width) == (1, 1) and tuple(w.shape[1:]) == (c, 1, 1) and tuple(p["padding"]) == (0, 0) \
+        and tuple(out.shape) == (n, w.shape[0], 1, 1) and 0 < n * w.shape[0] * c <= MAX_PRODUCTS
+
+
+def blocks(out: torch.Tensor, channels: int) -> tuple[int, int]:
+    """(output channels, input channels) one program spans: enough programs to fill the GPU where
+    the output allows, and a weight tile of at most MAX_TILE elements."""
+    n, c_out = out.shape[:2]
+    per_program = max(1, n * c_out // PROGRAMS)
+    block = min(64, max(8, 1 << (per_program.bit_length() - 1)))
+    return block, min(max(32, MAX_TILE // block), max(32, 1 << (channels - 1).bit_length()))
+
+
+def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor],
+           bias: bool) -> str:
+    """The kernel's text. `body` is the op's body as the runtime passes it; `operands` the tensors
+    its other nodes read, the convolution's bias last where `bias`."""
+    c_out, c_in = out.shape[1], x.shape[1]
+    wide = needs_wide(out, operands) or max(x.numel(), w.numel()) > 2**31 - 1
+    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    out_offset, offsets = flat_offsets(out, operands)
+    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+             f"def kernel(out_ptr, x_ptr, w_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
+             "BLOCK: tl.constexpr, BLOCK_CI: tl.constexpr):",
+             f"    n = {first}",
+             "    co = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)",
+             f"    mask = co < {c_out}",
+             f"    i = n * {c_out} + co",
+             "    acc = tl.zeros([BLOCK], dtype=tl.float32)",
+             f"    for c0 in range(0, {c_in}, BLOCK_CI):",
+             "        ci = c0 + tl.arange(0, BLOCK_CI)",
+             f"        cmask = ci < {c_in}",
+             f"        xv = tl.load(x_ptr + n * {x.stride(0)} + ci * {x.stride(1)}, mask=cmask, other=0.0)",
+             f"        wv = tl.load(w_ptr + co[:, None] * {w.stride(0)} + ci[None, :] * {w.stride(1)},",
+             "                     mask=mask[:, None] & cmask[None, :], other=0.0)",
+             "        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)",
+             f"    o = {out_offset}"]
+    lines += epilogue_lines(body, operands, offsets, "acc", bias)
+    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
+    lines.append(f"# torch {torch.__version__}")
+    return "\n".join(lines) + "\n"
+
+
+def launcher(kernel):
+    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor]) -> None:
+        block, block_ci = blocks(out, x.shape[1])
+        kernel[(out.shape[0], -(-out.shape[1] // block))](out, x, w, *operands, BLOCK=block, BLOCK_CI=block_ci)
+
+    return launch

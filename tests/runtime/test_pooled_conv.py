@@ -1,0 +1,149 @@
+"""A 1x1 convolution of a 1x1 map and its body as one kernel (`runtime/pooled_conv.py`): its source
+run on the CPU through `triton_shim` against torch's convolution, which convolutions qualify, and
+on the GPU a squeeze-and-excitation block against eager in both layouts, in fewer kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nimble.ir import Local
+from nimble.runtime import pooled_conv, tuning
+
+from .. import triton_shim
+from .test_fused_mean import se_graph
+
+SILU = ("aten::silu.default", (Local(0),), ())
+
+
+def conv_node(x, w, bias):
+    return ("aten::convolution.default", (x, w, bias, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ())
+
+
+def params(x, w, bias, padding=(0, 0), groups=1):
+    return {"input": x, "weight": w, "bias": bias, "stride": (1, 1), "padding": padding, "dilation": (1, 1),
+            "groups": groups}
+
+
+def shim(body, out, x, w, operands, bias):
+    """The kernel's launch on the CPU, as `pooled_conv.launcher` makes it."""
+    block, block_ci = pooled_conv.blocks(out, x.shape[1])
+    text = pooled_conv.source(body, out, x, w, operands, bias)
+    triton_shim.run_grid(text, (out.shape[0], -(-out.shape[1] // block)), out, x, w, *operands, BLOCK=block,
+                         BLOCK_CI=block_ci)
+
+
+@pytest.mark.parametrize("n, c_in, c_out", [(1, 1152, 48), (8, 48, 1152), (3, 37, 70), (2, 5, 3), (16, 300, 200)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_convolution_and_its_silu_are_what_torch_computes(n, c_in, c_out, channels_last, with_bias):
+    g = torch.Generator().manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(n, c_in, 1, 1, generator=g).contiguous(memory_format=fmt)
+    w = torch.randn(c_out, c_in, 1, 1, generator=g).contiguous(memory_format=fmt)
+    b = torch.randn(c_out, generator=g) if with_bias else None
+    out = torch.full((n, c_out, 1, 1), 7.0).contiguous(memory_format=fmt)
+    operands = [b.reshape(1, -1, 1, 1)] if with_bias else []  # as `FusedKernel.operands` gives them
+    shim([conv_node(x, w, b), SILU], out, x, w, operands, with_bias)
+    torch.testing.assert_close(out, F.silu(F.conv2d(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_convolution_alone_and_a_body_of_other_operands():
+    """The excitation's second convolution (its bias moved out, `bias_into_broadcast`) alone, and
+    a body that reads a per-image operand and one of the result's own shape."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 20, 1, 1, generator=g), torch.randn(30, 20, 1, 1, generator=g)
+    out = torch.empty(4, 30, 1, 1)
+    shim([conv_node(x, w, None)], out, x, w, [], False)
+    torch.testing.assert_close(out, F.conv2d(x, w), rtol=1e-5, atol=1e-5)
+    per_image, same = torch.randn(4, 1, 1, 1, generator=g), torch.randn(4, 30, 1, 1, generator=g)
+    body = [conv_node(x, w, None), ("aten::mul.Tensor", (Local(0), per_image), ()),
+            ("aten::add.Tensor", (Local(1), same), (("alpha", 1),)), ("aten::sigmoid.default", (Local(2),), ())]
+    shim(body, out, x, w, [per_image, same], False)
+    torch.testing.assert_close(out, torch.sigmoid(F.conv2d(x, w) * per_image + same), rtol=1e-5, atol=1e-5)
+
+
+def test_only_small_unpadded_ungrouped_1x1_convolutions_of_a_1x1_map_qualify(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
+    x, w, b = torch.randn(2, 8, 1, 1), torch.randn(4, 8, 1, 1), torch.randn(4)
+    out = torch.empty(2, 4, 1, 1)
+    assert pooled_conv.fits(params(x, w, b), out)
+    assert not pooled_conv.fits(params(torch.randn(2, 8, 2, 1), w, b), torch.empty(2, 4, 2, 1))  # a 2x1 map
+    assert not pooled_conv.fits(params(x, torch.randn(4, 8, 3, 3), b, padding=(1, 1)), out)  # 3x3, padded
+    assert not pooled_conv.fits(params(x, w, b, padding=(1, 1)), torch.empty(2, 4, 3, 3))
+    assert not pooled_conv.fits(params(x, torch.randn(4, 4, 1, 1), b, groups=2), out)  # grouped
+    assert not pooled_conv.fits(params(x.half(), w.half(), b), out.half())  # a bias of another dtype
+    assert not pooled_conv.fits(params(x.double(), w.double(), b.double()), out.double())  # no Triton float64
+    big = torch.empty(1, 2**12, 1, 1)
+    assert not pooled_conv.fits(params(big, torch.empty(2**12 + 1, 2**12, 1, 1), None),
+                                torch.empty(1, 2**12 + 1, 1, 1))  # past MAX_PRODUCTS
+    monkeypatch.setattr(pooled_conv, "ENABLED", False)
+    assert not pooled_conv.fits(params(x, w, b), out)
+
+
+@pytest.mark.parametrize("n, c_out", [(1, 48), (8, 1152), (64, 4000)])
+def test_the_programs_fill_the_gpu_and_hold_a_bounded_tile(n, c_out):
+    out = torch.empty(n, c_out, 1, 1)
+    block, block_ci = pooled_conv.blocks(out, 1152)
+    assert 8 <= block <= 64 and block * block_ci <= max(pooled_conv.MAX_TILE, 32 * block)
+    assert block & (block - 1) == 0 and block_ci & (block_ci - 1) == 0  # powers of two, as tl.arange wants
+    if n * c_out >= 8 * pooled_conv.PROGRAMS:
+        assert n * -(-c_out // block) >= pooled_conv.PROGRAMS // 2
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_squeeze_and_excitation_block_agrees_with_eager_with_its_convolutions_generated(
+        tmp_path, monkeypatch, layout):
+    """Both excitation convolutions of the block (one with a SiLU after it, one alone) run as
+    generated kernels: the outputs match the stored eager ones and those with cuDNN's
+    convolutions, in two kernels fewer."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.runtime import kernels
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
+    art = read_artifact(tmp_path / "se.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    choice = tuning.Choice(layout=layout, streams="serial")
+    outputs = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(pooled_conv, "ENABLED", enabled)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{enabled}.dot"))
+        assert kernels.STATS.fallbacks[before:] == []
+        outputs[enabled] = exe.run(*x)
+        result = compare(outputs[enabled], art.sample_outputs, rtol=1e-3, atol=1e-4)
+        assert result.passed, result.describe()
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-3, atol=1e-4)
+    assert count_kernels(tmp_path / "True.dot") <= count_kernels(tmp_path / "False.dot") - 2
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_in_reduced_precision_agrees_with_torch(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.ir import Op
+    from nimble.ops import fusion
+    from nimble.runtime.kernels import FusedKernel
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 1152, 1, 1, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(48, 1152, 1, 1, generator=g) / 30).to("cuda", dtype)
+    b = torch.randn(48, generator=g).to("cuda", dtype)
+    body = (conv_node(x, w, b), SILU)
+    kernel = FusedKernel(Op(0, fusion.FUSED, (((body[0][0], (None,) * 9, ()), SILU),), (), (1,), (), (), "test"))
+    out = torch.empty(8, 48, 1, 1, device="cuda", dtype=dtype)
+    assert kernel._pooled(list(body), out) is out
+    want = F.silu(F.conv2d(x.float(), w.float(), b.float()))
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
