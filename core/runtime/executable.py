@@ -40,6 +40,7 @@ from . import binaries, cudnn_graph, footprint, indices, kernels, pairs, regions
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
+from .pooled_conv import SmallLinear
 from .preflight import preflight
 
 
@@ -290,8 +291,10 @@ class Executable:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
-            elif isinstance(p.substitute, BiasedGemm):
-                p.substitute.separate = choice.gemm_bias == "separate"
+            elif isinstance(p.substitute, (BiasedGemm, SmallLinear)):
+                gemm = p.substitute.fallback if isinstance(p.substitute, SmallLinear) else p.substitute
+                if isinstance(gemm, BiasedGemm):
+                    gemm.separate = choice.gemm_bias == "separate"
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:
@@ -310,8 +313,9 @@ class Executable:
         segment that a convolution's workspace has just freed, and the rest of that segment can
         never go back to the device (it stayed reserved: 69 MiB for inception_v3). So each stream
         that will multiply matrices makes it here, before any op runs, in a segment of its own."""
-        streams_of = {self._stream_of[op.id] for op in self.graph.ops
-                      if op.target.split("::")[-1].split(".")[0] in GEMMS}
+        streams_of = {self._stream_of[p.op.id] for p in self._placed
+                      if p.op.target.split("::")[-1].split(".")[0] in GEMMS
+                      and not (isinstance(p.substitute, SmallLinear) and not p.substitute.calls_cublas)}
         for k in sorted(streams_of - self._blas_ready):
             with torch.cuda.stream(self._streams[k]):
                 one = torch.ones(2, 2, device=self.device)

@@ -5,8 +5,9 @@ Each op whose output is a planned buffer writes straight into its arena view thr
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
 clamp_min for relu, generated kernels for layer norm, max pooling and the mean over height and
 width (global average pooling; `reductions.py`) and roll (`movement.py`), one copy
-for a reshape or `contiguous` that must copy, and a float32 GEMM then its bias where tuning chose
-that (`BiasedGemm`). An op with no out=
+for a reshape or `contiguous` that must copy, a float32 GEMM then its bias where tuning chose
+that (`BiasedGemm`), and a linear layer of few rows as a generated kernel (`small_product`,
+`pooled_conv.SmallLinear`). An op with no out=
 overload computes, then copies into its view. Views and in-place results are whatever the op
 returns: views of the arena, of inputs or of weights.
 """
@@ -24,10 +25,11 @@ from ..ops import arguments, fusion, interpret, targets, types
 from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
 from ..plan.memory import MemoryPlan
-from . import fused_mean
+from . import fused_mean, pooled_conv
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
+from .pooled_conv import SmallLinear
 from .reductions import layer_norm, max_pool2d, spatial_mean
 
 
@@ -170,6 +172,20 @@ class BiasedGemm:
         return out
 
 
+def small_product(graph: Graph, op: Op) -> int:
+    """M x N x K of a floating linear of a 2-D input where that is at most `pooled_conv.MAX_PRODUCTS`
+    (it then runs as a generated kernel, `SmallLinear`), else 0."""
+    if not pooled_conv.ENABLED or op.target != "aten::linear.default" or op.kwargs or len(op.outputs) != 1 or len(op.args) not in (2, 3) \
+            or not all(isinstance(a, Ref) for a in op.args[:2]):
+        return 0
+    x, w = (graph.values[a.id].spec for a in op.args[:2])
+    out = graph.values[op.outputs[0]].spec
+    if len(x.shape) != 2 or len(w.shape) != 2 or out.dtype not in fusion.FLOATS:
+        return 0
+    product = x.shape[0] * w.shape[0] * x.shape[1]
+    return product if 0 < product <= pooled_conv.MAX_PRODUCTS else 0
+
+
 # target -> writer(args, out) that computes the op with a real out= kernel and returns the tensor
 # holding the result (`out`, or one a fused cuDNN kernel allocated), or None to compute and copy
 SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
@@ -212,6 +228,9 @@ def prepare(graph: Graph) -> list[PlacedOp]:
         found = None if op.target in COPYING_OUT else out_overload(op.target)
         substitute = BiasedGemm(op.target == "aten::linear.default") if BiasedGemm.applies(graph, op) \
             else SUBSTITUTES.get(op.target)
+        product = small_product(graph, op)
+        if product:
+            substitute = SmallLinear(op.id, substitute, product)
         placed.append(PlacedOp(op, targets.resolve(op.target), found[0] if found else None,
                                found[1] if found else [], substitute))
     return placed

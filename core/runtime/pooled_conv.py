@@ -11,13 +11,17 @@ workspace. The sums are float32 over the channels in order of blocks, as exact a
 (which may round its inputs to TF32).
 
 Only convolutions small enough to be bound by their launch qualify (`fits`); larger ones stay
-with cuDNN. `ENABLED = False` turns this off, for comparisons.
+with cuDNN. A linear layer of the same size (a conv net's classifier: [N, 1280] by 1000 x 1280
+for efficientnet_b0) is the same product and runs as the same kernel (`SmallLinear`): then no
+cuBLAS call is left in the model, and no stream needs cuBLAS's 32 MiB workspace.
+`ENABLED = False` turns both off, for comparisons.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import first_line
 from .codegen import TL_KINDS, epilogue_lines, flat_offsets, needs_wide
 
 ENABLED = True
@@ -41,6 +45,18 @@ def fits(p: dict, out: torch.Tensor) -> bool:
         and tuple(out.shape) == (n, w.shape[0], 1, 1) and 0 < n * w.shape[0] * c <= MAX_PRODUCTS
 
 
+def linear_fits(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor) -> bool:
+    """Whether linear(x, w, bias) into `out` is one this kernel runs: x [M, K], w [N, K], an
+    optional bias [N], out [M, N], float operands of one dtype, at most MAX_PRODUCTS multiply-adds."""
+    if not (ENABLED and out.is_cuda and x.dim() == 2 and w.dim() == 2 and out.dim() == 2):
+        return False
+    if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
+            or bias is not None and (bias.dtype != out.dtype or tuple(bias.shape) != (w.shape[0],)):
+        return False
+    m, k = x.shape
+    return w.shape[1] == k and tuple(out.shape) == (m, w.shape[0]) and 0 < m * w.shape[0] * k <= MAX_PRODUCTS
+
+
 def blocks(out: torch.Tensor, channels: int) -> tuple[int, int]:
     """(output channels, input channels) one program spans: enough programs to fill the GPU where
     the output allows, and a weight tile of at most MAX_TILE elements."""
@@ -54,7 +70,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
            bias: bool) -> str:
     """The kernel's text. `body` is the op's body as the runtime passes it; `operands` the tensors
     its other nodes read, the convolution's bias last where `bias`."""
-    c_out, c_in = out.shape[1], x.shape[1]
+    c_out, c_in = out.shape[1], x.shape[1]  # [N, C', 1, 1] of [N, C, 1, 1], or [M, N] of [M, K]
     wide = needs_wide(out, operands) or max(x.numel(), w.numel()) > 2**31 - 1
     first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
@@ -87,3 +103,45 @@ def launcher(kernel):
         kernel[(out.shape[0], -(-out.shape[1] // block))](out, x, w, *operands, BLOCK=block, BLOCK_CI=block_ci)
 
     return launch
+
+
+LINEAR = ("aten::linear.default", (), ())  # the body of a linear: its product alone
+
+
+class SmallLinear:
+    """linear(x, w, bias) as `source`'s kernel where it fits (`linear_fits`), else as `fallback`
+    (the substitute it would have had; None: PyTorch's op). `product` is M x N x K, from the
+    graph, so the executable knows before any op runs that this op will call no cuBLAS. A kernel
+    that fails to build falls back from then on, and `kernels.STATS` records why."""
+
+    def __init__(self, op_id: int, fallback, product: int):
+        self.op_id, self.fallback, self.product = op_id, fallback, product
+        self._launch: dict[tuple, object] = {}  # call signature -> launcher, or None: fall back
+
+    def __call__(self, args: list, out: torch.Tensor):
+        from . import kernels
+
+        x, w, bias = (list(args) + [None])[:3]
+        if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and linear_fits(x, w, bias, out):
+            operands = [] if bias is None else [bias]
+            key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (out, x, w, *operands))
+            launch = self._launch.get(key, kernels._UNBUILT)
+            if launch is kernels._UNBUILT:
+                try:  # the first launch compiles: a failure there falls back too
+                    launch = launcher(kernels.define(source([LINEAR], out, x, w, operands, bias is not None)))
+                    launch(out, x, w, operands)
+                    self._launch[key] = launch
+                    return out
+                except Exception as e:
+                    kernels.STATS.fallbacks.append(f"op {self.op_id} as a small linear: {type(e).__name__}: "
+                                                   f"{first_line(e)}")
+                    self._launch[key] = launch = None
+            if launch is not None:
+                launch(out, x, w, operands)
+                return out
+        return self.fallback(args, out) if self.fallback is not None else None
+
+    @property
+    def calls_cublas(self) -> bool:
+        """Whether this op may multiply through cuBLAS: where it does not fit, or falls back."""
+        return not (ENABLED and 0 < self.product <= MAX_PRODUCTS) or any(v is None for v in self._launch.values())

@@ -53,7 +53,7 @@ import torch
 from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ..ops import fusion
 from . import cache
-from .placement import BiasedGemm
+from .placement import BiasedGemm, small_product
 
 LAYOUTS = ("contiguous", "channels_last")
 CAP = 2  # the CUDA streams of the capped stream candidate
@@ -92,7 +92,8 @@ def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     streams = [s for s in STREAMS if stream_cap(s) is None or stream_cap(s) < num_streams]
     fused = any(op.target == fusion.FUSED and fusion.convolution_pattern(fusion.body_of(op)) for op in graph.ops)
     kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
-    biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) for op in graph.ops) else GEMM_BIAS[:1]
+    biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) and not small_product(graph, op) for op in graph.ops) \
+        else GEMM_BIAS[:1]  # a small linear runs as a generated kernel (`pooled_conv.SmallLinear`) either way
     return [Choice(layout, s, a, k, b) for layout in layouts for s in streams for a in algorithms for k in kinds
             for b in biases]
 

@@ -92,6 +92,48 @@ def test_the_programs_fill_the_gpu_and_hold_a_bounded_tile(n, c_out):
         assert n * -(-c_out // block) >= pooled_conv.PROGRAMS // 2
 
 
+@pytest.mark.parametrize("m, k, n", [(8, 1280, 1000), (1, 2048, 1000), (3, 17, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_linear_of_few_rows_is_what_torch_computes(m, k, n, with_bias):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    out = torch.full((m, n), 7.0)
+    shim([pooled_conv.LINEAR], out, x, w, [] if b is None else [b], with_bias)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    transposed = torch.randn(k, m, generator=g).t()  # an input read through its strides
+    shim([pooled_conv.LINEAR], out, transposed, w, [] if b is None else [b], with_bias)
+    torch.testing.assert_close(out, F.linear(transposed, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_which_linears_run_generated_is_known_from_the_graph(tmp_path, monkeypatch):
+    from nimble.pipeline import compile_model
+    from nimble.runtime import placement
+    from nimble.specs import input_specs
+
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small, self.large = torch.nn.Linear(64, 10), torch.nn.Linear(64, 4096)
+
+        def forward(self, x):
+            return self.small(x), self.large(x)
+
+    path = tmp_path / "heads.pt"
+    torch.jit.save(torch.jit.trace(Heads(), torch.randn(8, 64)), str(path))
+    monkeypatch.setattr(pooled_conv, "MAX_PRODUCTS", 8 * 64 * 100)  # the small head fits, the large does not
+    graph = compile_model(path, input_specs(["8x64"]), device="cpu").graph
+    linears = [op for op in graph.ops if op.target == "aten::linear.default"]
+    assert sorted(placement.small_product(graph, op) for op in linears) == [0, 8 * 64 * 10]
+    small = [p.substitute for p in placement.prepare(graph) if isinstance(p.substitute, pooled_conv.SmallLinear)]
+    assert len(small) == 1 and not small[0].calls_cublas and small[0].product == 8 * 64 * 10
+    assert any(c.gemm_bias == "separate" for c in tuning.candidates(graph, 1))  # the large head's choice
+    monkeypatch.setattr(pooled_conv, "MAX_PRODUCTS", 2**24)  # both fit: no GEMM bias left to choose
+    assert all(c.gemm_bias == "epilogue" for c in tuning.candidates(graph, 1))
+    monkeypatch.setattr(pooled_conv, "ENABLED", False)
+    assert all(placement.small_product(graph, op) == 0 for op in linears)
+
+
 gpu = pytest.mark.gpu
 
 
@@ -148,3 +190,38 @@ def test_the_kernel_in_reduced_precision_agrees_with_torch(dtype):
     assert kernel._pooled(list(body), out) is out
     want = F.silu(F.conv2d(x.float(), w.float(), b.float()))
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_classifier_runs_generated_and_no_stream_makes_a_cublas_workspace(tmp_path, monkeypatch, batch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import kernels
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.specs import input_specs
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 96, 3), torch.nn.Linear(96, 1000)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(torch.relu(self.conv(x)), 1), 1))
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    path = tmp_path / "classifier.pt"
+    torch.jit.save(torch.jit.trace(Classifier().eval(), torch.randn(batch, 3, 16, 16)), str(path))
+    write_artifact(tmp_path / "c.nimble", compile_model(path, input_specs([f"{batch}x3x16x16"]), device="cpu").artifact())
+    art = read_artifact(tmp_path / "c.nimble")
+    before = len(kernels.STATS.fallbacks)
+    exe = Executable(art, "cuda")
+    small = [p.substitute for p in exe._placed if isinstance(p.substitute, pooled_conv.SmallLinear)]
+    assert len(small) == 1 and not small[0].calls_cublas and kernels.STATS.fallbacks[before:] == []
+    assert not exe._blas_ready
+    result = compare(exe.run(*[t.cuda() for t in art.sample_inputs]), art.sample_outputs, rtol=1e-3, atol=1e-4)
+    assert result.passed, result.describe()
