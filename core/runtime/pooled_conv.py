@@ -27,7 +27,8 @@ from .codegen import TL_KINDS, epilogue_lines, flat_offsets, needs_wide
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
 MAX_TILE = 4096  # weight elements one program holds at once
-PROGRAMS = 128  # programs a launch aims for, where the output has room
+PROGRAMS = 512  # programs a launch aims for, where the output has room: several per multiprocessor
+MIN_BLOCK = 2  # output channels of one program at least
 
 
 def fits(p: dict, out: torch.Tensor) -> bool:
@@ -62,7 +63,7 @@ def blocks(out: torch.Tensor, channels: int) -> tuple[int, int]:
     the output allows, and a weight tile of at most MAX_TILE elements."""
     n, c_out = out.shape[:2]
     per_program = max(1, n * c_out // PROGRAMS)
-    block = min(64, max(8, 1 << (per_program.bit_length() - 1)))
+    block = min(64, max(MIN_BLOCK, 1 << (per_program.bit_length() - 1)))
     return block, min(max(32, MAX_TILE // block), max(32, 1 << (channels - 1).bit_length()))
 
 

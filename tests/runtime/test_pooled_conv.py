@@ -86,7 +86,7 @@ def test_only_small_unpadded_ungrouped_1x1_convolutions_of_a_1x1_map_qualify(mon
 def test_the_programs_fill_the_gpu_and_hold_a_bounded_tile(n, c_out):
     out = torch.empty(n, c_out, 1, 1)
     block, block_ci = pooled_conv.blocks(out, 1152)
-    assert 8 <= block <= 64 and block * block_ci <= max(pooled_conv.MAX_TILE, 32 * block)
+    assert pooled_conv.MIN_BLOCK <= block <= 64 and block * block_ci <= max(pooled_conv.MAX_TILE, 32 * block)
     assert block & (block - 1) == 0 and block_ci & (block_ci - 1) == 0  # powers of two, as tl.arange wants
     if n * c_out >= 8 * pooled_conv.PROGRAMS:
         assert n * -(-c_out // block) >= pooled_conv.PROGRAMS // 2
