@@ -28,6 +28,7 @@ from ..ops import fusion
 BLOCK = 1024  # elements of one program of an elementwise kernel
 INT32_LIMIT = 2**31 - 1
 TL_KINDS = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+HEADER = ["import triton", "import triton.language as tl", "", "", "@triton.jit"]  # the lines before `def kernel`
 
 
 def _num(x) -> str:
@@ -138,7 +139,7 @@ def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tenso
     Refs), and `operands` the distinct tensors it reads."""
     first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    lines = [*HEADER,
              f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
              "BLOCK: tl.constexpr):",
              f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
@@ -203,7 +204,7 @@ def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm)
     dense_strides = contiguous_strides(shape)
     row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
     kind = TL_KINDS[x.dtype]
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    lines = [*HEADER,
              f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}eps, "
              "N: tl.constexpr, BLOCK: tl.constexpr):",
              f"    row = {row}",

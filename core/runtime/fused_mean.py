@@ -96,7 +96,7 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
     kept per channel. With `leads`, `out` already holds the convolution (the bias, where `bias`,
     is the last operand)."""
     width = out.shape[3]
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    lines = [*codegen.HEADER,
              "def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, "
              f"{''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
              "WIDE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import first_line
-from .codegen import TL_KINDS, epilogue_lines, flat_offsets, needs_wide
+from .codegen import HEADER, TL_KINDS, epilogue_lines, flat_offsets, needs_wide
 
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
@@ -75,7 +75,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     wide = needs_wide(out, operands) or max(x.numel(), w.numel()) > 2**31 - 1
     first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    lines = [*HEADER,
              f"def kernel(out_ptr, x_ptr, w_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
              "BLOCK: tl.constexpr, BLOCK_CI: tl.constexpr):",
              f"    n = {first}",
