@@ -17,7 +17,8 @@ the tensor that holds the result:
   graph's pool), else through cuDNN's out= kernel; the kernel then adds the bias and applies the
   rest of the body in place;
 - a body led by a 1x1 convolution of a 1x1 map (squeeze-and-excitation's, `pooled_conv.fits`)
-  runs as one generated kernel that computes the convolution too (`pooled_conv`);
+  or by a depthwise convolution with a channels_last result (`depthwise_conv.fits`) runs as one
+  generated kernel that computes the convolution too;
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
   cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
@@ -48,7 +49,7 @@ import torch
 from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
-from . import binaries, cache, cudnn_graph, pooled_conv
+from . import binaries, cache, cudnn_graph, depthwise_conv, pooled_conv
 from .codegen import BLOCK, elementwise_source, norm_source
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
@@ -92,7 +93,7 @@ class FusedKernel:
         body = args[0]
         if not out.is_cuda:
             return None
-        got = self._pooled(body, out)
+        got = self._direct(body, out)
         if got is None:
             got = self.whole_on_cudnn(body, out)
         return got if got is not None else self._generated(body, out)
@@ -170,21 +171,28 @@ class FusedKernel:
                             (out, operands))
         return out if built else None
 
-    def _pooled(self, body, out: torch.Tensor) -> torch.Tensor | None:
-        """`out`, where a convolution of a 1x1 map and the rest of the body ran as one generated
-        kernel (`pooled_conv`); None, with nothing run, where it does not lead or fit."""
+    def _direct(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """`out`, where the leading convolution and the rest of the body ran as one generated
+        kernel that computes the convolution too: of a 1x1 map (`pooled_conv`), or depthwise
+        (`depthwise_conv`); None, with nothing run, where none leads or fits."""
         if not fusion.leads_with_convolution(self.body):
             return None
         operands, conv = self.operands(body)
-        if conv is None or not pooled_conv.fits(conv, out):
+        if conv is None:
             return None
-        x, w = conv["input"], conv["weight"]
-        key = ("pooled", tuple(out.shape), tuple(out.stride()), out.dtype,
+        x, w, bias = conv["input"], conv["weight"], conv["bias"] is not None
+        if pooled_conv.fits(conv, out):
+            kind, build = "pooled", lambda: pooled_conv.launcher(define(pooled_conv.source(body, out, x, w, operands,
+                                                                                             bias)))
+        elif depthwise_conv.fits(conv, out):
+            kind, build = "depthwise", lambda: depthwise_conv.launcher(define(depthwise_conv.source(
+                body, out, x, w, operands, bias, conv)))
+        else:
+            return None
+        key = (kind, tuple(out.shape), tuple(out.stride()), out.dtype, tuple(conv[k] for k in ("stride", "padding",
+                                                                                                  "dilation")),
                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)))
-        bias = conv["bias"] is not None
-        built = self.launch(key, lambda: pooled_conv.launcher(define(pooled_conv.source(body, out, x, w, operands,
-                                                                                          bias))),
-                            (out, x, w, operands), " as a pooled convolution")
+        built = self.launch(key, build, (out, x, w, operands), f" as a {kind} convolution")
         return out if built else None
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:

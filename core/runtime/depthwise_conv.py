@@ -1,0 +1,106 @@
+"""A depthwise convolution and the body after it, as one generated kernel.
+
+mobilenet_v2's 17 blocks each convolve every channel alone (3x3, stride 1 or 2) and clip the
+result (bias, relu6). PyTorch runs the convolution as its own kernel (cuDNN's or its depthwise
+one), and nimble's generated epilogue then reads the whole map back and writes it again: two
+launches, and the map crosses memory twice. cuDNN offers no fused plan for these bodies that is
+as fast (`benchmarks/results/cudnn_graph_b8_sweep.md`). Here each program computes a tile of
+output positions by channels of a channels_last result: for each tap of the filter it loads the
+input tile (channels are contiguous, so loads coalesce; neighbouring taps hit the cache), adds
+its product with the tap's weights in float32, then runs the rest of the body
+(`codegen.epilogue_lines`) and stores the tile once.
+
+Only channels_last results qualify (`fits`): the layout nimble's tuning picks for these nets, and
+the one whose channels lie side by side. `ENABLED = False` turns it off, for comparisons.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide
+
+ENABLED = True
+MAX_TAPS = 49  # filter positions (7x7) at most
+TILE = 2048  # output elements of one program
+
+
+def fits(p: dict, out: torch.Tensor) -> bool:
+    """Whether convolution `p` (`fusion.conv_params`, tensors in place) is one this kernel runs:
+    2-D, each channel convolved alone (groups = input channels = output channels), float operands
+    of one dtype, a filter of at most MAX_TAPS positions, and `out` its result in channels_last."""
+    x, w, bias = p["input"], p["weight"], p["bias"]
+    if not (ENABLED and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4):
+        return False
+    channels = x.shape[1]
+    if not (p["groups"] == channels == w.shape[0] and w.shape[1] == 1 and out.shape[1] == channels) \
+            or w.shape[2] * w.shape[3] > MAX_TAPS or channels == 0:
+        return False
+    if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
+            or bias is not None and bias.dtype != out.dtype:
+        return False
+    n, _, h, width = x.shape
+    for d, size in enumerate((h, width)):
+        span = (w.shape[2 + d] - 1) * p["dilation"][d] + 1
+        if out.shape[2 + d] != (size + 2 * p["padding"][d] - span) // p["stride"][d] + 1:
+            return False
+    return out.shape[0] == n and out.numel() > 0 and out.is_contiguous(memory_format=torch.channels_last)
+
+
+def blocks(channels: int) -> tuple[int, int]:
+    """(positions, channels) of one program's tile: the widest power of two up to 64 that divides
+    the channels (else the next power of two above them, up to 64), and positions to fill TILE."""
+    block_c = next((b for b in (64, 32, 16, 8) if channels % b == 0), min(64, 1 << (channels - 1).bit_length()))
+    return TILE // block_c, block_c
+
+
+def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor],
+           bias: bool, p: dict) -> str:
+    """The kernel's text. `body` is the op's body as the runtime passes it; `operands` the tensors
+    its other nodes read, the convolution's bias last where `bias`; `p` the convolution's
+    parameters."""
+    n, c, oh, ow = out.shape
+    h, width = x.shape[2:]
+    wide = needs_wide(out, operands) or x.numel() + w.numel() > INT32_LIMIT
+    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    out_offset, offsets = flat_offsets(out, operands)
+    (sh, sw), (ph, pw), (dh, dw) = p["stride"], p["padding"], p["dilation"]
+    xs, ws = x.stride(), w.stride()
+    lines = [*HEADER,
+             f"def kernel(out_ptr, x_ptr, w_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
+             "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):",
+             f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
+             "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
+             f"    pmask = p < {n * oh * ow}",
+             f"    cmask = c < {c}",
+             f"    img = p // {oh * ow}",
+             f"    oh = (p // {ow}) % {oh}",
+             f"    ow = p % {ow}",
+             "    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)",
+             f"    for kh in tl.static_range({w.shape[2]}):",
+             f"        ih = oh * {sh} - {ph} + kh * {dh}",
+             f"        for kw in tl.static_range({w.shape[3]}):",
+             f"            iw = ow * {sw} - {pw} + kw * {dw}",
+             f"            inside = pmask & (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {width})",
+             f"            xv = tl.load(x_ptr + (img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]})[:, None] + c[None, :] * {xs[1]},",
+             "                         mask=inside[:, None] & cmask[None, :], other=0.0)",
+             f"            wv = tl.load(w_ptr + c * {ws[0]} + kh * {ws[2]} + kw * {ws[3]}, mask=cmask, other=0.0)",
+             "            acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]",
+             f"    i = p[:, None] * {c} + c[None, :]",
+             "    mask = pmask[:, None] & cmask[None, :]",
+             f"    o = {out_offset}"]
+    lines += epilogue_lines(body, operands, offsets, "acc", bias)
+    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
+    lines.append(f"# torch {torch.__version__}")
+    return "\n".join(lines) + "\n"
+
+
+def launcher(kernel):
+    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor]) -> None:
+        block_p, block_c = blocks(out.shape[1])
+        positions = out.shape[0] * out.shape[2] * out.shape[3]
+        kernel[(-(-positions // block_p), -(-out.shape[1] // block_c))](out, x, w, *operands, BLOCK_P=block_p,
+                                                                         BLOCK_C=block_c)
+
+    return launch
