@@ -121,6 +121,11 @@ def _offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
 
 
+def span(t: torch.Tensor) -> int:
+    """The offset of `t`'s farthest element from its first, through its strides."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+
+
 def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
     """Whether an index or element offset of this kernel can pass 2**31 - 1, so that its index
     arithmetic must be 64-bit: the launch's last index, or the farthest element of any operand as

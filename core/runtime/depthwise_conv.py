@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, span
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
@@ -61,7 +61,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     parameters."""
     n, c, oh, ow = out.shape
     h, width = x.shape[2:]
-    wide = needs_wide(out, operands) or x.numel() + w.numel() > INT32_LIMIT
+    wide = needs_wide(out, operands) or max(span(x), span(w)) > INT32_LIMIT  # the inputs may be views
     first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
     (sh, sw), (ph, pw), (dh, dw) = p["stride"], p["padding"], p["dilation"]

@@ -116,3 +116,12 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
         assert result.passed, result.describe()
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-3, atol=1e-4)
     assert count_kernels(tmp_path / "True.dot") <= count_kernels(tmp_path / "False.dot") - 2
+
+
+def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
+    out = torch.empty(2, 8, 4, 4, device="meta").contiguous(memory_format=torch.channels_last)
+    w = torch.empty(8, 1, 3, 3, device="meta")
+    far = torch.empty_strided((2, 8, 4, 4), (2**31, 1, 32, 8), device="meta")
+    node = ("aten::convolution.default", (), ())
+    assert "tl.int64" not in depthwise_conv.source([node], out, out, w, [], False, params(out, w, None))
+    assert "tl.program_id(0).to(tl.int64)" in depthwise_conv.source([node], out, far, w, [], False, params(far, w, None))

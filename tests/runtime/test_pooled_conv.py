@@ -225,3 +225,14 @@ def test_a_classifier_runs_generated_and_no_stream_makes_a_cublas_workspace(tmp_
     assert not exe._blas_ready
     result = compare(exe.run(*[t.cuda() for t in art.sample_inputs]), art.sample_outputs, rtol=1e-3, atol=1e-4)
     assert result.passed, result.describe()
+
+
+def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
+    """A channel slice of a larger buffer spans more than its elements: the offsets it needs,
+    not its size, decide the index width (meta tensors: only shapes and strides are read)."""
+    out = torch.empty(2, 4, 1, 1, device="meta")
+    w = torch.empty(4, 8, 1, 1, device="meta")
+    near = torch.empty_strided((2, 8, 1, 1), (2**20, 1, 1, 1), device="meta")
+    far = torch.empty_strided((2, 8, 1, 1), (2**31, 1, 1, 1), device="meta")
+    assert "tl.int64" not in pooled_conv.source([pooled_conv.LINEAR], out, near, w, [], False)
+    assert "tl.program_id(0).to(tl.int64)" in pooled_conv.source([pooled_conv.LINEAR], out, far, w, [], False)
