@@ -150,9 +150,16 @@ def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tenso
              f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
              "    mask = i < N",
              f"    o = {out_offset}"]
-    lines += epilogue_lines(body, operands, offsets, loaded("out_ptr + o") if leads else None, bias)
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
+    return finish(lines, body, out, operands, offsets, loaded("out_ptr + o") if leads else None, bias)
+
+
+def finish(lines: list[str], body: list, out: torch.Tensor, operands: list[torch.Tensor], offsets: list[str],
+           lead: str | None, bias: bool) -> str:
+    """The text of a kernel that has set `i`, `mask` and `o` in `lines`: the body
+    (`epilogue_lines`), its result stored at `out_ptr + o`, and the torch version."""
+    lines = [*lines, *epilogue_lines(body, operands, offsets, lead, bias),
+             f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)",
+             f"# torch {torch.__version__}"]
     return "\n".join(lines) + "\n"
 
 

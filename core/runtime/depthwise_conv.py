@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, span
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
@@ -89,10 +89,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
              f"    i = p[:, None] * {c} + c[None, :]",
              "    mask = pmask[:, None] & cmask[None, :]",
              f"    o = {out_offset}"]
-    lines += epilogue_lines(body, operands, offsets, "acc", bias)
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
-    return "\n".join(lines) + "\n"
+    return finish(lines, body, out, operands, offsets, "acc", bias)
 
 
 def launcher(kernel):

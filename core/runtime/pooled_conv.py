@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import first_line
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, span
 
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
@@ -91,10 +91,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
              "                     mask=mask[:, None] & cmask[None, :], other=0.0)",
              "        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)",
              f"    o = {out_offset}"]
-    lines += epilogue_lines(body, operands, offsets, "acc", bias)
-    lines.append(f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)")
-    lines.append(f"# torch {torch.__version__}")
-    return "\n".join(lines) + "\n"
+    return finish(lines, body, out, operands, offsets, "acc", bias)
 
 
 def launcher(kernel):
