@@ -121,6 +121,11 @@ def _offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
 
 
+def pointers(operands: list) -> str:
+    """The kernel parameters of a body's operands: `in0_ptr, in1_ptr, ` and so on."""
+    return "".join(f"in{k}_ptr, " for k in range(len(operands)))
+
+
 def span(t: torch.Tensor) -> int:
     """The offset of `t`'s farthest element from its first, through its strides."""
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
@@ -145,7 +150,7 @@ def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tenso
     first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
     lines = [*HEADER,
-             f"def kernel(out_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}N: tl.constexpr, "
+             f"def kernel(out_ptr, {pointers(operands)}N: tl.constexpr, "
              "BLOCK: tl.constexpr):",
              f"    i = {first} * BLOCK + tl.arange(0, BLOCK)",
              "    mask = i < N",
@@ -217,7 +222,7 @@ def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm)
     row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
     kind = TL_KINDS[x.dtype]
     lines = [*HEADER,
-             f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}eps, "
+             f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {pointers(operands)}eps, "
              "N: tl.constexpr, BLOCK: tl.constexpr):",
              f"    row = {row}",
              "    cols = tl.arange(0, BLOCK)",

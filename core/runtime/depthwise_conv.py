@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, span
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
@@ -67,7 +67,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     (sh, sw), (ph, pw), (dh, dw) = p["stride"], p["padding"], p["dilation"]
     xs, ws = x.stride(), w.stride()
     lines = [*HEADER,
-             f"def kernel(out_ptr, x_ptr, w_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
+             f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"
              "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):",
              f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
              "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",

@@ -98,7 +98,7 @@ def source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: b
     width = out.shape[3]
     lines = [*codegen.HEADER,
              "def kernel(x_ptr, out_ptr, C, S, ROWS, sxn, sxc, sxs, son, soc, sop, scale, "
-             f"{''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
+             f"{codegen.pointers(operands)}"
              "WIDE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):",
              "    n = tl.program_id(0)",
              "    tile = tl.program_id(1)",

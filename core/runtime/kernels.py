@@ -222,25 +222,8 @@ class FusedKernel:
         return key in self._built and self._built[key] is None
 
     def launch(self, key: tuple, build, args: tuple, what: str = "") -> bool:
-        """Run the launcher for `key` (a call signature) on `args`, built by `build()` on its first
-        use; False where that first build or launch fails (no Triton, or a body it cannot
-        compile): `STATS` records why, and `declined(key)` holds from then on."""
-        launch = self._built.get(key, _UNBUILT)
-        if launch is None:
-            return False
-        if launch is not _UNBUILT:
-            launch(*args)
-            return True
-        t = time.perf_counter()
-        try:  # the first launch compiles: a failure there falls back too
-            launch = build()
-            launch(*args)
-        except Exception as e:
-            STATS.fallbacks.append(f"op {self.op.id}{what}: {type(e).__name__}: {first_line(e)}")
-            launch = None
-        STATS.seconds += time.perf_counter() - t
-        self._built[key] = launch
-        return launch is not None
+        """`launch_once` for this op (`what` says in what form it ran)."""
+        return launch_once(self._built, key, build, args, f"op {self.op.id}{what}")
 
     def _convolution(self, p: dict, out: torch.Tensor) -> None:
         """The convolution that leads a generated body, without its bias (the kernel adds it),
@@ -310,6 +293,28 @@ class NormAfter:
 
 
 _UNBUILT = object()
+
+
+def launch_once(built: dict, key: tuple, build, args: tuple, who: str) -> bool:
+    """Run the launcher for `key` (a call signature) in `built` on `args`, built by `build()` on
+    its first use; False where that first build or launch fails (no Triton, or a body it cannot
+    compile): `STATS` records why under `who`, and `built[key]` is None from then on."""
+    launch = built.get(key, _UNBUILT)
+    if launch is None:
+        return False
+    if launch is not _UNBUILT:
+        launch(*args)
+        return True
+    t = time.perf_counter()
+    try:  # the first launch compiles: a failure there falls back too
+        launch = build()
+        launch(*args)
+    except Exception as e:
+        STATS.fallbacks.append(f"{who}: {type(e).__name__}: {first_line(e)}")
+        launch = None
+    STATS.seconds += time.perf_counter() - t
+    built[key] = launch
+    return launch is not None
 
 
 def conv_shape(p: dict) -> tuple[int, ...]:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import first_line
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, span
 
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
@@ -76,7 +75,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     out_offset, offsets = flat_offsets(out, operands)
     lines = [*HEADER,
-             f"def kernel(out_ptr, x_ptr, w_ptr, {''.join(f'in{k}_ptr, ' for k in range(len(operands)))}"
+             f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"
              "BLOCK: tl.constexpr, BLOCK_CI: tl.constexpr):",
              f"    n = {first}",
              "    co = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)",
@@ -123,19 +122,9 @@ class SmallLinear:
         if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and linear_fits(x, w, bias, out):
             operands = [] if bias is None else [bias]
             key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (out, x, w, *operands))
-            launch = self._launch.get(key, kernels._UNBUILT)
-            if launch is kernels._UNBUILT:
-                try:  # the first launch compiles: a failure there falls back too
-                    launch = launcher(kernels.define(source([LINEAR], out, x, w, operands, bias is not None)))
-                    launch(out, x, w, operands)
-                    self._launch[key] = launch
-                    return out
-                except Exception as e:
-                    kernels.STATS.fallbacks.append(f"op {self.op_id} as a small linear: {type(e).__name__}: "
-                                                   f"{first_line(e)}")
-                    self._launch[key] = launch = None
-            if launch is not None:
-                launch(out, x, w, operands)
+            if kernels.launch_once(self._launch, key, lambda: launcher(kernels.define(source(
+                    [LINEAR], out, x, w, operands, bias is not None))), (out, x, w, operands),
+                    f"op {self.op_id} as a small linear"):
                 return out
         return self.fallback(args, out) if self.fallback is not None else None
 

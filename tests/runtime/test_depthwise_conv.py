@@ -13,6 +13,7 @@ from nimble.ir import Local
 from nimble.runtime import depthwise_conv, tuning
 
 from .. import triton_shim
+from .test_pooled_conv import with_and_without
 
 RELU6 = ("aten::hardtanh.default", (Local(0), 0.0, 6.0), ())
 
@@ -79,10 +80,6 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime import kernels
-    from nimble.runtime.compare import compare
-    from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
     from nimble.specs import input_specs
 
     class Block(torch.nn.Module):  # expand, depthwise (stride 2, then 1), project: batch norms folded
@@ -102,20 +99,10 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
     path = tmp_path / "block.pt"
     torch.jit.save(torch.jit.trace(Block().eval(), torch.randn(batch, 16, 28, 28)), str(path))
     write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x16x28x28"]), device="cpu").artifact())
-    art = read_artifact(tmp_path / "b.nimble")
-    x = [t.cuda() for t in art.sample_inputs]
     choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
-    outputs = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(depthwise_conv, "ENABLED", enabled)
-        before = len(kernels.STATS.fallbacks)
-        exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{enabled}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
-        outputs[enabled] = exe.run(*x)
-        result = compare(outputs[enabled], art.sample_outputs, rtol=1e-3, atol=1e-4)
-        assert result.passed, result.describe()
-    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-3, atol=1e-4)
-    assert count_kernels(tmp_path / "True.dot") <= count_kernels(tmp_path / "False.dot") - 2
+    kernels_with, kernels_without = with_and_without(depthwise_conv, read_artifact(tmp_path / "b.nimble"), choice,
+                                                     tmp_path, monkeypatch)
+    assert kernels_with <= kernels_without - 2
 
 
 def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
