@@ -42,7 +42,9 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
   24 MiB), and leaves out resnet50's two slowest residual convolutions (1.55 and 1.95 times).
 
 A choice is kept for the process under the call's signature: shapes, strides, dtypes,
-convolution parameters and steps. The same convolution in another op, another tuning candidate
+convolution parameters, steps and whether TF32 is allowed. With `torch.backends.cudnn.allow_tf32`
+off, float32 graphs get no plan that uses TF32 tensor cores, as PyTorch's convolutions then do
+not. The same convolution in another op, another tuning candidate
 or another load is not timed again. It is also kept in `cudnn_plans.json` in the cache folder,
 under that signature, the GPU and the cuDNN and torch versions: the plan's name, or none. A later
 process builds only that plan and checks its result against the reference once. A plan the
@@ -61,7 +63,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import first_line
-from . import cache, regions, timing
+from . import cache, regions
+from .timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 
 PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
@@ -221,7 +224,7 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     call later gets the same choice."""
     if frontend() is None or _overlaps(out, operands):
         return None
-    key = (_signature(p, operands, out), steps, _limit(outside))
+    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside))
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
@@ -232,6 +235,13 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
             _chosen[key] = None
     plan = _chosen[key]
     return ConvGraph(plan, workspaces) if plan is not None else None
+
+
+def _tf32(out: torch.Tensor) -> bool:
+    """Whether a float32 plan may use TF32 tensor cores: as PyTorch's own convolutions may
+    (`torch.backends.cudnn.allow_tf32`). Part of a choice's key, so a process that turns TF32
+    off never reuses a plan chosen with it."""
+    return out.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
 
 
 def _limit(outside: bool) -> float:
@@ -371,6 +381,8 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        if x.dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+            g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])  # TF32, which PyTorch is told not to use
         if not compiled:
             g.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
         g.check_support()
@@ -389,23 +401,6 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
         if size <= MAX_WORKSPACE:
             plans.append(Plan(g, (tx, tw, tb, *graph_tensors, y), i, size, g.get_plan_name_at_index(i)))
     return plans
-
-
-def _gpu_us(fn, device: torch.device, runs: int = 10) -> float:
-    """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
-    median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
-    from Python takes longer than a small convolution)."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(runs):
-                fn()
-        return timing.gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs
 
 
 def _table_path():

@@ -22,8 +22,9 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ops import arguments, fusion, interpret, targets, types
+from ..ops.attention import ATTENTION
 from ..ops.execute import Executor
-from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides
+from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides, refs_of
 from ..plan.memory import MemoryPlan
 from . import fused_mean, pooled_conv
 from .indices import clamped
@@ -31,6 +32,7 @@ from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
 from .pooled_conv import SmallLinear
 from .reductions import layer_norm, max_pool2d, spatial_mean
+from .small_attention import Attention
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,6 +218,9 @@ class PlacedOp:
     out_names: list[str]
     substitute: Callable | None
     clamps: tuple = ()  # index arguments read clamped into range on CUDA (`indices.py`)
+    # writes the op's result into any tensor of its shape and dtype, whatever its strides, or
+    # declines (False): attention over few keys (`small_attention.Attention`)
+    writer: Callable | None = None
 
 
 def prepare(graph: Graph) -> list[PlacedOp]:
@@ -231,8 +236,11 @@ def prepare(graph: Graph) -> list[PlacedOp]:
         product = small_product(graph, op)
         if product:
             substitute = SmallLinear(op.id, substitute, product)
+        writer = None
+        if op.target == ATTENTION and not any(refs_of(v) for _, v in op.kwargs):
+            writer = Attention(op.id, dict(op.kwargs))
         placed.append(PlacedOp(op, targets.resolve(op.target), found[0] if found else None,
-                               found[1] if found else [], substitute))
+                               found[1] if found else [], substitute, writer=writer))
     return placed
 
 
@@ -300,6 +308,9 @@ class PlacedRun(Executor):
             if p.out_fn is not None:
                 p.out_fn(*args, **kwargs, **dict(zip(p.out_names, planned)))
                 return planned
+        if p.writer is not None and len(planned) == 1 and planned[0] is not None \
+                and self._by_writer(p, args, planned[0]):
+            return planned
         results = arguments.flatten_result(p.fn(*args, **kwargs))
         if p.op.id in self.copies and len(results) == 1 and planned and planned[0] is not None \
                 and self._copy_through_view(p, results[0]):
@@ -337,6 +348,22 @@ class PlacedRun(Executor):
             self.written.add(mean.op.id)
         return got
 
+    def _by_writer(self, p: PlacedOp, args, out: torch.Tensor) -> bool:
+        """Whether `p`'s writer wrote its result: where `p` is paired with a view and a copy
+        (`pairs.copy_pairs`), into the copy's buffer seen back through the view (`_unviewed`), so
+        the copy has nothing left to do; else into `out`."""
+        if p.op.id in self.copies:
+            view, copy = self.copies[p.op.id]
+            target = self.views.get(copy.op.outputs[0])
+            into = _unviewed(view.op, target, out) if target is not None else None
+            if into is None:
+                return p.writer(args, out)
+            if not p.writer(args, into):
+                return False
+            self.written.add(copy.op.id)
+            return True
+        return p.writer(args, out)
+
     def _copy_through_view(self, p: PlacedOp, result: torch.Tensor) -> bool:
         """`result` seen through the view after `p`, copied into the buffer of the copy after
         that (`pairs.copy_pairs`); False, with nothing written, where that buffer does not fit."""
@@ -364,6 +391,28 @@ class PlacedRun(Executor):
             return None
         return ExecutionError(f"op {p.op.id} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
                               f"{first_line(error)}")
+
+
+def _unviewed(view: Op, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """`target` (the buffer of a copy of `view`'s result) seen in `out`'s shape, where `view` is
+    a transpose or permutation of `out`: what writing `out` through the view into `target` writes.
+    None where the view is another op, or the shapes or dtypes do not match."""
+    if target.dtype != out.dtype or target.device != out.device:
+        return None
+    if view.target == "aten::transpose.int" and len(view.args) == 3:
+        d0, d1 = view.args[1], view.args[2]
+        seen, back = out.transpose(d0, d1), (lambda t: t.transpose(d0, d1))
+    elif view.target == "aten::permute.default" and len(view.args) == 2:
+        dims = [d % out.dim() for d in view.args[1]]
+        seen, back = out.permute(dims), (lambda t: t.permute(sorted(range(len(dims)), key=dims.__getitem__)))
+    else:
+        return None
+    if tuple(target.shape) != tuple(seen.shape):
+        if not target.is_contiguous() or target.numel() != out.numel():
+            return None
+        target = target.view(seen.shape)
+    into = back(target)
+    return into if tuple(into.shape) == tuple(out.shape) else None
 
 
 def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int]) -> dict[int, list[int]]:

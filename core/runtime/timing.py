@@ -8,7 +8,8 @@ between launches (the GPU-bound rate). Every percentile, the median among them, 
 percentile of the same sorted latencies.
 
 `gpu_ms` is the GPU-bound figure alone (back-to-back replays between CUDA events), which load-time
-tuning, the cuDNN graph plans and the benchmarks time with.
+tuning, the cuDNN graph plans and the benchmarks time with; `graph_us` times one call of a function
+captured in a CUDA graph, as a kernel choice made at load runs.
 """
 
 from __future__ import annotations
@@ -109,3 +110,20 @@ def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, wa
         torch.cuda.synchronize(device)
         samples.append(start.elapsed_time(stop) / replays)
     return statistics.median(samples)
+
+
+def graph_us(fn, device: torch.device, runs: int = 10) -> float:
+    """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
+    median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
+    from Python takes longer than a small convolution)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(runs):
+                fn()
+        return gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs

@@ -129,6 +129,30 @@ def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch)
 
 
 @needs_frontend
+def test_without_tf32_every_plan_computes_in_full_float32(monkeypatch):
+    """With TF32 off, as PyTorch is told, no plan that rounds to TF32 is chosen: every plan
+    cuDNN offers (any speed) agrees with a float64 convolution to float32's precision. The same
+    call with TF32 on is a choice of its own."""
+    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    monkeypatch.setattr(cudnn_graph, "PLANS", 50)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    p, (x, w, b, _), out, _, fused = _call(2, 64, 64, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
+    want = F.conv2d(x.double(), w.double(), b.double(), 1, 1).relu()
+    plans = cudnn_graph._ranked(p, RELU, (x, w, b), out)
+    assert plans
+    for plan in plans:
+        out.zero_()
+        plan.run((x, w, b), out, cudnn_graph._workspace(plan, out.device))
+        torch.cuda.synchronize()
+        assert float((out.double() - want).abs().max()) < 1e-4 * float(want.abs().max()), plan.name
+    graph = cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces())
+    assert graph is not None and len(cudnn_graph._chosen) == 1
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces())
+    assert len(cudnn_graph._chosen) == 2
+
+
+@needs_frontend
 def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)

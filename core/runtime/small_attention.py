@@ -1,0 +1,202 @@
+"""Attention over few keys as one generated kernel, chosen per call by measurement.
+
+Swin's windows attend over 49 keys with 32 values per head, and an additive mask (its relative
+position bias, shifted windows' mask too). PyTorch's scaled-dot-product attention runs them in
+float32 as its memory-efficient kernel, whose 64 x 64 tiles suit long sequences: at batch 8 it
+took 0.37 ms of swin_t's 3.36 (H100, `kernel_diff_swin_t_b8_2026-11-25.md`), where
+torch.compile's softmax kernel and two GEMMs took 0.15. Here one program holds all of one head's
+keys: it loads its queries, the keys and the values once, computes the scores, adds the mask
+(read through its strides, broadcast dims at stride 0), takes a softmax in float32 and multiplies
+by the values, and stores the rows through the result's strides. In float32 both products are
+exact float32 (`input_precision="ieee"`), as PyTorch's kernel computes them; half precision uses
+the tensor cores and float32 accumulation.
+
+Which one runs is measured (`Attention`): the first call of a signature outside a capture times
+this kernel and PyTorch's attention, each in a CUDA graph, checks the kernel's result against
+PyTorch's and keeps the faster. A call first seen inside a capture, a kernel that fails to build
+and one that disagrees all leave PyTorch's attention in place. `ENABLED = False` turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import timing
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, span
+
+ENABLED = True
+MAX_KEYS = 128  # keys (and queries per program) one program holds
+MAX_DIM = 128  # elements of a query, key or value row
+TOLERANCE = 1e-3  # largest difference from PyTorch's result, relative to its largest magnitude (float32)
+HALF_TOLERANCE = 2e-2
+SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's attention
+
+_built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
+_chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
+
+
+def blocks(queries: int, keys: int, dim: int) -> tuple[int, int, int]:
+    """(queries, keys, row elements) of one program's tiles: powers of two of at least 16 (the
+    smallest tile a dot product takes), queries at most 64 per program."""
+    def up(n: int) -> int:
+        return max(16, 1 << (n - 1).bit_length())
+    return min(64, up(queries)), up(keys), up(dim)
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Tensor, dropout, causal,
+         scale, gqa) -> bool:
+    """Whether this kernel computes `scaled_dot_product_attention(q, k, v, mask, dropout, causal,
+    scale=scale, enable_gqa=gqa)` into `out`: 4-D CUDA tensors of one float dtype, (batch, heads,
+    queries, row) with keys and values of the same batch, heads and row, at most MAX_KEYS keys
+    and MAX_DIM elements a row, no dropout, no grouped-query heads, and a mask, if any, a float
+    tensor of that dtype that broadcasts to (batch, heads, queries, keys)."""
+    if not (ENABLED and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(out, torch.Tensor) and out.is_cuda):
+        return False
+    if dropout not in (0, 0.0) or causal not in (True, False) or gqa not in (False, None) \
+            or not (scale is None or isinstance(scale, (int, float)) and math.isfinite(scale)):
+        return False
+    if not all(t.dim() == 4 and t.dtype == q.dtype and t.device == out.device for t in (k, v, out)) \
+            or q.dtype not in TL_KINDS or q.dim() != 4:
+        return False
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    if tuple(k.shape) != (b, h, lk, d) or tuple(v.shape) != (b, h, lk, d) or tuple(out.shape) != (b, h, lq, d):
+        return False
+    if not (0 < lk <= MAX_KEYS and 0 < d <= MAX_DIM and lq > 0 and b * h > 0):
+        return False
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype or mask.device != out.device \
+                or mask.dim() > 4:
+            return False
+        try:
+            mask.expand(b, h, lq, lk)
+        except RuntimeError:
+            return False
+    return True
+
+
+def _strides(t: torch.Tensor, shape: tuple) -> tuple[int, ...]:
+    return tuple(t.expand(shape).stride())
+
+
+def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Tensor, causal: bool,
+           scale: float) -> str:
+    """The kernel's text, specialised to these tensors' shapes and strides: program (i, j) computes
+    queries j * BLOCK_M ... of batch-and-head i."""
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    tensors = [q, k, v, out] + ([mask.expand(b, h, lq, lk)] if mask is not None else [])
+    wide = any(span(t) > INT32_LIMIT for t in tensors) or b * h > INT32_LIMIT
+    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    kind = TL_KINDS[q.dtype]
+    precision = ', input_precision="ieee"' if q.dtype == torch.float32 else ""
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+
+    def base(s):
+        return f"bh // {h} * {s[0]} + bh % {h} * {s[1]}"
+    lines = [*HEADER,
+             "def kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, "
+             "BLOCK_D: tl.constexpr):",
+             f"    bh = {first}",
+             "    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)",
+             "    cols = tl.arange(0, BLOCK_N)",
+             "    d = tl.arange(0, BLOCK_D)",
+             f"    rmask = rows < {lq}",
+             f"    cmask = cols < {lk}",
+             f"    dmask = d < {d}",
+             f"    q = tl.load(q_ptr + ({base(qs)}) + rows[:, None] * {qs[2]} + d[None, :] * {qs[3]}, "
+             "mask=rmask[:, None] & dmask[None, :], other=0.0)",
+             f"    k = tl.load(k_ptr + ({base(ks)}) + cols[:, None] * {ks[2]} + d[None, :] * {ks[3]}, "
+             "mask=cmask[:, None] & dmask[None, :], other=0.0)",
+             f"    s = tl.dot(q, tl.trans(k){precision}) * {float(scale)!r}"]
+    if mask is not None:
+        ms = _strides(mask, (b, h, lq, lk))
+        lines.append(f"    s = s + tl.load(mask_ptr + ({base(ms)}) + rows[:, None] * {ms[2]} + cols[None, :] * {ms[3]}, "
+                     "mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)")
+    keep = "cmask[None, :] & (cols[None, :] <= rows[:, None])" if causal else "cmask[None, :]"
+    lines += [f"    s = tl.where({keep}, s, float('-inf'))",
+              "    top = tl.max(s, axis=1)",
+              "    top = tl.where(top == float('-inf'), 0.0, top)",  # a row with every key masked gives zeros
+              "    p = tl.exp(s - top[:, None])",
+              "    total = tl.sum(p, axis=1)",
+              f"    v = tl.load(v_ptr + ({base(vs)}) + cols[:, None] * {vs[2]} + d[None, :] * {vs[3]}, "
+              "mask=cmask[:, None] & dmask[None, :], other=0.0)",
+              f"    o = tl.dot(p.to({kind}), v{precision})",
+              "    o = tl.where(total[:, None] > 0.0, o / total[:, None], 0.0)",
+              f"    tl.store(out_ptr + ({base(os_)}) + rows[:, None] * {os_[2]} + d[None, :] * {os_[3]}, "
+              f"o.to({kind}), mask=rmask[:, None] & dmask[None, :])",
+              f"# torch {torch.__version__}"]
+    return "\n".join(lines) + "\n"
+
+
+def grid(q: torch.Tensor, k: torch.Tensor) -> tuple[tuple[int, int], dict]:
+    """The launch grid and the kernel's block constants for these queries and keys."""
+    b, h, lq, d = q.shape
+    block_m, block_n, block_d = blocks(lq, k.shape[2], d)
+    warps = 4 if block_m * block_n <= 64 * 64 else 8
+    return (b * h, -(-lq // block_m)), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                                         "num_warps": warps}
+
+
+def launcher(kernel):
+    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    def launch(q, k, v, mask, out) -> None:
+        g, constants = grid(q, k)
+        kernel[g](q, k, v, out, out if mask is None else mask, **constants)
+
+    return launch
+
+
+class Attention:
+    """`scaled_dot_product_attention` of one op, written into a given tensor by this kernel where
+    it was measured faster (see the module docstring). `kwargs` are the op's keyword constants.
+    Choices and kernels are kept for the process under the call's signature, so the same
+    attention in another op, tuning candidate or load is not timed again."""
+
+    def __init__(self, op_id: int, kwargs: dict):
+        self.op_id = op_id
+        self.scale, self.gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
+
+    def __call__(self, args: list, out: torch.Tensor) -> bool:
+        """Whether the attention of `args` (the op's positional arguments) was written into `out`
+        by this kernel; False, with nothing run, where PyTorch's attention runs instead."""
+        q, k, v, mask, dropout, causal = (list(args) + [None, 0.0, False])[:6]
+        if not fits(q, k, v, mask, out, dropout, causal, self.scale, self.gqa):
+            return False
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
+                    for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale))
+        chosen = _chosen.get(key)
+        if chosen is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
+            chosen = _chosen[key] = self._choose(key, q, k, v, mask, out, bool(causal), float(scale))
+        if chosen:
+            _built[key](q, k, v, mask, out)
+        return chosen
+
+    def _choose(self, key: tuple, q, k, v, mask, out: torch.Tensor, causal: bool, scale: float) -> bool:
+        """Build the kernel for this call; whether it agrees with PyTorch's attention and takes
+        at most SLOWER times its time (PyTorch's result copied into `out` included)."""
+        from . import kernels
+
+        def pytorch() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=scale)
+
+        ref = pytorch()
+        if not bool(torch.isfinite(ref).all()):
+            return False  # nothing to check the kernel against
+        if not kernels.launch_once(_built, key, lambda: launcher(kernels.define(source(q, k, v, mask, out, causal,
+                                                                                        scale))),
+                                   (q, k, v, mask, out), f"op {self.op_id} as attention over few keys"):
+            return False
+        tolerance = TOLERANCE if q.dtype == torch.float32 else HALF_TOLERANCE
+        if float((out.float() - ref.float()).abs().max()) > tolerance * max(float(ref.abs().max()), 1e-6):
+            kernels.STATS.fallbacks.append(f"op {self.op_id}: attention over few keys disagrees with PyTorch's")
+            return False
+        ours = timing.graph_us(lambda: _built[key](q, k, v, mask, out), out.device)
+        theirs = timing.graph_us(lambda: out.copy_(pytorch()), out.device)
+        return ours <= SLOWER * theirs

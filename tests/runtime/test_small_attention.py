@@ -1,0 +1,165 @@
+"""Attention over few keys as one kernel (`runtime/small_attention.py`): its source run on the CPU
+through `triton_shim` against PyTorch's attention (masks broadcast and padded, causal, rows of
+every key masked, strided queries and results, shapes no tile fills), which calls qualify, and on
+the GPU against PyTorch in a capture, written through a head merge."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nimble.runtime import small_attention
+
+from .. import triton_shim
+
+
+def run(q, k, v, mask, out, causal=False, scale=None):
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    text = small_attention.source(q, k, v, mask, out, causal, scale)
+    grid, constants = small_attention.grid(q, k)
+    triton_shim.run_grid(text, grid, q, k, v, out, out if mask is None else mask, **constants)
+    return scale
+
+
+def qkv(b, h, lq, lk, d, g):
+    return (torch.randn(b, h, lq, d, generator=g), torch.randn(b, h, lk, d, generator=g),
+            torch.randn(b, h, lk, d, generator=g))
+
+
+@pytest.mark.parametrize("b, h, lq, lk, d", [(2, 3, 49, 49, 32), (1, 2, 16, 16, 16), (2, 1, 70, 45, 24),
+                                             (1, 2, 128, 128, 64), (3, 2, 5, 7, 3)])
+@pytest.mark.parametrize("masked", ["none", "per head", "per window"])
+def test_the_kernel_computes_what_pytorch_s_attention_does(b, h, lq, lk, d, masked):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = qkv(b, h, lq, lk, d, g)
+    mask = None
+    if masked == "per head":  # Swin's relative position bias: one per head, rows padded to 16 keys
+        mask = torch.randn(1, h, lq, -(-lk // 16) * 16, generator=g)[..., :lk]
+    elif masked == "per window":
+        mask = torch.randn(b, 1, lq, lk, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, mask)
+    out = torch.full_like(want, 7.0)
+    run(q, k, v, mask, out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_a_scale_and_strided_tensors():
+    g = torch.Generator().manual_seed(1)
+    qkv_rows = torch.randn(2, 20, 3, 4, 16, generator=g)  # (batch, tokens, q|k|v, heads, row): one linear's result
+    q, k, v = (qkv_rows[:, :, i].transpose(1, 2) for i in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    merged = torch.full((2, 20, 4, 16), 7.0)  # the heads merged: the result written through a transpose
+    out = merged.transpose(1, 2)
+    run(q, k, v, None, out, causal=True, scale=0.3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_with_every_key_masked_gives_zeros():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = qkv(1, 1, 4, 4, 16, g)
+    mask = torch.zeros(1, 1, 4, 4)
+    mask[0, 0, 2] = float("-inf")
+    out = torch.full((1, 1, 4, 16), 7.0)
+    run(q, k, v, mask, out)
+    want = F.scaled_dot_product_attention(q, k, v, mask.masked_fill(mask[0, 0, 2:3].isinf(), 0.0))
+    assert out[0, 0, 2].eq(0).all()
+    torch.testing.assert_close(out[0, 0, [0, 1, 3]], want[0, 0, [0, 1, 3]], rtol=1e-5, atol=1e-5)
+
+
+def test_only_few_keys_without_dropout_qualify(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
+    q, k, v = (torch.randn(2, 3, 49, 32) for _ in range(3))
+    out, mask = torch.empty(2, 3, 49, 32), torch.randn(1, 3, 49, 49)
+
+    def fits(q=q, k=k, v=v, mask=mask, out=out, dropout=0.0, causal=False, scale=None, gqa=False):
+        return small_attention.fits(q, k, v, mask, out, dropout, causal, scale, gqa)
+    assert fits() and fits(mask=None, causal=True, scale=0.25)
+    many = torch.randn(2, 3, small_attention.MAX_KEYS + 1, 32)
+    assert not fits(k=many, v=many)  # past one program's keys
+    assert not fits(dropout=0.1)
+    assert not fits(gqa=True)
+    assert not fits(mask=mask.bool())  # a boolean mask (nimble stores them as float ones)
+    assert not fits(mask=torch.randn(2, 3, 49, 48))  # does not broadcast
+    assert not fits(v=torch.randn(2, 3, 49, 16))  # values of another row length
+    assert not fits(q=q.double(), k=k.double(), v=v.double(), mask=mask.double(), out=out.double())
+    assert not fits(out=torch.empty(2, 3, 49, 16))
+    assert not fits(q=q[0], k=k[0], v=v[0], out=out[0])  # 3-D
+    monkeypatch.setattr(small_attention, "ENABLED", False)
+    assert not fits()
+
+
+@pytest.mark.parametrize("lq, lk, d, want", [(49, 49, 32, (64, 64, 32)), (128, 128, 64, (64, 128, 64)),
+                                             (3, 5, 7, (16, 16, 16))])
+def test_tiles_are_powers_of_two_a_dot_product_takes(lq, lk, d, want):
+    assert small_attention.blocks(lq, lk, d) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(8, 49, 3, 3, 32, device="cuda", dtype=dtype, generator=g)
+    q, k, v = (rows[:, :, i].transpose(1, 2) for i in range(3))
+    mask = torch.randn(1, 3, 49, 64, device="cuda", dtype=dtype, generator=g)[..., :49]
+    merged = torch.empty(8, 49, 3, 32, device="cuda", dtype=dtype)
+    out = merged.transpose(1, 2)
+    monkeypatch.setattr(small_attention, "SLOWER", float("inf"))  # the kernel, however fast
+    monkeypatch.setattr(small_attention, "_chosen", {})
+    attention = small_attention.Attention(0, {"scale": 0.2})
+    assert attention([q, k, v, mask, 0.0, False], out)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask.float(), scale=0.2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert attention([q, k, v, mask, 0.0, False], out)
+    merged.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tmp_path, monkeypatch):
+    """Swin-like attention (49 keys, a per-head bias padded by `align_attention_masks`, heads
+    split from one linear and merged through a transpose) loaded with the kernel and without:
+    both match eager, and with it the head merge's copy is gone."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import tuning
+    from nimble.specs import input_specs
+
+    from .test_pooled_conv import with_and_without
+
+    class Window(torch.nn.Module):
+        def __init__(self, dim=96, heads=3, tokens=49):
+            super().__init__()
+            self.heads = heads
+            self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+            self.bias = torch.nn.Parameter(torch.randn(1, heads, tokens, tokens))
+
+        def forward(self, x):
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, self.bias, scale=0.25)
+            return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(small_attention, "SLOWER", float("inf"))
+    monkeypatch.setattr(small_attention, "_chosen", {})
+    torch.manual_seed(0)
+    path = tmp_path / "window.pt"
+    torch.jit.save(torch.jit.trace(Window().eval(), torch.randn(16, 49, 96)), str(path))
+    write_artifact(tmp_path / "w.nimble", compile_model(path, input_specs(["16x49x96"]), device="cpu").artifact())
+    choice = tuning.Choice(layout="contiguous", streams="serial")
+    kernels_with, kernels_without = with_and_without(small_attention, read_artifact(tmp_path / "w.nimble"), choice,
+                                                     tmp_path, monkeypatch)
+    assert any(small_attention._chosen.values())
+    assert kernels_with <= kernels_without - 1
