@@ -237,7 +237,7 @@ def prepare(graph: Graph) -> list[PlacedOp]:
         if product:
             substitute = SmallLinear(op.id, substitute, product)
         writer = None
-        if op.target == ATTENTION and not any(refs_of(v) for _, v in op.kwargs):
+        if op.target == ATTENTION and not list(refs_of(tuple(v for _, v in op.kwargs))):
             writer = Attention(op.id, dict(op.kwargs))
         placed.append(PlacedOp(op, targets.resolve(op.target), found[0] if found else None,
                                found[1] if found else [], substitute, writer=writer))

@@ -163,3 +163,22 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tmp_path
                                                      tmp_path, monkeypatch)
     assert any(small_attention._chosen.values())
     assert kernels_with <= kernels_without - 1
+
+
+def test_a_head_merge_s_buffer_is_seen_back_in_the_attention_s_shape():
+    """Attention paired with its head merge (transpose, then a copy) writes the copy's buffer
+    through the inverse of the view (`placement._unviewed`); any other view is left alone."""
+    from nimble.ir import Op, Ref
+    from nimble.runtime.placement import _unviewed
+
+    out = torch.empty(2, 3, 5, 4)
+    merged = torch.arange(2 * 5 * 12, dtype=torch.float32).reshape(2, 5, 12)  # reshape(b, n, heads * row)
+    into = _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), merged, out)
+    assert into.shape == out.shape and into.data_ptr() == merged.data_ptr()
+    torch.testing.assert_close(into.transpose(1, 2).reshape(2, 5, 12), merged)
+    permuted = torch.empty(5, 2, 3, 4)  # permute(2, 0, 1, 3), then contiguous
+    into = _unviewed(Op(1, "aten::permute.default", (Ref(0), (2, 0, 1, -1)), (), (2,)), permuted, out)
+    assert into.shape == out.shape and torch.equal(into.permute(2, 0, 1, 3), permuted)
+    assert _unviewed(Op(1, "aten::select.int", (Ref(0), 0, 0), (), (2,)), merged, out) is None
+    assert _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), merged.double(), out) is None
+    assert _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), torch.empty(2, 5, 13), out) is None
