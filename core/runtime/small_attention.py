@@ -7,8 +7,9 @@ took 0.37 ms of swin_t's 3.36 (H100, `kernel_diff_swin_t_b8_2026-11-25.md`), whe
 torch.compile's softmax kernel and two GEMMs took 0.15. Here one program holds all of one head's
 keys: it loads its queries, the keys and the values once, computes the scores, adds the mask
 (read through its strides, broadcast dims at stride 0), takes a softmax in float32 and multiplies
-by the values, and stores the rows through the result's strides. In float32 both products are
-exact float32 (`input_precision="ieee"`), as PyTorch's kernel computes them; half precision uses
+by the values, and stores the rows through the result's strides. In float32 each product is
+taken as three TF32 products on the tensor cores (`FLOAT32_PRODUCTS`, Triton's "tf32x3"), which
+keeps float32's accuracy (plain TF32 would round every operand to 10 bits); half precision uses
 the tensor cores and float32 accumulation.
 
 Which one runs is measured (`Attention`): the first call of a signature outside a capture times
@@ -32,6 +33,7 @@ MAX_DIM = 128  # elements of a query, key or value row
 TOLERANCE = 1e-3  # largest difference from PyTorch's result, relative to its largest magnitude (float32)
 HALF_TOLERANCE = 2e-2
 SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's attention
+FLOAT32_PRODUCTS = "tf32x3"  # float32 products as three TF32 ones (float32's accuracy); "ieee": on the FMA units
 
 _built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
 _chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
@@ -92,7 +94,7 @@ def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.T
     wide = any(span(t) > INT32_LIMIT for t in tensors) or b * h > INT32_LIMIT
     first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
     kind = TL_KINDS[q.dtype]
-    precision = ', input_precision="ieee"' if q.dtype == torch.float32 else ""
+    precision = f', input_precision="{FLOAT32_PRODUCTS}"' if q.dtype == torch.float32 else ""
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
 
     def base(s):
