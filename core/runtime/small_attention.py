@@ -170,7 +170,7 @@ class Attention:
             return False
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
-                    for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale))
+                    for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale), FLOAT32_PRODUCTS)
         chosen = _chosen.get(key)
         if chosen is None:
             if torch.cuda.is_current_stream_capturing():
