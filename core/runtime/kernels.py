@@ -348,12 +348,16 @@ def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tens
     """The convolution (`fusion.conv_params`), with its bias or without, written into `out` with
     the kernel eager PyTorch would pick, through that kernel's out= overload: cuDNN's (the bias
     then added in place, as eager does) or the depthwise kernel (the bias in it); else computed
-    and copied. Returns `out`."""
+    and copied. Only a dense `out` (contiguous or channels_last) goes to an out= overload:
+    `cudnn_convolution.out` into a channel slice of a larger buffer writes wrong values
+    (H100, torch 2.11), so any other `out` gets the result copied in. Returns `out`."""
     x, w = p["input"], p["weight"]
     bias = p["bias"] if with_bias else None
     stride, padding, dilation = list(p["stride"]), list(p["padding"]), list(p["dilation"])
     backend = torch._C._select_conv_backend(x, w, p["bias"], stride, padding, dilation, False, [0, 0],
                                             p["groups"], None)
+    if not (out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last)):
+        backend = None  # computed and copied
     if backend == torch._C._ConvBackend.Cudnn:
         torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, p["groups"],
                                              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,

@@ -379,3 +379,27 @@ def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
     assert pick(options, {**ms, leaner.describe(): 1.0 + MEMORY_SLACK}, pool) == leaner  # the least memory wins
     assert pick(options, {k: 1.0 for k in ms}, {}) == fast  # nothing known of memory: the first fastest
     assert pick(options, ms, {fast.describe(): 60 * 2**20}) == lean  # a candidate whose pool is unknown holds none
+
+
+def test_a_convolution_into_a_buffer_that_is_not_dense_is_computed_and_copied(monkeypatch):
+    """`kernels.conv_into` hands cuDNN's out= overload a dense buffer only: into a channel slice
+    of a larger buffer it writes wrong values (H100, torch 2.11), so such a slice gets the
+    result copied in. The backend is faked as cuDNN; the out= overload must not be reached."""
+    import torch.nn.functional as F
+
+    from nimble.runtime import kernels
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_select_conv_backend", lambda *a: torch._C._ConvBackend.Cudnn)
+    monkeypatch.setattr(torch.ops.aten, "cudnn_convolution", type("Fake", (), {
+        "out": staticmethod(lambda *a, out: calls.append(out.shape))}))
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 4, 6, 6, generator=g), torch.randn(8, 4, 3, 3, generator=g), torch.randn(8, generator=g)
+    p = {"input": x, "weight": w, "bias": b, "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+    for layout in (torch.contiguous_format, torch.channels_last):
+        whole = torch.zeros(2, 16, 6, 6).contiguous(memory_format=layout)
+        kernels.conv_into(p, whole.narrow(1, 8, 8), with_bias=True)
+        torch.testing.assert_close(whole[:, 8:], F.conv2d(x, w, b, padding=1))
+        assert whole[:, :8].eq(0).all() and calls == []
+    kernels.conv_into(p, torch.empty(2, 8, 6, 6))  # a dense buffer still takes the out= overload
+    assert calls == [(2, 8, 6, 6)]
