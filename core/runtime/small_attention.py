@@ -53,7 +53,8 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Ten
     scale=scale, enable_gqa=gqa)` into `out`: 4-D CUDA tensors of one float dtype, (batch, heads,
     queries, row) with keys and values of the same batch, heads and row, at most MAX_KEYS keys
     and MAX_DIM elements a row, no dropout, no grouped-query heads, and a mask, if any, a float
-    tensor of that dtype that broadcasts to (batch, heads, queries, keys)."""
+    tensor of that dtype that broadcasts to (batch, heads, queries, keys), never with `causal`
+    (PyTorch refuses the two together)."""
     if not (ENABLED and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and isinstance(out, torch.Tensor) and out.is_cuda):
         return False
@@ -70,7 +71,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Ten
     if not (0 < lk <= MAX_KEYS and 0 < d <= MAX_DIM and lq > 0 and b * h > 0):
         return False
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype or mask.device != out.device \
+        if causal or not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype or mask.device != out.device \
                 or mask.dim() > 4:
             return False
         try:

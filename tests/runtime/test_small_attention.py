@@ -80,6 +80,7 @@ def test_only_few_keys_without_dropout_qualify(monkeypatch):
     many = torch.randn(2, 3, small_attention.MAX_KEYS + 1, 32)
     assert not fits(k=many, v=many)  # past one program's keys
     assert not fits(dropout=0.1)
+    assert not fits(causal=True)  # and a mask: PyTorch refuses the two together
     assert not fits(gqa=True)
     assert not fits(mask=mask.bool())  # a boolean mask (nimble stores them as float ones)
     assert not fits(mask=torch.randn(2, 3, 49, 48))  # does not broadcast
