@@ -88,12 +88,13 @@ def _strides(t: torch.Tensor, shape: tuple) -> tuple[int, ...]:
 def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Tensor, causal: bool,
            scale: float) -> str:
     """The kernel's text, specialised to these tensors' shapes and strides: program (i, j) computes
-    queries j * BLOCK_M ... of batch-and-head i."""
+    queries j * BLOCK_M ... of batch-and-head i. Every index is 64-bit where a tensor spans more
+    than 2**31 - 1 elements through its strides (a view of a larger buffer may)."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
     tensors = [q, k, v, out] + ([mask.expand(b, h, lq, lk)] if mask is not None else [])
     wide = any(span(t) > INT32_LIMIT for t in tensors) or b * h > INT32_LIMIT
-    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    first, index = ("tl.program_id(0).to(tl.int64)", ".to(tl.int64)") if wide else ("tl.program_id(0)", "")
     kind = TL_KINDS[q.dtype]
     precision = f', input_precision="{FLOAT32_PRODUCTS}"' if q.dtype == torch.float32 else ""
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -104,9 +105,9 @@ def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.T
              "def kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, "
              "BLOCK_D: tl.constexpr):",
              f"    bh = {first}",
-             "    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)",
-             "    cols = tl.arange(0, BLOCK_N)",
-             "    d = tl.arange(0, BLOCK_D)",
+             f"    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)){index}",
+             f"    cols = tl.arange(0, BLOCK_N){index}",
+             f"    d = tl.arange(0, BLOCK_D){index}",
              f"    rmask = rows < {lq}",
              f"    cmask = cols < {lk}",
              f"    dmask = d < {d}",

@@ -69,6 +69,17 @@ def test_a_row_with_every_key_masked_gives_zeros():
     torch.testing.assert_close(out[0, 0, [0, 1, 3]], want[0, 0, [0, 1, 3]], rtol=1e-5, atol=1e-5)
 
 
+def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
+    """Meta tensors: only shapes and strides are read."""
+    q = torch.empty(2, 3, 49, 32, device="meta")
+    far = torch.empty_strided((2, 3, 49, 32), (2**31, 32, 96, 1), device="meta")
+    assert "tl.int64" not in small_attention.source(q, q, q, None, q, False, 0.2)
+    far_mask = torch.empty_strided((1, 3, 49, 49), (0, 2**31, 64, 1), device="meta")
+    for args in ((far, q, q, None, q), (q, q, far, None, q), (q, q, q, far_mask, q), (q, q, q, None, far)):
+        text = small_attention.source(*args, False, 0.2)
+        assert "tl.program_id(0).to(tl.int64)" in text and "tl.arange(0, BLOCK_N).to(tl.int64)" in text
+
+
 def test_only_few_keys_without_dropout_qualify(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     q, k, v = (torch.randn(2, 3, 49, 32) for _ in range(3))
