@@ -57,10 +57,9 @@ print(json.dumps(doc))
 PEER = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[2])
-from peers import make_model
-model, shapes = make_model(sys.argv[1])
-batch = int(sys.argv[3])
-xs = [torch.randn(batch, *s).cuda() for s in shapes]
+from peers import make_inputs
+model, xs = make_inputs(sys.argv[1], int(sys.argv[3]))
+xs = [x.cuda() for x in xs]
 torch.cuda.synchronize()
 before = torch.cuda.memory_reserved()
 with torch.no_grad():
@@ -89,14 +88,13 @@ def compile_artifact(name: str, batch: int, folder: Path) -> Path:
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
     from nimble.specs import input_specs
-    from peers import make_model
+    from peers import make_inputs
 
-    model, shapes = make_model(name)
-    xs = tuple(torch.randn(batch, *s) for s in shapes)
+    model, xs = make_inputs(name, batch)  # images, or token ids and a mask (the Hugging Face models)
     with torch.no_grad(), quiet_torchscript():
-        torch.jit.save(torch.jit.trace(model, xs, check_trace=False), str(folder / "m.pt"))
-    c = compile_model(folder / "m.pt", input_specs(["x".join(map(str, x.shape)) for x in xs]), device="cpu",
-                      check=False)
+        torch.jit.save(torch.jit.trace(model, tuple(xs), check_trace=False), str(folder / "m.pt"))
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs], [str(x.dtype).removeprefix("torch.") for x in xs])
+    c = compile_model(folder / "m.pt", specs, device="cpu", check=False)
     path = folder / f"{name}_{batch}.nimble"
     write_artifact(path, c.artifact())
     return path
