@@ -39,7 +39,7 @@ from ..stages import Stages
 from . import binaries, cudnn_graph, footprint, indices, kernels, pairs, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
-from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare, release_plan
+from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare
 from .pooled_conv import SmallLinear
 from .preflight import preflight
 
@@ -404,13 +404,13 @@ class Executable:
         """Issue every op in order on its stream, waiting on the planned events; `around(step)`,
         where given, wraps each op's step (the trace times them so). With `validate`, an op that
         fails is named with its source line. On CUDA, a result outside the arena is dropped once
-        its last reader is issued (`placement.release_plan`), so that the allocator hands its
+        its last reader is issued (`streams.release_plan`), so that the allocator hands its
         memory to a later result on the same stream instead of holding every one of them; on the
         CPU the last call's results are kept for `tensors()`."""
         env = self._env()
         cuda = self.device.type == "cuda"
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
-                        release=release_plan(self.graph, self._order, self._stream_of) if cuda else None,
+                        release=streams.release_plan(self.graph, self._order, self._stream_of) if cuda else None,
                         kept=self._own_storages() if cuda else frozenset(), pairs=self._pairs)
         run_ops(self._placed, run, self._order,
                 lambda order, step: streams.issue(order, step if around is None else around(step), self.device,

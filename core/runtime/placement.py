@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -413,29 +413,3 @@ def _unviewed(view: Op, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor
         target = target.view(seen.shape)
     into = back(target)
     return into if tuple(into.shape) == tuple(out.shape) else None
-
-
-def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int]) -> dict[int, list[int]]:
-    """op -> the values to drop once it is issued (`PlacedRun`'s `release`): each value after its
-    last reader in issue `order` (after its producer, if nothing reads it), unless it is a graph
-    output or shares storage with one, or a value sharing its storage is used on another CUDA
-    stream than the one that made the storage (`stream_of`): its memory must then outlive reads
-    the allocator cannot see."""
-    position = {op: k for k, op in enumerate(order)}
-    last: dict[int, int] = {}
-    streams_of_root: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for v in op.outputs:
-            last.setdefault(v, op.id)
-            streams_of_root.setdefault(graph.root(v), set()).add(stream_of[op.id])
-        for r in op.refs():
-            if r in last and position[op.id] > position[last[r]]:
-                last[r] = op.id
-            streams_of_root.setdefault(graph.root(r), set()).add(stream_of[op.id])
-    outputs = {graph.root(o) for o in graph.outputs}
-    plan: dict[int, list[int]] = {}
-    for v, op in last.items():
-        root = graph.root(v)
-        if root not in outputs and graph.values[root].producer is not None and len(streams_of_root[root]) == 1:
-            plan.setdefault(op, []).append(v)
-    return plan

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..errors import CaptureError, ExecutionError, first_line
+from ..ir import Graph
 
 
 @contextlib.contextmanager
@@ -151,3 +152,29 @@ def count_kernels(dot_path) -> int:
     from pathlib import Path
 
     return len(re.findall(r"\bKERNEL\b", Path(dot_path).read_text(errors="replace")))
+
+
+def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int]) -> dict[int, list[int]]:
+    """op -> the values to drop once it is issued (`PlacedRun`'s `release`): each value after its
+    last reader in issue `order` (after its producer, if nothing reads it), unless it is a graph
+    output or shares storage with one, or a value sharing its storage is used on another CUDA
+    stream than the one that made the storage (`stream_of`): its memory must then outlive reads
+    the allocator cannot see."""
+    position = {op: k for k, op in enumerate(order)}
+    last: dict[int, int] = {}
+    streams_of_root: dict[int, set[int]] = {}
+    for op in graph.ops:
+        for v in op.outputs:
+            last.setdefault(v, op.id)
+            streams_of_root.setdefault(graph.root(v), set()).add(stream_of[op.id])
+        for r in op.refs():
+            if r in last and position[op.id] > position[last[r]]:
+                last[r] = op.id
+            streams_of_root.setdefault(graph.root(r), set()).add(stream_of[op.id])
+    outputs = {graph.root(o) for o in graph.outputs}
+    plan: dict[int, list[int]] = {}
+    for v, op in last.items():
+        root = graph.root(v)
+        if root not in outputs and graph.values[root].producer is not None and len(streams_of_root[root]) == 1:
+            plan.setdefault(op, []).append(v)
+    return plan

@@ -100,7 +100,7 @@ def test_inception_needs_fewer_cuda_streams_than_it_plans():
 
 
 def test_results_are_released_after_their_last_reader_and_only_on_one_stream(tmp_path):
-    """`placement.release_plan` (used on CUDA): each value once, at its last reader in issue
+    """`streams.release_plan` (used on CUDA): each value once, at its last reader in issue
     order; never a graph output's storage; never storage that another CUDA stream also uses."""
     import nimble
 
@@ -109,7 +109,7 @@ def test_results_are_released_after_their_last_reader_and_only_on_one_stream(tmp
     out = tmp_path / "i.nimble"
     assert invoke("compile", SAMPLES / "nasnet.pt", "-s", "1x3x64x64", "--device", "cpu", "-o", out).exit_code == 0
     exe = nimble.load(out, device="cpu")
-    from nimble.runtime.placement import release_plan
+    from nimble.runtime.streams import release_plan
 
     g = exe.graph
     plan = release_plan(g, exe._order, exe._stream_of)
