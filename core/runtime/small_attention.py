@@ -14,8 +14,10 @@ the tensor cores and float32 accumulation.
 
 Which one runs is measured (`Attention`): the first call of a signature outside a capture times
 this kernel and PyTorch's attention, each in a CUDA graph, checks the kernel's result against
-PyTorch's and keeps the faster. A call first seen inside a capture, a kernel that fails to build
-and one that disagrees all leave PyTorch's attention in place. `ENABLED = False` turns it off.
+PyTorch's and keeps the faster (`SLOWER`). Choices last for the process; they are not kept in
+the cache folder, so each process times them again. A call first seen inside a capture, a kernel
+that fails to build and one that disagrees all leave PyTorch's attention in place.
+`ENABLED = False` turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from . import timing
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, span
 
 ENABLED = True
-MAX_KEYS = 128  # keys (and queries per program) one program holds
+MAX_KEYS = 128  # keys one program holds (its queries: up to 64, `blocks`)
 MAX_DIM = 128  # elements of a query, key or value row
 TOLERANCE = 1e-3  # largest difference from PyTorch's result, relative to its largest magnitude (float32)
 HALF_TOLERANCE = 2e-2
