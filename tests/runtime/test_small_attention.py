@@ -193,7 +193,7 @@ def test_a_head_merge_s_buffer_is_seen_back_in_the_attention_s_shape():
     into = _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), merged, out)
     assert into.shape == out.shape and into.data_ptr() == merged.data_ptr()
     torch.testing.assert_close(into.transpose(1, 2).reshape(2, 5, 12), merged)
-    permuted = torch.empty(5, 2, 3, 4)  # permute(2, 0, 1, 3), then contiguous
+    permuted = torch.arange(5 * 2 * 3 * 4, dtype=torch.float32).reshape(5, 2, 3, 4)  # permute(2, 0, 1, 3), contiguous
     into = _unviewed(Op(1, "aten::permute.default", (Ref(0), (2, 0, 1, -1)), (), (2,)), permuted, out)
     assert into.shape == out.shape and torch.equal(into.permute(2, 0, 1, 3), permuted)
     assert _unviewed(Op(1, "aten::select.int", (Ref(0), 0, 0), (), (2,)), merged, out) is None
