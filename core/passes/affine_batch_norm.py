@@ -13,7 +13,7 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
 from ..ops import types
-from .substitute import binary_spec, free_name, rebuild
+from .substitute import binary_spec, free_name, read_weights, rebuild
 
 _META = torch.device("meta")
 
@@ -56,8 +56,7 @@ def affine_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[G
     if not added:
         return graph, weights
     result = rebuild(graph, ops, values=values, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {k: t for k, t in weights.items() if k in names}
+    return read_weights(result, weights)
 
 
 def _affine(graph: Graph, op: Op, weights) -> tuple[torch.Tensor, torch.Tensor] | None:

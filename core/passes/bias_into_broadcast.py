@@ -25,7 +25,7 @@ from ..ops import fusion
 from .fuse_conv import _leader
 from .fuse_pointwise import elementwise
 from .rewrite import Facts
-from .substitute import free_name, rebuild
+from .substitute import free_name, read_weights, rebuild
 
 ADD = "aten::add.Tensor"
 
@@ -59,8 +59,7 @@ def bias_into_broadcast(graph: Graph, weights: dict) -> tuple[Graph, dict]:
     if not added:
         return graph, weights
     result = rebuild(graph, ops, values=values, added=added)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {k: t for k, t in weights.items() if k in names}
+    return read_weights(result, weights)
 
 
 def _movable_bias(graph: Graph, facts: Facts, op: Op) -> Value | None:

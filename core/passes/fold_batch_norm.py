@@ -12,7 +12,7 @@ import torch
 from ..ir import WEIGHT, Graph, Ref, TensorSpec, Value
 from ..ops import types
 from .rewrite import Facts
-from .substitute import free_name, rebuild
+from .substitute import free_name, read_weights, rebuild
 
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 
@@ -51,8 +51,7 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
     if not same:
         return graph, weights
     folded = rebuild(graph, [op for op in ops if op.id not in dropped], same, added=added)
-    names = {v.name for v in folded.values if v.kind == WEIGHT}
-    return folded, {k: t for k, t in weights.items() if k in names}
+    return read_weights(folded, weights)
 
 
 def _foldable(graph: Graph, bn, facts: Facts, weights):

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ..ir import WEIGHT, Graph, Ref
-from .substitute import rebuild
+from .substitute import read_weights, rebuild
 
 # the `.Tensor` overloads that have a `.Scalar` twin with the same arguments otherwise
 SCALAR_TWIN = {"aten::mul.Tensor": "aten::mul.Scalar", "aten::add.Tensor": "aten::add.Scalar",
@@ -38,8 +38,7 @@ def inline_scalar_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> t
     if not changed:
         return graph, weights
     result = rebuild(graph, ops)
-    names = {v.name for v in result.values if v.kind == WEIGHT}
-    return result, {k: t for k, t in weights.items() if k in names}
+    return read_weights(result, weights)
 
 
 def _number(graph: Graph, op, weights, at: int) -> float | int | None:

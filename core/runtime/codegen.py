@@ -121,6 +121,11 @@ def _offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
 
 
+def program_id(wide: bool) -> str:
+    """The program's id along the grid's first axis, 64-bit where `wide` (`needs_wide`)."""
+    return "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+
+
 def pointers(operands: list) -> str:
     """The kernel parameters of a body's operands: `in0_ptr, in1_ptr, ` and so on."""
     return "".join(f"in{k}_ptr, " for k in range(len(operands)))
@@ -147,7 +152,7 @@ def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
 def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tensor], leads: bool, bias: bool) -> str:
     """The kernel's source. `body` is the op's body as the runtime passes it (tensors in place of
     Refs), and `operands` the distinct tensors it reads."""
-    first = "tl.program_id(0).to(tl.int64)" if needs_wide(out, operands) else "tl.program_id(0)"
+    first = program_id(needs_wide(out, operands))
     out_offset, offsets = flat_offsets(out, operands)
     lines = [*HEADER,
              f"def kernel(out_ptr, {pointers(operands)}N: tl.constexpr, "
@@ -219,7 +224,7 @@ def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm)
     shape = tuple(x.shape)
     order = list(range(x.dim()))
     dense_strides = contiguous_strides(shape)
-    row = "tl.program_id(0).to(tl.int64)" if needs_wide(x, operands) else "tl.program_id(0)"
+    row = program_id(needs_wide(x, operands))
     kind = TL_KINDS[x.dtype]
     lines = [*HEADER,
              f"def kernel(x_ptr, y_ptr, w_ptr, b_ptr, {pointers(operands)}eps, "

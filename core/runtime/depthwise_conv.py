@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, program_id, span
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
@@ -62,7 +62,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     n, c, oh, ow = out.shape
     h, width = x.shape[2:]
     wide = needs_wide(out, operands) or max(span(x), span(w)) > INT32_LIMIT  # the inputs may be views
-    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    first = program_id(wide)
     out_offset, offsets = flat_offsets(out, operands)
     (sh, sw), (ph, pw), (dh, dw) = p["stride"], p["padding"], p["dilation"]
     xs, ws = x.stride(), w.stride()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, program_id, span
 
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
@@ -72,7 +72,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
     its other nodes read, the convolution's bias last where `bias`."""
     c_out, c_in = out.shape[1], x.shape[1]  # [N, C', 1, 1] of [N, C, 1, 1], or [M, N] of [M, K]
     wide = needs_wide(out, operands) or max(span(x), span(w)) > INT32_LIMIT  # the inputs may be views
-    first = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    first = program_id(wide)
     out_offset, offsets = flat_offsets(out, operands)
     lines = [*HEADER,
              f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"

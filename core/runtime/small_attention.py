@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from . import timing
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, span
+from . import kernels, timing
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
 
 ENABLED = True
 MAX_KEYS = 128  # keys one program holds (its queries: up to 64, `blocks`)
@@ -96,7 +96,7 @@ def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.T
     lk = k.shape[2]
     tensors = [q, k, v, out] + ([mask.expand(b, h, lq, lk)] if mask is not None else [])
     wide = any(span(t) > INT32_LIMIT for t in tensors) or b * h > INT32_LIMIT
-    first, index = ("tl.program_id(0).to(tl.int64)", ".to(tl.int64)") if wide else ("tl.program_id(0)", "")
+    first, index = program_id(wide), ".to(tl.int64)" if wide else ""
     kind = TL_KINDS[q.dtype]
     precision = f', input_precision="{FLOAT32_PRODUCTS}"' if q.dtype == torch.float32 else ""
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -187,8 +187,6 @@ class Attention:
     def _choose(self, key: tuple, q, k, v, mask, out: torch.Tensor, causal: bool, scale: float) -> bool:
         """Build the kernel for this call; whether it agrees with PyTorch's attention and takes
         at most SLOWER times its time (PyTorch's result copied into `out` included)."""
-        from . import kernels
-
         def pytorch() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=scale)
 
