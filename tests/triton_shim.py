@@ -68,7 +68,11 @@ def language() -> types.ModuleType:
     tl.max = lambda x, axis: x.max(axis).values
     tl.trans = lambda x: x.transpose(0, 1)
     # float32 products in float64, rounded once (input_precision="ieee"); half precision as the tensor cores take it
-    tl.dot = lambda a, b, input_precision=None: (a.double() @ b.double()).float()
+    def dot(a, b, acc=None, input_precision=None):
+        product = (a.double() @ b.double()).float()
+        return product if acc is None else acc + product
+
+    tl.dot = dot
     tl.maximum, tl.minimum = torch.fmax, torch.fmin  # NaN-dropping, as Triton's default
     tl.sigmoid, tl.exp, tl.sqrt, tl.rsqrt, tl.abs, tl.erf = (torch.sigmoid, torch.exp, torch.sqrt, torch.rsqrt,
                                                            torch.abs, torch.erf)

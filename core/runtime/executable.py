@@ -39,6 +39,7 @@ from ..stages import Stages
 from . import binaries, cudnn_graph, footprint, indices, kernels, pairs, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
+from .gemm import Gemm
 from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare
 from .pooled_conv import SmallLinear
 from .preflight import preflight
@@ -291,10 +292,12 @@ class Executable:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
-            elif isinstance(p.substitute, (BiasedGemm, SmallLinear)):
-                gemm = p.substitute.fallback if isinstance(p.substitute, SmallLinear) else p.substitute
-                if isinstance(gemm, BiasedGemm):
-                    gemm.separate = choice.gemm_bias == "separate"
+            else:
+                biased = p.substitute
+                while isinstance(biased, (SmallLinear, Gemm)):  # the substitutes a product falls back to
+                    biased = biased.fallback
+                if isinstance(biased, BiasedGemm):
+                    biased.separate = choice.gemm_bias == "separate"
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:

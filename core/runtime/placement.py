@@ -26,7 +26,7 @@ from ..ops.attention import ATTENTION
 from ..ops.execute import Executor
 from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides, refs_of
 from ..plan.memory import MemoryPlan
-from . import fused_mean, pooled_conv
+from . import fused_mean, gemm, pooled_conv
 from .indices import clamped
 from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
@@ -233,6 +233,8 @@ def prepare(graph: Graph) -> list[PlacedOp]:
         found = None if op.target in COPYING_OUT else out_overload(op.target)
         substitute = BiasedGemm(op.target == "aten::linear.default") if BiasedGemm.applies(graph, op) \
             else SUBSTITUTES.get(op.target)
+        if gemm.applies(graph, op):
+            substitute = gemm.Gemm(op.id, op.target, substitute)
         product = small_product(graph, op)
         if product:
             substitute = SmallLinear(op.id, substitute, product)

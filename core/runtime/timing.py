@@ -112,18 +112,32 @@ def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, wa
     return statistics.median(samples)
 
 
+_side: dict[int, torch.cuda.Stream] = {}  # device index -> the one stream graph_us warms up and captures on
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every `graph_us`: cuBLAS keeps a workspace (32 MiB on Hopper) for
+    each stream that ever multiplied, for the whole process, so a new stream per timing would
+    leave one behind each time."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _side:
+        _side[index] = torch.cuda.Stream(index)
+    return _side[index]
+
+
 def graph_us(fn, device: torch.device, runs: int = 10) -> float:
     """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
     median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
     from Python takes longer than a small convolution)."""
     with torch.cuda.device(device):
-        side = torch.cuda.Stream(device)
+        side = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             for _ in range(runs):
                 fn()
         return gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs

@@ -1,0 +1,193 @@
+"""Float32 matrix products on the tensor cores at float32's accuracy, chosen per call by measurement.
+
+PyTorch multiplies float32 matrices on the FMA units unless TF32 is allowed for matmul, and by
+default it is not: cuBLAS then runs its SIMT kernels, about 90 % of a transformer's time at batch 8
+(`kernel_diff_transformers_b8_2026-11-25.md`). Here one generated kernel computes
+`x @ b (+ bias)` with each product taken as three TF32 products on the tensor cores (Triton's
+"tf32x3": every operand split into a TF32 part and the rest, the rest's product with the rest
+dropped), accumulating in float32. That keeps float32's accuracy, which plain TF32 (10-bit
+operands) does not: at BERT's shapes on an H200, the largest error against a float64 product
+was 2.5e-7 of the result's largest magnitude, against cuBLAS's 1.2e-6, at 1.3 to 1.6 times
+cuBLAS's speed with 1024 rows (`benchmarks/results/gemm_2026-11-26.md`). The bias is added
+before the one store.
+
+Program i computes the BLOCK_M x BLOCK_N tile i of the result (tiles in row-major order), looping
+over K in BLOCK_K steps. Shapes and strides are constants of the source; every index is 64-bit
+where a tensor spans more than 2**31 - 1 elements.
+
+`Gemm` is the substitute of a linear, addmm or mm op: the first call of a signature outside a
+capture builds the kernel, checks it against PyTorch's product (`TOLERANCE`), times both in a
+CUDA graph and keeps the faster (`SLOWER`). Choices last for the process. A call first seen inside
+a capture, a kernel that fails to build or disagrees, and any call `fits` refuses run as before.
+`ENABLED = False` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir import Graph, Op, Ref
+from . import kernels, timing
+from .codegen import HEADER, INT32_LIMIT, program_id, span
+
+ENABLED = True
+FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
+TOLERANCE = 1e-4  # largest difference from PyTorch's product, relative to its largest magnitude
+SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's product
+BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 64, 32, 4, 3  # the fastest tile at every probed shape
+
+_built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
+_chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
+
+TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default")
+
+
+def applies(graph: Graph, op: Op) -> bool:
+    """Whether op is a float32 product this module may run: linear(x, w[, bias]) with no keyword
+    arguments, mm(x, w), or addmm(bias, x, w) with beta and alpha 1."""
+    if op.target not in TARGETS or len(op.outputs) != 1 or graph.values[op.outputs[0]].spec.dtype != "float32":
+        return False
+    if op.target == "aten::addmm.default":
+        return len(op.args) >= 3 and all(a == 1 for a in op.args[3:]) \
+            and all(k in ("beta", "alpha") and v == 1 for k, v in op.kwargs)
+    return not op.kwargs and all(isinstance(a, Ref) for a in op.args[:2])
+
+
+def operands(target: str, args: list, out: torch.Tensor):
+    """(x [M, K], b [K, N], bias [N] or None, out [M, N]) of a call, as views of its tensors, or
+    None where a tensor is not one this kernel takes (or cannot be seen as a matrix without a copy)."""
+    try:
+        if target == "aten::linear.default":
+            x, w, bias = (list(args) + [None])[:3]
+            if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and x.dim() >= 2):
+                return None
+            x, b, out = x.view(-1, x.shape[-1]), w.t(), out.view(-1, out.shape[-1])
+        elif target == "aten::addmm.default":
+            bias, x, b = args[:3]
+        elif target == "aten::mm.default":
+            (x, b), bias = args[:2], None
+        else:
+            return None
+    except (RuntimeError, ValueError):
+        return None  # a view would need a copy
+    return (x, b, bias, out) if fits(x, b, bias, out) else None
+
+
+def fits(x, b, bias, out: torch.Tensor) -> bool:
+    """Whether this kernel computes x @ b (+ bias) into `out`: float32 CUDA matrices of matching
+    shapes on one device, any strides, bias None or a vector of N."""
+    if not (ENABLED and isinstance(x, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor)
+            and out.is_cuda):
+        return False
+    tensors = [x, b, out] + ([bias] if bias is not None else [])
+    if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dim() == 1):
+        return False
+    if not all(t.dtype == torch.float32 and t.device == out.device for t in tensors) \
+            or x.dim() != 2 or b.dim() != 2 or out.dim() != 2:
+        return False
+    m, k = x.shape
+    n = b.shape[1]
+    return b.shape[0] == k and tuple(out.shape) == (m, n) and (bias is None or bias.shape[0] == n) \
+        and m > 0 and n > 0 and k > 0
+
+
+def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor) -> str:
+    """The kernel's text, specialised to these tensors' shapes and strides."""
+    m, k = x.shape
+    n = b.shape[1]
+    tiles_n = -(-n // BLOCK_N)
+    wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // BLOCK_M) * tiles_n * BLOCK_M > INT32_LIMIT
+    first, index = program_id(wide), ".to(tl.int64)" if wide else ""
+    xs, bs, os_ = x.stride(), b.stride(), out.stride()
+    lines = [*HEADER,
+             "def kernel(x_ptr, b_ptr, out_ptr, bias_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, "
+             "BLOCK_K: tl.constexpr):",
+             f"    tile = {first}",
+             f"    rows = tile // {tiles_n} * BLOCK_M + tl.arange(0, BLOCK_M){index}",
+             f"    cols = tile % {tiles_n} * BLOCK_N + tl.arange(0, BLOCK_N){index}",
+             f"    inner = tl.arange(0, BLOCK_K){index}",
+             f"    rmask = rows < {m}",
+             f"    cmask = cols < {n}",
+             "    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+             f"    for start in range(0, {k}, BLOCK_K):",
+             "        kk = start + inner",
+             f"        kmask = kk < {k}",
+             f"        a = tl.load(x_ptr + rows[:, None] * {xs[0]} + kk[None, :] * {xs[1]}, "
+             "mask=rmask[:, None] & kmask[None, :], other=0.0)",
+             f"        w = tl.load(b_ptr + kk[:, None] * {bs[0]} + cols[None, :] * {bs[1]}, "
+             "mask=kmask[:, None] & cmask[None, :], other=0.0)",
+             f'        acc = tl.dot(a, w, acc, input_precision="{FLOAT32_PRODUCTS}")']
+    if bias is not None:
+        lines.append(f"    acc += tl.load(bias_ptr + cols * {bias.stride(0)}, mask=cmask, other=0.0)[None, :]")
+    lines += [f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
+              "mask=rmask[:, None] & cmask[None, :])",
+              f"# torch {torch.__version__}"]
+    return "\n".join(lines) + "\n"
+
+
+def grid(x: torch.Tensor, b: torch.Tensor) -> tuple[int, dict]:
+    """The launch grid (one program per tile) and the kernel's constants."""
+    tiles = -(-x.shape[0] // BLOCK_M) * -(-b.shape[1] // BLOCK_N)
+    return tiles, {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "num_warps": WARPS,
+                   "num_stages": STAGES}
+
+
+def launcher(kernel):
+    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    def launch(x, b, bias, out) -> None:
+        g, constants = grid(x, b)
+        kernel[(g,)](x, b, out, out if bias is None else bias, **constants)
+
+    return launch
+
+
+def _pytorch(x, b, bias, out) -> None:
+    if bias is None:
+        torch.mm(x, b, out=out)
+    else:
+        torch.addmm(bias, x, b, out=out)
+
+
+class Gemm:
+    """The substitute of one linear, addmm or mm op (`applies`): its product by this kernel where
+    that was measured faster, else by `fallback` (the substitute it would have had; None: the
+    op's out= overload)."""
+
+    def __init__(self, op_id: int, target: str, fallback):
+        self.op_id, self.target, self.fallback = op_id, target, fallback
+
+    def __call__(self, args: list, out: torch.Tensor):
+        found = operands(self.target, args, out)
+        if found is not None and self.run(*found):
+            return out
+        return self.fallback(args, out) if self.fallback is not None else None
+
+    def run(self, x, b, bias, out) -> bool:
+        """Whether x @ b (+ bias) was written into `out` by this kernel."""
+        key = tuple((tuple(t.shape), tuple(t.stride())) if t is not None else None for t in (x, b, bias, out)) \
+            + (out.device.index, FLOAT32_PRODUCTS)
+        chosen = _chosen.get(key)
+        if chosen is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
+            chosen = _chosen[key] = self._choose(key, x, b, bias, out)
+        if chosen:
+            _built[key](x, b, bias, out)
+        return chosen
+
+    def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> bool:
+        """Build the kernel for this call; whether it agrees with PyTorch's product and takes at
+        most SLOWER times its time."""
+        _pytorch(x, b, bias, out)
+        ref = out.clone()
+        if not bool(torch.isfinite(ref).all()):
+            return False  # nothing to check the kernel against
+        if not kernels.launch_once(_built, key, lambda: launcher(kernels.define(source(x, b, bias, out))),
+                                   (x, b, bias, out), f"op {self.op_id} as a float32 product"):
+            return False
+        if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
+            kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
+            return False
+        ours = timing.graph_us(lambda: _built[key](x, b, bias, out), out.device)
+        theirs = timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device)
+        return ours <= SLOWER * theirs

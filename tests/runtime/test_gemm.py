@@ -1,0 +1,153 @@
+"""Float32 matrix products as one kernel (`runtime/gemm.py`): its source run on the CPU through
+`triton_shim` against PyTorch's product (shapes no tile fills, transposed and strided operands, a
+strided result, with and without a bias), which ops and calls qualify, and on the GPU against
+PyTorch in a capture and in a loaded model with linear, addmm and mm ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nimble.runtime import gemm
+
+from .. import triton_shim
+
+
+def run(x, b, bias, out):
+    grid, constants = gemm.grid(x, b)
+    constants.pop("num_stages")
+    triton_shim.run_grid(gemm.source(x, b, bias, out), grid, x, b, out, out if bias is None else bias, **constants)
+
+
+@pytest.mark.parametrize("m, k, n", [(7, 33, 65), (64, 64, 64), (130, 70, 3), (1, 1, 1), (65, 96, 129)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_kernel_computes_what_pytorch_s_product_does(m, k, n, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, k, generator=g).t()  # a linear's weight, transposed: strides (1, k)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    want = torch.addmm(bias, x, b) if with_bias else x @ b
+    out = torch.full((m, n), 7.0)
+    run(x, b, bias, out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_operands_and_a_result_inside_a_larger_buffer():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 2 * 50, generator=g)[:, ::2]  # every other column
+    b = torch.randn(50, 30, generator=g)
+    bias = torch.randn(2 * 30, generator=g)[::2]
+    whole = torch.full((40, 70), 7.0)
+    out = whole[:, 20:50]  # a column slice: the rest of the buffer is left as it was
+    run(x, b, bias, out)
+    torch.testing.assert_close(out, torch.addmm(bias, x, b), rtol=1e-5, atol=1e-5)
+    assert bool((whole[:, :20] == 7.0).all()) and bool((whole[:, 50:] == 7.0).all())
+
+
+def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
+    """Meta tensors: only shapes and strides are read."""
+    x, b, out = (torch.empty(64, 64, device="meta") for _ in range(3))
+    assert "tl.int64" not in gemm.source(x, b, None, out)
+    far = torch.empty_strided((64, 64), (2**31, 1), device="meta")
+    for args in ((far, b, None, out), (x, far, None, out), (x, b, None, far)):
+        text = gemm.source(*args)
+        assert "tl.program_id(0).to(tl.int64)" in text and "tl.arange(0, BLOCK_K).to(tl.int64)" in text
+
+
+def test_which_calls_qualify(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
+    x, w, bias = torch.randn(2, 5, 8), torch.randn(3, 8), torch.randn(3)
+    out = torch.empty(2, 5, 3)
+    got = gemm.operands("aten::linear.default", [x, w, bias], out)
+    assert got is not None and got[0].shape == (10, 8) and got[1].shape == (8, 3) and got[3].shape == (10, 3)
+    assert got[3].data_ptr() == out.data_ptr() and got[1].stride() == (1, 8)
+    assert gemm.operands("aten::linear.default", [x, w], out) is not None
+    assert gemm.operands("aten::linear.default", [x.transpose(0, 1), w, bias], out.transpose(0, 1)) is None  # no view
+    assert gemm.operands("aten::addmm.default", [bias, x[0], w.t()], out[0]) is not None
+    assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is not None
+    assert gemm.operands("aten::mm.default", [x[0].double(), w.t().double()], out[0].double()) is None
+    assert gemm.operands("aten::mm.default", [x[0], w], out[0]) is None  # shapes that do not chain
+    assert gemm.operands("aten::addmm.default", [torch.randn(5, 3), x[0], w.t()], out[0]) is None  # a 2-D bias
+    monkeypatch.setattr(gemm, "ENABLED", False)
+    assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is None
+
+
+def test_which_ops_qualify():
+    from nimble.ir import Graph, Op, Ref, TensorSpec, Value
+
+    specs = (((4, 8), "float32"), ((3, 8), "float32"), ((3,), "float32"), ((4, 3), "float32"), ((4, 3), "float16"))
+    g = Graph(tuple(Value(i, "activation", TensorSpec(shape, dtype), f"v{i}") for i, (shape, dtype) in enumerate(specs)),
+              (), (0,), (3,))
+    x, w, bias, out, half = 0, 1, 2, 3, 4
+    assert gemm.applies(g, Op(0, "aten::linear.default", (Ref(x), Ref(w), Ref(bias)), (), (out,)))
+    assert gemm.applies(g, Op(0, "aten::mm.default", (Ref(x), Ref(w)), (), (out,)))
+    assert gemm.applies(g, Op(0, "aten::addmm.default", (Ref(bias), Ref(x), Ref(w)), (("beta", 1), ("alpha", 1)), (out,)))
+    assert not gemm.applies(g, Op(0, "aten::addmm.default", (Ref(bias), Ref(x), Ref(w)), (("beta", 0.5),), (out,)))
+    assert not gemm.applies(g, Op(0, "aten::addmm.default", (Ref(bias), Ref(x), Ref(w), 2), (), (out,)))
+    assert not gemm.applies(g, Op(0, "aten::mm.default", (Ref(x), Ref(w)), (), (half,)))  # float32 only
+    assert not gemm.applies(g, Op(0, "aten::bmm.default", (Ref(x), Ref(w)), (), (out,)))
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 7, 200, device="cuda", generator=g)  # 21 rows: no tile filled
+    w = torch.randn(129, 200, device="cuda", generator=g)
+    bias = torch.randn(129, device="cuda", generator=g)
+    out = torch.empty(3, 7, 129, device="cuda")
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))  # the kernel, however fast
+    monkeypatch.setattr(gemm, "_chosen", {})
+    product = gemm.Gemm(0, "aten::linear.default", None)
+    assert product([x, w, bias], out) is out
+    want = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert product([x, w, bias], out) is out
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    first_seen = torch.empty(5, 129, device="cuda")  # a new signature inside a capture: PyTorch's way
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert product([x[0, :5], w, bias], first_seen) is None
+
+
+@gpu
+def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch):
+    """Loaded with the kernel and without, both match eager, and the kernel ran every product."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import tuning
+    from nimble.specs import input_specs
+
+    from .test_pooled_conv import with_and_without
+
+    class Products(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(96, 300), torch.nn.Linear(300, 96, bias=False)
+            self.w, self.b = torch.nn.Parameter(torch.randn(96, 40)), torch.nn.Parameter(torch.randn(40))
+
+        def forward(self, x):
+            y = self.down(torch.relu(self.up(x))) + x
+            flat = y.reshape(-1, 96)
+            return torch.addmm(self.b, flat, self.w), flat.t() @ flat
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    monkeypatch.setattr(gemm, "_chosen", {})
+    torch.manual_seed(0)
+    path = tmp_path / "products.pt"
+    torch.jit.save(torch.jit.trace(Products().eval(), torch.randn(4, 33, 96)), str(path))
+    write_artifact(tmp_path / "p.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
+    choice = tuning.Choice(layout="contiguous", streams="serial")
+    with_and_without(gemm, read_artifact(tmp_path / "p.nimble"), choice, tmp_path, monkeypatch)
+    assert len(gemm._chosen) >= 4 and all(gemm._chosen.values())
