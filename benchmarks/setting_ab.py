@@ -43,6 +43,7 @@ def bench(name: str, batch: int, settings: list, rounds: int, tmp: Path) -> dict
     xs = [x.cuda() for x in xs]
     with torch.no_grad():
         want = model.cuda()(*xs)
+    wants = list(want) if isinstance(want, (tuple, list)) else [want]  # a Hugging Face model's outputs
     row = {"model": name, "batch": batch, "gpu_bound_ms": {}, "latency_ms": {}, "kernels": {}, "choice": {},
            "check": {}}
     loaded = {}
@@ -52,7 +53,7 @@ def bench(name: str, batch: int, settings: list, rounds: int, tmp: Path) -> dict
             exe = Executable(art, "cuda", tune="full")
             row["kernels"][label] = kernels_per_inference(art, exe.choice, tmp)
         row["choice"][label] = exe.choice.describe()
-        row["check"][label] = compare(exe.run(*xs), [want], 1e-2, 1e-3).max_rel
+        row["check"][label] = compare(exe.run(*xs), wants, 1e-2, 1e-3).max_rel
         loaded[label] = exe
     for _ in range(rounds):  # in turn, so that a drift of the machine touches every variant
         for label, exe in loaded.items():

@@ -36,7 +36,7 @@ from ..ops import types
 from ..ops.execute import run_ops
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import binaries, cudnn_graph, footprint, indices, kernels, pairs, regions, streams, timing, tuning
+from . import binaries, cudnn_graph, footprint, gemm, indices, kernels, pairs, regions, streams, timing, tuning
 from .compare import compare, default_tolerance, l2_tolerance
 from .device import resolve_device
 from .gemm import Gemm
@@ -383,7 +383,8 @@ class Executable:
                 convs = tuning.conv_weights(g)
                 kept = regions.pack({**{k: t for k, t in weights.items() if k not in convs},
                                      **{("input", k): x for k, x in enumerate(inputs)}}, dev,
-                                    blank={"arena": max(self._arena_size, 1)})
+                                    blank={"arena": max(self._arena_size, 1)},
+                                    strides={k: (1, weights[k].shape[0]) for k in gemm.k_major_weights(g)})
                 self._stored_weights = {**{k: t for k, t in kept.items() if isinstance(k, int)},
                                         **regions.pack({k: t for k, t in weights.items() if k in convs}, dev)}
                 self.arena, self._inputs = kept["arena"], [kept["input", k] for k in range(len(inputs))]

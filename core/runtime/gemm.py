@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Graph, Op, Ref
+from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from . import kernels, timing
 from .codegen import HEADER, INT32_LIMIT, program_id, span
 
@@ -39,18 +39,38 @@ BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 64, 32, 4, 3  # the fastest tile 
 _built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
 _chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
 
-TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default")
+TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
 
 
 def applies(graph: Graph, op: Op) -> bool:
     """Whether op is a float32 product this module may run: linear(x, w[, bias]) with no keyword
-    arguments, mm(x, w), or addmm(bias, x, w) with beta and alpha 1."""
+    arguments, mm(x, w) or matmul(x, w) (run here where both are matrices), or addmm(bias, x, w)
+    with beta and alpha 1."""
     if op.target not in TARGETS or len(op.outputs) != 1 or graph.values[op.outputs[0]].spec.dtype != "float32":
         return False
     if op.target == "aten::addmm.default":
         return len(op.args) >= 3 and all(a == 1 for a in op.args[3:]) \
             and all(k in ("beta", "alpha") and v == 1 for k, v in op.kwargs)
     return not op.kwargs and all(isinstance(a, Ref) for a in op.args[:2])
+
+
+def k_major_weights(graph: Graph) -> set[int]:
+    """The float32 matrix weights that only products this module runs read, as their right
+    operand (mm's and matmul's second argument, addmm's third). The executable stores them
+    transposed (strides (1, K)): the tensor cores take a float32 operand only K-major, so a
+    row-major one costs a transposition per tile (cuBLAS was faster than the kernel on GPT-2's
+    row-major weights). A linear's weight [N, K] is K-major as it is. None where ENABLED is off."""
+    right = {"aten::mm.default": 1, "aten::matmul.default": 1, "aten::addmm.default": 2}
+    as_right, elsewhere = set(), set()
+    for op in graph.ops:
+        position = right.get(op.target) if applies(graph, op) else None
+        for i, a in enumerate(op.args):
+            for r in refs_of(a):
+                (as_right if i == position and isinstance(a, Ref) else elsewhere).add(r)
+        elsewhere.update(refs_of(tuple(v for _, v in op.kwargs)))
+    return {r for r in as_right - elsewhere - set(graph.outputs)
+            if ENABLED and graph.values[r].kind == WEIGHT and graph.values[r].spec.dtype == "float32"
+            and len(graph.values[r].spec.shape) == 2 and graph.values[r].spec.is_contiguous}
 
 
 def operands(target: str, args: list, out: torch.Tensor):
@@ -64,7 +84,7 @@ def operands(target: str, args: list, out: torch.Tensor):
             x, b, out = x.view(-1, x.shape[-1]), w.t(), out.view(-1, out.shape[-1])
         elif target == "aten::addmm.default":
             bias, x, b = args[:3]
-        elif target == "aten::mm.default":
+        elif target in ("aten::mm.default", "aten::matmul.default"):
             (x, b), bias = args[:2], None
         else:
             return None
@@ -149,7 +169,7 @@ def _pytorch(x, b, bias, out) -> None:
 
 
 class Gemm:
-    """The substitute of one linear, addmm or mm op (`applies`): its product by this kernel where
+    """The substitute of one linear, addmm, mm or matmul op (`applies`): its product by this kernel where
     that was measured faster, else by `fallback` (the substitute it would have had; None: the
     op's out= overload)."""
 

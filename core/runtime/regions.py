@@ -32,17 +32,18 @@ def _dense_strides(t: torch.Tensor, memory_format: torch.memory_format) -> tuple
 
 
 def pack(tensors: Mapping, device: torch.device, memory_format: torch.memory_format = torch.preserve_format,
-         blank: Mapping | None = None) -> dict:
+         blank: Mapping | None = None, strides: Mapping | None = None) -> dict:
     """Copies of `tensors` on `device`, all views into one new allocation (which they keep alive),
     each at a multiple of ALIGN bytes; and for each key of `blank`, that many bytes left as they
-    are (a uint8 view). Raises the allocator's error when the device is full."""
+    are (a uint8 view). A key of `strides` gets those strides (dense ones: the copy rearranges
+    on the device). Raises the allocator's error when the device is full."""
     blank = blank or {}
     if not tensors and not blank:
         return {}
     layout, size = [], 0
     for key, t in tensors.items():
-        strides = _dense_strides(t, memory_format)
-        layout.append((key, t, strides, size))
+        strides_of = (strides or {}).get(key) or _dense_strides(t, memory_format)
+        layout.append((key, t, strides_of, size))
         size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     spaces = {}
     for key, nbytes in blank.items():
@@ -52,10 +53,10 @@ def pack(tensors: Mapping, device: torch.device, memory_format: torch.memory_for
         size = SEGMENT_OF_ITS_OWN
     region = torch.empty(size, dtype=torch.uint8, device=device)
     packed = {key: region[offset: offset + nbytes] for key, (offset, nbytes) in spaces.items()}
-    for key, t, strides, offset in layout:
+    for key, t, strides_of, offset in layout:
         nbytes = t.numel() * t.element_size()
         flat = region[offset: offset + nbytes].view(t.dtype)
-        view = flat.as_strided(t.shape, strides, flat.storage_offset())
+        view = flat.as_strided(t.shape, strides_of, flat.storage_offset())
         view.copy_(t)
         packed[key] = view
     return packed

@@ -67,6 +67,8 @@ def test_which_calls_qualify(monkeypatch):
     assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is not None
     assert gemm.operands("aten::mm.default", [x[0].double(), w.t().double()], out[0].double()) is None
     assert gemm.operands("aten::mm.default", [x[0], w], out[0]) is None  # shapes that do not chain
+    assert gemm.operands("aten::matmul.default", [x[0], w.t()], out[0]) is not None
+    assert gemm.operands("aten::matmul.default", [x, w.t()], out) is None  # batched: not a matrix product
     assert gemm.operands("aten::addmm.default", [torch.randn(5, 3), x[0], w.t()], out[0]) is None  # a 2-D bias
     monkeypatch.setattr(gemm, "ENABLED", False)
     assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is None
@@ -86,6 +88,38 @@ def test_which_ops_qualify():
     assert not gemm.applies(g, Op(0, "aten::addmm.default", (Ref(bias), Ref(x), Ref(w), 2), (), (out,)))
     assert not gemm.applies(g, Op(0, "aten::mm.default", (Ref(x), Ref(w)), (), (half,)))  # float32 only
     assert not gemm.applies(g, Op(0, "aten::bmm.default", (Ref(x), Ref(w)), (), (out,)))
+
+
+class Products(torch.nn.Module):
+    """Two linears (the first's bias joins the ReLU's kernel), an addmm, a matmul of matrices and
+    a matmul of a matrix by a weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(96, 300), torch.nn.Linear(300, 96, bias=False)
+        self.w, self.b = torch.nn.Parameter(torch.randn(96, 40)), torch.nn.Parameter(torch.randn(40))
+        self.m = torch.nn.Parameter(torch.randn(96, 50))
+
+    def forward(self, x):
+        y = self.down(torch.relu(self.up(x))) + x
+        flat = y.reshape(-1, 96)
+        return torch.addmm(self.b, flat, self.w), flat.t() @ flat, flat @ self.m
+
+
+def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_path, monkeypatch):
+    from nimble.pipeline import compile_model
+    from nimble.runtime import regions
+    from nimble.specs import input_specs
+
+    path = tmp_path / "products.pt"
+    torch.jit.save(torch.jit.trace(Products().eval(), torch.randn(4, 33, 96)), str(path))
+    graph = compile_model(path, input_specs(["4x33x96"]), device="cpu", check=False).graph
+    assert {graph.values[k].name for k in gemm.k_major_weights(graph)} == {"w", "m"}  # not the linears' weights
+    monkeypatch.setattr(gemm, "ENABLED", False)
+    assert gemm.k_major_weights(graph) == set()
+    w = torch.randn(96, 40)
+    packed = regions.pack({"w": w, "other": w}, torch.device("cpu"), strides={"w": (1, 96)})
+    assert packed["w"].stride() == (1, 96) and torch.equal(packed["w"], w) and packed["other"].stride() == (40, 1)
 
 
 gpu = pytest.mark.gpu
@@ -120,7 +154,8 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch)
 
 @gpu
 def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch):
-    """Loaded with the kernel and without, both match eager, and the kernel ran every product."""
+    """Loaded with the kernel and without, both match eager, and the kernel ran every product,
+    reading the addmm's and the matmul's weights as the executable stored them (K-major)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
@@ -130,17 +165,6 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
 
     from .test_pooled_conv import with_and_without
 
-    class Products(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = torch.nn.Linear(96, 300), torch.nn.Linear(300, 96, bias=False)
-            self.w, self.b = torch.nn.Parameter(torch.randn(96, 40)), torch.nn.Parameter(torch.randn(40))
-
-        def forward(self, x):
-            y = self.down(torch.relu(self.up(x))) + x
-            flat = y.reshape(-1, 96)
-            return torch.addmm(self.b, flat, self.w), flat.t() @ flat
-
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gemm, "SLOWER", float("inf"))
     monkeypatch.setattr(gemm, "_chosen", {})
@@ -149,5 +173,11 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
     torch.jit.save(torch.jit.trace(Products().eval(), torch.randn(4, 33, 96)), str(path))
     write_artifact(tmp_path / "p.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
     choice = tuning.Choice(layout="contiguous", streams="serial")
-    with_and_without(gemm, read_artifact(tmp_path / "p.nimble"), choice, tmp_path, monkeypatch)
-    assert len(gemm._chosen) >= 4 and all(gemm._chosen.values())
+    art = read_artifact(tmp_path / "p.nimble")
+    with_and_without(gemm, art, choice, tmp_path, monkeypatch)
+    assert len(gemm._chosen) >= 5 and all(gemm._chosen.values())
+    monkeypatch.setattr(gemm, "ENABLED", True)
+    from nimble.runtime.executable import Executable
+    exe = Executable(art, "cuda", choice=choice)
+    strides = {art.graph.values[k].name: exe._stored_weights[k].stride() for k in gemm.k_major_weights(art.graph)}
+    assert strides == {"w": (1, 96), "m": (1, 96)}, strides  # stored transposed, read as [K, N]
