@@ -197,13 +197,16 @@ def flat_offsets(out: torch.Tensor, operands: list[torch.Tensor]) -> tuple[str, 
 
 
 def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,
-                   indent: str = "    ") -> list[str]:
+                   indent: str = "    ", given: dict[int, str] | None = None) -> list[str]:
     """A generated body's statements, each at `indent`, where `mask` says which lanes are real:
-    each operand loaded as `in<k>` from its element `offsets[k]`; with `lead` (the float32 value
+    each operand loaded as `in<k>` from its element `offsets[k]`, except those `given` (operand
+    index -> a float32 expression the kernel already holds); with `lead` (the float32 value
     of a leading convolution: read back from the buffer it wrote, or computed in the kernel), `v0`
     that value, plus the bias (the last operand) where `bias`; then `v<k> = ...` for every other
     node, its Triton expression over the values before it and the operands."""
-    lines = [f"{indent}in{k} = {loaded(f'in{k}_ptr + ({offset})')}" for k, offset in enumerate(offsets)]
+    given = given or {}
+    lines = [f"{indent}in{k} = {given[k] if k in given else loaded(f'in{k}_ptr + ({offset})')}"
+             for k, offset in enumerate(offsets)]
     start = 0
     if lead is not None:
         lines.append(f"{indent}v0 = {lead} + in{len(operands) - 1}" if bias else f"{indent}v0 = {lead}")

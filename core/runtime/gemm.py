@@ -24,11 +24,13 @@ a capture, a kernel that fails to build or disagrees, and any call `fits` refuse
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from . import kernels, timing
-from .codegen import HEADER, INT32_LIMIT, program_id, span
+from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, pointers, program_id, span
 
 ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
@@ -73,7 +75,7 @@ def k_major_weights(graph: Graph) -> set[int]:
             and len(graph.values[r].spec.shape) == 2 and graph.values[r].spec.is_contiguous}
 
 
-def operands(target: str, args: list, out: torch.Tensor):
+def operands_of(target: str, args: list, out: torch.Tensor):
     """(x [M, K], b [K, N], bias [N] or None, out [M, N]) of a call, as views of its tensors, or
     None where a tensor is not one this kernel takes (or cannot be seen as a matrix without a copy)."""
     try:
@@ -111,17 +113,33 @@ def fits(x, b, bias, out: torch.Tensor) -> bool:
         and m > 0 and n > 0 and k > 0
 
 
-def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor) -> str:
-    """The kernel's text, specialised to these tensors' shapes and strides."""
+@dataclass
+class Epilogue:
+    """The elementwise op after a product (`pairs.product_pairs`), run in the product's kernel:
+    `body` its nodes with tensors in place, `operands` the tensors they read (first-use order, as
+    `FusedKernel.operands` gives them), `at` the index among them of the product's result (never
+    loaded: the kernel holds it), `out` the op's planned buffer."""
+
+    body: tuple
+    operands: list
+    at: int
+    out: torch.Tensor
+
+
+def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: Epilogue | None = None) -> str:
+    """The kernel's text, specialised to these tensors' shapes and strides. With `epilogue`, each
+    tile of the product goes through its body, which is stored in `epilogue.out` instead (the
+    product itself is never stored)."""
     m, k = x.shape
     n = b.shape[1]
     tiles_n = -(-n // BLOCK_N)
-    wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // BLOCK_M) * tiles_n * BLOCK_M > INT32_LIMIT
+    wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // BLOCK_M) * tiles_n * BLOCK_M > INT32_LIMIT \
+        or epilogue is not None and needs_wide(epilogue.out, epilogue.operands)
     first, index = program_id(wide), ".to(tl.int64)" if wide else ""
     xs, bs, os_ = x.stride(), b.stride(), out.stride()
     lines = [*HEADER,
-             "def kernel(x_ptr, b_ptr, out_ptr, bias_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, "
-             "BLOCK_K: tl.constexpr):",
+             f"def kernel(x_ptr, b_ptr, out_ptr, bias_ptr, {pointers(epilogue.operands) if epilogue else ''}"
+             "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):",
              f"    tile = {first}",
              f"    rows = tile // {tiles_n} * BLOCK_M + tl.arange(0, BLOCK_M){index}",
              f"    cols = tile % {tiles_n} * BLOCK_N + tl.arange(0, BLOCK_N){index}",
@@ -139,9 +157,17 @@ def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor) -> str:
              f'        acc = tl.dot(a, w, acc, input_precision="{FLOAT32_PRODUCTS}")']
     if bias is not None:
         lines.append(f"    acc += tl.load(bias_ptr + cols * {bias.stride(0)}, mask=cmask, other=0.0)[None, :]")
-    lines += [f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
-              "mask=rmask[:, None] & cmask[None, :])",
-              f"# torch {torch.__version__}"]
+    if epilogue is None:
+        lines.append(f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
+                     "mask=rmask[:, None] & cmask[None, :])")
+    else:  # the epilogue's buffer is dense and row-major, of the product's shape: element i is (i // n, i % n)
+        _, offsets = flat_offsets(epilogue.out, epilogue.operands)
+        lines += [f"    i = rows[:, None] * {n} + cols[None, :]",
+                  "    mask = rmask[:, None] & cmask[None, :]",
+                  *epilogue_lines(list(epilogue.body), epilogue.operands, offsets, None, False,
+                                  given={epilogue.at: "acc"}),
+                  f"    tl.store(out_ptr + i, v{len(epilogue.body) - 1}.to({TL_KINDS[epilogue.out.dtype]}), mask=mask)"]
+    lines.append(f"# torch {torch.__version__}")
     return "\n".join(lines) + "\n"
 
 
@@ -154,11 +180,17 @@ def grid(x: torch.Tensor, b: torch.Tensor) -> tuple[int, dict]:
 
 def launcher(kernel):
     """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
-    def launch(x, b, bias, out) -> None:
+    def launch(x, b, bias, out, epilogue: Epilogue | None = None) -> None:
         g, constants = grid(x, b)
-        kernel[(g,)](x, b, out, out if bias is None else bias, **constants)
+        into, operands = (out, []) if epilogue is None else (epilogue.out, epilogue.operands)
+        kernel[(g,)](x, b, into, into if bias is None else bias, *operands, **constants)
 
     return launch
+
+
+def _signature(*tensors) -> tuple:
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors) \
+        + (tensors[-1].device.index, FLOAT32_PRODUCTS)
 
 
 def _pytorch(x, b, bias, out) -> None:
@@ -175,24 +207,49 @@ class Gemm:
 
     def __init__(self, op_id: int, target: str, fallback):
         self.op_id, self.target, self.fallback = op_id, target, fallback
+        self._with_epilogues: dict[tuple, object] = {}  # signature -> launcher, or None: run apart
 
     def __call__(self, args: list, out: torch.Tensor):
-        found = operands(self.target, args, out)
+        found = operands_of(self.target, args, out)
         if found is not None and self.run(*found):
             return out
         return self.fallback(args, out) if self.fallback is not None else None
 
     def run(self, x, b, bias, out) -> bool:
         """Whether x @ b (+ bias) was written into `out` by this kernel."""
-        key = tuple((tuple(t.shape), tuple(t.stride())) if t is not None else None for t in (x, b, bias, out)) \
-            + (out.device.index, FLOAT32_PRODUCTS)
+        key = _signature(x, b, bias, out)
+        if not self._runs(key, x, b, bias, out):
+            return False
+        _built[key](x, b, bias, out)
+        return True
+
+    def with_epilogue(self, args: list, out: torch.Tensor, body: tuple, operands: list, into: torch.Tensor) -> bool:
+        """Whether the product of `args` went through `body` (the elementwise op after it, reading
+        `out`, the product's buffer, among `operands`) into `into`, that op's buffer, in one
+        kernel; False, with nothing run, where the product runs apart (PyTorch's was faster, or
+        the tensors do not fit: both buffers dense, of one shape, `into` in a float dtype)."""
+        found = operands_of(self.target, args, out)
+        at = [k for k, t in enumerate(operands) if t is out]
+        if found is None or len(at) != 1 or not out.is_contiguous() or not into.is_contiguous() \
+                or tuple(into.shape) != tuple(out.shape) or into.dtype not in TL_KINDS or into.device != out.device:
+            return False
+        x, b, bias, _ = found
+        key = _signature(x, b, bias, found[3])
+        if not self._runs(key, x, b, bias, found[3]):
+            return False
+        epilogue = Epilogue(body, operands, at[0], into)
+        whole = key + (_signature(into, *operands), at[0])
+        return kernels.launch_once(self._with_epilogues, whole,
+                                   lambda: launcher(kernels.define(source(x, b, bias, found[3], epilogue))),
+                                   (x, b, bias, found[3], epilogue), f"op {self.op_id} with the elementwise op after it")
+
+    def _runs(self, key: tuple, x, b, bias, out) -> bool:
+        """Whether this kernel runs this call signature, measured on its first call outside a capture."""
         chosen = _chosen.get(key)
         if chosen is None:
             if torch.cuda.is_current_stream_capturing():
                 return False  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
             chosen = _chosen[key] = self._choose(key, x, b, bias, out)
-        if chosen:
-            _built[key](x, b, bias, out)
         return chosen
 
     def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> bool:

@@ -17,10 +17,12 @@ from typing import Sequence
 
 from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
+from .gemm import Gemm
 from .kernels import FusedKernel
 from .placement import PlacedOp, height_and_width
 
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
+PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
 
 
 @dataclass
@@ -30,14 +32,16 @@ class Pairs:
     norms: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
     means: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
     copies: dict[int, tuple[PlacedOp, PlacedOp]] = field(default_factory=dict)
+    products: dict[int, tuple[PlacedOp, FusedKernel]] = field(default_factory=dict)
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
          waits: Sequence) -> Pairs:
     """The pairs of this issue order, on CUDA streams `stream_of` with `waits`."""
-    return Pairs(norm_pairs(graph, placed, order, stream_of, waits),
-                 mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
-                 copy_pairs(graph, placed, order, stream_of, waits))
+    norms = norm_pairs(graph, placed, order, stream_of, waits)
+    return Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
+                 copy_pairs(graph, placed, order, stream_of, waits),
+                 product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {})
 
 
 def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -175,4 +179,35 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
                 or graph.values[graph.ops[copy].outputs[0]].alias_of is not None:
             continue
         pairs[op.id] = (placed[view], placed[copy])
+    return pairs
+
+
+def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
+                  waits: Sequence, heads: set[int] = frozenset()) -> dict[int, tuple[PlacedOp, FusedKernel]]:
+    """product op -> (the elementwise op that reads its result, the kernel that would run that op)
+    for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose result only that op reads, of the same shape,
+    where it is the next op issued on the same stream and waits for nothing, and is not the first
+    of a norm pair (`heads`: its kernel then takes the layer norm after it). `PlacedRun` runs each
+    pair as one kernel where the product runs as nimble's (`gemm.Gemm.with_epilogue`); the
+    product's own buffer is then never written."""
+    following = _next_on_stream(order, stream_of)
+    readers: dict[int, set[int]] = {}
+    for op in graph.ops:
+        for r in op.refs():
+            readers.setdefault(graph.root(r), set()).add(op.id)
+    outputs = {graph.root(o) for o in graph.outputs}
+    aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
+    pairs = {}
+    for p in placed:
+        if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel
+            continue
+        value = p.op.outputs[0]
+        second = following.get(p.op.id)
+        if second is None or second in heads or waits[second] or readers.get(value, set()) != {second} \
+                or value in outputs or value in aliased or len(graph.ops[second].outputs) != 1 \
+                or graph.values[graph.ops[second].outputs[0]].spec.shape != graph.values[value].spec.shape:
+            continue
+        kernel = _elementwise_kernel(graph, placed[second])
+        if kernel is not None:
+            pairs[p.op.id] = (placed[second], kernel)
     return pairs

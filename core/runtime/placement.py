@@ -284,6 +284,7 @@ class PlacedRun(Executor):
         self.norms = pairs.norms if pairs is not None else {}
         self.means = pairs.means if pairs is not None else {}
         self.copies = pairs.copies if pairs is not None else {}
+        self.products = pairs.products if pairs is not None else {}
         self.written: set[int] = set()
 
     def arguments(self, p: PlacedOp):
@@ -304,6 +305,8 @@ class PlacedRun(Executor):
                 got = self._with_mean(p, args, planned[0])
                 if got is not None:
                     return [got]
+            if p.op.id in self.products and self._with_epilogue(p, args, planned[0]):
+                return planned
             got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
             if got is not None:
                 return [got]
@@ -335,6 +338,22 @@ class PlacedRun(Executor):
         if not kernel.with_norm(body, out, NormAfter(tuple(shape), weight, bias, eps, norm_out, store)):
             return False
         self.written.add(norm.op.id)
+        return True
+
+    def _with_epilogue(self, p: PlacedOp, args, out: torch.Tensor) -> bool:
+        """The product `p` and the elementwise op after it as one kernel (`pairs.product_pairs`);
+        False, with nothing run, where it cannot."""
+        second, kernel = self.products[p.op.id]
+        into = self.views.get(second.op.outputs[0])
+        if into is None:
+            return False
+        self.env[p.op.outputs[0]] = out  # the second op's operand, bound before its producer returns
+        args2, kwargs2 = arguments.op_arguments(second.op, self.env, self.device)
+        body = args2[0] if second.op.target == fusion.FUSED else ((second.op.target, tuple(args2), tuple(kwargs2.items())),)
+        operands, _ = kernel.operands(body)
+        if not p.substitute.with_epilogue(args, out, body, operands, into):  # a gemm.Gemm
+            return False
+        self.written.add(second.op.id)
         return True
 
     def _with_mean(self, p: PlacedOp, args, out: torch.Tensor) -> torch.Tensor | None:

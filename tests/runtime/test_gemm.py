@@ -32,6 +32,31 @@ def test_the_kernel_computes_what_pytorch_s_product_does(m, k, n, with_bias):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_elementwise_op_after_the_product_runs_in_its_kernel():
+    """bias, GELU and a residual add on the product's tiles, stored in the op's buffer: the
+    product's own buffer is never written."""
+    from nimble.ir import Local
+    from nimble.runtime.kernels import _operands
+
+    g = torch.Generator().manual_seed(2)
+    x, b = torch.randn(2, 35, 40, generator=g), torch.randn(40, 70, generator=g)
+    product = torch.full((2, 35, 70), 7.0)  # the product's buffer, as the elementwise op reads it
+    bias, residual = torch.randn(70, generator=g), torch.randn(2, 35, 70, generator=g)
+    body = (("aten::add.Tensor", (product, bias), (("alpha", 1),)),
+            ("aten::gelu.default", (Local(0),), (("approximate", "none"),)),
+            ("aten::add.Tensor", (Local(1), residual), (("alpha", 1),)))
+    operands = _operands(body, skip_first=False)
+    into = torch.full((2, 35, 70), 5.0)
+    epilogue = gemm.Epilogue(body, operands, 0, into)
+    x2, out2 = x.view(-1, 40), product.view(-1, 70)
+    grid, constants = gemm.grid(x2, b)
+    constants.pop("num_stages")
+    triton_shim.run_grid(gemm.source(x2, b, None, out2, epilogue), grid, x2, b, into, into, *operands, **constants)
+    want = torch.nn.functional.gelu(x @ b + bias) + residual
+    torch.testing.assert_close(into, want, rtol=1e-5, atol=1e-5)
+    assert bool((product == 7.0).all())
+
+
 def test_strided_operands_and_a_result_inside_a_larger_buffer():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 2 * 50, generator=g)[:, ::2]  # every other column
@@ -58,20 +83,20 @@ def test_which_calls_qualify(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     x, w, bias = torch.randn(2, 5, 8), torch.randn(3, 8), torch.randn(3)
     out = torch.empty(2, 5, 3)
-    got = gemm.operands("aten::linear.default", [x, w, bias], out)
+    got = gemm.operands_of("aten::linear.default", [x, w, bias], out)
     assert got is not None and got[0].shape == (10, 8) and got[1].shape == (8, 3) and got[3].shape == (10, 3)
     assert got[3].data_ptr() == out.data_ptr() and got[1].stride() == (1, 8)
-    assert gemm.operands("aten::linear.default", [x, w], out) is not None
-    assert gemm.operands("aten::linear.default", [x.transpose(0, 1), w, bias], out.transpose(0, 1)) is None  # no view
-    assert gemm.operands("aten::addmm.default", [bias, x[0], w.t()], out[0]) is not None
-    assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is not None
-    assert gemm.operands("aten::mm.default", [x[0].double(), w.t().double()], out[0].double()) is None
-    assert gemm.operands("aten::mm.default", [x[0], w], out[0]) is None  # shapes that do not chain
-    assert gemm.operands("aten::matmul.default", [x[0], w.t()], out[0]) is not None
-    assert gemm.operands("aten::matmul.default", [x, w.t()], out) is None  # batched: not a matrix product
-    assert gemm.operands("aten::addmm.default", [torch.randn(5, 3), x[0], w.t()], out[0]) is None  # a 2-D bias
+    assert gemm.operands_of("aten::linear.default", [x, w], out) is not None
+    assert gemm.operands_of("aten::linear.default", [x.transpose(0, 1), w, bias], out.transpose(0, 1)) is None  # no view
+    assert gemm.operands_of("aten::addmm.default", [bias, x[0], w.t()], out[0]) is not None
+    assert gemm.operands_of("aten::mm.default", [x[0], w.t()], out[0]) is not None
+    assert gemm.operands_of("aten::mm.default", [x[0].double(), w.t().double()], out[0].double()) is None
+    assert gemm.operands_of("aten::mm.default", [x[0], w], out[0]) is None  # shapes that do not chain
+    assert gemm.operands_of("aten::matmul.default", [x[0], w.t()], out[0]) is not None
+    assert gemm.operands_of("aten::matmul.default", [x, w.t()], out) is None  # batched: not a matrix product
+    assert gemm.operands_of("aten::addmm.default", [torch.randn(5, 3), x[0], w.t()], out[0]) is None  # a 2-D bias
     monkeypatch.setattr(gemm, "ENABLED", False)
-    assert gemm.operands("aten::mm.default", [x[0], w.t()], out[0]) is None
+    assert gemm.operands_of("aten::mm.default", [x[0], w.t()], out[0]) is None
 
 
 def test_which_ops_qualify():
@@ -181,3 +206,48 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
     exe = Executable(art, "cuda", choice=choice)
     strides = {art.graph.values[k].name: exe._stored_weights[k].stride() for k in gemm.k_major_weights(art.graph)}
     assert strides == {"w": (1, 96), "m": (1, 96)}, strides  # stored transposed, read as [K, N]
+
+
+@gpu
+def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_path, monkeypatch):
+    """A feed-forward block (linear, GELU, linear, residual add) loaded with product pairs and
+    without: both match eager, and with them two kernels fewer run (GELU's and the add's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import kernels, pairs, tuning
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+    from nimble.specs import input_specs
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(96, 384), torch.nn.Linear(384, 96)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    monkeypatch.setattr(gemm, "_chosen", {})
+    torch.manual_seed(0)
+    path = tmp_path / "block.pt"
+    torch.jit.save(torch.jit.trace(Block().eval(), torch.randn(4, 33, 96)), str(path))
+    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
+    art = read_artifact(tmp_path / "b.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    counts = {}
+    for paired in (True, False):
+        monkeypatch.setattr(pairs, "PRODUCT_PAIRS", paired)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
+                         graph_dump=str(tmp_path / f"{paired}.dot"))
+        assert kernels.STATS.fallbacks[before:] == []
+        assert len(exe._pairs.products) == (2 if paired else 0)
+        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
+        assert result.passed, result.describe()
+        counts[paired] = count_kernels(tmp_path / f"{paired}.dot")
+    assert counts[True] == counts[False] - 2, counts

@@ -341,6 +341,32 @@ def test_a_layer_norm_pairs_with_the_fused_op_before_it_only_where_it_is_issued_
                                                                                   [()] * n).items())
 
 
+def test_a_product_pairs_with_the_elementwise_op_after_it_unless_that_op_takes_a_layer_norm(artifacts):
+    """`product_pairs`: a float32 product whose one reader is an elementwise op of its shape,
+    issued next on its stream and waiting for nothing, pairs with it, except where that op
+    already pairs with the layer norm after it."""
+    from nimble.runtime import gemm, pairs as pairing, placement
+
+    g = artifacts["transformer"][1].graph
+    placed = placement.prepare(g)
+    n = len(g.ops)
+    order = list(artifacts["transformer"][1].schedule.order)
+    heads = set(pairing.norm_pairs(g, placed, order, [0] * n, [()] * n))
+    pairs = pairing.product_pairs(g, placed, order, [0] * n, [()] * n, heads)
+    assert pairs
+    for product, (second, _) in pairs.items():
+        assert isinstance(placed[product].substitute, gemm.Gemm) and second.op.id not in heads
+        assert order.index(second.op.id) == order.index(product) + 1
+        value = g.ops[product].outputs[0]
+        assert {op.id for op in g.ops if value in op.refs()} == {second.op.id} and value not in g.outputs
+        assert g.values[second.op.outputs[0]].spec.shape == g.values[value].spec.shape
+    assert len(pairing.product_pairs(g, placed, order, [0] * n, [()] * n)) > len(pairs) or not heads
+    second = next(iter(pairs.values()))[0].op.id
+    waits = [()] * n
+    waits[second] = (0,)  # an op that waits for another stream stays on its own
+    assert second not in {p.op.id for p, _ in pairing.product_pairs(g, placed, order, [0] * n, waits, heads).values()}
+
+
 def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_next(artifacts):
     """`copy_pairs`: an op with no out= kernel (attention) whose one reader is a view (the head
     transpose) whose one reader copies it (contiguous or reshape) pairs with both, where the view
