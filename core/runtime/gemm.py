@@ -188,6 +188,14 @@ def launcher(kernel):
     return launch
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two tensors span (first to farthest element) overlap."""
+    if a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + (span(b) + 1) * b.element_size() and b0 < a0 + (span(a) + 1) * a.element_size()
+
+
 def _signature(*tensors) -> tuple:
     return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors) \
         + (tensors[-1].device.index, FLOAT32_PRODUCTS)
@@ -227,13 +235,18 @@ class Gemm:
         """Whether the product of `args` went through `body` (the elementwise op after it, reading
         `out`, the product's buffer, among `operands`) into `into`, that op's buffer, in one
         kernel; False, with nothing run, where the product runs apart (PyTorch's was faster, or
-        the tensors do not fit: both buffers dense, of one shape, `into` in a float dtype)."""
+        the tensors do not fit: both buffers dense, of one shape, `into` in a float dtype and
+        clear of the product's inputs). The memory plan may give the op's result the bytes of an
+        input that dies at the product (it is free once the product is done); written while
+        other tiles still read that input, it would corrupt them."""
         found = operands_of(self.target, args, out)
         at = [k for k, t in enumerate(operands) if t is out]
         if found is None or len(at) != 1 or not out.is_contiguous() or not into.is_contiguous() \
                 or tuple(into.shape) != tuple(out.shape) or into.dtype not in TL_KINDS or into.device != out.device:
             return False
         x, b, bias, _ = found
+        if any(_overlap(into, t) for t in (x, b, bias) if t is not None):
+            return False  # the memory plan gave the op's result the bytes of an input the product still reads
         key = _signature(x, b, bias, found[3])
         if not self._runs(key, x, b, bias, found[3]):
             return False

@@ -209,6 +209,28 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
 
 
 @gpu
+def test_the_op_after_a_product_is_not_written_over_the_product_s_input(monkeypatch):
+    """A memory plan may place the elementwise op's result where the product's input was (that
+    input dies at the product): one kernel would then write it while other tiles still read it."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.ir import Local
+
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    monkeypatch.setattr(gemm, "_chosen", {})
+    arena = torch.randn(2 * 128 * 64, device="cuda")
+    x, into = arena[: 128 * 64].view(128, 64), arena[64 * 64: 64 * 64 + 128 * 64].view(128, 64)  # overlapping
+    w = torch.randn(64, 64, device="cuda")
+    out = torch.empty(128, 64, device="cuda")
+    body = (("aten::relu.default", (out,), ()), ("aten::mul.Scalar", (Local(0), 2.0), ()))
+    product = gemm.Gemm(0, "aten::linear.default", None)
+    assert not product.with_epilogue([x, w], out, body, [out], into)
+    clear = torch.empty(128, 64, device="cuda")
+    assert product.with_epilogue([x, w], out, body, [out], clear)
+    torch.testing.assert_close(clear, torch.relu(x @ w.t()) * 2.0, rtol=1e-5, atol=1e-4)
+
+
+@gpu
 def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_path, monkeypatch):
     """A feed-forward block (linear, GELU, linear, residual add) loaded with product pairs and
     without: both match eager, and with them two kernels fewer run (GELU's and the add's)."""
