@@ -2,12 +2,16 @@
 the issue order: a layer norm in the kernel of the elementwise op whose result it reads
 (`norm_pairs`, run by `FusedKernel.with_norm`), the mean over height and width in the kernel of
 the fused op whose result it reads (`mean_pairs`, run by `fused_mean.run`), and the head merge
-after attention, whose copy takes attention's result straight into its buffer (`copy_pairs`).
-`find` finds all three; `placement.PlacedRun` runs each pair, and runs the two ops apart where
-the tensors do not fit.
+after attention, whose copy takes attention's result straight into its buffer (`copy_pairs`), and
+the elementwise op after a float32 product (bias and GELU, a residual add) in the product's
+kernel (`product_pairs`, run by `gemm.Gemm.with_epilogue`). `find` finds all four;
+`placement.PlacedRun` runs each pair, and runs the two ops apart where the tensors do not fit.
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
-first's stream, and it waits for no other stream, so its buffer is free when the first runs.
+first's stream, and it waits for no other stream, so its buffer is free when the first runs,
+except that it may hold an input the first op still reads (the plan frees an input once its last
+reader is done). A kernel that writes one element per element it reads is safe with that; the
+product's is not, so it declines where the two overlap.
 """
 
 from __future__ import annotations
