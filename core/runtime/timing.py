@@ -112,15 +112,19 @@ def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, wa
     return statistics.median(samples)
 
 
-_side: dict[int, torch.cuda.Stream] = {}  # device index -> the one stream graph_us warms up and captures on
+_side: dict[int, torch.cuda.Stream] = {}  # device index -> the stream graph_us captures on from the default one
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream per device for every `graph_us`: cuBLAS keeps a workspace (32 MiB on Hopper) for
-    each stream that ever multiplied, for the whole process, so a new stream per timing would
-    leave one behind each time."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream `graph_us` warms up and captures on: the current one, unless it is the default
+    stream (which cannot capture), then one side stream per device for every call. cuBLAS keeps a
+    workspace (32 MiB on Hopper) for each stream that ever multiplied, for the whole process: an
+    executable's warm-up times on the stream the op runs on, which has one already, and a new
+    stream per timing would leave one behind each time."""
+    current = torch.cuda.current_stream(device)
+    if current != torch.cuda.default_stream(device):
+        return current
+    index = current.device_index
     if index not in _side:
         _side[index] = torch.cuda.Stream(index)
     return _side[index]
@@ -131,13 +135,13 @@ def graph_us(fn, device: torch.device, runs: int = 10) -> float:
     median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
     from Python takes longer than a small convolution)."""
     with torch.cuda.device(device):
-        side = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        current, stream = torch.cuda.current_stream(device), _capture_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
+        with torch.cuda.graph(graph, stream=stream):
             for _ in range(runs):
                 fn()
         return gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs
