@@ -36,10 +36,13 @@ ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
 TOLERANCE = 1e-4  # largest difference from PyTorch's product, relative to its largest magnitude
 SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's product
-BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 64, 32, 4, 3  # the fastest tile at every probed shape
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) each call times: the fastest with 1024 rows, and the
+# fastest with 128 or 197 (twice as many programs; H200, `gemm_2026-11-26.md`)
+TILES = ((64, 64, 32, 4, 3), (64, 32, 64, 4, 3))
 
-_built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
-_chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
+_built: dict[tuple, object] = {}  # (call signature, tile) -> launcher, or None where it failed to build
+_chosen: dict[tuple, tuple | None] = {}  # call signature -> the tile this kernel runs with; None: PyTorch's
+_timing: dict[int, torch.cuda.Stream] = {}  # device index -> the one stream every choice times on
 
 TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
 
@@ -126,14 +129,16 @@ class Epilogue:
     out: torch.Tensor
 
 
-def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: Epilogue | None = None) -> str:
+def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: Epilogue | None = None,
+           tile: tuple = TILES[0]) -> str:
     """The kernel's text, specialised to these tensors' shapes and strides. With `epilogue`, each
     tile of the product goes through its body, which is stored in `epilogue.out` instead (the
     product itself is never stored)."""
     m, k = x.shape
     n = b.shape[1]
-    tiles_n = -(-n // BLOCK_N)
-    wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // BLOCK_M) * tiles_n * BLOCK_M > INT32_LIMIT \
+    block_m, block_n = tile[:2]
+    tiles_n = -(-n // block_n)
+    wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // block_m) * tiles_n * block_m > INT32_LIMIT \
         or epilogue is not None and needs_wide(epilogue.out, epilogue.operands)
     first, index = program_id(wide), ".to(tl.int64)" if wide else ""
     xs, bs, os_ = x.stride(), b.stride(), out.stride()
@@ -171,17 +176,18 @@ def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: 
     return "\n".join(lines) + "\n"
 
 
-def grid(x: torch.Tensor, b: torch.Tensor) -> tuple[int, dict]:
+def grid(x: torch.Tensor, b: torch.Tensor, tile: tuple = TILES[0]) -> tuple[int, dict]:
     """The launch grid (one program per tile) and the kernel's constants."""
-    tiles = -(-x.shape[0] // BLOCK_M) * -(-b.shape[1] // BLOCK_N)
-    return tiles, {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "num_warps": WARPS,
-                   "num_stages": STAGES}
+    block_m, block_n, block_k, warps, stages = tile
+    tiles = -(-x.shape[0] // block_m) * -(-b.shape[1] // block_n)
+    return tiles, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                   "num_stages": stages}
 
 
-def launcher(kernel):
-    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+def launcher(kernel, tile: tuple = TILES[0]):
+    """A launcher for `source`'s kernel with this tile (as `kernels.define` returns it)."""
     def launch(x, b, bias, out, epilogue: Epilogue | None = None) -> None:
-        g, constants = grid(x, b)
+        g, constants = grid(x, b, tile)
         into, operands = (out, []) if epilogue is None else (epilogue.out, epilogue.operands)
         kernel[(g,)](x, b, into, into if bias is None else bias, *operands, **constants)
 
@@ -226,9 +232,10 @@ class Gemm:
     def run(self, x, b, bias, out) -> bool:
         """Whether x @ b (+ bias) was written into `out` by this kernel."""
         key = _signature(x, b, bias, out)
-        if not self._runs(key, x, b, bias, out):
+        tile = self._tile(key, x, b, bias, out)
+        if tile is None:
             return False
-        _built[key](x, b, bias, out)
+        _built[key, tile](x, b, bias, out)
         return True
 
     def with_epilogue(self, args: list, out: torch.Tensor, body: tuple, operands: list, into: torch.Tensor) -> bool:
@@ -248,36 +255,50 @@ class Gemm:
         if any(_overlap(into, t) for t in (x, b, bias) if t is not None):
             return False  # the memory plan gave the op's result the bytes of an input the product still reads
         key = _signature(x, b, bias, found[3])
-        if not self._runs(key, x, b, bias, found[3]):
+        tile = self._tile(key, x, b, bias, found[3])
+        if tile is None:
             return False
         epilogue = Epilogue(body, operands, at[0], into)
         whole = key + (_signature(into, *operands), at[0])
         return kernels.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(kernels.define(source(x, b, bias, found[3], epilogue))),
+                                   lambda: launcher(kernels.define(source(x, b, bias, found[3], epilogue, tile)), tile),
                                    (x, b, bias, found[3], epilogue), f"op {self.op_id} with the elementwise op after it")
 
-    def _runs(self, key: tuple, x, b, bias, out) -> bool:
-        """Whether this kernel runs this call signature, measured on its first call outside a capture."""
-        chosen = _chosen.get(key)
-        if chosen is None:
+    def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
+        """The tile this kernel runs this call signature with, or None where PyTorch's product
+        runs: measured on the signature's first call outside a capture."""
+        if key not in _chosen:
             if torch.cuda.is_current_stream_capturing():
-                return False  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
-            chosen = _chosen[key] = self._choose(key, x, b, bias, out)
-        return chosen
+                return None  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
+            current = torch.cuda.current_stream(out.device)
+            if out.device.index not in _timing:
+                _timing[out.device.index] = torch.cuda.Stream(out.device)
+            side = _timing[out.device.index]
+            side.wait_stream(current)
+            with torch.cuda.stream(side):  # one stream (one cuBLAS workspace) for all the timing
+                _chosen[key] = self._choose(key, x, b, bias, out)
+            current.wait_stream(side)
+        return _chosen[key]
 
-    def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> bool:
-        """Build the kernel for this call; whether it agrees with PyTorch's product and takes at
-        most SLOWER times its time."""
+    def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> tuple | None:
+        """Build the kernel for this call with each of TILES; the fastest that agrees with
+        PyTorch's product, where it takes at most SLOWER times PyTorch's time, else None."""
         _pytorch(x, b, bias, out)
         ref = out.clone()
         if not bool(torch.isfinite(ref).all()):
-            return False  # nothing to check the kernel against
-        if not kernels.launch_once(_built, key, lambda: launcher(kernels.define(source(x, b, bias, out))),
-                                   (x, b, bias, out), f"op {self.op_id} as a float32 product"):
-            return False
-        if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
-            kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
-            return False
-        ours = timing.graph_us(lambda: _built[key](x, b, bias, out), out.device)
+            return None  # nothing to check the kernel against
+        times = {}
+        for tile in TILES:
+            if not kernels.launch_once(_built, (key, tile),
+                                       lambda: launcher(kernels.define(source(x, b, bias, out, tile=tile)), tile),
+                                       (x, b, bias, out), f"op {self.op_id} as a float32 product"):
+                continue
+            if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
+                kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
+                continue
+            times[tile] = timing.graph_us(lambda: _built[key, tile](x, b, bias, out), out.device)
+        if not times:
+            return None
+        best = min(times, key=times.get)
         theirs = timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device)
-        return ours <= SLOWER * theirs
+        return best if times[best] <= SLOWER * theirs else None

@@ -13,22 +13,24 @@ from nimble.runtime import gemm
 from .. import triton_shim
 
 
-def run(x, b, bias, out):
-    grid, constants = gemm.grid(x, b)
+def run(x, b, bias, out, tile=gemm.TILES[0]):
+    grid, constants = gemm.grid(x, b, tile)
     constants.pop("num_stages")
-    triton_shim.run_grid(gemm.source(x, b, bias, out), grid, x, b, out, out if bias is None else bias, **constants)
+    triton_shim.run_grid(gemm.source(x, b, bias, out, tile=tile), grid, x, b, out, out if bias is None else bias,
+                         **constants)
 
 
 @pytest.mark.parametrize("m, k, n", [(7, 33, 65), (64, 64, 64), (130, 70, 3), (1, 1, 1), (65, 96, 129)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_kernel_computes_what_pytorch_s_product_does(m, k, n, with_bias):
+@pytest.mark.parametrize("tile", gemm.TILES)
+def test_the_kernel_computes_what_pytorch_s_product_does(m, k, n, with_bias, tile):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, k, generator=g).t()  # a linear's weight, transposed: strides (1, k)
     bias = torch.randn(n, generator=g) if with_bias else None
     want = torch.addmm(bias, x, b) if with_bias else x @ b
     out = torch.full((m, n), 7.0)
-    run(x, b, bias, out)
+    run(x, b, bias, out, tile)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -49,9 +51,11 @@ def test_the_elementwise_op_after_the_product_runs_in_its_kernel():
     into = torch.full((2, 35, 70), 5.0)
     epilogue = gemm.Epilogue(body, operands, 0, into)
     x2, out2 = x.view(-1, 40), product.view(-1, 70)
-    grid, constants = gemm.grid(x2, b)
+    tile = gemm.TILES[-1]
+    grid, constants = gemm.grid(x2, b, tile)
     constants.pop("num_stages")
-    triton_shim.run_grid(gemm.source(x2, b, None, out2, epilogue), grid, x2, b, into, into, *operands, **constants)
+    triton_shim.run_grid(gemm.source(x2, b, None, out2, epilogue, tile), grid, x2, b, into, into, *operands,
+                         **constants)
     want = torch.nn.functional.gelu(x @ b + bias) + residual
     torch.testing.assert_close(into, want, rtol=1e-5, atol=1e-5)
     assert bool((product == 7.0).all())
@@ -200,7 +204,7 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
     choice = tuning.Choice(layout="contiguous", streams="serial")
     art = read_artifact(tmp_path / "p.nimble")
     with_and_without(gemm, art, choice, tmp_path, monkeypatch)
-    assert len(gemm._chosen) >= 5 and all(gemm._chosen.values())
+    assert len(gemm._chosen) >= 5 and all(tile in gemm.TILES for tile in gemm._chosen.values())
     monkeypatch.setattr(gemm, "ENABLED", True)
     from nimble.runtime.executable import Executable
     exe = Executable(art, "cuda", choice=choice)
