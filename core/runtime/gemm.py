@@ -6,20 +6,22 @@ default it is not: cuBLAS then runs its SIMT kernels, about 90 % of a transforme
 `x @ b (+ bias)` with each product taken as three TF32 products on the tensor cores (Triton's
 "tf32x3": every operand split into a TF32 part and the rest, the rest's product with the rest
 dropped), accumulating in float32. That keeps float32's accuracy, which plain TF32 (10-bit
-operands) does not: at BERT's shapes on an H200, the largest error against a float64 product
-was 2.5e-7 of the result's largest magnitude, against cuBLAS's 1.2e-6, at 1.3 to 1.6 times
-cuBLAS's speed with 1024 rows (`benchmarks/results/gemm_2026-11-26.md`). The bias is added
+operands) does not: at GPT-2's and BERT's shapes on an H200, the largest error against a float64
+product was 2.5e-7 to 5e-7 of the result's largest magnitude, against cuBLAS's 6e-7 to 2.2e-6, at
+1.3 to 2.1 times cuBLAS's speed (`benchmarks/results/gemm_2026-11-26.md`). The bias is added
 before the one store.
 
 Program i computes the BLOCK_M x BLOCK_N tile i of the result (tiles in row-major order), looping
-over K in BLOCK_K steps. Shapes and strides are constants of the source; every index is 64-bit
-where a tensor spans more than 2**31 - 1 elements.
+over K in BLOCK_K steps; `TILES` lists the tile shapes each call times. Shapes and strides are
+constants of the source; every index is 64-bit where a tensor spans more than 2**31 - 1 elements.
+With an `Epilogue` the tile goes through the elementwise op after the product instead
+(`pairs.product_pairs`), and only that op's result is stored.
 
-`Gemm` is the substitute of a linear, addmm or mm op: the first call of a signature outside a
-capture builds the kernel, checks it against PyTorch's product (`TOLERANCE`), times both in a
-CUDA graph and keeps the faster (`SLOWER`). Choices last for the process. A call first seen inside
-a capture, a kernel that fails to build or disagrees, and any call `fits` refuses run as before.
-`ENABLED = False` turns it off.
+`Gemm` is the substitute of a linear, addmm, mm or matmul op: the first call of a signature
+outside a capture builds the kernel with each tile, checks it against PyTorch's product
+(`TOLERANCE`), times them and PyTorch's in a CUDA graph and keeps the fastest (`SLOWER`).
+Choices last for the process. A call first seen inside a capture, a kernel that fails to build or
+disagrees, and any call `fits` refuses run as before. `ENABLED = False` turns it off.
 """
 
 from __future__ import annotations
