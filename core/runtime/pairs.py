@@ -95,12 +95,7 @@ def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], strea
     other, whether anything else reads that result, `kernel_of(graph, producer)`), where that op
     is the next issued on the producer's stream, waits for nothing, and the kernel is not None."""
     next_on_stream = _next_on_stream(order, stream_of)
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(graph.root(r), set()).add(op.id)
-    outputs = {graph.root(o) for o in graph.outputs}
-    aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
+    readers, outputs, aliased = _readers(graph)
     pairs = {}
     for second in seconds:
         if not isinstance(second.args[0], Ref):
@@ -117,6 +112,17 @@ def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], strea
         store = readers.get(x, set()) != {second.id} or x in outputs or x in aliased
         pairs[producer] = (placed[second.id], store, kernel)
     return pairs
+
+
+def _readers(graph: Graph) -> tuple[dict[int, set[int]], set[int], set[int]]:
+    """(root value -> the ops that read it or a view of it, the roots of the graph's outputs, the
+    roots that have views)."""
+    readers: dict[int, set[int]] = {}
+    for op in graph.ops:
+        for r in op.refs():
+            readers.setdefault(graph.root(r), set()).add(op.id)
+    return readers, {graph.root(o) for o in graph.outputs}, {graph.root(v.id) for v in graph.values
+                                                              if v.alias_of is not None}
 
 
 def _elementwise_kernel(graph: Graph, p: PlacedOp) -> FusedKernel | None:
@@ -189,18 +195,13 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
 def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
                   waits: Sequence, heads: set[int] = frozenset()) -> dict[int, tuple[PlacedOp, FusedKernel]]:
     """product op -> (the elementwise op that reads its result, the kernel that would run that op)
-    for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose result only that op reads, of the same shape,
-    where it is the next op issued on the same stream and waits for nothing, and is not the first
-    of a norm pair (`heads`: its kernel then takes the layer norm after it). `PlacedRun` runs each
+    for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose
+    result only that op reads, of the same shape, where it is the next op issued on the same stream
+    and waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the layer norm after it). `PlacedRun` runs each
     pair as one kernel where the product runs as nimble's (`gemm.Gemm.with_epilogue`); the
     product's own buffer is then never written."""
     following = _next_on_stream(order, stream_of)
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(graph.root(r), set()).add(op.id)
-    outputs = {graph.root(o) for o in graph.outputs}
-    aliased = {graph.root(v.id) for v in graph.values if v.alias_of is not None}
+    readers, outputs, aliased = _readers(graph)
     pairs = {}
     for p in placed:
         if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel

@@ -154,6 +154,23 @@ def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_p
 gpu = pytest.mark.gpu
 
 
+def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch):
+    """`module` traced on a [4, 33, 96] input, compiled on the CPU and read back, with the kernel
+    chosen however fast it is and no choice left from another test."""
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    monkeypatch.setattr(gemm, "_chosen", {})
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.trace(module.eval(), torch.randn(4, 33, 96)), str(path))
+    write_artifact(tmp_path / "m.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
+    return read_artifact(tmp_path / "m.nimble")
+
+
 @gpu
 def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch):
     if not torch.cuda.is_available():
@@ -187,22 +204,12 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
     reading the addmm's and the matmul's weights as the executable stored them (K-major)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.formats import read_artifact, write_artifact
-    from nimble.pipeline import compile_model
     from nimble.runtime import tuning
-    from nimble.specs import input_specs
 
     from .test_pooled_conv import with_and_without
 
-    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
-    monkeypatch.setattr(gemm, "_chosen", {})
-    torch.manual_seed(0)
-    path = tmp_path / "products.pt"
-    torch.jit.save(torch.jit.trace(Products().eval(), torch.randn(4, 33, 96)), str(path))
-    write_artifact(tmp_path / "p.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
+    art = loaded_artifact(Products(), tmp_path, monkeypatch)
     choice = tuning.Choice(layout="contiguous", streams="serial")
-    art = read_artifact(tmp_path / "p.nimble")
     with_and_without(gemm, art, choice, tmp_path, monkeypatch)
     assert len(gemm._chosen) >= 5 and all(tile in gemm.TILES for tile in gemm._chosen.values())
     monkeypatch.setattr(gemm, "ENABLED", True)
@@ -240,13 +247,10 @@ def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_pa
     without: both match eager, and with them two kernels fewer run (GELU's and the add's)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.formats import read_artifact, write_artifact
-    from nimble.pipeline import compile_model
     from nimble.runtime import kernels, pairs, tuning
     from nimble.runtime.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.runtime.streams import count_kernels
-    from nimble.specs import input_specs
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -256,14 +260,7 @@ def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_pa
         def forward(self, x):
             return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
-    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
-    monkeypatch.setattr(gemm, "_chosen", {})
-    torch.manual_seed(0)
-    path = tmp_path / "block.pt"
-    torch.jit.save(torch.jit.trace(Block().eval(), torch.randn(4, 33, 96)), str(path))
-    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
-    art = read_artifact(tmp_path / "b.nimble")
+    art = loaded_artifact(Block(), tmp_path, monkeypatch)
     x = [t.cuda() for t in art.sample_inputs]
     counts = {}
     for paired in (True, False):
