@@ -136,6 +136,16 @@ def span(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
 
 
+def overlaps(out: torch.Tensor, tensors) -> bool:
+    """Whether the bytes `out` spans (its first element to its farthest) meet those of any of
+    `tensors` on its device (None skipped): a kernel that reads them while it writes `out`
+    elsewhere than element for element would read what it wrote."""
+    def ends(t: torch.Tensor) -> tuple[int, int]:
+        return t.data_ptr(), t.data_ptr() + (span(t) + 1) * t.element_size()
+    lo, hi = ends(out)
+    return any(t is not None and t.device == out.device and ends(t)[0] < hi and lo < ends(t)[1] for t in tensors)
+
+
 def needs_wide(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
     """Whether an index or element offset of this kernel can pass 2**31 - 1, so that its index
     arithmetic must be 64-bit: the launch's last index, or the farthest element of any operand as

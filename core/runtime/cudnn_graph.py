@@ -64,6 +64,7 @@ import torch
 
 from ..errors import first_line
 from . import cache, regions
+from .codegen import overlaps
 from .timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 
 PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
@@ -222,7 +223,7 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
     plan may then be `SLOWER_OUTSIDE` slower). Plans are timed only outside a capture; the same
     call later gets the same choice."""
-    if frontend() is None or _overlaps(out, operands):
+    if frontend() is None or overlaps(out, operands):
         return None
     key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside))
     if key not in _chosen:
@@ -435,12 +436,3 @@ def _signature(p: dict, operands: tuple, out: torch.Tensor) -> tuple:
         return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
     return (out.device.index, spec(out), *(spec(t) for t in operands),
             tuple(p["stride"]), tuple(p["padding"]), tuple(p["dilation"]), p["groups"])
-
-
-def _overlaps(out: torch.Tensor, operands: tuple) -> bool:
-    """Whether the output's bytes meet an input's: a graph reads and writes them in one kernel."""
-    def span(t):
-        lo = t.data_ptr()
-        return lo, lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
-    a, b = span(out)
-    return any(t is not None and span(t)[0] < b and a < span(t)[1] for t in operands)

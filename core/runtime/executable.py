@@ -316,9 +316,9 @@ class Executable:
         segment that a convolution's workspace has just freed, and the rest of that segment can
         never go back to the device (it stayed reserved: 69 MiB for inception_v3). So each stream
         that will multiply matrices makes it here, before any op runs, in a segment of its own.
-        Float32 products (`gemm.Gemm`) mostly run as nimble's kernel and time cuBLAS on a stream of
-        their own: their streams get none here (one that falls back to cuBLAS makes its workspace
-        in the warm-up)."""
+        Float32 products (`gemm.Gemm`) mostly run as nimble's kernel and time cuBLAS on
+        `timing.stream`: their streams get none here (one that falls back to cuBLAS makes its
+        workspace in the warm-up)."""
         streams_of = {self._stream_of[p.op.id] for p in self._placed
                       if p.op.target.split("::")[-1].split(".")[0] in GEMMS and not isinstance(p.substitute, Gemm)
                       and not (isinstance(p.substitute, SmallLinear) and not p.substitute.calls_cublas)}

@@ -32,7 +32,8 @@ import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from . import kernels, timing
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, pointers, program_id, span
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, overlaps, pointers,
+                      program_id, span)
 
 ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
@@ -44,9 +45,6 @@ TILES = ((64, 64, 32, 4, 3), (64, 32, 64, 4, 3))
 
 _built: dict[tuple, object] = {}  # (call signature, tile) -> launcher, or None where it failed to build
 _chosen: dict[tuple, tuple | None] = {}  # call signature -> the tile this kernel runs with; None: PyTorch's
-# device index -> the one stream every choice times cuBLAS on, for the process: cuBLAS keeps a
-# 32 MiB workspace per stream it ran on
-_timing: dict[int, torch.cuda.Stream] = {}
 
 TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
 
@@ -198,14 +196,6 @@ def launcher(kernel, tile: tuple = TILES[0]):
     return launch
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes two tensors span (first to farthest element) overlap."""
-    if a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + (span(b) + 1) * b.element_size() and b0 < a0 + (span(a) + 1) * a.element_size()
-
-
 def _signature(*tensors) -> tuple:
     return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors) \
         + (tensors[-1].device.index, FLOAT32_PRODUCTS)
@@ -257,18 +247,18 @@ class Gemm:
         if found is None or len(at) != 1 or not out.is_contiguous() or not into.is_contiguous() \
                 or tuple(into.shape) != tuple(out.shape) or into.dtype not in TL_KINDS or into.device != out.device:
             return False
-        x, b, bias, _ = found
-        if any(_overlap(into, t) for t in (x, b, bias) if t is not None):
+        x, b, bias, matrix = found  # matrix: `out` seen as [M, N]
+        if overlaps(into, (x, b, bias)):
             return False  # the memory plan gave the op's result the bytes of an input the product still reads
-        key = _signature(x, b, bias, found[3])
-        tile = self._tile(key, x, b, bias, found[3])
+        key = _signature(x, b, bias, matrix)
+        tile = self._tile(key, x, b, bias, matrix)
         if tile is None:
             return False
         epilogue = Epilogue(body, operands, at[0], into)
         whole = key + (_signature(into, *operands), at[0])
         return kernels.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(kernels.define(source(x, b, bias, found[3], epilogue, tile)), tile),
-                                   (x, b, bias, found[3], epilogue), f"op {self.op_id} with the elementwise op after it")
+                                   lambda: launcher(kernels.define(source(x, b, bias, matrix, epilogue, tile)), tile),
+                                   (x, b, bias, matrix, epilogue), f"op {self.op_id} with the elementwise op after it")
 
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product
@@ -276,13 +266,9 @@ class Gemm:
         if key not in _chosen:
             if torch.cuda.is_current_stream_capturing():
                 return None  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
-            current = torch.cuda.current_stream(out.device)
-            if out.device.index not in _timing:  # the first stream a choice is made on (not the default one)
-                _timing[out.device.index] = current if current != torch.cuda.default_stream(out.device) \
-                    else torch.cuda.Stream(out.device)
-            side = _timing[out.device.index]
+            current, side = torch.cuda.current_stream(out.device), timing.stream(out.device)
             side.wait_stream(current)
-            with torch.cuda.stream(side):  # one stream (one cuBLAS workspace) for all the timing
+            with torch.cuda.stream(side):  # PyTorch's reference too: one cuBLAS workspace for all choices
                 _chosen[key] = self._choose(key, x, b, bias, out)
             current.wait_stream(side)
         return _chosen[key]

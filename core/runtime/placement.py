@@ -332,7 +332,7 @@ class PlacedRun(Executor):
         norm_out = self.views.get(norm.op.outputs[0])
         if norm_out is None:
             return False
-        body = args[0] if p.op.target == fusion.FUSED else ((p.op.target, tuple(args), tuple(kwargs.items())),)
+        body = _body(p.op, args, kwargs)
         self.env[p.op.outputs[0]] = out  # the norm's input, bound before its producer returns
         (_, shape, weight, bias, eps, *_), _ = arguments.op_arguments(norm.op, self.env, self.device)
         if not kernel.with_norm(body, out, NormAfter(tuple(shape), weight, bias, eps, norm_out, store)):
@@ -348,8 +348,7 @@ class PlacedRun(Executor):
         if into is None:
             return False
         self.env[p.op.outputs[0]] = out  # the second op's operand, bound before its producer returns
-        args2, kwargs2 = arguments.op_arguments(second.op, self.env, self.device)
-        body = args2[0] if second.op.target == fusion.FUSED else ((second.op.target, tuple(args2), tuple(kwargs2.items())),)
+        body = _body(second.op, *arguments.op_arguments(second.op, self.env, self.device))
         operands, _ = kernel.operands(body)
         if not p.substitute.with_epilogue(args, out, body, operands, into):  # a gemm.Gemm
             return False
@@ -412,6 +411,12 @@ class PlacedRun(Executor):
             return None
         return ExecutionError(f"op {p.op.id} ({p.op.target}, from {p.op.source}) fails on {self.device}: "
                               f"{first_line(error)}")
+
+
+def _body(op: Op, args, kwargs) -> tuple:
+    """The body a generated kernel computes for `op` called with these arguments: a fused op's
+    own, or the lone elementwise op as a body of one node."""
+    return args[0] if op.target == fusion.FUSED else ((op.target, tuple(args), tuple(kwargs.items())),)
 
 
 def _unviewed(view: Op, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

@@ -112,36 +112,34 @@ def gpu_ms(replay, device: torch.device, replays: int = 20, repeats: int = 5, wa
     return statistics.median(samples)
 
 
-_side: dict[int, torch.cuda.Stream] = {}  # device index -> the stream graph_us captures on from the default one
+_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream load-time choices time on
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream `graph_us` warms up and captures on: the current one, unless it is the default
-    stream (which cannot capture), then one side stream per device for every call. cuBLAS keeps a
-    workspace (32 MiB on Hopper) for each stream that ever multiplied, for the whole process: an
-    executable's warm-up times on the stream the op runs on, which has one already, and a new
-    stream per timing would leave one behind each time."""
+def stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every load-time choice times on, per device, for the process: the stream
+    current when it is first asked for, unless that is the default stream (which cannot capture),
+    then one of its own. cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it ever ran
+    on, for the whole process, so timing on whichever stream an op runs on, or on a new stream
+    each time, would leave one behind per stream."""
     current = torch.cuda.current_stream(device)
-    if current != torch.cuda.default_stream(device):
-        return current
-    index = current.device_index
-    if index not in _side:
-        _side[index] = torch.cuda.Stream(index)
-    return _side[index]
+    if current.device_index not in _streams:
+        _streams[current.device_index] = current if current != torch.cuda.default_stream(device) \
+            else torch.cuda.Stream(device)
+    return _streams[current.device_index]
 
 
 def graph_us(fn, device: torch.device, runs: int = 10) -> float:
     """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
     median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
-    from Python takes longer than a small convolution)."""
+    from Python takes longer than a small convolution). Warmed up and captured on `stream`."""
     with torch.cuda.device(device):
-        current, stream = torch.cuda.current_stream(device), _capture_stream(device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        current, side = torch.cuda.current_stream(device), stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
             fn()
-        current.wait_stream(stream)
+        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, stream=side):
             for _ in range(runs):
                 fn()
         return gpu_ms(graph.replay, device, replays=1, repeats=3) * 1000 / runs

@@ -73,6 +73,15 @@ def test_strided_operands_and_a_result_inside_a_larger_buffer():
     assert bool((whole[:, :20] == 7.0).all()) and bool((whole[:, 50:] == 7.0).all())
 
 
+def test_buffers_that_share_bytes_are_seen_to_overlap():
+    from nimble.runtime.codegen import overlaps
+
+    arena = torch.zeros(1000)
+    a, b, c = arena[:400].view(20, 20), arena[300:700].view(20, 20), arena[700:].view(20, 15)
+    assert overlaps(a, (None, b)) and overlaps(b, (a,)) and not overlaps(a, (c, None)) and not overlaps(b, (c,))
+    assert overlaps(arena[::2][:10], (arena[18:19],)) and not overlaps(arena[::2][:10], (arena[19:20],))
+
+
 def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
     """Meta tensors: only shapes and strides are read."""
     x, b, out = (torch.empty(64, 64, device="meta") for _ in range(3))
