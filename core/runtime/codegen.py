@@ -174,10 +174,10 @@ def elementwise_source(body: list, out: torch.Tensor, operands: list[torch.Tenso
 
 
 def finish(lines: list[str], body: list, out: torch.Tensor, operands: list[torch.Tensor], offsets: list[str],
-           lead: str | None, bias: bool) -> str:
+           lead: str | None, bias: bool, given: dict[int, str] | None = None) -> str:
     """The text of a kernel that has set `i`, `mask` and `o` in `lines`: the body
-    (`epilogue_lines`), its result stored at `out_ptr + o`, and the torch version."""
-    lines = [*lines, *epilogue_lines(body, operands, offsets, lead, bias),
+    (`epilogue_lines`, with `given`), its result stored at `out_ptr + o`, and the torch version."""
+    lines = [*lines, *epilogue_lines(body, operands, offsets, lead, bias, given=given),
              f"    tl.store(out_ptr + o, v{len(body) - 1}.to({TL_KINDS[out.dtype]}), mask=mask)",
              f"# torch {torch.__version__}"]
     return "\n".join(lines) + "\n"

@@ -32,8 +32,8 @@ import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from . import kernels, timing
-from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, flat_offsets, needs_wide, overlaps, pointers,
-                      program_id, span)
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
+                      span)
 
 ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
@@ -164,17 +164,16 @@ def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: 
              f'        acc = tl.dot(a, w, acc, input_precision="{FLOAT32_PRODUCTS}")']
     if bias is not None:
         lines.append(f"    acc += tl.load(bias_ptr + cols * {bias.stride(0)}, mask=cmask, other=0.0)[None, :]")
-    if epilogue is None:
-        lines.append(f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
-                     "mask=rmask[:, None] & cmask[None, :])")
-    else:  # the epilogue's buffer is dense and row-major, of the product's shape: element i is (i // n, i % n)
-        _, offsets = flat_offsets(epilogue.out, epilogue.operands)
+    if epilogue is not None:  # its buffer: dense, row-major, the product's shape; element i is (i // n, i % n)
+        out_offset, offsets = flat_offsets(epilogue.out, epilogue.operands)
         lines += [f"    i = rows[:, None] * {n} + cols[None, :]",
                   "    mask = rmask[:, None] & cmask[None, :]",
-                  *epilogue_lines(list(epilogue.body), epilogue.operands, offsets, None, False,
-                                  given={epilogue.at: "acc"}),
-                  f"    tl.store(out_ptr + i, v{len(epilogue.body) - 1}.to({TL_KINDS[epilogue.out.dtype]}), mask=mask)"]
-    lines.append(f"# torch {torch.__version__}")
+                  f"    o = {out_offset}"]
+        return finish(lines, list(epilogue.body), epilogue.out, epilogue.operands, offsets, None, False,
+                      given={epilogue.at: "acc"})
+    lines += [f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
+              "mask=rmask[:, None] & cmask[None, :])",
+              f"# torch {torch.__version__}"]
     return "\n".join(lines) + "\n"
 
 
