@@ -197,9 +197,9 @@ def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
     """product op -> (the elementwise op that reads its result, the kernel that would run that op)
     for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose
     result only that op reads, of the same shape, where it is the next op issued on the same stream
-    and waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the layer norm after it). `PlacedRun` runs each
-    pair as one kernel where the product runs as nimble's (`gemm.Gemm.with_epilogue`); the
-    product's own buffer is then never written."""
+    and waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the
+    layer norm after it). `PlacedRun` runs each pair as one kernel where the product runs as
+    nimble's (`gemm.Gemm.with_epilogue`); the product's own buffer is then never written."""
     following = _next_on_stream(order, stream_of)
     readers, outputs, aliased = _readers(graph)
     pairs = {}
