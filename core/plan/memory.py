@@ -106,9 +106,10 @@ def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, i
     is_root = set(roots)
     last_use: dict[int, dict[int, int]] = {r: {} for r in roots}  # buffer -> stream -> last sequence used
     last_user = {r: graph.values[r].producer for r in roots}
+    held = held_inputs(graph)
     for op in graph.ops:
         s, q = stream_of[op.id], seq[op.id]
-        for ref in (*op.refs(), *op.outputs):
+        for ref in (*op.refs(), *op.outputs, *held.get(op.id, ())):
             r = graph.root(ref)
             if r in is_root:
                 uses = last_use[r]
@@ -158,6 +159,29 @@ def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, i
             if r not in outputs:
                 conflicts[r].append(o)
     return _Sweep(conflicts, last_user, first_after, live + sum(size[o] for o in outputs))
+
+
+PRODUCTS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
+
+
+def held_inputs(graph: Graph) -> dict[int, list[int]]:
+    """op -> the values it holds, though it does not read them: a matrix product's inputs, held
+    by the one op that reads the product's result (directly or through views). The runtime may
+    run the two as one kernel (`runtime.pairs.product_pairs`), whose tiles write that op's result
+    while other tiles still read the product's inputs, so the result must not take their bytes."""
+    readers: dict[int, set[int]] = {}
+    for op in graph.ops:
+        for r in op.refs():
+            readers.setdefault(graph.root(r), set()).add(op.id)
+    held: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if op.target not in PRODUCTS or len(op.outputs) != 1:
+            continue
+        seconds = [k for k in readers.get(graph.root(op.outputs[0]), ())
+                   if not all(graph.values[o].alias_of is not None for o in graph.ops[k].outputs)]  # views aside
+        if len(seconds) == 1:
+            held.setdefault(seconds[0], []).extend(op.refs())
+    return held
 
 
 def _exact_bound(schedule: Schedule, roots, size, producer, outputs, first_after) -> int | None:

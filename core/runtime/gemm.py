@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, refs_of
+from ..plan.memory import PRODUCTS
 from . import kernels, timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
                       span)
@@ -46,7 +47,7 @@ TILES = ((64, 64, 32, 4, 3), (64, 32, 64, 4, 3))
 _built: dict[tuple, object] = {}  # (call signature, tile) -> launcher, or None where it failed to build
 _chosen: dict[tuple, tuple | None] = {}  # call signature -> the tile this kernel runs with; None: PyTorch's
 
-TARGETS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
+TARGETS = PRODUCTS  # the products whose inputs the memory plan holds for the op after them
 
 
 def applies(graph: Graph, op: Op) -> bool:
@@ -233,18 +234,22 @@ class Gemm:
         _built[key, tile](x, b, bias, out)
         return True
 
-    def with_epilogue(self, args: list, out: torch.Tensor, body: tuple, operands: list, into: torch.Tensor) -> bool:
+    def with_epilogue(self, args: list, out: torch.Tensor, body: tuple, operands: list, into: torch.Tensor,
+                      held: torch.Tensor | None = None) -> bool:
         """Whether the product of `args` went through `body` (the elementwise op after it, reading
-        `out`, the product's buffer, among `operands`) into `into`, that op's buffer, in one
-        kernel; False, with nothing run, where the product runs apart (PyTorch's was faster, or
-        the tensors do not fit: both buffers dense, of one shape, `into` in a float dtype and
-        clear of the product's inputs). The memory plan may give the op's result the bytes of an
-        input that dies at the product (it is free once the product is done); written while
-        other tiles still read that input, it would corrupt them."""
+        `held` among `operands`: `out`, the product's buffer, or `out` reshaped) into `into`, that
+        op's buffer, in one kernel; False, with nothing run, where the product runs apart
+        (PyTorch's was faster, or the tensors do not fit: `out`, `held` and `into` dense, the last
+        two of one shape, `held` the same elements as `out`, `into` in a float dtype and clear
+        of the product's inputs). The memory plan may give the op's result the bytes of an input
+        that dies at the product (it is free once the product is done); written while other
+        tiles still read that input, it would corrupt them."""
+        held = out if held is None else held
         found = operands_of(self.target, args, out)
-        at = [k for k, t in enumerate(operands) if t is out]
-        if found is None or len(at) != 1 or not out.is_contiguous() or not into.is_contiguous() \
-                or tuple(into.shape) != tuple(out.shape) or into.dtype not in TL_KINDS or into.device != out.device:
+        at = [k for k, t in enumerate(operands) if t is held]
+        if found is None or len(at) != 1 or not out.is_contiguous() or not held.is_contiguous() \
+                or not into.is_contiguous() or held.data_ptr() != out.data_ptr() or held.numel() != out.numel() \
+                or tuple(into.shape) != tuple(held.shape) or into.dtype not in TL_KINDS or into.device != out.device:
             return False
         x, b, bias, matrix = found  # matrix: `out` seen as [M, N]
         if overlaps(into, (x, b, bias)):

@@ -36,7 +36,7 @@ class Pairs:
     norms: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
     means: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
     copies: dict[int, tuple[PlacedOp, PlacedOp]] = field(default_factory=dict)
-    products: dict[int, tuple[PlacedOp, FusedKernel]] = field(default_factory=dict)
+    products: dict[int, tuple[PlacedOp, FusedKernel, tuple | None]] = field(default_factory=dict)
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -125,6 +125,15 @@ def _readers(graph: Graph) -> tuple[dict[int, set[int]], set[int], set[int]]:
                                                               if v.alias_of is not None}
 
 
+def _views_of(graph: Graph) -> dict[int, set[int]]:
+    """root value -> the values that are views of it."""
+    views: dict[int, set[int]] = {}
+    for v in graph.values:
+        if v.alias_of is not None:
+            views.setdefault(v.alias_of, set()).add(v.id)
+    return views
+
+
 def _elementwise_kernel(graph: Graph, p: PlacedOp) -> FusedKernel | None:
     """The kernel that computes `p` with a layer norm after it: its own, for an elementwise fused
     op; one made for it, for a lone elementwise op the fusion left alone (Swin's residual adds,
@@ -168,10 +177,7 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
         for r in op.refs():
             readers.setdefault(r, set()).add(op.id)
     outputs = set(graph.outputs)
-    views_of: dict[int, set[int]] = {}
-    for v in graph.values:
-        if v.alias_of is not None:
-            views_of.setdefault(v.alias_of, set()).add(v.id)
+    views_of = _views_of(graph)
     pairs = {}
     for p in placed:
         op = p.op
@@ -193,26 +199,52 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
 
 
 def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
-                  waits: Sequence, heads: set[int] = frozenset()) -> dict[int, tuple[PlacedOp, FusedKernel]]:
-    """product op -> (the elementwise op that reads its result, the kernel that would run that op)
-    for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose
-    result only that op reads, of the same shape, where it is the next op issued on the same stream
-    and waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the
-    layer norm after it). `PlacedRun` runs each pair as one kernel where the product runs as
-    nimble's (`gemm.Gemm.with_epilogue`); the product's own buffer is then never written."""
+                  waits: Sequence, heads: set[int] = frozenset()) -> dict[int, tuple[PlacedOp, FusedKernel, tuple | None]]:
+    """product op -> (the elementwise op that reads its result, the kernel that would run that op,
+    (the view's value, its shape) where that op reads the result through a reshape, else None) for each
+    float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose result
+    only that op reads, of the same shape, where it is the next op issued on the same stream and
+    waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the
+    layer norm after it). Between the two there may be one view that reshapes the result, dense,
+    into the op's shape (`_reshape`: GPT-2's `Conv1D` multiplies rows, then views them as
+    [batch, tokens, features]), issued between them and waiting for nothing.
+    `PlacedRun` runs each pair as one kernel where the product runs as nimble's
+    (`gemm.Gemm.with_epilogue`); the product's own buffer is then never written."""
     following = _next_on_stream(order, stream_of)
     readers, outputs, aliased = _readers(graph)
+    views_of = _views_of(graph)
     pairs = {}
     for p in placed:
         if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel
             continue
         value = p.op.outputs[0]
-        second = following.get(p.op.id)
-        if second is None or second in heads or waits[second] or readers.get(value, set()) != {second} \
-                or value in outputs or value in aliased or len(graph.ops[second].outputs) != 1 \
-                or graph.values[graph.ops[second].outputs[0]].spec.shape != graph.values[value].spec.shape:
+        second, shape, between, through = following.get(p.op.id), graph.values[value].spec.shape, set(), None
+        if second is not None and not waits[second] and _reshape(graph, graph.ops[second], value, views_of):
+            seen = graph.ops[second].outputs[0]
+            shape, between, through = graph.values[seen].spec.shape, {second}, (seen, graph.values[seen].spec.shape)
+            second = following.get(second)
+        elif value in aliased:
+            continue
+        if second is None or second in heads or waits[second] or readers.get(value, set()) != {second} | between \
+                or value in outputs or len(graph.ops[second].outputs) != 1 \
+                or graph.values[graph.ops[second].outputs[0]].spec.shape != shape:
             continue
         kernel = _elementwise_kernel(graph, placed[second])
         if kernel is not None:
-            pairs[p.op.id] = (placed[second], kernel)
+            pairs[p.op.id] = (placed[second], kernel, through)
     return pairs
+
+
+RESHAPES = frozenset({"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"})
+
+
+def _reshape(graph: Graph, op: Op, value: int, views_of: dict[int, set[int]]) -> bool:
+    """Whether `op` views dense `value` in another shape, dense, and is its only view: the same
+    elements in the same order, so a kernel that writes `value` in row-major order writes the
+    view's elements in row-major order too."""
+    if op.target not in RESHAPES or op.mutates or len(op.outputs) != 1 or not op.args \
+            or not isinstance(op.args[0], Ref) or op.args[0].id != value:
+        return False
+    seen, spec = graph.values[op.outputs[0]].spec, graph.values[value].spec
+    return views_of.get(value) == {op.outputs[0]} and seen.is_contiguous and seen.offset == 0 \
+        and spec.is_contiguous and spec.offset == 0 and seen.numel == spec.numel

@@ -343,14 +343,17 @@ class PlacedRun(Executor):
     def _with_epilogue(self, p: PlacedOp, args, out: torch.Tensor) -> bool:
         """The product `p` and the elementwise op after it as one kernel (`pairs.product_pairs`);
         False, with nothing run, where it cannot."""
-        second, kernel = self.products[p.op.id]
+        second, kernel, through = self.products[p.op.id]
         into = self.views.get(second.op.outputs[0])
         if into is None:
             return False
-        self.env[p.op.outputs[0]] = out  # the second op's operand, bound before its producer returns
+        self.env[p.op.outputs[0]] = held = out  # the second op's operand, bound before its producer returns
+        if through is not None:  # read through a reshape (issued between the two; it binds the same view)
+            seen, shape = through
+            self.env[seen] = held = out.view(shape)
         body = _body(second.op, *arguments.op_arguments(second.op, self.env, self.device))
         operands, _ = kernel.operands(body)
-        if not p.substitute.with_epilogue(args, out, body, operands, into):  # a gemm.Gemm
+        if not p.substitute.with_epilogue(args, out, body, operands, into, held):  # a gemm.Gemm
             return False
         self.written.add(second.op.id)
         return True

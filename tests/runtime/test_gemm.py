@@ -11,6 +11,7 @@ import torch
 from nimble.runtime import gemm
 
 from .. import triton_shim
+from .test_runtime import FeedForward
 
 
 def run(x, b, bias, out, tile=gemm.TILES[0]):
@@ -250,10 +251,23 @@ def test_the_op_after_a_product_is_not_written_over_the_product_s_input(monkeypa
     torch.testing.assert_close(clear, torch.relu(x @ w.t()) * 2.0, rtol=1e-5, atol=1e-4)
 
 
+class Block(torch.nn.Module):
+    """A feed-forward block of linears: linear, GELU, linear, residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(96, 384), torch.nn.Linear(384, 96)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+
 @gpu
-def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_path, monkeypatch):
-    """A feed-forward block (linear, GELU, linear, residual add) loaded with product pairs and
-    without: both match eager, and with them two kernels fewer run (GELU's and the add's)."""
+@pytest.mark.parametrize("block", [Block, FeedForward])
+def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(block, tmp_path, monkeypatch):
+    """A feed-forward block loaded with product pairs and without: both match eager, and with
+    them two kernels fewer run (GELU's and the add's). In GPT-2's form (`FeedForward`) the op
+    reads the product's rows through a reshape."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.runtime import kernels, pairs, tuning
@@ -261,15 +275,7 @@ def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(tmp_pa
     from nimble.runtime.executable import Executable
     from nimble.runtime.streams import count_kernels
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = torch.nn.Linear(96, 384), torch.nn.Linear(384, 96)
-
-        def forward(self, x):
-            return self.down(torch.nn.functional.gelu(self.up(x))) + x
-
-    art = loaded_artifact(Block(), tmp_path, monkeypatch)
+    art = loaded_artifact(block(), tmp_path, monkeypatch)
     x = [t.cuda() for t in art.sample_inputs]
     counts = {}
     for paired in (True, False):

@@ -354,7 +354,8 @@ def test_a_product_pairs_with_the_elementwise_op_after_it_unless_that_op_takes_a
     heads = set(pairing.norm_pairs(g, placed, order, [0] * n, [()] * n))
     pairs = pairing.product_pairs(g, placed, order, [0] * n, [()] * n, heads)
     assert pairs
-    for product, (second, _) in pairs.items():
+    for product, (second, _, through) in pairs.items():
+        assert through is None  # the sample's linears write their result in the op's shape
         assert isinstance(placed[product].substitute, gemm.Gemm) and second.op.id not in heads
         assert order.index(second.op.id) == order.index(product) + 1
         value = g.ops[product].outputs[0]
@@ -364,7 +365,61 @@ def test_a_product_pairs_with_the_elementwise_op_after_it_unless_that_op_takes_a
     second = next(iter(pairs.values()))[0].op.id
     waits = [()] * n
     waits[second] = (0,)  # an op that waits for another stream stays on its own
-    assert second not in {p.op.id for p, _ in pairing.product_pairs(g, placed, order, [0] * n, waits, heads).values()}
+    assert second not in {p.op.id for p, *_ in pairing.product_pairs(g, placed, order, [0] * n, waits, heads).values()}
+
+
+class Conv1D(torch.nn.Module):
+    """GPT-2's linear: rows times a [K, N] weight, plus a bias, viewed back as [..., N]."""
+
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.nf, self.weight, self.bias = n, torch.nn.Parameter(torch.randn(k, n) / k ** 0.5), torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
+
+
+class FeedForward(torch.nn.Module):
+    """GPT-2's MLP and residual: Conv1D, tanh GELU, Conv1D, add."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = Conv1D(96, 384), Conv1D(384, 96)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.down(h) + x
+
+
+def test_a_product_pairs_with_the_op_after_the_reshape_of_its_rows(tmp_path):
+    """`product_pairs` through a reshape (GPT-2's `Conv1D`: addmm on rows, then a view as [B, T,
+    N]): the op after the view pairs with the product, which binds the view itself; a second view
+    of the product's result, or a reshape that waits for another stream, leaves them apart."""
+    from nimble.ir import Ref
+    from nimble.pipeline import compile_model
+    from nimble.runtime import pairs as pairing, placement
+    from nimble.specs import input_specs
+
+    path = tmp_path / "ff.pt"
+    torch.jit.save(torch.jit.trace(FeedForward().eval(), torch.randn(2, 33, 96)), str(path))
+    g = compile_model(path, input_specs(["2x33x96"]), device="cpu", check=False).graph
+    placed, n = placement.prepare(g), len(g.ops)
+    order = list(range(n))
+    pairs = pairing.product_pairs(g, placed, order, [0] * n, [()] * n)
+    assert len(pairs) == 2, [op.target for op in g.ops]  # GELU after the first, the residual add after the second
+    for product, (second, _, (seen, shape)) in pairs.items():
+        view = g.ops[product + 1]
+        assert view.target == "aten::view.default" and view.outputs == (seen,) and second.op.id == product + 2
+        assert shape == g.values[seen].spec.shape == g.values[second.op.outputs[0]].spec.shape
+        assert Ref(seen) in second.op.args[0][0][1]  # the fused body reads the view
+    product = min(pairs)
+    waits = [()] * n
+    waits[product + 1] = (0,)
+    assert product not in pairing.product_pairs(g, placed, order, [0] * n, waits)
+    # a second reader of the reshaped rows (here: the graph's output) leaves the pair apart
+    g = replace(g, outputs=(*g.outputs, g.ops[product + 1].outputs[0]))
+    assert product not in pairing.product_pairs(g, placed, order, [0] * n, [()] * n)
 
 
 def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_next(artifacts):
