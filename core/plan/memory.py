@@ -2,7 +2,8 @@
 that is safe when ops run concurrently on several streams.
 
 A buffer is the storage of one root activation; views and in-place results share their root's
-buffer, and their uses count as uses of it. Two buffers may share bytes only if every use of one
+buffer, and their uses count as uses of it. A matrix product's inputs also count as used by the
+one op that reads its result (`held_inputs`). Two buffers may share bytes only if every use of one
 happens-before the producer of the other, where happens-before is what the GPU guarantees: issue
 order on one stream plus event waits, transitively. Independence in the DAG is not enough.
 Graph outputs get regions of their own for the whole replay.
