@@ -199,10 +199,11 @@ def copy_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
 
 
 def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
-                  waits: Sequence, heads: set[int] = frozenset()) -> dict[int, tuple[PlacedOp, FusedKernel, tuple | None]]:
+                  waits: Sequence, heads: set[int] = frozenset()
+                  ) -> dict[int, tuple[PlacedOp, FusedKernel, tuple | None]]:
     """product op -> (the elementwise op that reads its result, the kernel that would run that op,
-    (the view's value, its shape) where that op reads the result through a reshape, else None) for each
-    float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose result
+    (the view's value, its shape) where that op reads the result through a reshape, else None)
+    for each float32 product (`gemm.applies`; not a small linear, `pooled_conv.SmallLinear`) whose result
     only that op reads, of the same shape, where it is the next op issued on the same stream and
     waits for nothing, and is not the first of a norm pair (`heads`: its kernel then takes the
     layer norm after it). Between the two there may be one view that reshapes the result, dense,

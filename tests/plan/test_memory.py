@@ -180,7 +180,8 @@ def test_the_op_after_a_product_never_takes_the_bytes_of_the_product_s_input(str
         """(op, input) for each held input whose bytes the op's result shares."""
         out = []
         for op, values in held.items():
-            for v in {graph.root(v) for v in values} & {r for r in range(len(graph.values)) if memory.offset[r] is not None}:
+            planned = {r for r in range(len(graph.values)) if memory.offset[r] is not None}
+            for v in {graph.root(v) for v in values} & planned:
                 for o in graph.ops[op].outputs:
                     a, b = memory.offset[v], memory.offset[graph.root(o)]
                     if a < b + memory.size[graph.root(o)] and b < a + memory.size[v]:

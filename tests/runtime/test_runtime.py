@@ -373,7 +373,8 @@ class Conv1D(torch.nn.Module):
 
     def __init__(self, k: int, n: int):
         super().__init__()
-        self.nf, self.weight, self.bias = n, torch.nn.Parameter(torch.randn(k, n) / k ** 0.5), torch.nn.Parameter(torch.randn(n))
+        self.nf, self.bias = n, torch.nn.Parameter(torch.randn(n))
+        self.weight = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
 
     def forward(self, x):
         return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
