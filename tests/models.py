@@ -1,4 +1,4 @@
-"""Tiny models that exercise one frontend behaviour each (scripted in the tests)."""
+"""Tiny models that exercise one behaviour each: of the frontend (scripted in the tests), or of the runtime."""
 
 import torch
 import torch.nn as nn
@@ -152,3 +152,28 @@ class ResNet18(nn.Module):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear: rows times a [K, N] weight, plus a bias, viewed back as [..., N]."""
+
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.nf, self.bias = n, nn.Parameter(torch.randn(n))
+        self.weight = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
+
+
+class FeedForward(nn.Module):
+    """GPT-2's MLP and residual: Conv1D, tanh GELU, Conv1D, add."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = Conv1D(96, 384), Conv1D(384, 96)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.down(h) + x

@@ -15,6 +15,7 @@ from nimble.errors import ShapeError
 from nimble.formats import read_artifact
 
 from ..conftest import MODELS
+from ..models import FeedForward
 
 runner = CliRunner()
 
@@ -366,31 +367,6 @@ def test_a_product_pairs_with_the_elementwise_op_after_it_unless_that_op_takes_a
     waits = [()] * n
     waits[second] = (0,)  # an op that waits for another stream stays on its own
     assert second not in {p.op.id for p, *_ in pairing.product_pairs(g, placed, order, [0] * n, waits, heads).values()}
-
-
-class Conv1D(torch.nn.Module):
-    """GPT-2's linear: rows times a [K, N] weight, plus a bias, viewed back as [..., N]."""
-
-    def __init__(self, k: int, n: int):
-        super().__init__()
-        self.nf, self.bias = n, torch.nn.Parameter(torch.randn(n))
-        self.weight = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
-
-
-class FeedForward(torch.nn.Module):
-    """GPT-2's MLP and residual: Conv1D, tanh GELU, Conv1D, add."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = Conv1D(96, 384), Conv1D(384, 96)
-
-    def forward(self, x):
-        h = self.up(x)
-        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
-        return self.down(h) + x
 
 
 def test_a_product_pairs_with_the_op_after_the_reshape_of_its_rows(tmp_path):
