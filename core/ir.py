@@ -192,6 +192,14 @@ class Graph:
         alias = self.values[value].alias_of
         return value if alias is None else alias
 
+    def readers(self) -> dict[int, set[int]]:
+        """root value -> the ops that read it or a view of it."""
+        readers: dict[int, set[int]] = {}
+        for op in self.ops:
+            for r in op.refs():
+                readers.setdefault(self.root(r), set()).add(op.id)
+        return readers
+
     def describe(self, ids) -> str:
         """`name: dtype[shape]` of each value in `ids`, for a repr or a message."""
         return ", ".join(f"{self.values[i].name}: {self.values[i].spec.dtype}{list(self.values[i].spec.shape)}"

@@ -162,6 +162,7 @@ def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, i
     return _Sweep(conflicts, last_user, first_after, live + sum(size[o] for o in outputs))
 
 
+# the products whose inputs are held (`held_inputs`): those `runtime/gemm.py` may pair with the op after them
 PRODUCTS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
 
 
@@ -170,10 +171,7 @@ def held_inputs(graph: Graph) -> dict[int, list[int]]:
     by the one op that reads the product's result (directly or through views). The runtime may
     run the two as one kernel (`runtime.pairs.product_pairs`), whose tiles write that op's result
     while other tiles still read the product's inputs, so the result must not take their bytes."""
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(graph.root(r), set()).add(op.id)
+    readers = graph.readers()
     held: dict[int, list[int]] = {}
     for op in graph.ops:
         if op.target not in PRODUCTS or len(op.outputs) != 1:

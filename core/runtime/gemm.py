@@ -47,14 +47,11 @@ TILES = ((64, 64, 32, 4, 3), (64, 32, 64, 4, 3))
 _built: dict[tuple, object] = {}  # (call signature, tile) -> launcher, or None where it failed to build
 _chosen: dict[tuple, tuple | None] = {}  # call signature -> the tile this kernel runs with; None: PyTorch's
 
-TARGETS = PRODUCTS  # the products whose inputs the memory plan holds for the op after them
-
-
 def applies(graph: Graph, op: Op) -> bool:
     """Whether op is a float32 product this module may run: linear(x, w[, bias]) with no keyword
     arguments, mm(x, w) or matmul(x, w) (run here where both are matrices), or addmm(bias, x, w)
     with beta and alpha 1."""
-    if op.target not in TARGETS or len(op.outputs) != 1 or graph.values[op.outputs[0]].spec.dtype != "float32":
+    if op.target not in PRODUCTS or len(op.outputs) != 1 or graph.values[op.outputs[0]].spec.dtype != "float32":
         return False
     if op.target == "aten::addmm.default":
         return len(op.args) >= 3 and all(a == 1 for a in op.args[3:]) \
@@ -241,9 +238,10 @@ class Gemm:
         op's buffer, in one kernel; False, with nothing run, where the product runs apart
         (PyTorch's was faster, or the tensors do not fit: `out`, `held` and `into` dense, the last
         two of one shape, `held` the same elements as `out`, `into` in a float dtype and clear
-        of the product's inputs). The memory plan may give the op's result the bytes of an input
-        that dies at the product (it is free once the product is done); written while other
-        tiles still read that input, it would corrupt them."""
+        of the product's inputs). The memory plan holds the product's inputs until the op
+        (`memory.held_inputs`); a plan from before that rule may give the op's result the bytes of
+        an input that dies at the product, and written while other tiles still read that input,
+        it would corrupt them."""
         held = out if held is None else held
         found = operands_of(self.target, args, out)
         at = [k for k, t in enumerate(operands) if t is held]
@@ -253,7 +251,7 @@ class Gemm:
             return False
         x, b, bias, matrix = found  # matrix: `out` seen as [M, N]
         if overlaps(into, (x, b, bias)):
-            return False  # the memory plan gave the op's result the bytes of an input the product still reads
+            return False  # an older plan gave the op's result the bytes of an input the product still reads
         key = _signature(x, b, bias, matrix)
         tile = self._tile(key, x, b, bias, matrix)
         if tile is None:
@@ -270,11 +268,8 @@ class Gemm:
         if key not in _chosen:
             if torch.cuda.is_current_stream_capturing():
                 return None  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
-            current, side = torch.cuda.current_stream(out.device), timing.stream(out.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):  # PyTorch's reference too: one cuBLAS workspace for all choices
+            with timing.on_stream(out.device):  # PyTorch's reference too: one cuBLAS workspace for all choices
                 _chosen[key] = self._choose(key, x, b, bias, out)
-            current.wait_stream(side)
         return _chosen[key]
 
     def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> tuple | None:

@@ -117,12 +117,7 @@ def _after(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], strea
 def _readers(graph: Graph) -> tuple[dict[int, set[int]], set[int], set[int]]:
     """(root value -> the ops that read it or a view of it, the roots of the graph's outputs, the
     roots that have views)."""
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for r in op.refs():
-            readers.setdefault(graph.root(r), set()).add(op.id)
-    return readers, {graph.root(o) for o in graph.outputs}, {graph.root(v.id) for v in graph.values
-                                                              if v.alias_of is not None}
+    return graph.readers(), {graph.root(o) for o in graph.outputs}, set(_views_of(graph))
 
 
 def _views_of(graph: Graph) -> dict[int, set[int]]:

@@ -14,12 +14,16 @@ captured in a CUDA graph, as a kernel choice made at load runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
+
+from .streams import forked
 
 
 @dataclass
@@ -128,16 +132,21 @@ def stream(device: torch.device) -> torch.cuda.Stream:
     return _streams[current.device_index]
 
 
+@contextlib.contextmanager
+def on_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """The block run on `stream(device)`, forked from the current stream and joined back."""
+    side = stream(device)
+    with forked([side], device), torch.cuda.stream(side):
+        yield side
+
+
 def graph_us(fn, device: torch.device, runs: int = 10) -> float:
     """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
     median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
     from Python takes longer than a small convolution). Warmed up and captured on `stream`."""
     with torch.cuda.device(device):
-        current, side = torch.cuda.current_stream(device), stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with on_stream(device) as side:
             fn()
-        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             for _ in range(runs):
