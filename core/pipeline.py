@@ -47,7 +47,7 @@ REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise
 # which dtype and layout the kernels read what the rewrites left in.
 LAYOUT: tuple = (passes.drop_precision_casts, passes.align_attention_masks)
 FUSION: tuple = (passes.bias_into_broadcast, passes.fuse_conv, passes.fuse_pointwise, passes.generate_broadcast_ops,
-                 passes.fuse_lone_convolutions)
+                 passes.fuse_lone_convolutions, passes.fuse_concats)
 PASSES: tuple = REWRITES + LAYOUT + FUSION
 TRAINING_PASSES: tuple = (passes.name_values, passes.eliminate_dead_ops, passes.chain_loose_ops)
 

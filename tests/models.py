@@ -177,3 +177,28 @@ class FeedForward(nn.Module):
         h = self.up(x)
         h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
         return self.down(h) + x
+
+
+class DenseBlock(nn.Module):
+    """densenet's dense block at odd sizes: each layer concatenates every feature map before it,
+    then batch norm, ReLU and a convolution read the result; the block ends with one more cat,
+    batch norm and ReLU, and a cat read by two ops (which no kernel may take in)."""
+
+    def __init__(self, channels: int = 5, growth: int = 3, layers: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(channels, channels, 1)  # the parts are activations, in the layout chosen at load
+        self.norms = nn.ModuleList(nn.BatchNorm2d(channels + k * growth) for k in range(layers + 1))
+        self.convs = nn.ModuleList(nn.Conv2d(channels + k * growth, growth, 3, padding=1, bias=False)
+                                   for k in range(layers))
+        for norm in self.norms:  # running statistics other than the identity
+            nn.init.uniform_(norm.running_mean, -0.5, 0.5)
+            nn.init.uniform_(norm.running_var, 0.5, 2.0)
+            nn.init.uniform_(norm.weight, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor):
+        features = [self.stem(x)]
+        for norm, conv in zip(self.norms, self.convs):
+            features.append(conv(torch.relu(norm(torch.cat(features, 1)))))
+        joined = torch.cat(features, 1)
+        twice = torch.cat(features[1:], 1)
+        return torch.relu(self.norms[-1](joined)), twice * 2.0, twice.sum(1)

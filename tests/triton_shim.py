@@ -63,7 +63,12 @@ def language() -> types.ModuleType:
         p.flat[_checked(p, mask)] = value[mask].to(p.flat.dtype)
 
     tl.load, tl.store = load, store
-    tl.where = torch.where
+    def where(condition, x, y):
+        if isinstance(x, Pointer) or isinstance(y, Pointer):  # one program's choice of buffer
+            return x if bool(condition.all()) else y
+        return torch.where(condition, x, y)
+
+    tl.where = where
     tl.sum = lambda x, axis: x.sum(axis)
     tl.max = lambda x, axis: x.max(axis).values
     tl.trans = lambda x: x.transpose(0, 1)

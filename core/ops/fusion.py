@@ -7,15 +7,18 @@ op's one result is the last node's. Because a body's `Ref`s are ordinary op argu
 `Op.refs()` lists them and the schedule, the memory plan and the plan checks see the fused op's
 true inputs.
 
-Two kinds of body exist, and `check` refuses anything else:
+Three kinds of body exist, and `check` refuses anything else:
 - pointwise: every node is one of POINTWISE, elementwise over tensors that broadcast to the result;
 - convolution-led: node 0 is a 2-D convolution (CONVOLUTIONS) reading graph values only, and every
-  later node is pointwise.
+  later node is pointwise;
+- concatenation-led: node 0 is a cat (CONCATS) of 1 to MAX_PIECES graph values, and every later
+  node is pointwise over tensors that broadcast to the cat's result (`passes/fuse_concats.py`).
 
 On any device nimble can interpret a body node by node with the same aten overloads
 (`interpret.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels.py`): a
 convolution-led body to cuDNN's fused convolutions where their pattern matches, and the
-pointwise part to one generated Triton kernel. This module is plain data and checks; it
+pointwise part to one generated Triton kernel, which reads a leading cat's parts where they lie
+(the cat's result is never written). This module is plain data and checks; it
 imports no torch.
 """
 
@@ -28,6 +31,8 @@ FUSED = "nimble::fused"
 MAX_NODES = 64  # nodes in one body
 
 CONVOLUTIONS = frozenset({"aten::conv2d.default", "aten::convolution.default", "aten::_convolution.default"})
+CONCATS = frozenset({"aten::cat.default"})
+MAX_PIECES = 64  # parts of a leading cat: each is one pointer parameter of the generated kernel
 
 # Elementwise ops a body may hold, each with its schema as a fused body may use it: its positional
 # slots ("tensor": a Ref or Local, "number": an int or float, "number?": that or None), how many of
@@ -82,6 +87,15 @@ def leads_with_convolution(body: tuple) -> bool:
     return body[0][0] in CONVOLUTIONS
 
 
+def leads_with_concat(body: tuple) -> bool:
+    return body[0][0] in CONCATS
+
+
+def is_pointwise(body: tuple) -> bool:
+    """True for a body of elementwise nodes only, with no convolution or cat leading it."""
+    return not leads_with_convolution(body) and not leads_with_concat(body)
+
+
 def check(op: Op) -> None:
     """Raise GraphError naming the first way `op`'s body breaks the rules above."""
     if op.kwargs or len(op.args) != 1 or not isinstance(op.args[0], tuple) or len(op.outputs) != 1 or op.mutates:
@@ -96,15 +110,16 @@ def check(op: Op) -> None:
                 and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in node[2])):
             raise GraphError(f"{where} is not (target, args, kwargs)")
         target = node[0]
-        if target in CONVOLUTIONS:
+        if target in CONVOLUTIONS or target in CONCATS:
             if k != 0:
-                raise GraphError(f"{where}: a convolution may only lead a body")
+                raise GraphError(f"{where}: a {'convolution' if target in CONVOLUTIONS else 'cat'} may only lead")
         elif target not in POINTWISE:
             raise GraphError(f"{where}: {target!r} is not an op a fused body may hold")
         for a in _leaves((node[1], tuple(v for _, v in node[2]))):
-            if isinstance(a, Local) and not (0 <= a.index < k) or isinstance(a, Local) and target in CONVOLUTIONS:
+            if isinstance(a, Local) and not 0 <= a.index < k:
                 raise GraphError(f"{where} reads local {a.index}, which is not an earlier node")
-        problem = _convolution_problem(node) if target in CONVOLUTIONS else pointwise_problem(node)
+        problem = _convolution_problem(node) if target in CONVOLUTIONS else _concat_problem(node) \
+            if target in CONCATS else pointwise_problem(node)
         if problem:
             raise GraphError(f"{where} ({target}): {problem}")
     for a in _leaves((op.args,)):
@@ -162,6 +177,15 @@ def _convolution_problem(node) -> str | None:
     for i, (kind, a) in enumerate(zip(slots, args[2:]), start=2):
         if not _is(kind, a) and not (kind == "ints" and _is("int", a)):
             return f"argument {i} is {a!r}, not a {kind}"
+    return None
+
+
+def _concat_problem(node) -> str | None:
+    target, args, kwargs = node
+    if kwargs or len(args) != 2 or not isinstance(args[0], tuple) or not _int(args[1]) or not -8 <= args[1] < 8:
+        return "takes its parts as a tuple of graph values, then its dimension, positionally"
+    if not 1 <= len(args[0]) <= MAX_PIECES or not all(isinstance(a, Ref) for a in args[0]):
+        return f"joins 1 to {MAX_PIECES} graph values, not {len(args[0])} parts of which some are not graph values"
     return None
 
 

@@ -23,6 +23,7 @@ from .fold_constants import fold_constants
 from .inline_scalar_constants import inline_scalar_constants
 from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
+from .fuse_concats import fuse_concats
 from .fuse_conv import fuse_conv
 from .fuse_lone_convolutions import fuse_lone_convolutions
 from .fuse_pointwise import fuse_pointwise
@@ -43,7 +44,7 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bi
            "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
-           "fold_batch_norm", "functionalise", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
+           "fold_batch_norm", "functionalise", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]

@@ -7,6 +7,9 @@ and the kernels around them (`FusedKernel` in `kernels.py` launches them; `fused
   convolution's result is read from the output buffer, where it was written first.
 - `norm_source`: one program per row; the body over the row, stored where anything else reads
   it, then the row normalised as a layer norm into another buffer.
+- `concat_source`: a body led by a cat (`passes/fuse_concats.py`), whose result is never written:
+  each program covers a tile that lies in one part, found from its program id, and reads the
+  part where it lies (`ConcatTiles`).
 - `epilogue_lines`: the statements every kernel shares (operand loads, the leading
   convolution's value, the nodes), for any indexing scheme.
 
@@ -204,6 +207,86 @@ def flat_offsets(out: torch.Tensor, operands: list[torch.Tensor]) -> tuple[str, 
         dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
         offsets.append(_offset(shape, strides, order, dense))
     return _offset(shape, out.stride(), order, out_dense), offsets
+
+
+class ConcatTiles:
+    """How `concat_source` tiles a cat's result, where it can: the result and every part dense in
+    one order of dims (the result's memory order), so that in that order part j is, for each
+    index `row` of the dims outside the cat's, one run of `runs[j]` elements at `row * width +
+    starts[j]` of the result and at `row * runs[j]` of the part. A program covers `rows` rows of
+    `cols` elements of one part's runs; part j's programs are `first[j]` onwards."""
+
+    def __init__(self, out: torch.Tensor, pieces: list[torch.Tensor], dim: int):
+        shape = tuple(out.shape)
+        order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))  # outermost first
+        self.fits = out.numel() > 0 and _dense_in(out, order) and all(
+            t.dim() == out.dim() and t.dtype == pieces[0].dtype and _dense_in(t, order)
+            and all(n == m for d, (n, m) in enumerate(zip(t.shape, shape)) if d != dim) for t in pieces) \
+            and sum(t.shape[dim] for t in pieces) == shape[dim]
+        if not self.fits:
+            return
+        inner = math.prod(shape[d] for d in order[order.index(dim) + 1:])
+        self.width = shape[dim] * inner
+        self.outer = out.numel() // self.width
+        self.parts = [k for k, t in enumerate(pieces) if t.shape[dim]]  # empty parts have no tiles
+        self.runs = [pieces[k].shape[dim] * inner for k in self.parts]
+        self.starts = [sum(t.shape[dim] for t in pieces[:k]) * inner for k in self.parts]
+        self.cols = min(BLOCK, max(16, 1 << (min(self.runs) - 1).bit_length()))
+        self.rows = max(1, min(BLOCK // self.cols, 1 << (self.outer - 1).bit_length()))
+        self.col_tiles = [-(-run // self.cols) for run in self.runs]
+        row_tiles = -(-self.outer // self.rows)
+        self.first = [0]
+        for n in self.col_tiles:
+            self.first.append(self.first[-1] + row_tiles * n)
+
+    @property
+    def programs(self) -> int:
+        return self.first[-1]
+
+
+def _dense_in(t: torch.Tensor, order: list[int]) -> bool:
+    """Whether `t` is dense with its dims laid out in `order` (outermost first); dims of one
+    element may have any stride."""
+    step = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != step:
+            return False
+        step *= t.shape[d]
+    return True
+
+
+def concat_source(body: list, out: torch.Tensor, pieces: list[torch.Tensor], tiles: ConcatTiles,
+                  operands: list[torch.Tensor]) -> str:
+    """The kernel of a body led by a cat of `pieces` (see `ConcatTiles`, which must fit): each
+    program picks its part by comparing its id with the parts' first programs, reads its tile of
+    the part, applies the rest of the body and stores the tile where it lies in the result.
+    `operands` are the distinct tensors the rest of the body reads."""
+    parts = [f"p{k}_ptr" for k in range(len(pieces))]
+    wide = needs_wide(out, operands) or (tiles.outer + tiles.rows) * tiles.width > INT32_LIMIT  # masked rows too
+    first = program_id(wide)
+    lines = [*HEADER, f"def kernel(out_ptr, {', '.join(parts)}, {pointers(operands)}):",
+             f"    p = {first}",
+             f"    base = {parts[tiles.parts[0]]}",
+             "    first = 0",
+             f"    run = {tiles.runs[0]}",
+             f"    start = {tiles.starts[0]}",
+             f"    col_tiles = {tiles.col_tiles[0]}"]
+    for j in range(1, len(tiles.parts)):
+        at = f"p >= {tiles.first[j]}"
+        lines += [f"    base = tl.where({at}, {parts[tiles.parts[j]]}, base)",
+                  f"    first = tl.where({at}, {tiles.first[j]}, first)",
+                  f"    run = tl.where({at}, {tiles.runs[j]}, run)",
+                  f"    start = tl.where({at}, {tiles.starts[j]}, start)",
+                  f"    col_tiles = tl.where({at}, {tiles.col_tiles[j]}, col_tiles)"]
+    lines += ["    q = p - first",
+              f"    row = (q // col_tiles) * {tiles.rows} + tl.arange(0, {tiles.rows})[:, None]",
+              f"    col = (q % col_tiles) * {tiles.cols} + tl.arange(0, {tiles.cols})[None, :]",
+              f"    mask = (row < {tiles.outer}) & (col < run)",
+              f"    i = row * {tiles.width} + start + col",
+              f"    joined = {loaded('base + row * run + col')}"]
+    out_offset, offsets = flat_offsets(out, operands)
+    lines.append(f"    o = {out_offset}")
+    return finish(lines, body, out, operands, offsets, "joined", False)
 
 
 def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,

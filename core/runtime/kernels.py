@@ -22,6 +22,9 @@ the tensor that holds the result:
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
   cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
+- a body led by a cat (`passes/fuse_concats.py`) runs as one generated kernel that reads each
+  part where it lies (`codegen.concat_source`), where the parts and the buffer are dense in one
+  order of dims; else it is interpreted (the cat, then the rest);
 - an elementwise body and the layer norm issued right after it (`pairs.norm_pairs`) run as
   one row kernel, `with_norm`: the body over a row, stored where others read it, then that row
   normalised into the norm's buffer.
@@ -50,7 +53,7 @@ from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
 from . import binaries, cache, cudnn_graph, depthwise_conv, pooled_conv
-from .codegen import BLOCK, elementwise_source, norm_source
+from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, norm_source, overlaps
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,6 +96,8 @@ class FusedKernel:
         body = args[0]
         if not out.is_cuda:
             return None
+        if fusion.leads_with_concat(self.body):
+            return self._concat(body, out)
         got = self._direct(body, out)
         if got is None:
             got = self.whole_on_cudnn(body, out)
@@ -169,6 +174,24 @@ class FusedKernel:
         bias = conv is not None and conv["bias"] is not None
         built = self.launch(key, lambda: _compile(elementwise_source(body, out, operands, conv is not None, bias)),
                             (out, operands))
+        return out if built else None
+
+    def _concat(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """`out`, written by one kernel that reads the leading cat's parts where they lie; None,
+        with nothing run, where they or `out` do not fit `ConcatTiles` (it is interpreted)."""
+        pieces, dim = list(body[0][1][0]), body[0][1][1]
+        operands = _operands(body, skip_first=True)
+        key = ("cat", dim, tuple(out.shape), tuple(out.stride()), out.dtype,
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (*pieces, *operands)))
+        if self.declined(key) or out.dtype not in FLOAT_KINDS or overlaps(out, [*pieces, *operands]):
+            return None
+        tiles = ConcatTiles(out, pieces, dim)
+        if not tiles.fits:
+            self._built[key] = None
+            STATS.fallbacks.append(f"op {self.op.id}: a cat's parts or result are not dense in one order of dims")
+            return None
+        built = self.launch(key, lambda: _compile_concat(concat_source(body, out, pieces, tiles, operands), tiles),
+                            (out, pieces, operands), " as a cat's reader")
         return out if built else None
 
     def _direct(self, body, out: torch.Tensor) -> torch.Tensor | None:
@@ -461,6 +484,16 @@ class Generated:
             exec(compile(self.source, filename, "exec"), namespace)  # noqa: S102 - text generated in this process
             self._jit = namespace["kernel"]
         return self._jit
+
+
+def _compile_concat(source: str, tiles: ConcatTiles):
+    """A launcher for `concat_source`'s kernel: one program per tile."""
+    kernel = define(source)
+
+    def launch(out: torch.Tensor, pieces: list[torch.Tensor], operands: list[torch.Tensor]) -> None:
+        kernel[(tiles.programs,)](out, *pieces, *operands)
+
+    return launch
 
 
 def _compile(source: str):

@@ -68,8 +68,9 @@ def mean_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], s
     kernel (`fused_mean.run`), or as two where the tensors do not fit it."""
     means = [op for op in graph.ops if _spatial_mean(graph, op)]
 
-    def fused(graph: Graph, p: PlacedOp) -> FusedKernel | None:
-        return p.substitute if isinstance(p.substitute, FusedKernel) else None
+    def fused(graph: Graph, p: PlacedOp) -> FusedKernel | None:  # a cat-led body reads no tile of positions
+        return p.substitute if isinstance(p.substitute, FusedKernel) \
+            and not fusion.leads_with_concat(fusion.body_of(p.op)) else None
 
     return _after(graph, placed, order, stream_of, waits, means, fused)
 
@@ -135,7 +136,7 @@ def _elementwise_kernel(graph: Graph, p: PlacedOp) -> FusedKernel | None:
     which read a copying reshape); None for anything else."""
     op = p.op
     if isinstance(p.substitute, FusedKernel):
-        return None if fusion.leads_with_convolution(fusion.body_of(op)) else p.substitute
+        return p.substitute if fusion.is_pointwise(fusion.body_of(op)) else None
     if op.target not in fusion.POINTWISE or op.mutates or len(op.outputs) != 1 \
             or graph.values[op.outputs[0]].spec.dtype not in fusion.FLOATS \
             or fusion.pointwise_problem((op.target, op.args, op.kwargs)) is not None:

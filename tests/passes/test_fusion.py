@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nimble.errors import ArtifactError
+from nimble.errors import ArtifactError, GraphError
 from nimble.formats import read_artifact
 from nimble.formats.artifact import encode
 from nimble.frontend import quiet_torchscript
-from nimble.ir import Local
+from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion
 from nimble.pipeline import CompileOptions, compile_model, compile_script
 from nimble.runtime import reference
@@ -195,6 +195,37 @@ def test_a_lone_broadcasting_multiply_becomes_a_generated_op_and_other_biases_st
     assert ["aten::mul.Tensor"] in bodies(runs[True].graph)  # x * pooled, alone and generated
     assert "aten::mul.Tensor" in targets(runs[False].graph)
 
+def test_a_cat_leads_the_elementwise_op_that_alone_reads_it():
+    """densenet's layers: the cat and the batch norm and ReLU after it become one body led by the
+    cat (`fuse_concats`), whose parts are the fused op's inputs; a cat with two readers stays."""
+    from ..models import DenseBlock
+
+    runs = compile_both(DenseBlock(), (2, 5, 7, 9), "dense")
+    graph = runs[True].graph
+    led = [op for op in graph.ops if bodies_of(op)[:1] == ["aten::cat.default"]]
+    assert len(led) == 4 and targets(graph).count("aten::cat.default") == 1  # `twice` is read twice
+    parts = [len(fusion.body_of(op)[0][1][0]) for op in led]
+    assert parts == [1, 2, 3, 4]
+    for op in led:
+        assert bodies_of(op)[1:] and all(t in fusion.POINTWISE for t in bodies_of(op)[1:])
+        assert {graph.values[r.id].spec.shape[1] for r in fusion.body_of(op)[0][1][0]} <= {3, 5}
+        assert fusion.body_of(op)[0][1][1] == 1
+
+
+@pytest.mark.parametrize("body, problem", [
+    ((("aten::relu.default", (Ref(0),), ()), ("aten::cat.default", ((Ref(0),), 1), ())), "may only lead"),
+    ((("aten::cat.default", ((Ref(0), 2.0), 1), ()), ("aten::relu.default", (Local(0),), ())), "graph values"),
+    ((("aten::cat.default", ((Ref(0),), 1, 2), ()), ("aten::relu.default", (Local(0),), ())), "positionally"),
+    ((("aten::cat.default", ((Ref(0),), 99), ()), ("aten::relu.default", (Local(0),), ())), "positionally"),
+    ((("aten::cat.default", ((Ref(0),) * (fusion.MAX_PIECES + 1), 1), ()), ("aten::relu.default", (Local(0),), ())),
+     "joins 1 to"),
+    ((("aten::cat.default", ((Local(0),), 1), ()), ("aten::relu.default", (Local(0),), ())), "not an earlier node"),
+])
+def test_a_forged_cat_led_body_is_refused(body, problem):
+    with pytest.raises(GraphError, match=problem):
+        fusion.check(Op(0, fusion.FUSED, (body,), (), (1,), (), (), ""))
+
+
 def test_every_fusible_op_has_a_kernel_expression():
     for target, tensors in fusion.POINTWISE.items():
         args = [None] * 3
@@ -247,7 +278,8 @@ def first_fused(doc) -> dict:
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda op: op["args"][0][1].__setitem__(0, "aten::cat.default"), "not an op a fused body may hold"),
+    (lambda op: op["args"][0][1].__setitem__(0, "aten::linear.default"), "not an op a fused body may hold"),
+        (lambda op: op["args"][0][1].__setitem__(0, "aten::cat.default"), "a cat may only lead"),
     (lambda op: op["args"][0][1].__setitem__(0, "aten::convolution.default"), "may only lead"),
     (lambda op: op["args"][0][1].__setitem__(1, [{"local": 3}]), "not an earlier node"),
     (lambda op: op["args"][0].__setitem__(0, ["aten::relu.default", [{"local": 0}], []]), "not an earlier node"),
