@@ -202,3 +202,22 @@ class DenseBlock(nn.Module):
         joined = torch.cat(features, 1)
         twice = torch.cat(features[1:], 1)
         return torch.relu(self.norms[-1](joined)), twice * 2.0, twice.sum(1)
+
+
+class WindowMerge(nn.Module):
+    """Swin's windows at odd sizes, without attention: the map split into 3x3 windows (a copy),
+    a projection of each window's rows, the windows merged back (view, permute, and a reshape
+    that copies), and the residual add."""
+
+    def __init__(self, channels: int = 96, window: int = 3):
+        super().__init__()
+        self.window = window
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        s = self.window
+        windows = x.view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+        rows = self.proj(windows)
+        merged = rows.view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        return x + merged

@@ -51,9 +51,9 @@ def _joins(graph: Graph, facts: Facts, cat: Op) -> Op | None:
     fused op, or an elementwise op that `fuse_pointwise.elementwise` accepts, and no op orders
     after the cat. None where any of this fails."""
     if cat.target != CAT or cat.kwargs or len(cat.args) != 2 or not isinstance(cat.args[0], tuple) \
-            or not isinstance(cat.args[1], int) or isinstance(cat.args[1], bool) or len(cat.outputs) != 1 or cat.mutates \
-            or not 1 <= len(cat.args[0]) <= fusion.MAX_PIECES or not all(isinstance(a, Ref) for a in cat.args[0]) \
-            or not facts.movable(cat):
+            or not isinstance(cat.args[1], int) or isinstance(cat.args[1], bool) or len(cat.outputs) != 1 \
+            or cat.mutates or not 1 <= len(cat.args[0]) <= fusion.MAX_PIECES \
+            or not all(isinstance(a, Ref) for a in cat.args[0]) or not facts.movable(cat):
         return None
     result = facts.plain_result(cat)
     reader_id = facts.only_reader(cat.outputs[0])

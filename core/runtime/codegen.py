@@ -108,7 +108,7 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
     raise NotImplementedError(f"no Triton expression for {target}")
 
 
-def _offset(shape, strides, order, dense: bool) -> str:
+def strided_offset(shape, strides, order, dense: bool) -> str:
     """The element offset of index `i` (counted in the output's memory order) in a tensor of
     these strides; `order` lists the output's dims from outermost to innermost."""
     if dense:
@@ -205,8 +205,8 @@ def flat_offsets(out: torch.Tensor, operands: list[torch.Tensor]) -> tuple[str, 
     for t in operands:
         strides = t.expand(shape).stride()
         dense = out_dense and all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(out.dim()))
-        offsets.append(_offset(shape, strides, order, dense))
-    return _offset(shape, out.stride(), order, out_dense), offsets
+        offsets.append(strided_offset(shape, strides, order, dense))
+    return strided_offset(shape, out.stride(), order, out_dense), offsets
 
 
 class ConcatTiles:
@@ -333,7 +333,7 @@ def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm)
     for t in operands:
         strides = t.expand(shape).stride()
         dense = all(strides[d] == dense_strides[d] or shape[d] == 1 for d in range(x.dim()))
-        offsets.append(_offset(shape, strides, order, dense))
+        offsets.append(strided_offset(shape, strides, order, dense))
     lines += epilogue_lines(body, operands, offsets, None, False)
     lines.append(f"    stored = v{len(body) - 1}.to({kind})")
     if norm.store:

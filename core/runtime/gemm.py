@@ -34,7 +34,7 @@ from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from ..plan.memory import PRODUCTS
 from . import kernels, timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
-                      span)
+                      span, strided_offset)
 
 ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
@@ -130,16 +130,19 @@ class Epilogue:
 
 
 def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: Epilogue | None = None,
-           tile: tuple = TILES[0]) -> str:
+           tile: tuple = TILES[0], scatter: torch.Tensor | None = None) -> str:
     """The kernel's text, specialised to these tensors' shapes and strides. With `epilogue`, each
     tile of the product goes through its body, which is stored in `epilogue.out` instead (the
-    product itself is never stored)."""
+    product itself is never stored). With `scatter` (a tensor of the product's elements, any shape
+    and strides), element i of the product in row-major order is stored at element i of
+    `scatter` in row-major order, and `out` is not written (the kernel's out_ptr is `scatter`)."""
     m, k = x.shape
     n = b.shape[1]
     block_m, block_n = tile[:2]
     tiles_n = -(-n // block_n)
     wide = any(span(t) > INT32_LIMIT for t in (x, b, out)) or -(-m // block_m) * tiles_n * block_m > INT32_LIMIT \
-        or epilogue is not None and needs_wide(epilogue.out, epilogue.operands)
+        or epilogue is not None and needs_wide(epilogue.out, epilogue.operands) \
+        or scatter is not None and span(scatter) > INT32_LIMIT
     first, index = program_id(wide), ".to(tl.int64)" if wide else ""
     xs, bs, os_ = x.stride(), b.stride(), out.stride()
     lines = [*HEADER,
@@ -169,6 +172,12 @@ def source(x: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epilogue: 
                   f"    o = {out_offset}"]
         return finish(lines, list(epilogue.body), epilogue.out, epilogue.operands, offsets, None, False,
                       given={epilogue.at: "acc"})
+    if scatter is not None:  # row-major order: the product's and `scatter`'s elements match
+        offset = strided_offset(tuple(scatter.shape), scatter.stride(), list(range(scatter.dim())), dense=False)
+        lines += [f"    i = rows[:, None] * {n} + cols[None, :]",
+                  f"    tl.store(out_ptr + ({offset}), acc, mask=rmask[:, None] & cmask[None, :])",
+                  f"# torch {torch.__version__}"]
+        return "\n".join(lines) + "\n"
     lines += [f"    tl.store(out_ptr + rows[:, None] * {os_[0]} + cols[None, :] * {os_[1]}, acc, "
               "mask=rmask[:, None] & cmask[None, :])",
               f"# torch {torch.__version__}"]
@@ -261,6 +270,28 @@ class Gemm:
         return kernels.launch_once(self._with_epilogues, whole,
                                    lambda: launcher(kernels.define(source(x, b, bias, matrix, epilogue, tile)), tile),
                                    (x, b, bias, matrix, epilogue), f"op {self.op_id} with the elementwise op after it")
+
+    def through(self, args: list, out: torch.Tensor, into: torch.Tensor) -> bool:
+        """Whether the product of `args` was stored into `into` (`source`'s `scatter`: its elements
+        in row-major order are those of `out`, the product's buffer, which is not written) by one
+        kernel; False, with nothing run, where PyTorch's product runs or the tensors do not fit.
+        The memory plan holds the product's inputs until the copy whose buffer `into` views
+        (`memory.held_inputs`); the kernel declines where they overlap all the same."""
+        found = operands_of(self.target, args, out)
+        if found is None or into.numel() != out.numel() or into.dtype != torch.float32 or into.device != out.device:
+            return False
+        x, b, bias, matrix = found
+        if overlaps(into, (x, b, bias)):
+            return False
+        key = _signature(x, b, bias, matrix)
+        tile = self._tile(key, x, b, bias, matrix)
+        if tile is None:
+            return False
+        whole = key + ("through",) + _signature(into)
+        return kernels.launch_once(self._with_epilogues, whole,
+                                   lambda: launcher(kernels.define(source(x, b, bias, matrix, tile=tile, scatter=into)),
+                                                    tile),
+                                   (x, b, bias, into), f"op {self.op_id} into the copy of its views")
 
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product

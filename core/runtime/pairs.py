@@ -4,7 +4,9 @@ the issue order: a layer norm in the kernel of the elementwise op whose result i
 the fused op whose result it reads (`mean_pairs`, run by `fused_mean.run`), and the head merge
 after attention, whose copy takes attention's result straight into its buffer (`copy_pairs`), and
 the elementwise op after a float32 product (bias and GELU, a residual add) in the product's
-kernel (`product_pairs`, run by `gemm.Gemm.with_epilogue`). `find` finds all four;
+kernel (`product_pairs`, run by `gemm.Gemm.with_epilogue`), and the copy that reads a float32
+product through views, whose elements the product's kernel stores where the copy would put them
+(`scatter_pairs`, run by `gemm.Gemm.through`). `find` finds all five;
 `placement.PlacedRun` runs each pair, and runs the two ops apart where the tensors do not fit.
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
@@ -27,6 +29,8 @@ from .placement import PlacedOp, height_and_width
 
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
+SCATTER_PAIRS = True  # False: a copy of a product's permuted view copies (for comparisons)
+MAX_VIEWS = 4  # views between a product and the copy that `scatter_pairs` pairs it with
 
 
 @dataclass
@@ -37,6 +41,7 @@ class Pairs:
     means: dict[int, tuple[PlacedOp, bool, FusedKernel]] = field(default_factory=dict)
     copies: dict[int, tuple[PlacedOp, PlacedOp]] = field(default_factory=dict)
     products: dict[int, tuple[PlacedOp, FusedKernel, tuple | None]] = field(default_factory=dict)
+    scatters: dict[int, tuple[list[PlacedOp], PlacedOp]] = field(default_factory=dict)
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -45,7 +50,8 @@ def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_
     norms = norm_pairs(graph, placed, order, stream_of, waits)
     return Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
                  copy_pairs(graph, placed, order, stream_of, waits),
-                 product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {})
+                 product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
+                 scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
 
 
 def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -245,3 +251,49 @@ def _reshape(graph: Graph, op: Op, value: int, views_of: dict[int, set[int]]) ->
     seen, spec = graph.values[op.outputs[0]].spec, graph.values[value].spec
     return views_of.get(value) == {op.outputs[0]} and seen.is_contiguous and seen.offset == 0 \
         and spec.is_contiguous and spec.offset == 0 and seen.numel == spec.numel
+
+
+VIEWS = frozenset({*RESHAPES, "aten::permute.default", "aten::transpose.int"})
+
+
+def scatter_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
+                  waits: Sequence) -> dict[int, tuple[list[PlacedOp], PlacedOp]]:
+    """product op -> (the views of its result, in issue order, the copy that reads the last) for
+    each float32 product (`gemm.applies`; not a small linear) whose result is read only through a
+    chain of 1 to MAX_VIEWS views (reshapes, permutations, transposes), each view the only reader
+    and only view of the one before, ending in one copying op (`COPYING_READERS`) into a buffer of
+    its own, where the views and the copy are the next ops on the product's stream and wait for
+    nothing. Swin's window merge is this: the projection's rows [windows, 49, C] viewed as [B,
+    h/7, w/7, 7, 7, C], permuted to [B, h/7, 7, w/7, 7, C] and reshaped (a copy) to [B, h, w, C].
+    `PlacedRun` has the product's kernel store each element where the copy would put it
+    (`gemm.Gemm.through`); the copy then has nothing left to do, and the product's own buffer is
+    never written. The memory plan holds the product's inputs until the copy
+    (`memory.held_inputs`), whose buffer the kernel writes while other tiles still read them."""
+    following = _next_on_stream(order, stream_of)
+    readers, outputs, _ = _readers(graph)
+    views_of = _views_of(graph)
+    pairs = {}
+    for p in placed:
+        if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel
+            continue
+        root, chain = p.op.outputs[0], []
+        value, at = root, p.op.id
+        while True:
+            nxt = following.get(at)
+            if nxt is None or waits[nxt] or len(chain) > MAX_VIEWS:
+                break
+            op = graph.ops[nxt]
+            if op.mutates or len(op.outputs) != 1 or not op.args or op.args[0] != Ref(value):
+                break
+            result = graph.values[op.outputs[0]]
+            if op.target in COPYING_READERS and result.alias_of is None and result.kind == ACTIVATION:
+                views = {graph.ops[v].outputs[0] for v in chain}
+                if chain and root not in outputs and readers.get(root) == {*chain, nxt} \
+                        and views_of.get(root) == views:
+                    pairs[p.op.id] = ([placed[v] for v in chain], placed[nxt])
+                break
+            if op.target not in VIEWS or result.alias_of != root:
+                break
+            chain.append(nxt)
+            value, at = op.outputs[0], nxt
+    return pairs

@@ -285,6 +285,7 @@ class PlacedRun(Executor):
         self.means = pairs.means if pairs is not None else {}
         self.copies = pairs.copies if pairs is not None else {}
         self.products = pairs.products if pairs is not None else {}
+        self.scatters = pairs.scatters if pairs is not None else {}
         self.written: set[int] = set()
 
     def arguments(self, p: PlacedOp):
@@ -306,6 +307,8 @@ class PlacedRun(Executor):
                 if got is not None:
                     return [got]
             if p.op.id in self.products and self._with_epilogue(p, args, planned[0]):
+                return planned
+            if p.op.id in self.scatters and self._through_views(p, args, planned[0]):
                 return planned
             got = p.substitute(args, planned[0]) if p.substitute is not None and len(planned) == 1 else None
             if got is not None:
@@ -356,6 +359,18 @@ class PlacedRun(Executor):
         if not p.substitute.with_epilogue(args, out, body, operands, into, held):  # a gemm.Gemm
             return False
         self.written.add(second.op.id)
+        return True
+
+    def _through_views(self, p: PlacedOp, args, out: torch.Tensor) -> bool:
+        """The product `p` stored straight where the copy that reads it through views puts each
+        element (`pairs.scatter_pairs`); False, with nothing run, where it cannot. `out`, the
+        product's own buffer, is never written: only the views, then the copy, read it."""
+        chain, copy = self.scatters[p.op.id]
+        target = self.views.get(copy.op.outputs[0])
+        into = _seen_back([v.op for v in chain], target, out) if target is not None else None
+        if into is None or not p.substitute.through(args, out, into):  # a gemm.Gemm
+            return False
+        self.written.add(copy.op.id)
         return True
 
     def _with_mean(self, p: PlacedOp, args, out: torch.Tensor) -> torch.Tensor | None:
@@ -420,6 +435,53 @@ def _body(op: Op, args, kwargs) -> tuple:
     """The body a generated kernel computes for `op` called with these arguments: a fused op's
     own, or the lone elementwise op as a body of one node."""
     return args[0] if op.target == fusion.FUSED else ((op.target, tuple(args), tuple(kwargs.items())),)
+
+
+def _viewed(view: Op, t: torch.Tensor) -> torch.Tensor | None:
+    """`t` through `view` (a reshape, permutation or transpose, as `pairs.VIEWS`), None for another op."""
+    if view.target == "aten::permute.default" and len(view.args) == 2:
+        return t.permute([d % t.dim() for d in view.args[1]])
+    if view.target == "aten::transpose.int" and len(view.args) == 3:
+        return t.transpose(view.args[1], view.args[2])
+    if view.target in ("aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default") \
+            and len(view.args) == 2:
+        return t.reshape(view.args[1])
+    return None
+
+
+def _seen_back(chain: list[Op], target: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """`target` (the dense buffer of a copy of `out` seen through the views `chain`) seen back
+    through them, as far as strides can: a tensor whose elements, in row-major order, are where
+    the copy puts `out`'s elements in row-major order. Walking back, a permutation is undone; a
+    reshape keeps row-major order, so where strides cannot undo one, every view before it must
+    be a reshape too, and the walk stops there. None where the views or buffers do not fit."""
+    if target.dtype != out.dtype or target.device != out.device or target.numel() != out.numel():
+        return None
+    shapes = [torch.empty(out.shape, device="meta")]
+    for view in chain:
+        seen = _viewed(view, shapes[-1])
+        if seen is None:
+            return None
+        shapes.append(seen)
+    seen = target
+    if tuple(seen.shape) != tuple(shapes[-1].shape):
+        if not seen.is_contiguous():
+            return None
+        seen = seen.view(shapes[-1].shape)
+    for k in range(len(chain) - 1, -1, -1):
+        view = chain[k]
+        if view.target == "aten::permute.default":
+            dims = [d % seen.dim() for d in view.args[1]]
+            seen = seen.permute(sorted(range(len(dims)), key=dims.__getitem__))
+        elif view.target == "aten::transpose.int":
+            seen = seen.transpose(view.args[1], view.args[2])
+        else:
+            try:
+                seen = seen.view(shapes[k].shape)
+            except RuntimeError:
+                reshapes = ("aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default")
+                return seen if all(v.target in reshapes for v in chain[:k]) else None
+    return seen
 
 
 def _unviewed(view: Op, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

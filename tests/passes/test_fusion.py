@@ -21,7 +21,7 @@ from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion
 from nimble.pipeline import CompileOptions, compile_model, compile_script
 from nimble.runtime import reference
-from nimble.runtime.codegen import _expr, _offset, elementwise_source
+from nimble.runtime.codegen import _expr, elementwise_source, strided_offset
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES
@@ -250,7 +250,7 @@ def test_kernel_offsets_address_each_element(shape, rnd, broadcast):
     operand = torch.empty(operand_shape).expand(shape)
     order = sorted(range(out.dim()), key=lambda d: (-out.stride(d), d))
     for tensor in (out, operand):
-        expr = _offset(shape, tensor.stride(), order, dense=False)
+        expr = strided_offset(shape, tensor.stride(), order, dense=False)
         coords = torch.stack(torch.meshgrid(*[torch.arange(n) for n in shape], indexing="ij"), -1).reshape(-1, len(shape))
         for coord in coords.tolist():
             i = sum(coord[d] * out.stride(d) for d in range(len(shape)))  # the out element's position

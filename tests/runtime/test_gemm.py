@@ -62,6 +62,25 @@ def test_the_elementwise_op_after_the_product_runs_in_its_kernel():
     assert bool((product == 7.0).all())
 
 
+@pytest.mark.parametrize("tile", gemm.TILES)
+def test_the_product_is_stored_where_the_copy_of_its_permuted_windows_would_put_it(tile):
+    """`scatter`: Swin's window merge, the product's rows [windows * 9, C] stored straight into
+    the merged map [B, H, W, C] (the copy's buffer), seen back as [B, H/3, W/3, 3, 3, C]."""
+    g = torch.Generator().manual_seed(3)
+    x, b = torch.randn(2 * 2 * 3 * 9, 40, generator=g), torch.randn(40, 24, generator=g)
+    bias = torch.randn(24, generator=g)
+    merged = torch.full((2, 6, 9, 24), 7.0)  # the copy's buffer
+    into = merged.view(2, 2, 3, 3, 3, 24).permute(0, 1, 3, 2, 4, 5)  # seen back through the permutation
+    out = torch.full((x.shape[0], 24), 5.0)  # the product's own buffer: never written
+    grid, constants = gemm.grid(x, b, tile)
+    constants.pop("num_stages")
+    triton_shim.run_grid(gemm.source(x, b, bias, out, tile=tile, scatter=into), grid, x, b, into, bias, **constants)
+    rows = torch.addmm(bias, x, b)
+    want = rows.view(2, 2, 3, 3, 3, 24).permute(0, 1, 3, 2, 4, 5).reshape(2, 6, 9, 24)
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
+    assert bool((out == 5.0).all())
+
+
 def test_strided_operands_and_a_result_inside_a_larger_buffer():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 2 * 50, generator=g)[:, ::2]  # every other column
@@ -260,6 +279,45 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+
+@gpu
+def test_a_window_merge_stores_the_projection_into_the_merged_map_on_the_gpu(tmp_path, monkeypatch):
+    """Swin's window merge (`WindowMerge`) loaded with scatter pairs and without: both match
+    eager, and with them one kernel fewer runs (the reshape's copy)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import kernels, pairs, tuning
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+    from nimble.specs import input_specs
+
+    from ..models import WindowMerge
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    monkeypatch.setattr(gemm, "_chosen", {})
+    torch.manual_seed(0)
+    path = tmp_path / "windows.pt"
+    torch.jit.save(torch.jit.trace(WindowMerge().eval(), torch.randn(2, 6, 9, 96)), str(path))
+    write_artifact(tmp_path / "m.nimble", compile_model(path, input_specs(["2x6x9x96"]), device="cpu").artifact())
+    art = read_artifact(tmp_path / "m.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    counts = {}
+    for paired in (True, False):
+        monkeypatch.setattr(pairs, "SCATTER_PAIRS", paired)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
+                         graph_dump=str(tmp_path / f"{paired}.dot"))
+        assert kernels.STATS.fallbacks[before:] == []
+        assert len(exe._pairs.scatters) == (1 if paired else 0)
+        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
+        assert result.passed, result.describe()
+        counts[paired] = count_kernels(tmp_path / f"{paired}.dot")
+    assert counts[True] == counts[False] - 1, counts
 
 
 @gpu

@@ -399,6 +399,59 @@ def test_a_product_pairs_with_the_op_after_the_reshape_of_its_rows(tmp_path):
     assert product not in pairing.product_pairs(g, placed, order, [0] * n, [()] * n)
 
 
+def test_a_product_read_through_views_by_a_copy_pairs_with_the_copy(tmp_path):
+    """`scatter_pairs`: Swin's window merge (projection rows viewed as windows, permuted, then
+    copied by a reshape) pairs the product with the copy; a wait before the copy, or a second
+    reader of a view, leaves them apart."""
+    from nimble.pipeline import compile_model
+    from nimble.runtime import pairs as pairing, placement
+    from nimble.specs import input_specs
+
+    from ..models import WindowMerge
+
+    path = tmp_path / "windows.pt"
+    torch.jit.save(torch.jit.trace(WindowMerge().eval(), torch.randn(2, 6, 9, 96)), str(path))
+    g = compile_model(path, input_specs(["2x6x9x96"]), device="cpu", check=False).graph
+    placed, n = placement.prepare(g), len(g.ops)
+    order = list(range(n))
+    pairs = pairing.scatter_pairs(g, placed, order, [0] * n, [()] * n)
+    assert len(pairs) == 1, [op.target for op in g.ops]
+    (product, (chain, copy)), = pairs.items()
+    assert g.ops[product].target == "aten::linear.default"
+    assert [v.op.target for v in chain] == ["aten::view.default", "aten::permute.default"]
+    assert copy.op.target == "aten::reshape.default" and copy.op.id == product + 3
+    waits = [()] * n
+    waits[copy.op.id] = (0,)
+    assert not pairing.scatter_pairs(g, placed, order, [0] * n, waits)
+    g = replace(g, outputs=(*g.outputs, chain[1].op.outputs[0]))
+    assert not pairing.scatter_pairs(g, placed, order, [0] * n, [()] * n)
+
+
+@pytest.mark.parametrize("shape, views", [
+    ((12, 9, 5), [("aten::view.default", ((2, 2, 3, 3, 3, 5),)), ("aten::permute.default", ((0, 1, 3, 2, 4, 5),))]),
+    ((4, 9, 15), [("aten::transpose.int", (1, 2)), ("aten::reshape.default", ((4, 9, 15),))]),
+    ((12, 15), [("aten::view.default", ((4, 3, 15),)), ("aten::permute.default", ((2, 0, 1),)),
+                ("aten::view.default", ((-1,),))]),
+])
+def test_a_copy_s_buffer_seen_back_through_the_views_takes_the_product_in_row_major_order(shape, views):
+    """What the product's kernel stores at element i of the tensor `_seen_back` gives, in
+    row-major order, is what the copy of the product's views holds: the copy made by storing."""
+    from nimble.ir import Op
+    from nimble.runtime.placement import _seen_back, _viewed
+
+    out = torch.randn(shape)
+    chain = [Op(k, target, (None, *args), (), (k,), (), (), "") for k, (target, args) in enumerate(views)]
+    seen = out
+    for view in chain:
+        seen = _viewed(view, seen)
+    want = seen.reshape(-1)  # the copy: its buffer dense, in the last view's row-major order
+    target = torch.empty(want.shape)
+    into = _seen_back(chain, target, out)
+    assert into is not None and into.numel() == out.numel()
+    into.copy_(out.reshape(into.shape))  # element i of `out` to element i of `into`, both row-major
+    torch.testing.assert_close(target, want, rtol=0, atol=0)
+
+
 def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_next(artifacts):
     """`copy_pairs`: an op with no out= kernel (attention) whose one reader is a view (the head
     transpose) whose one reader copies it (contiguous or reshape) pairs with both, where the view
