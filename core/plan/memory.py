@@ -169,8 +169,9 @@ PRODUCTS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "
 def held_inputs(graph: Graph) -> dict[int, list[int]]:
     """op -> the values it holds, though it does not read them: a matrix product's inputs, held
     by the one op that reads the product's result (directly or through views). The runtime may
-    run the two as one kernel (`runtime.pairs.product_pairs`), whose tiles write that op's result
-    while other tiles still read the product's inputs, so the result must not take their bytes."""
+    run the two as one kernel (`runtime.pairs.product_pairs`, and `scatter_pairs` where that op
+    copies the product's views), whose tiles write that op's result while other tiles still read
+    the product's inputs, so the result must not take their bytes."""
     readers = graph.readers()
     held: dict[int, list[int]] = {}
     for op in graph.ops:
