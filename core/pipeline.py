@@ -37,7 +37,7 @@ from .stages import Stages
 # what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
 # remove_mutation does, so that common subexpressions and fusion see pure ops. The op order is made
 # canonical before anything that decides by order (fusion, the schedule) or names by it.
-REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.normalise_convolutions,
+REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.index_as_view, passes.normalise_convolutions,
                    passes.fold_batch_norm, passes.affine_batch_norm, passes.flatten_concats,
                    passes.match_multi_head_attention, passes.match_attention, passes.precompute_attention_masks,
                    passes.inline_scalar_constants, passes.drop_identity_copies, passes.bias_into_epilogue,

@@ -221,3 +221,21 @@ class WindowMerge(nn.Module):
         rows = self.proj(windows)
         merged = rows.view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
         return x + merged
+
+
+class PaddingMask(nn.Module):
+    """Hugging Face's attention mask at odd sizes: the padding mask [B, T] cast to booleans and
+    spread to [B, 1, 1, T] by indexing with ranges, and-ed with a causal mask, turned into 0 and
+    -inf, and added to scores; `reverse` indexes the keys backwards (a gather, not a view)."""
+
+    def __init__(self, reverse: bool = False):
+        super().__init__()
+        self.reverse = reverse
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t = mask.shape
+        keys = torch.arange(t)
+        keys = keys.flip(0) if self.reverse else keys
+        spread = mask.to(torch.bool)[torch.arange(b)[:, None, None, None], keys[None, None, None, :]]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        return scores + torch.where(causal & spread, 0.0, float("-inf"))

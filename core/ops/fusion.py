@@ -59,7 +59,14 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
     "aten::sub.Scalar": (("tensor", "number", "number"), 2, {}),
     "aten::mul.Scalar": (("tensor", "number"), 2, {}), "aten::div.Scalar": (("tensor", "number"), 2, {}),
     "aten::pow.Tensor_Scalar": (("tensor", "number"), 2, {}),  # of an exponent in POWERS only
+    # of booleans (LOGICAL: a boolean result) and selections by a boolean; a body computes them on 0.0 and 1.0
+    "aten::__and__.Tensor": _BINARY_SIGNATURE, "aten::bitwise_and.Tensor": _BINARY_SIGNATURE,
+    "aten::logical_and.default": _BINARY_SIGNATURE,
+    "aten::where.Scalar": (("tensor", "number", "number"), 3, {}),
+    "aten::where.self": (("tensor", "tensor", "tensor"), 3, {}),
 }
+LOGICAL = frozenset({"aten::__and__.Tensor", "aten::bitwise_and.Tensor", "aten::logical_and.default"})
+SELECTIONS = frozenset({"aten::where.Scalar", "aten::where.self"})  # operand 0 is the boolean condition
 # The exponents a fused pow may take: those PyTorch's CUDA kernel computes without calling pow
 # (x * x, x * x * x, sqrt, rsqrt, reciprocal), so that the generated kernel gives its result.
 POWERS = (2, 3, 0.5, -0.5, -1, -2)

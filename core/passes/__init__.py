@@ -20,6 +20,7 @@ from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
 from .fold_constants import fold_constants
+from .index_as_view import index_as_view
 from .inline_scalar_constants import inline_scalar_constants
 from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
@@ -36,7 +37,7 @@ from .order_canonically import order_canonically
 from .precompute_attention_masks import precompute_attention_masks
 
 # (graph, weights) -> (graph, weights)
-REWRITES_WEIGHTS = frozenset({fold_constants, fold_batch_norm, affine_batch_norm, match_attention,
+REWRITES_WEIGHTS = frozenset({fold_constants, index_as_view, fold_batch_norm, affine_batch_norm, match_attention,
                               inline_scalar_constants, align_attention_masks, drop_precision_casts,
                               bias_into_broadcast})
 
@@ -45,6 +46,6 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bi
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
-           "generate_broadcast_ops", "inline_scalar_constants",
+           "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]

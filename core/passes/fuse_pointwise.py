@@ -10,6 +10,7 @@ from .fuse_conv import _leader
 from .rewrite import Facts, fuse
 
 MAX_OPERANDS = 16  # distinct graph values one group reads
+BOOLEAN = frozenset({"bool"})
 
 
 def fuse_pointwise(graph: Graph) -> Graph:
@@ -54,7 +55,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
     _take_shared_operands(graph, facts, group, conv_of)
     ordered = []
     for last, members in group.items():
-        if len(members) > 1:
+        if len(members) > 1 and graph.values[graph.ops[last].outputs[0]].spec.dtype in fusion.FLOATS:
             conv = conv_of[last]
             ordered.append(([conv] if conv is not None else []) + sorted(m for m in members if m != conv))
     return fuse(graph, ordered)
@@ -62,11 +63,14 @@ def fuse_pointwise(graph: Graph) -> Graph:
 
 def elementwise(graph: Graph, facts: Facts, op: Op):
     """`op`'s result if `op` may join a group: an elementwise op in the fused set whose operands
-    share its floating dtype and broadcast to its result."""
+    share its floating dtype and broadcast to its result. An and of booleans (`fusion.LOGICAL`)
+    reads and gives booleans, and a selection's condition is boolean; a group whose result is a
+    boolean is never made (`fuse_pointwise`), so they join a group that selects by them."""
     if op.target not in fusion.POINTWISE or not facts.movable(op) \
             or fusion.pointwise_problem((op.target, op.args, op.kwargs)) is not None:
         return None
-    result = facts.plain_result(op)
+    logical = op.target in fusion.LOGICAL
+    result = facts.plain_result(op, BOOLEAN if logical else fusion.FLOATS)
     if result is None or op.kwargs and op.target != "aten::gelu.default" and \
             not all(k == "alpha" for k, _ in op.kwargs):
         return None
@@ -76,7 +80,8 @@ def elementwise(graph: Graph, facts: Facts, op: Op):
             if not isinstance(a, Ref):
                 return None
             spec = graph.values[a.id].spec
-            if spec.dtype != result.spec.dtype or len(spec.shape) > len(result.spec.shape) or any(
+            want = "bool" if logical or op.target in fusion.SELECTIONS and pos == 0 else result.spec.dtype
+            if spec.dtype != want or len(spec.shape) > len(result.spec.shape) or any(
                     n not in (1, m) for n, m in zip(reversed(spec.shape), reversed(result.spec.shape))):
                 return None
         elif not (a is None or isinstance(a, (int, float, str)) and not isinstance(a, bool)):

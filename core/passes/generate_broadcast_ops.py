@@ -10,7 +10,9 @@ offset calculator, one element at a time; the generated kernel reads it by one d
 flat index, in either layout. efficientnet_b0 has 16 of them.
 
 Ops whose operands all have the result's shape stay as they are: PyTorch's kernel for those is
-vectorised and as fast as a generated one. Runs after `fuse_pointwise`, on what it left.
+vectorised and as fast as a generated one. A selection between two numbers (`where.Scalar`) is
+generated always: PyTorch fills a tensor with each number first, three kernels for one. Runs
+after `fuse_pointwise`, on what it left.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def generate_broadcast_ops(graph: Graph) -> Graph:
         result = elementwise(graph, facts, op)
         if result is None:
             continue
+        if result.spec.dtype not in fusion.FLOATS:
+            continue  # an and of booleans: a generated kernel stores floating results only
         shapes = [graph.values[op.args[pos].id].spec.shape for pos in fusion.POINTWISE[op.target]]
-        if any(shape != result.spec.shape for shape in shapes):
+        if any(shape != result.spec.shape for shape in shapes) or op.target == "aten::where.Scalar":
             lone.append([op.id])
     return fuse(graph, lone)

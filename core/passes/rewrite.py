@@ -36,12 +36,13 @@ class Facts:
         writes the storage it reads (so reading later reads the same data)."""
         return op.id not in self.ordered and not any(self.graph.root(r) in self.mutated for r in op.refs())
 
-    def plain_result(self, op: Op) -> Value | None:
-        """`op`'s one result, if it is a fresh floating-point activation (not a view, not in place)."""
+    def plain_result(self, op: Op, dtypes=fusion.FLOATS) -> Value | None:
+        """`op`'s one result, if it is a fresh activation of one of `dtypes` (floating point unless
+        told) that is not a view and not written in place."""
         if len(op.outputs) != 1 or op.mutates:
             return None
         v = self.graph.values[op.outputs[0]]
-        if v.kind != ACTIVATION or v.alias_of is not None or v.spec.dtype not in fusion.FLOATS:
+        if v.kind != ACTIVATION or v.alias_of is not None or v.spec.dtype not in dtypes:
             return None
         return v
 

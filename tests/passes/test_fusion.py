@@ -226,15 +226,29 @@ def test_a_forged_cat_led_body_is_refused(body, problem):
         fusion.check(Op(0, fusion.FUSED, (body,), (), (1,), (), (), ""))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_padding_mask_spread_by_ranges_is_a_view_and_its_booleans_fuse_into_the_selection(reverse):
+    """`index_as_view`: indexing by constant ranges in order is a view (indexing the keys
+    backwards stays a gather); `fuse_pointwise`: the and of booleans, the selection between 0 and
+    -inf and the add of the scores are one fused op, whose result is the only floating one."""
+    from ..models import PaddingMask
+
+    scores, mask = torch.randn(3, 1, 7, 7), (torch.rand(3, 7) > 0.3).long()
+    with quiet_torchscript():
+        traced = torch.jit.trace(PaddingMask(reverse).eval(), (scores, mask))
+    specs = input_specs(["3x1x7x7", "3x7"], ["float32", "int64"])
+    c = compile_script(traced, specs, "mask", "mask.pt", "0" * 64, CompileOptions(device="cpu"))
+    got = reference.run(c.graph, c.weights, [scores, mask])
+    torch.testing.assert_close(got[0], PaddingMask(reverse)(scores, mask), rtol=0, atol=0)
+    assert ("aten::index.Tensor" in targets(c.graph)) == reverse
+    assert ["aten::__and__.Tensor", "aten::where.Scalar", "aten::add.Tensor"] in bodies(c.graph), bodies(c.graph)
+
+
 def test_every_fusible_op_has_a_kernel_expression():
-    for target, tensors in fusion.POINTWISE.items():
-        args = [None] * 3
-        for pos in tensors:
-            args[pos] = "t"
-        if target.endswith((".Scalar", ".Tensor_Scalar")):
-            args[1] = 2.0
-        code = _expr(target, ["a", "b"], args, {})
-        ast.parse(code)  # a Python expression over a and b
+    for target, (slots, _, _) in fusion.SIGNATURES.items():
+        args = ["t" if kind == "tensor" else 2.0 if kind == "number" else None for kind in slots]
+        code = _expr(target, ["a", "b", "c"], args, {})
+        ast.parse(code)  # a Python expression over a, b and c
 
 
 @settings(max_examples=60, deadline=None)

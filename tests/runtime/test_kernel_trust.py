@@ -79,7 +79,8 @@ def bodies(draw):
     """A random pointwise body that `fusion.check` accepts: its nodes, in IR form (Refs 0 and 1)."""
     nodes = []
     for k in range(draw(st.integers(1, 5))):
-        target = draw(st.sampled_from(sorted(fusion.SIGNATURES)))
+        # over floats; the ops of booleans and selections by one have their own test below
+        target = draw(st.sampled_from(sorted(set(fusion.SIGNATURES) - fusion.LOGICAL - fusion.SELECTIONS)))
         slots, required, keywords = fusion.SIGNATURES[target]
         n = draw(st.integers(required, len(slots)))
         tensors = [Ref(0), Ref(1)] + [Local(j) for j in range(k)]
@@ -124,6 +125,23 @@ def test_generated_kernels_agree_with_the_interpreted_body(body, seed):
     assume(operands and torch.broadcast_shapes(*(t.shape for t in operands)) == want.shape)
     got = generated(nodes, torch.empty(want.shape), operands)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("logical", sorted(fusion.LOGICAL))
+def test_a_mask_of_booleans_selected_into_floats_computes_what_torch_does(logical):
+    """GPT-2's mask: a causal [1, 1, T, T] and a padding [B, 1, 1, T] boolean, and-ed, then a
+    selection between 0 and -inf; and a selection between two tensors by the same booleans."""
+    g = torch.Generator().manual_seed(0)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril().view(1, 1, 5, 5)
+    padding = (torch.rand(3, 5, generator=g) > 0.3).view(3, 1, 1, 5)
+    x, y = torch.randn(3, 1, 5, 5, generator=g), torch.randn(1, 1, 1, 5, generator=g)
+    for last in (("aten::where.Scalar", (Local(0), 0.0, float("-inf")), ()),
+                 ("aten::where.self", (Local(0), x, y), ())):
+        body = ((logical, (causal, padding), ()), last)
+        operands = kernels._operands(body, skip_first=False)
+        want = interpret.run_fused(body)
+        got = generated(body, torch.empty(want.shape), operands)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
