@@ -10,7 +10,7 @@ of its own. Runs after the other fusion passes, on the fused ops they made.
 
 from __future__ import annotations
 
-from ..ir import Graph, Local, Op, Ref, map_refs, renumber
+from ..ir import ACTIVATION, Graph, Local, Op, Ref, map_refs, renumber
 from ..ops import fusion
 from .fuse_pointwise import elementwise
 from .rewrite import Facts
@@ -46,7 +46,8 @@ def fuse_concats(graph: Graph) -> Graph:
 
 def _joins(graph: Graph, facts: Facts, cat: Op) -> Op | None:
     """The reader `cat` may lead: `cat` joins at most MAX_PIECES graph values of one floating
-    dtype along a constant dimension, may run at its reader's place (`Facts.movable`), and its
+    dtype, each laid out as the result will be (`_laid_out_alike`), along a constant dimension,
+    may run at its reader's place (`Facts.movable`), and its
     result, read by nothing else, has the reader's shape and dtype; the reader is a pointwise
     fused op, or an elementwise op that `fuse_pointwise.elementwise` accepts, and no op orders
     after the cat. None where any of this fails."""
@@ -59,7 +60,8 @@ def _joins(graph: Graph, facts: Facts, cat: Op) -> Op | None:
     reader_id = facts.only_reader(cat.outputs[0])
     if result is None or reader_id is None:
         return None
-    if any(graph.values[a.id].spec.dtype != result.spec.dtype for a in cat.args[0]):
+    if any(graph.values[a.id].spec.dtype != result.spec.dtype or not _laid_out_alike(graph, facts, a.id)
+           for a in cat.args[0]):
         return None
     reader = graph.ops[reader_id]
     if reader.target == fusion.FUSED:
@@ -68,7 +70,19 @@ def _joins(graph: Graph, facts: Facts, cat: Op) -> Op | None:
     elif elementwise(graph, facts, reader) is None:
         return None
     out = graph.values[reader.outputs[0]].spec
-    return reader if out.shape == result.spec.shape and out.dtype == result.spec.dtype else None
+    return reader if out.shape == result.spec.shape and out.dtype == result.spec.dtype \
+        and _laid_out_alike(graph, facts, reader.outputs[0]) else None
+
+
+def _laid_out_alike(graph: Graph, facts: Facts, value: int) -> bool:
+    """Whether `value` is a dense activation of its own that every layout chosen at load lays out
+    as it lays out the cat's other parts and result: no view, input or weight (a class token
+    expanded over the batch has a stride of 0), and, if it is 4-D, no view of it either
+    (`tuning.channels_last_values` re-strides exactly those). The kernel needs every part and the
+    result dense in one order of dims (`codegen.ConcatTiles`)."""
+    v = graph.values[value]
+    return v.kind == ACTIVATION and v.alias_of is None and v.spec.is_contiguous and not v.spec.offset \
+        and (len(v.spec.shape) != 4 or value not in facts.aliased)
 
 
 def _led_by(graph: Graph, cat: Op, reader: Op) -> Op:

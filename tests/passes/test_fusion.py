@@ -212,6 +212,26 @@ def test_a_cat_leads_the_elementwise_op_that_alone_reads_it():
         assert fusion.body_of(op)[0][1][1] == 1
 
 
+class ClassToken(nn.Module):
+    """vit's class token, expanded over the batch (a stride of 0), joined to the patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.token, self.position = nn.Parameter(torch.randn(1, 1, 6)), nn.Parameter(torch.randn(1, 5, 6))
+
+    def forward(self, x):
+        rows = torch.relu(x)  # an activation of its own
+        return torch.cat([self.token.expand(x.shape[0], -1, -1), rows], 1) + self.position
+
+
+def test_a_cat_of_a_part_that_is_a_view_stays_a_cat():
+    """A part that is not a dense activation of its own (the expanded token) could be laid out
+    otherwise than the result at load: `fuse_concats` leaves the cat alone."""
+    runs = compile_both(ClassToken(), (3, 4, 6), "token")
+    assert "aten::cat.default" in targets(runs[True].graph)
+    assert not any(bodies_of(op)[:1] == ["aten::cat.default"] for op in runs[True].graph.ops)
+
+
 @pytest.mark.parametrize("body, problem", [
     ((("aten::relu.default", (Ref(0),), ()), ("aten::cat.default", ((Ref(0),), 1), ())), "may only lead"),
     ((("aten::cat.default", ((Ref(0), 2.0), 1), ()), ("aten::relu.default", (Local(0),), ())), "graph values"),
