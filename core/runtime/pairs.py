@@ -217,9 +217,7 @@ def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
     readers, outputs, aliased = _readers(graph)
     views_of = _views_of(graph)
     pairs = {}
-    for p in placed:
-        if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel
-            continue
+    for p in _products(placed):
         value = p.op.outputs[0]
         second, shape, between, through = following.get(p.op.id), graph.values[value].spec.shape, set(), None
         if second is not None and not waits[second] and _reshape(graph, graph.ops[second], value, views_of):
@@ -236,6 +234,11 @@ def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
         if kernel is not None:
             pairs[p.op.id] = (placed[second], kernel, through)
     return pairs
+
+
+def _products(placed: Sequence[PlacedOp]) -> list[PlacedOp]:
+    """The ops whose substitute is nimble's float32 product (`gemm.Gemm`; not a small linear's kernel)."""
+    return [p for p in placed if isinstance(p.substitute, Gemm) and len(p.op.outputs) == 1]
 
 
 RESHAPES = frozenset({"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"})
@@ -273,9 +276,7 @@ def scatter_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
     readers, outputs, _ = _readers(graph)
     views_of = _views_of(graph)
     pairs = {}
-    for p in placed:
-        if not isinstance(p.substitute, Gemm) or len(p.op.outputs) != 1:  # not a small linear's kernel
-            continue
+    for p in _products(placed):
         root, chain = p.op.outputs[0], []
         value, at = root, p.op.id
         while True:

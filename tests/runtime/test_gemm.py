@@ -183,8 +183,8 @@ def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_p
 gpu = pytest.mark.gpu
 
 
-def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch):
-    """`module` traced on a [4, 33, 96] input, compiled on the CPU and read back, with the kernel
+def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch, shape=(4, 33, 96)):
+    """`module` traced on an input of `shape`, compiled on the CPU and read back, with the kernel
     chosen however fast it is and no choice left from another test."""
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
@@ -195,8 +195,9 @@ def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch):
     monkeypatch.setattr(gemm, "_chosen", {})
     torch.manual_seed(0)
     path = tmp_path / "model.pt"
-    torch.jit.save(torch.jit.trace(module.eval(), torch.randn(4, 33, 96)), str(path))
-    write_artifact(tmp_path / "m.nimble", compile_model(path, input_specs(["4x33x96"]), device="cpu").artifact())
+    torch.jit.save(torch.jit.trace(module.eval(), torch.randn(shape)), str(path))
+    spec = "x".join(map(str, shape))
+    write_artifact(tmp_path / "m.nimble", compile_model(path, input_specs([spec]), device="cpu").artifact())
     return read_artifact(tmp_path / "m.nimble")
 
 
@@ -281,42 +282,40 @@ class Block(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
 
+def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_path, monkeypatch) -> dict:
+    """{True: kernels of `art`'s graph loaded with the pairs `switch` (a `pairs` flag) turns on,
+    False: without}: each load makes `pairs_made` pairs of `kind` (or none), interprets nothing,
+    and matches the sample outputs."""
+    from nimble.runtime import kernels, pairs, tuning
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    x = [t.cuda() for t in art.sample_inputs]
+    counts = {}
+    for paired in (True, False):
+        monkeypatch.setattr(pairs, switch, paired)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
+                         graph_dump=str(tmp_path / f"{paired}.dot"))
+        assert kernels.STATS.fallbacks[before:] == []
+        assert len(getattr(exe._pairs, kind)) == (pairs_made if paired else 0)
+        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
+        assert result.passed, result.describe()
+        counts[paired] = count_kernels(tmp_path / f"{paired}.dot")
+    return counts
+
+
 @gpu
 def test_a_window_merge_stores_the_projection_into_the_merged_map_on_the_gpu(tmp_path, monkeypatch):
     """Swin's window merge (`WindowMerge`) loaded with scatter pairs and without: both match
     eager, and with them one kernel fewer runs (the reshape's copy)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.formats import read_artifact, write_artifact
-    from nimble.pipeline import compile_model
-    from nimble.runtime import kernels, pairs, tuning
-    from nimble.runtime.compare import compare
-    from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
-    from nimble.specs import input_specs
-
     from ..models import WindowMerge
 
-    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
-    monkeypatch.setattr(gemm, "_chosen", {})
-    torch.manual_seed(0)
-    path = tmp_path / "windows.pt"
-    torch.jit.save(torch.jit.trace(WindowMerge().eval(), torch.randn(2, 6, 9, 96)), str(path))
-    write_artifact(tmp_path / "m.nimble", compile_model(path, input_specs(["2x6x9x96"]), device="cpu").artifact())
-    art = read_artifact(tmp_path / "m.nimble")
-    x = [t.cuda() for t in art.sample_inputs]
-    counts = {}
-    for paired in (True, False):
-        monkeypatch.setattr(pairs, "SCATTER_PAIRS", paired)
-        before = len(kernels.STATS.fallbacks)
-        exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
-                         graph_dump=str(tmp_path / f"{paired}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
-        assert len(exe._pairs.scatters) == (1 if paired else 0)
-        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
-        assert result.passed, result.describe()
-        counts[paired] = count_kernels(tmp_path / f"{paired}.dot")
+    art = loaded_artifact(WindowMerge(), tmp_path, monkeypatch, (2, 6, 9, 96))
+    counts = kernels_paired_and_apart(art, "SCATTER_PAIRS", "scatters", 1, tmp_path, monkeypatch)
     assert counts[True] == counts[False] - 1, counts
 
 
@@ -328,22 +327,6 @@ def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(block,
     reads the product's rows through a reshape."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.runtime import kernels, pairs, tuning
-    from nimble.runtime.compare import compare
-    from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
-
     art = loaded_artifact(block(), tmp_path, monkeypatch)
-    x = [t.cuda() for t in art.sample_inputs]
-    counts = {}
-    for paired in (True, False):
-        monkeypatch.setattr(pairs, "PRODUCT_PAIRS", paired)
-        before = len(kernels.STATS.fallbacks)
-        exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
-                         graph_dump=str(tmp_path / f"{paired}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
-        assert len(exe._pairs.products) == (2 if paired else 0)
-        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
-        assert result.passed, result.describe()
-        counts[paired] = count_kernels(tmp_path / f"{paired}.dot")
+    counts = kernels_paired_and_apart(art, "PRODUCT_PAIRS", "products", 2, tmp_path, monkeypatch)
     assert counts[True] == counts[False] - 2, counts
