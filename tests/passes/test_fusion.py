@@ -313,7 +313,7 @@ def first_fused(doc) -> dict:
 
 @pytest.mark.parametrize("edit,match", [
     (lambda op: op["args"][0][1].__setitem__(0, "aten::linear.default"), "not an op a fused body may hold"),
-        (lambda op: op["args"][0][1].__setitem__(0, "aten::cat.default"), "a cat may only lead"),
+    (lambda op: op["args"][0][1].__setitem__(0, "aten::cat.default"), "a cat may only lead"),
     (lambda op: op["args"][0][1].__setitem__(0, "aten::convolution.default"), "may only lead"),
     (lambda op: op["args"][0][1].__setitem__(1, [{"local": 3}]), "not an earlier node"),
     (lambda op: op["args"][0].__setitem__(0, ["aten::relu.default", [{"local": 0}], []]), "not an earlier node"),

@@ -92,6 +92,34 @@ def test_a_result_past_2_31_elements_gets_64_bit_indices():
     assert "p = tl.program_id(0)\n" in source
 
 
+def test_a_forged_cat_along_another_dimension_is_refused_at_load_in_one_line(tmp_path):
+    """A cat-led body whose parts do not join along its (forged) dimension passes the schema
+    checks; the load's check of every op against its declared shapes refuses it before it runs."""
+    import nimble
+    from nimble.errors import ArtifactError
+    from nimble.formats.artifact import encode
+    from nimble.frontend import quiet_torchscript
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    from ..forge import edit_json
+
+    torch.manual_seed(0)
+    with quiet_torchscript():
+        torch.jit.save(torch.jit.trace(DenseBlock().eval(), torch.randn(2, 5, 7, 9)), str(tmp_path / "m.pt"))
+    blob = encode(compile_model(tmp_path / "m.pt", input_specs(["2x5x7x9"]), device="cpu").artifact())
+
+    def forge(doc):
+        led = [op for op in doc["ops"] if op["target"] == fusion.FUSED and op["args"][0][0][0] == "aten::cat.default"]
+        led[1]["args"][0][0][1][1] = 2  # two parts of 5 and 3 channels, joined along the rows
+
+    path = tmp_path / "forged.nimble"
+    path.write_bytes(edit_json(blob, "graph.json", forge))
+    with pytest.raises(ArtifactError, match="rejects its declared inputs") as info:
+        nimble.load(path, "cpu")
+    assert "\n" not in str(info.value)
+
+
 # ------------------------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels_last", [False, True])
