@@ -10,10 +10,10 @@ of its own. Runs after the other fusion passes, on the fused ops they made.
 
 from __future__ import annotations
 
-from ..ir import ACTIVATION, Graph, Local, Op, Ref, map_refs, renumber
+from ..ir import ACTIVATION, Graph, Local, Op, Ref, map_refs
 from ..ops import fusion
 from .fuse_pointwise import elementwise
-from .rewrite import Facts
+from .rewrite import Facts, checked
 
 CAT = "aten::cat.default"
 
@@ -35,13 +35,7 @@ def fuse_concats(graph: Graph) -> Graph:
             continue
         cat = cat_of.get(op.id)
         ops.append(op if cat is None else _led_by(graph, cat, op))
-    gone = {graph.ops[c].outputs[0] for c in taken}
-    fused = renumber([v for v in graph.values if v.id not in gone], ops, graph.inputs, graph.outputs)
-    fused.lint()
-    for op in fused.ops:
-        if op.target == fusion.FUSED:
-            fusion.check(op)
-    return fused
+    return checked(graph, ops, {graph.ops[c].outputs[0] for c in taken})
 
 
 def _joins(graph: Graph, facts: Facts, cat: Op) -> Op | None:

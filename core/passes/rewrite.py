@@ -82,6 +82,12 @@ def fuse(graph: Graph, groups: list[list[int]]) -> Graph:
             continue
         after = tuple(sorted({a for m in members for a in graph.ops[m].after}))
         ops.append(Op(op.id, fusion.FUSED, (body(graph, members),), (), (op.outputs[0],), (), after, op.source))
+    return checked(graph, ops, removed_values)
+
+
+def checked(graph: Graph, ops: list[Op], removed_values: set[int]) -> Graph:
+    """`graph` with `ops` (old ids) in place of its ops and without `removed_values`, ids made
+    dense, linted, and every fused op's body checked (`fusion.check`)."""
     values = [v for v in graph.values if v.id not in removed_values]
     fused = renumber(values, ops, graph.inputs, graph.outputs)
     fused.lint()

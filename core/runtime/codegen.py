@@ -93,7 +93,7 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
         return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
     if name in _UNARY:
         return _UNARY[name].format(x=x)
-    if name in ("__and__.Tensor", "bitwise_and.Tensor", "logical_and.default"):  # booleans held as 0.0 and 1.0
+    if target in fusion.LOGICAL:  # booleans held as 0.0 and 1.0
         return f"tl.where(({x} != 0) & ({a[1]} != 0), 1.0, 0.0)"
     if name == "where.Scalar":
         return f"tl.where({x} != 0, {_num(extra[1])}, {_num(extra[2])})"

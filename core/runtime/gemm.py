@@ -252,19 +252,15 @@ class Gemm:
         an input that dies at the product, and written while other tiles still read that input,
         it would corrupt them."""
         held = out if held is None else held
-        found = operands_of(self.target, args, out)
         at = [k for k, t in enumerate(operands) if t is held]
-        if found is None or len(at) != 1 or not out.is_contiguous() or not held.is_contiguous() \
+        if len(at) != 1 or not out.is_contiguous() or not held.is_contiguous() \
                 or not into.is_contiguous() or held.data_ptr() != out.data_ptr() or held.numel() != out.numel() \
                 or tuple(into.shape) != tuple(held.shape) or into.dtype not in TL_KINDS or into.device != out.device:
             return False
-        x, b, bias, matrix = found  # matrix: `out` seen as [M, N]
-        if overlaps(into, (x, b, bias)):
-            return False  # an older plan gave the op's result the bytes of an input the product still reads
-        key = _signature(x, b, bias, matrix)
-        tile = self._tile(key, x, b, bias, matrix)
-        if tile is None:
+        planned = self._into(args, out, into)
+        if planned is None:
             return False
+        x, b, bias, matrix, key, tile = planned
         epilogue = Epilogue(body, operands, at[0], into)
         whole = key + (_signature(into, *operands), at[0])
         return kernels.launch_once(self._with_epilogues, whole,
@@ -277,21 +273,29 @@ class Gemm:
         kernel; False, with nothing run, where PyTorch's product runs or the tensors do not fit.
         The memory plan holds the product's inputs until the copy whose buffer `into` views
         (`memory.held_inputs`); the kernel declines where they overlap all the same."""
-        found = operands_of(self.target, args, out)
-        if found is None or into.numel() != out.numel() or into.dtype != torch.float32 or into.device != out.device:
+        if into.numel() != out.numel() or into.dtype != torch.float32 or into.device != out.device:
             return False
-        x, b, bias, matrix = found
-        if overlaps(into, (x, b, bias)):
+        planned = self._into(args, out, into)
+        if planned is None:
             return False
-        key = _signature(x, b, bias, matrix)
-        tile = self._tile(key, x, b, bias, matrix)
-        if tile is None:
-            return False
+        x, b, bias, matrix, key, tile = planned
         whole = key + ("through",) + _signature(into)
         return kernels.launch_once(self._with_epilogues, whole,
                                    lambda: launcher(kernels.define(source(x, b, bias, matrix, tile=tile, scatter=into)),
                                                     tile),
                                    (x, b, bias, into), f"op {self.op_id} into the copy of its views")
+
+    def _into(self, args: list, out: torch.Tensor, into: torch.Tensor) -> tuple | None:
+        """(x, b, bias, `out` seen as [M, N], the call signature, the tile) where this kernel runs
+        the product of `args` and `into`, which its tiles write while others still read the
+        product's inputs, is clear of them; else None. An older plan may give `into` the bytes of
+        an input that dies at the product."""
+        found = operands_of(self.target, args, out)
+        if found is None or overlaps(into, found[:3]):
+            return None
+        key = _signature(*found)
+        tile = self._tile(key, *found)
+        return None if tile is None else (*found, key, tile)
 
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product

@@ -25,7 +25,7 @@ from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
 from .gemm import Gemm
 from .kernels import FusedKernel
-from .placement import PlacedOp, height_and_width
+from .placement import RESHAPES, PlacedOp, height_and_width
 
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
@@ -239,9 +239,6 @@ def product_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
 def _products(placed: Sequence[PlacedOp]) -> list[PlacedOp]:
     """The ops whose substitute is nimble's float32 product (`gemm.Gemm`; not a small linear's kernel)."""
     return [p for p in placed if isinstance(p.substitute, Gemm) and len(p.op.outputs) == 1]
-
-
-RESHAPES = frozenset({"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"})
 
 
 def _reshape(graph: Graph, op: Op, value: int, views_of: dict[int, set[int]]) -> bool:

@@ -437,14 +437,16 @@ def _body(op: Op, args, kwargs) -> tuple:
     return args[0] if op.target == fusion.FUSED else ((op.target, tuple(args), tuple(kwargs.items())),)
 
 
+RESHAPES = frozenset({"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"})
+
+
 def _viewed(view: Op, t: torch.Tensor) -> torch.Tensor | None:
     """`t` through `view` (a reshape, permutation or transpose, as `pairs.VIEWS`), None for another op."""
     if view.target == "aten::permute.default" and len(view.args) == 2:
         return t.permute([d % t.dim() for d in view.args[1]])
     if view.target == "aten::transpose.int" and len(view.args) == 3:
         return t.transpose(view.args[1], view.args[2])
-    if view.target in ("aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default") \
-            and len(view.args) == 2:
+    if view.target in RESHAPES and len(view.args) == 2:
         return t.reshape(view.args[1])
     return None
 
@@ -479,8 +481,7 @@ def _seen_back(chain: list[Op], target: torch.Tensor, out: torch.Tensor) -> torc
             try:
                 seen = seen.view(shapes[k].shape)
             except RuntimeError:
-                reshapes = ("aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default")
-                return seen if all(v.target in reshapes for v in chain[:k]) else None
+                return seen if all(v.target in RESHAPES for v in chain[:k]) else None
     return seen
 
 
