@@ -40,6 +40,9 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
   At batch 8 in channels_last that takes in the first convolution of resnet50, googlenet and
   squeezenet1_1 (3 input channels: the plans are 10 to 20 % slower, 6 to 7 us, and the result is
   24 MiB), and leaves out resnet50's two slowest residual convolutions (1.55 and 1.95 times).
+  Where that result is 1 MiB or more (`LARGE_BLOCK`) a plan may be `SLOWER_LARGE_OUTSIDE` slower:
+  on the H200 squeezenet1_1's first convolution at batch 8 came out past 1.25 in one load of two,
+  and its 24 MiB result then took the footprint from 50 to 104 MiB (2026-11-27).
 
 A choice is kept for the process under the call's signature: shapes, strides, dtypes,
 convolution parameters, steps and whether TF32 is allowed. With `torch.backends.cudnn.allow_tf32`
@@ -74,6 +77,8 @@ MAX_WORKSPACE = 16 * 2**20
 MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
 SLOWER = 1.03  # a plan is used while at most this much slower than the reference
 SLOWER_OUTSIDE = 1.25  # ... or this much, where the reference's result lies outside the arena
+SLOWER_LARGE_OUTSIDE = 1.5  # ... or this much, where that result is a large block (LARGE_BLOCK bytes or more)
+LARGE_BLOCK = 2**20  # the caching allocator gives such a block a segment of 20 MiB or more
 TOLERANCE = 1e-2  # largest difference from the reference's result, relative to its largest magnitude
 TOO_SLOW_S = 0.05  # a plan whose checked run alone takes longer (and TOO_SLOW times the limit) is not timed
 TOO_SLOW = 20
@@ -221,11 +226,11 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     or None. `operands` are x, w, bias (or None) and the tensors the steps read; `reference()`
     computes the same result the way nimble would without cuDNN graphs, into a buffer of its own
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
-    plan may then be `SLOWER_OUTSIDE` slower). Plans are timed only outside a capture; the same
+    plan may then be `SLOWER_OUTSIDE` slower, `SLOWER_LARGE_OUTSIDE` for a large one). Plans are timed only outside a capture; the same
     call later gets the same choice."""
     if frontend() is None or overlaps(out, operands):
         return None
-    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside))
+    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside, out.numel() * out.element_size()))
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
@@ -245,10 +250,13 @@ def _tf32(out: torch.Tensor) -> bool:
     return out.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
 
 
-def _limit(outside: bool) -> float:
+def _limit(outside: bool, nbytes: int) -> float:
     """How much slower than the reference a plan may be: never less where the reference's result
-    lies outside the arena than where it does not."""
-    return max(SLOWER, SLOWER_OUTSIDE) if outside else SLOWER
+    of `nbytes` lies outside the arena than where it does not, nor where it is a large block than
+    where it is a small one."""
+    if not outside:
+        return SLOWER
+    return max(SLOWER, SLOWER_OUTSIDE, SLOWER_LARGE_OUTSIDE if nbytes >= LARGE_BLOCK else 0.0)
 
 
 def _decide(key: tuple, p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:

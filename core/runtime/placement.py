@@ -219,7 +219,7 @@ class PlacedOp:
     substitute: Callable | None
     clamps: tuple = ()  # index arguments read clamped into range on CUDA (`indices.py`)
     # writes the op's result into any tensor of its shape and dtype, whatever its strides, or
-    # declines (False): attention over few keys (`small_attention.Attention`)
+    # declines (False): generated attention (`small_attention.Attention`)
     writer: Callable | None = None
 
 

@@ -1,4 +1,4 @@
-"""Attention over few keys as one generated kernel, chosen per call by measurement.
+"""Attention as one generated kernel that writes its planned buffer, chosen per call by measurement.
 
 Swin's windows attend over 49 keys with 32 values per head, and an additive mask (its relative
 position bias, shifted windows' mask too). PyTorch's scaled-dot-product attention runs them in
@@ -11,6 +11,13 @@ by the values, and stores the rows through the result's strides. In float32 each
 taken as three TF32 products on the tensor cores (`FLOAT32_PRODUCTS`, Triton's "tf32x3"), which
 keeps float32's accuracy (plain TF32 would round every operand to 10 bits); half precision uses
 the tensor cores and float32 accumulation.
+
+Past MAX_KEYS keys (vit_b_16 attends over 197) a program walks the keys KEY_BLOCK at a time and
+keeps, per query, the largest score so far, the sum of exponentials and the weighted values, each
+rescaled when the largest score grows (the online softmax of FlashAttention). PyTorch's attention
+has no `out=` form: its result is allocated during the capture, in the graph's pool (a 20 MiB
+segment at vit_b_16's batch 8), and copied into the head merge's buffer by a second kernel. This
+kernel writes that buffer itself.
 
 Which one runs is measured (`Attention`): the first call of a signature outside a capture times
 this kernel and PyTorch's attention, each in a CUDA graph, checks the kernel's result against
@@ -30,7 +37,9 @@ from . import kernels, timing
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
 
 ENABLED = True
-MAX_KEYS = 128  # keys one program holds (its queries: up to 64, `blocks`)
+MAX_KEYS = 128  # keys one program holds in one tile (its queries: up to 64, `blocks`)
+MAX_LONG_KEYS = 4096  # keys a program walks KEY_BLOCK at a time, past MAX_KEYS
+KEY_BLOCK = 64
 MAX_DIM = 128  # elements of a query, key or value row
 TOLERANCE = 1e-3  # largest difference from PyTorch's result, relative to its largest magnitude (float32)
 HALF_TOLERANCE = 2e-2
@@ -43,17 +52,18 @@ _chosen: dict[tuple, bool] = {}  # call signature -> whether this kernel runs
 
 def blocks(queries: int, keys: int, dim: int) -> tuple[int, int, int]:
     """(queries, keys, row elements) of one program's tiles: powers of two of at least 16 (the
-    smallest tile a dot product takes), queries at most 64 per program."""
+    smallest tile a dot product takes), queries at most 64 per program, keys KEY_BLOCK at a time
+    past MAX_KEYS."""
     def up(n: int) -> int:
         return max(16, 1 << (n - 1).bit_length())
-    return min(64, up(queries)), up(keys), up(dim)
+    return min(64, up(queries)), up(keys) if keys <= MAX_KEYS else KEY_BLOCK, up(dim)
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Tensor, dropout, causal,
          scale, gqa) -> bool:
     """Whether this kernel computes `scaled_dot_product_attention(q, k, v, mask, dropout, causal,
     scale=scale, enable_gqa=gqa)` into `out`: 4-D CUDA tensors of one float dtype, (batch, heads,
-    queries, row) with keys and values of the same batch, heads and row, at most MAX_KEYS keys
+    queries, row) with keys and values of the same batch, heads and row, at most MAX_LONG_KEYS keys
     and MAX_DIM elements a row, no dropout, no grouped-query heads, and a mask, if any, a float
     tensor of that dtype that broadcasts to (batch, heads, queries, keys), never with `causal`
     (PyTorch refuses the two together)."""
@@ -70,7 +80,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Ten
     lk = k.shape[2]
     if tuple(k.shape) != (b, h, lk, d) or tuple(v.shape) != (b, h, lk, d) or tuple(out.shape) != (b, h, lq, d):
         return False
-    if not (0 < lk <= MAX_KEYS and 0 < d <= MAX_DIM and lq > 0 and b * h > 0):
+    if not (0 < lk <= MAX_LONG_KEYS and 0 < d <= MAX_DIM and lq > 0 and b * h > 0):
         return False
     if mask is not None:
         if causal or not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype or mask.device != out.device \
@@ -90,8 +100,10 @@ def _strides(t: torch.Tensor, shape: tuple) -> tuple[int, ...]:
 def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Tensor, causal: bool,
            scale: float) -> str:
     """The kernel's text, specialised to these tensors' shapes and strides: program (i, j) computes
-    queries j * BLOCK_M ... of batch-and-head i. Every index is 64-bit where a tensor spans more
-    than 2**31 - 1 elements through its strides (a view of a larger buffer may)."""
+    queries j * BLOCK_M ... of batch-and-head i. Up to MAX_KEYS keys it holds them all in one
+    tile; past that it walks them BLOCK_N at a time, keeping each row's running maximum, sum and
+    weighted values (the online softmax). Every index is 64-bit where a tensor spans more than
+    2**31 - 1 elements through its strides (a view of a larger buffer may)."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
     tensors = [q, k, v, out] + ([mask.expand(b, h, lq, lk)] if mask is not None else [])
@@ -103,35 +115,60 @@ def source(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.T
 
     def base(s):
         return f"bh // {h} * {s[0]} + bh % {h} * {s[1]}"
+
+    def scores(pad: str) -> list[str]:
+        """`pad`-indented lines that load the keys of `cols` and leave their masked, scaled scores in s."""
+        lines = [f"{pad}k = tl.load(k_ptr + ({base(ks)}) + cols[:, None] * {ks[2]} + d[None, :] * {ks[3]}, "
+                 "mask=cmask[:, None] & dmask[None, :], other=0.0)",
+                 f"{pad}s = tl.dot(q, tl.trans(k){precision}) * {float(scale)!r}"]
+        if mask is not None:
+            ms = _strides(mask, (b, h, lq, lk))
+            lines.append(f"{pad}s = s + tl.load(mask_ptr + ({base(ms)}) + rows[:, None] * {ms[2]} + cols[None, :] * "
+                         f"{ms[3]}, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)")
+        keep = "cmask[None, :] & (cols[None, :] <= rows[:, None])" if causal else "cmask[None, :]"
+        return lines + [f"{pad}s = tl.where({keep}, s, float('-inf'))"]
+
+    def values(pad: str) -> str:
+        return (f"{pad}v = tl.load(v_ptr + ({base(vs)}) + cols[:, None] * {vs[2]} + d[None, :] * {vs[3]}, "
+                "mask=cmask[:, None] & dmask[None, :], other=0.0)")
+
     lines = [*HEADER,
              "def kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, "
              "BLOCK_D: tl.constexpr):",
              f"    bh = {first}",
              f"    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)){index}",
-             f"    cols = tl.arange(0, BLOCK_N){index}",
              f"    d = tl.arange(0, BLOCK_D){index}",
              f"    rmask = rows < {lq}",
-             f"    cmask = cols < {lk}",
              f"    dmask = d < {d}",
              f"    q = tl.load(q_ptr + ({base(qs)}) + rows[:, None] * {qs[2]} + d[None, :] * {qs[3]}, "
-             "mask=rmask[:, None] & dmask[None, :], other=0.0)",
-             f"    k = tl.load(k_ptr + ({base(ks)}) + cols[:, None] * {ks[2]} + d[None, :] * {ks[3]}, "
-             "mask=cmask[:, None] & dmask[None, :], other=0.0)",
-             f"    s = tl.dot(q, tl.trans(k){precision}) * {float(scale)!r}"]
-    if mask is not None:
-        ms = _strides(mask, (b, h, lq, lk))
-        lines.append(f"    s = s + tl.load(mask_ptr + ({base(ms)}) + rows[:, None] * {ms[2]} + cols[None, :] * {ms[3]}, "
-                     "mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)")
-    keep = "cmask[None, :] & (cols[None, :] <= rows[:, None])" if causal else "cmask[None, :]"
-    lines += [f"    s = tl.where({keep}, s, float('-inf'))",
-              "    top = tl.max(s, axis=1)",
-              "    top = tl.where(top == float('-inf'), 0.0, top)",  # a row with every key masked gives zeros
-              "    p = tl.exp(s - top[:, None])",
-              "    total = tl.sum(p, axis=1)",
-              f"    v = tl.load(v_ptr + ({base(vs)}) + cols[:, None] * {vs[2]} + d[None, :] * {vs[3]}, "
-              "mask=cmask[:, None] & dmask[None, :], other=0.0)",
-              f"    o = tl.dot(p.to({kind}), v{precision})",
-              "    o = tl.where(total[:, None] > 0.0, o / total[:, None], 0.0)",
+             "mask=rmask[:, None] & dmask[None, :], other=0.0)"]
+    if lk <= MAX_KEYS:  # every key in one tile
+        lines += [f"    cols = tl.arange(0, BLOCK_N){index}",
+                  f"    cmask = cols < {lk}",
+                  *scores("    "),
+                  "    top = tl.max(s, axis=1)",
+                  "    top = tl.where(top == float('-inf'), 0.0, top)",  # a row with every key masked gives zeros
+                  "    p = tl.exp(s - top[:, None])",
+                  "    total = tl.sum(p, axis=1)",
+                  values("    "),
+                  f"    o = tl.dot(p.to({kind}), v{precision})"]
+    else:  # BLOCK_N keys at a time: the scores so far rescaled by exp(old maximum - new maximum)
+        lines += ["    top = tl.full([BLOCK_M], float('-inf'), tl.float32)",
+                  "    total = tl.zeros([BLOCK_M], tl.float32)",
+                  "    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)",
+                  f"    for start in range(0, {lk}, BLOCK_N):",
+                  f"        cols = (start + tl.arange(0, BLOCK_N)){index}",
+                  f"        cmask = cols < {lk}",
+                  *scores("        "),
+                  "        new = tl.maximum(top, tl.max(s, axis=1))",
+                  "        shift = tl.where(new == float('-inf'), 0.0, new)",  # no key kept yet: nothing to scale
+                  "        p = tl.exp(s - shift[:, None])",
+                  "        kept = tl.exp(top - shift)",
+                  "        total = total * kept + tl.sum(p, axis=1)",
+                  values("        "),
+                  f"        o = o * kept[:, None] + tl.dot(p.to({kind}), v{precision})",
+                  "        top = new"]
+    lines += ["    o = tl.where(total[:, None] > 0.0, o / total[:, None], 0.0)",
               f"    tl.store(out_ptr + ({base(os_)}) + rows[:, None] * {os_[2]} + d[None, :] * {os_[3]}, "
               f"o.to({kind}), mask=rmask[:, None] & dmask[None, :])",
               f"# torch {torch.__version__}"]
@@ -195,11 +232,11 @@ class Attention:
             return False  # nothing to check the kernel against
         if not kernels.launch_once(_built, key, lambda: launcher(kernels.define(source(q, k, v, mask, out, causal,
                                                                                         scale))),
-                                   (q, k, v, mask, out), f"op {self.op_id} as attention over few keys"):
+                                   (q, k, v, mask, out), f"op {self.op_id} as generated attention"):
             return False
         tolerance = TOLERANCE if q.dtype == torch.float32 else HALF_TOLERANCE
         if float((out.float() - ref.float()).abs().max()) > tolerance * max(float(ref.abs().max()), 1e-6):
-            kernels.STATS.fallbacks.append(f"op {self.op_id}: attention over few keys disagrees with PyTorch's")
+            kernels.STATS.fallbacks.append(f"op {self.op_id}: generated attention disagrees with PyTorch's")
             return False
         ours = timing.graph_us(lambda: _built[key](q, k, v, mask, out), out.device)
         theirs = timing.graph_us(lambda: out.copy_(pytorch()), out.device)

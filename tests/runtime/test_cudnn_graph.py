@@ -81,3 +81,13 @@ def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
     chosen = cudnn_graph._time_plans({}, (), (), torch.empty(4), lambda: ref.clone(), 1.03)
     assert chosen is fast and fast.runs == 2  # checked, then timed
     assert slow.runs == 1 and cudnn_graph.STATS["too_slow"] == before + 1  # checked only
+
+
+def test_a_plan_may_be_slower_the_more_memory_its_reference_leaves_outside_the_arena():
+    """The reference's result in the arena: SLOWER. Outside it, a small block: SLOWER_OUTSIDE. A
+    large one (a pool segment of its own): SLOWER_LARGE_OUTSIDE. Never less for more memory."""
+    small, large = cudnn_graph.LARGE_BLOCK - 1, cudnn_graph.LARGE_BLOCK
+    assert cudnn_graph._limit(False, large) == cudnn_graph.SLOWER
+    assert cudnn_graph._limit(True, small) == cudnn_graph.SLOWER_OUTSIDE
+    assert cudnn_graph._limit(True, large) == cudnn_graph.SLOWER_LARGE_OUTSIDE
+    assert cudnn_graph._limit(False, large) <= cudnn_graph._limit(True, small) <= cudnn_graph._limit(True, large)

@@ -1,7 +1,8 @@
-"""Attention over few keys as one kernel (`runtime/small_attention.py`): its source run on the CPU
-through `triton_shim` against PyTorch's attention (masks broadcast and padded, causal, rows of
-every key masked, strided queries and results, shapes no tile fills), which calls qualify, and on
-the GPU against PyTorch in a capture, written through a head merge."""
+"""Attention as one kernel (`runtime/small_attention.py`): its source run on the CPU through
+`triton_shim` against PyTorch's attention (masks broadcast and padded, causal, rows of every key
+masked, strided queries and results, shapes no tile fills, keys in one tile and keys walked a
+block at a time), which calls qualify, and on the GPU against PyTorch in a capture, written
+through a head merge."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def qkv(b, h, lq, lk, d, g):
 
 
 @pytest.mark.parametrize("b, h, lq, lk, d", [(2, 3, 49, 49, 32), (1, 2, 16, 16, 16), (2, 1, 70, 45, 24),
-                                             (1, 2, 128, 128, 64), (3, 2, 5, 7, 3)])
+                                             (1, 2, 128, 128, 64), (3, 2, 5, 7, 3),
+                                             (1, 2, 197, 197, 64), (2, 1, 9, 129, 8), (1, 1, 65, 256, 16)])
 @pytest.mark.parametrize("masked", ["none", "per head", "per window"])
 def test_the_kernel_computes_what_pytorch_s_attention_does(b, h, lq, lk, d, masked):
     g = torch.Generator().manual_seed(0)
@@ -69,6 +71,35 @@ def test_a_row_with_every_key_masked_gives_zeros():
     torch.testing.assert_close(out[0, 0, [0, 1, 3]], want[0, 0, [0, 1, 3]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lk", [7, 200])
+def test_causal_attention_over_keys_in_one_tile_or_walked_in_blocks(lk):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = qkv(2, 2, lk, lk, 16, g)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = torch.full_like(want, 7.0)
+    run(q, k, v, None, out, causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_walked_keys_a_masked_first_block_and_a_row_masked_throughout():
+    """Past MAX_KEYS: a row whose first block of keys is all masked (its running maximum starts
+    at -inf) gets PyTorch's result, and a row with every key masked gives zeros."""
+    g = torch.Generator().manual_seed(4)
+    lk = small_attention.MAX_KEYS + 72
+    q, k, v = qkv(1, 1, 6, lk, 16, g)
+    mask = torch.randn(1, 1, 6, lk, generator=g)
+    mask[..., 1, :small_attention.KEY_BLOCK + 5] = float("-inf")
+    mask[..., 4, :] = float("-inf")
+    out = torch.full((1, 1, 6, 16), 7.0)
+    run(q, k, v, mask, out)
+    finite = mask.clone()
+    finite[..., 4, :] = 0.0  # PyTorch gives such a row NaN
+    want = F.scaled_dot_product_attention(q, k, v, finite)
+    assert out[0, 0, 4].eq(0).all()
+    rows = [0, 1, 2, 3, 5]
+    torch.testing.assert_close(out[0, 0, rows], want[0, 0, rows], rtol=1e-5, atol=1e-5)
+
+
 def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
     """Meta tensors: only shapes and strides are read."""
     q = torch.empty(2, 3, 49, 32, device="meta")
@@ -80,7 +111,7 @@ def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
         assert "tl.program_id(0).to(tl.int64)" in text and "tl.arange(0, BLOCK_N).to(tl.int64)" in text
 
 
-def test_only_few_keys_without_dropout_qualify(monkeypatch):
+def test_at_most_max_long_keys_without_dropout_qualify(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     q, k, v = (torch.randn(2, 3, 49, 32) for _ in range(3))
     out, mask = torch.empty(2, 3, 49, 32), torch.randn(1, 3, 49, 49)
@@ -88,8 +119,10 @@ def test_only_few_keys_without_dropout_qualify(monkeypatch):
     def fits(q=q, k=k, v=v, mask=mask, out=out, dropout=0.0, causal=False, scale=None, gqa=False):
         return small_attention.fits(q, k, v, mask, out, dropout, causal, scale, gqa)
     assert fits() and fits(mask=None, causal=True, scale=0.25)
-    many = torch.randn(2, 3, small_attention.MAX_KEYS + 1, 32)
-    assert not fits(k=many, v=many)  # past one program's keys
+    walked = torch.randn(2, 3, small_attention.MAX_KEYS + 1, 32)
+    assert fits(k=walked, v=walked, mask=None)  # past one tile: walked a block at a time
+    many = torch.randn(2, 3, small_attention.MAX_LONG_KEYS + 1, 32)
+    assert not fits(k=many, v=many, mask=None)
     assert not fits(dropout=0.1)
     assert not fits(causal=True)  # and a mask: PyTorch refuses the two together
     assert not fits(gqa=True)
@@ -104,21 +137,22 @@ def test_only_few_keys_without_dropout_qualify(monkeypatch):
 
 
 @pytest.mark.parametrize("lq, lk, d, want", [(49, 49, 32, (64, 64, 32)), (128, 128, 64, (64, 128, 64)),
-                                             (3, 5, 7, (16, 16, 16))])
+                                             (3, 5, 7, (16, 16, 16)), (197, 197, 64, (64, 64, 64))])
 def test_tiles_are_powers_of_two_a_dot_product_takes(lq, lk, d, want):
     assert small_attention.blocks(lq, lk, d) == want
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, monkeypatch):
+@pytest.mark.parametrize("tokens", [49, 197])  # Swin's windows (one tile of keys), vit_b_16 (keys walked)
+def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, tokens, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = torch.randn(8, 49, 3, 3, 32, device="cuda", dtype=dtype, generator=g)
+    rows = torch.randn(8, tokens, 3, 3, 32, device="cuda", dtype=dtype, generator=g)
     q, k, v = (rows[:, :, i].transpose(1, 2) for i in range(3))
-    mask = torch.randn(1, 3, 49, 64, device="cuda", dtype=dtype, generator=g)[..., :49]
-    merged = torch.empty(8, 49, 3, 32, device="cuda", dtype=dtype)
+    mask = torch.randn(1, 3, tokens, tokens + 15, device="cuda", dtype=dtype, generator=g)[..., :tokens]
+    merged = torch.empty(8, tokens, 3, 32, device="cuda", dtype=dtype)
     out = merged.transpose(1, 2)
     monkeypatch.setattr(small_attention, "SLOWER", float("inf"))  # the kernel, however fast
     monkeypatch.setattr(small_attention, "_chosen", {})
@@ -137,8 +171,9 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, monke
 
 
 @pytest.mark.gpu
-def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tmp_path, monkeypatch):
-    """Swin-like attention (49 keys, a per-head bias padded by `align_attention_masks`, heads
+@pytest.mark.parametrize("tokens", [49, 197])
+def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, tmp_path, monkeypatch):
+    """Swin-like attention (49 keys, or vit_b_16's 197, a per-head bias padded by `align_attention_masks`, heads
     split from one linear and merged through a transpose) loaded with the kernel and without:
     both match eager, and with it the head merge's copy is gone: the kernel replaces PyTorch's
     attention kernel and writes the merged heads itself."""
@@ -169,8 +204,9 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tmp_path
     monkeypatch.setattr(small_attention, "_chosen", {})
     torch.manual_seed(0)
     path = tmp_path / "window.pt"
-    torch.jit.save(torch.jit.trace(Window().eval(), torch.randn(16, 49, 96)), str(path))
-    write_artifact(tmp_path / "w.nimble", compile_model(path, input_specs(["16x49x96"]), device="cpu").artifact())
+    torch.jit.save(torch.jit.trace(Window(tokens=tokens).eval(), torch.randn(16, tokens, 96)), str(path))
+    write_artifact(tmp_path / "w.nimble", compile_model(path, input_specs([f"16x{tokens}x96"]),
+                                                        device="cpu").artifact())
     choice = tuning.Choice(layout="contiguous", streams="serial")
     kernels_with, kernels_without = with_and_without(small_attention, read_artifact(tmp_path / "w.nimble"), choice,
                                                      tmp_path, monkeypatch)
