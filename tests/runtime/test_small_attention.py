@@ -235,3 +235,22 @@ def test_a_head_merge_s_buffer_is_seen_back_in_the_attention_s_shape():
     assert _unviewed(Op(1, "aten::select.int", (Ref(0), 0, 0), (), (2,)), merged, out) is None
     assert _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), merged.double(), out) is None
     assert _unviewed(Op(1, "aten::transpose.int", (Ref(0), 1, 2), (), (2,)), torch.empty(2, 5, 13), out) is None
+
+
+@pytest.mark.parametrize("lq, lk", [(197, 197), (49, 49), (5, 300)])
+def test_every_tile_timed_computes_the_same_attention(lq, lk):
+    """The tiles `Attention` times beside the default: none past the queries there are, keys per
+    step only where keys are walked, and each launched (as `launcher` would) gives PyTorch's result."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = qkv(1, 2, lq, lk, 16, g)
+    mask = torch.randn(1, 2, lq, lk, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, mask, scale=0.25)
+    text = small_attention.source(q, k, v, mask, torch.empty_like(want), False, 0.25)
+    tiles = small_attention.tiles(q, k)
+    assert len(tiles) == len(set(tiles)) >= 2
+    for tile in tiles:
+        assert tile[0] <= max(16, 1 << (lq - 1).bit_length()) and (tile[1] == 0) == (lk <= small_attention.MAX_KEYS)
+        grid, constants = small_attention.grid(q, k, tile)
+        out = torch.full_like(want, 7.0)
+        triton_shim.run_grid(text, grid, q, k, v, out, mask, **constants)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"tile {tile}")
