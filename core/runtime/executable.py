@@ -200,7 +200,12 @@ class Executable:
         self._cuda_graph = self._tensors = self._outputs = self._env_after = None
         self._views, self._weights, self._stored_weights, self._inputs = {}, {}, {}, []
         self._channels_last_weights = {}
-        self._cudnn_workspaces = cudnn_graph.Workspaces()  # given back here unless another holder has them
+        # the cuDNN graphs' workspaces, given back here unless another holder (an executable of the
+        # same multi-batch artifact) has them: the fused kernels held them too, and kept them after close
+        self._cudnn_workspaces = cudnn_graph.Workspaces()
+        for p in self._placed:
+            if isinstance(p.substitute, kernels.FusedKernel):
+                p.substitute.workspaces = self._cudnn_workspaces
         self.arena = None
         self._streams = []
         if self.device.type == "cuda":
