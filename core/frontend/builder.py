@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
-from ..ops import arguments, shapes, targets, types
+from ..ops import arguments, fusion, shapes, targets, types
 from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, NONDETERMINISTIC
 
 _META = torch.device("meta")
@@ -30,6 +30,11 @@ TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 # A number where the Tensor overload takes a tensor: the Scalar overload, which computes the same
 # and which the pointwise fusion takes, as a trace gives.
 _SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "sub", "mul", "div")}
+# elementwise ops whose result has the broadcast shape of their tensor arguments: on traced sizes
+# (tensors of one element) and numbers, a result of one element, sized without the meta kernel
+_ELEMENTWISE_ON_SIZES = frozenset({*fusion.POINTWISE, "aten::floor_divide.default", "aten::floor_divide.Scalar",
+                                   "aten::remainder.Tensor", "aten::remainder.Scalar", "aten::div.Tensor_mode",
+                                   "aten::pow.Tensor_Tensor"})
 
 
 class GraphBuilder:
@@ -156,7 +161,14 @@ class GraphBuilder:
     def _size_fold(self, schema, target: str, ins: list, source: str) -> None:
         """Refuse a fold whose results would pass `fold_limit` bytes, or all folds together twice
         that, from a run on the meta device. An op without a meta kernel cannot be sized first: in
-        strict folding it is refused, else it runs."""
+        strict folding it is refused, else it runs. Arithmetic on traced sizes (`x.size(-1) //
+        heads`: tensors of one element and numbers) makes one element and is not run on the meta
+        device: the first such run imports sympy, 0.6 s of a transformer's compile."""
+        if target in _ELEMENTWISE_ON_SIZES and all(
+                isinstance(obj, torch.Tensor) and obj.numel() <= 1 or isinstance(obj, (bool, int, float, type(None)))
+                for obj in ins):
+            self.folded_bytes += 8
+            return
         def meta(obj):
             if isinstance(obj, torch.Tensor):
                 return obj.to(_META)

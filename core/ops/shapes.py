@@ -226,14 +226,26 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     return _mean_dim(x, list(range(x.dim())) if dim is None else dim, keepdim, dtype)
 
 
-def _attention(q, k, v, mask=None, dropout=0.0, causal=False, scale=None, enable_gqa=False):
-    """scaled_dot_product_attention without a mask: (..., L, E) x (..., S, E) x (..., S, Ev) ->
-    a fresh contiguous (..., L, Ev). Anything else (masks, broadcast batch dims, grouped
-    heads, mismatches) goes to the meta kernel."""
-    if mask is not None or enable_gqa or dropout or not _floats(q, k, v) or q.dim() < 3 \
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention: (..., L, E) x (..., S, E) x (..., S, Ev) -> a fresh contiguous
+    (..., L, Ev), with or without a mask (boolean, or of the query's dtype) that broadcasts to the
+    scores (..., L, S). Anything else (a mask with is_causal, broadcast batch dims, grouped heads,
+    mismatches) goes to the meta kernel, whose first call imports torch._dynamo (a second)."""
+    q, k, v = query, key, value
+    if enable_gqa or dropout_p or not _floats(q, k, v) or q.dim() < 3 \
             or not (q.dim() == k.dim() == v.dim()) or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2] \
             or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         return None
+    if attn_mask is not None:
+        scores = (*q.shape[:-1], k.shape[-2])
+        if is_causal or not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype not in (torch.bool, q.dtype) \
+                or attn_mask.dim() > len(scores):
+            return None
+        try:
+            if _broadcast(tuple(attn_mask.shape), scores) != scores:
+                return None
+        except ValueError:
+            return None
     return _empty((*q.shape[:-1], v.shape[-1]), q.dtype)
 
 

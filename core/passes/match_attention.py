@@ -32,7 +32,7 @@ import dataclasses
 import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
-from ..ops import arguments, targets, types
+from ..ops import arguments, shapes, targets, types
 from ..ops.attention import ATTENTION
 from .fold_constants import FOLD_BYTES
 from .rewrite import Facts
@@ -245,12 +245,16 @@ def _windows_mask(graph: Graph, weights: dict, windows: _Windows, next_value: in
 
 
 def _attention_spec(graph: Graph, q: Ref, k: Ref, v: Ref, mask: TensorSpec | None, scale: float) -> TensorSpec | None:
-    """The attention's result typed on the meta device; None where it refuses these inputs."""
+    """The attention's result typed on the meta device (its shape rule, else its meta kernel);
+    None where it refuses these inputs."""
     meta = {r.id: arguments.meta_tensor(graph.values[r.id].spec) for r in (q, k, v)}
+    kwargs = {"attn_mask": arguments.meta_tensor(mask) if mask is not None else None, "scale": scale}
     try:
-        result = targets.resolve(ATTENTION)(meta[q.id], meta[k.id], meta[v.id],
-                                            attn_mask=arguments.meta_tensor(mask) if mask is not None else None,
-                                            scale=scale)
+        inferred = shapes.infer(ATTENTION, [meta[q.id], meta[k.id], meta[v.id]], kwargs)
+        if inferred is None:
+            with shapes.without_dynamo_import():  # the meta kernel's first call would import it: a second
+                inferred = [targets.resolve(ATTENTION)(meta[q.id], meta[k.id], meta[v.id], **kwargs)]
+        result, = inferred
     except Exception:
         return None
     return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),

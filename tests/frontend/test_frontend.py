@@ -391,3 +391,42 @@ def test_a_view_that_only_the_exported_layout_allows_becomes_a_copy_that_nothing
         b.op("aten::relu_.default", [flat], "m.py:3")
     with pytest.raises(ShapeError, match="view size is not compatible"):
         build(False)
+
+
+def test_arithmetic_on_traced_sizes_is_sized_without_the_meta_kernel():
+    """`x.size(-1) // heads` folds on tensors of one element: counted as one element, never run on
+    the meta device (whose first run imports sympy); anything larger is still sized there and
+    refused past the limit."""
+    b = builder.GraphBuilder("m", fold_limit=100)
+    schema = torch.ops.aten.floor_divide.default._schema
+    calls = []
+    real = builder.call_schema
+
+    def spy(schema, target, ins):
+        calls.append([i.device.type for i in ins if isinstance(i, torch.Tensor)])
+        return real(schema, target, ins)
+
+    import unittest.mock
+    with unittest.mock.patch.object(builder, "call_schema", spy):
+        result = b.fold(schema, "aten::floor_divide.default", [torch.tensor(128), torch.tensor(4)], "x")
+        assert int(result) == 32 and calls == [["cpu", "cpu"]] and b.folded_bytes == 8
+        mul = torch.ops.aten.mul.Tensor._schema
+        with pytest.raises(UnsupportedError, match="would make 400 bytes"):
+            b.fold(mul, "aten::mul.Tensor", [torch.ones(100), torch.tensor(2.0), 1], "x")
+    assert calls[-1] == ["meta", "meta"]  # the larger fold was sized on the meta device, and not run
+
+
+def test_a_transformer_compiles_without_importing_sympy_or_dynamo(tmp_path):
+    """Shape rules answer attention (masked too) and size arithmetic on the host: a fresh process
+    that compiles the sample transformer (heads split by `size // heads`, attention matched into
+    scaled_dot_product_attention) never imports sympy or torch._dynamo, which took a second."""
+    import subprocess
+    import sys
+
+    from ..conftest import ROOT
+
+    code = ("import sys; from nimble.pipeline import compile_model; from nimble.specs import input_specs; "
+            f"compile_model({str(ROOT / 'sample_models' / 'transformer.pt')!r}, input_specs(['1x64x128']), "
+            "device='cpu', check=True); print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr

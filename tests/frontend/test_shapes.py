@@ -84,7 +84,18 @@ def cases(target, rng):
         q = t(batch + [n, e], dtype, rng.random() < 0.3)
         k = t(batch + [s, e if rng.random() < 0.9 else e + 1], dtype, rng.random() < 0.3)
         v = t(batch + [s, ev], dtype, rng.random() < 0.3)
-        return [q, k, v], ({"scale": 0.5} if rng.random() < 0.3 else {})
+        kwargs = {"scale": 0.5} if rng.random() < 0.3 else {}
+        if rng.random() < 0.5:  # a mask: of the query's dtype, boolean or another; broadcast, or not
+            scores = batch + [n, s]
+            mask_shape = [m if rng.random() < 0.6 else 1 for m in scores[rng.randint(0, len(scores) - 1):]]
+            if rng.random() < 0.15:
+                mask_shape[-1] += 1
+            mask = t(mask_shape, rng.choice([dtype, torch.bool, torch.float64]))
+            causal = rng.random() < 0.15
+            if rng.random() < 0.5:
+                return [q, k, v, mask, 0.0, causal], kwargs
+            return [q, k, v], {**kwargs, "attn_mask": mask, "is_causal": causal}
+        return [q, k, v], kwargs
     if target == "aten::embedding.default":
         ids = torch.randint(0, 10, shape(rng, rng.randint(1, 3)), dtype=rng.choice([torch.int64, torch.int32]),
                             device="meta")
