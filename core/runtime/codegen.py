@@ -296,26 +296,28 @@ def concat_source(body: list, out: torch.Tensor, pieces: list[torch.Tensor], til
 
 
 def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str], lead: str | None, bias: bool,
-                   indent: str = "    ", given: dict[int, str] | None = None) -> list[str]:
+                   indent: str = "    ", given: dict[int, str] | None = None, prefix: str = "") -> list[str]:
     """A generated body's statements, each at `indent`, where `mask` says which lanes are real:
     each operand loaded as `in<k>` from its element `offsets[k]`, except those `given` (operand
     index -> a float32 expression the kernel already holds); with `lead` (the float32 value
     of a leading convolution: read back from the buffer it wrote, or computed in the kernel), `v0`
     that value, plus the bias (the last operand) where `bias`; then `v<k> = ...` for every other
-    node, its Triton expression over the values before it and the operands."""
+    node, its Triton expression over the values before it and the operands. Every name the lines
+    set starts with `prefix` (`<prefix>in0`, `<prefix>v0`), so that two bodies can share a kernel."""
     given = given or {}
-    lines = [f"{indent}in{k} = {given[k] if k in given else loaded(f'in{k}_ptr + ({offset})')}"
+    lines = [f"{indent}{prefix}in{k} = {given[k] if k in given else loaded(f'in{k}_ptr + ({offset})')}"
              for k, offset in enumerate(offsets)]
     start = 0
     if lead is not None:
-        lines.append(f"{indent}v0 = {lead} + in{len(operands) - 1}" if bias else f"{indent}v0 = {lead}")
+        lines.append(f"{indent}{prefix}v0 = {lead} + {prefix}in{len(operands) - 1}" if bias
+                     else f"{indent}{prefix}v0 = {lead}")
         start = 1
-    names = {id(t): f"in{k}" for k, t in enumerate(operands)}
+    names = {id(t): f"{prefix}in{k}" for k, t in enumerate(operands)}
     for k in range(start, len(body)):
         target, args, kwargs = body[k]
-        tensors = [f"v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
+        tensors = [f"{prefix}v{args[pos].index}" if isinstance(args[pos], Local) else names[id(args[pos])]
                    for pos in fusion.POINTWISE[target]]
-        lines.append(f"{indent}v{k} = {_expr(target, tensors, args, dict(kwargs))}")
+        lines.append(f"{indent}{prefix}v{k} = {_expr(target, tensors, args, dict(kwargs))}")
     return lines
 
 

@@ -16,13 +16,39 @@ the one whose channels lie side by side. `ENABLED = False` turns it off, for com
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, program_id, span
+from ..ir import Local
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, finish, flat_offsets, needs_wide, pointers,
+                      program_id, span)
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
 TILE = 2048  # output elements of one program
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """The epilogue of the fused op whose result a depthwise convolution reads, applied by this
+    kernel as it loads that result, which then holds the op's convolution alone, without its bias
+    (`pairs.prologue_pairs`): `body` that op's body as the runtime passes it, `operands` the
+    tensors its nodes after the convolution read, the convolution's bias last where `bias`."""
+
+    body: list
+    operands: tuple
+    bias: bool
+
+    def signature(self) -> tuple:
+        """What the kernel's text depends on: each node's target and constants (which operand each
+        tensor argument is), the operands' shapes, strides and dtypes, and the bias."""
+        def constant(a):
+            if isinstance(a, torch.Tensor):
+                return ("operand", next(k for k, t in enumerate(self.operands) if t is a))
+            return a if isinstance(a, (int, float, bool, str, type(None), Local)) else repr(a)
+        return (tuple((node[0], tuple(constant(a) for a in node[1]), tuple(node[2])) for node in self.body[1:]),
+                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in self.operands), self.bias)
 
 
 def fits(p: dict, out: torch.Tensor) -> bool:
@@ -54,21 +80,47 @@ def blocks(channels: int) -> tuple[int, int]:
     return TILE // block_c, block_c
 
 
+def prologue_fits(before: Prologue, x: torch.Tensor) -> bool:
+    """Whether `before`'s epilogue can be applied to `x` (its bare convolution) as this kernel loads
+    it: every tensor it reads is a float of x's dtype that varies along the channels alone."""
+    for t in before.operands:
+        try:
+            strides = t.expand(x.shape).stride()
+        except RuntimeError:
+            return False
+        if t.dtype not in TL_KINDS or t.device != x.device \
+                or any(strides[d] and x.shape[d] > 1 for d in (0, 2, 3)):
+            return False
+    return True
+
+
 def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor],
-           bias: bool, p: dict) -> str:
+           bias: bool, p: dict, before: Prologue | None = None) -> str:
     """The kernel's text. `body` is the op's body as the runtime passes it; `operands` the tensors
     its other nodes read, the convolution's bias last where `bias`; `p` the convolution's
-    parameters."""
+    parameters. With `before`, `x` holds the bare convolution of the fused op that made it
+    (`prologue_fits`), whose epilogue each tap applies as it loads: a padding tap is zero after
+    the epilogue, as it would be in that op's result."""
     n, c, oh, ow = out.shape
     h, width = x.shape[2:]
-    wide = needs_wide(out, operands) or max(span(x), span(w)) > INT32_LIMIT  # the inputs may be views
+    extra = list(before.operands) if before is not None else []
+    wide = needs_wide(out, operands + extra) or max(span(x), span(w)) > INT32_LIMIT  # the inputs may be views
     first = program_id(wide)
     out_offset, offsets = flat_offsets(out, operands)
     (sh, sw), (ph, pw), (dh, dw) = p["stride"], p["padding"], p["dilation"]
     xs, ws = x.stride(), w.stride()
+    prologue: list[str] = []
+    if before is not None:
+        given = {k: f"cin{k}" for k in range(len(extra))}
+        prologue = [*epilogue_lines(before.body, extra, [""] * len(extra), "xv.to(tl.float32)", before.bias,
+                                    indent=" " * 12, given=given, prefix="p"),
+                    f"            xv = tl.where(inside[:, None] & cmask[None, :], pv{len(before.body) - 1}, 0.0)"]
+    channel_loads = [f"    cin{k} = tl.load(pin{k}_ptr + c * {t.expand(x.shape).stride(1)}, mask=cmask, "
+                     "other=0.0).to(tl.float32)[None, :]" for k, t in enumerate(extra)]
     lines = [*HEADER,
              f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"
-             "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):",
+             + "".join(f"pin{k}_ptr, " for k in range(len(extra)))
+             + "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):",
              f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
              "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
              f"    pmask = p < {n * oh * ow}",
@@ -77,6 +129,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
              f"    oh = (p // {ow}) % {oh}",
              f"    ow = p % {ow}",
              "    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)",
+             *channel_loads,
              f"    for kh in tl.static_range({w.shape[2]}):",
              f"        ih = oh * {sh} - {ph} + kh * {dh}",
              f"        for kw in tl.static_range({w.shape[3]}):",
@@ -84,6 +137,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
              f"            inside = pmask & (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {width})",
              f"            xv = tl.load(x_ptr + (img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]})[:, None] + c[None, :] * {xs[1]},",
              "                         mask=inside[:, None] & cmask[None, :], other=0.0)",
+             *prologue,
              f"            wv = tl.load(w_ptr + c * {ws[0]} + kh * {ws[2]} + kw * {ws[3]}, mask=cmask, other=0.0)",
              "            acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]",
              f"    i = p[:, None] * {c} + c[None, :]",

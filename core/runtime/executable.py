@@ -297,12 +297,17 @@ class Executable:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
+                p.substitute.bare, p.substitute.after_bare, p.substitute.wrote_bare = False, None, None
             else:
                 biased = p.substitute
                 while isinstance(biased, (SmallLinear, Gemm)):  # the substitutes a product falls back to
                     biased = biased.fallback
                 if isinstance(biased, BiasedGemm):
                     biased.separate = choice.gemm_bias == "separate"
+        if channels_last:  # the layout the depthwise kernel takes: it applies its producer's epilogue
+            for consumer, producer in self._pairs.prologues.items():
+                self._placed[producer].substitute.bare = True
+                self._placed[consumer].substitute.after_bare = self._placed[producer].substitute
         benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = choice.algorithms == "benchmark"  # read when a convolution first runs
         try:
@@ -538,7 +543,9 @@ class Executable:
 
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;
-        on CUDA, not the results outside the arena released after their last reader."""
+        on CUDA, not the results outside the arena released after their last reader, and with
+        `pairs.PROLOGUE_PAIRS` a depthwise convolution's input holds its producer's convolution
+        alone (the depthwise kernel applies the rest)."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 

@@ -52,6 +52,7 @@ import torch
 from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
+from ..ops.interpret import run_fused
 from . import binaries, cache, cudnn_graph, depthwise_conv, pooled_conv
 from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, norm_source, overlaps
 
@@ -91,11 +92,25 @@ class FusedKernel:
         self.cudnn_fusion = True  # False: a cuDNN-fusible body runs as convolution plus generated epilogue
         self.workspaces = cudnn_graph.Workspaces()  # the executable gives all its kernels one
         self._built: dict[tuple, object] = {}  # call signature -> launcher, or None to interpret
+        # a depthwise convolution's producer and the producer's epilogue applied by it on load
+        # (`pairs.prologue_pairs`): the executable sets them per tuning candidate
+        self.bare = False  # this op writes its convolution alone; its depthwise reader does the rest
+        self.after_bare: FusedKernel | None = None  # this depthwise op's producer, when it is bare
+        self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
         if not out.is_cuda:
             return None
+        if self.bare:
+            self.wrote_bare = self._bare(body, out)
+            if self.wrote_bare is not None:
+                return out
+        if self.after_bare is not None and self.after_bare.wrote_bare is not None:
+            return self._after_bare(body, out, self.after_bare)
+        return self._run(body, out)
+
+    def _run(self, body, out: torch.Tensor) -> torch.Tensor | None:
         if fusion.leads_with_concat(self.body):
             return self._concat(body, out)
         got = self._direct(body, out)
@@ -217,6 +232,47 @@ class FusedKernel:
                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)))
         built = self.launch(key, build, (out, x, w, operands), f" as a {kind} convolution")
         return out if built else None
+
+    # ---------------------------------------------------------------------------- a producer's epilogue on load
+    def _bare(self, body, out: torch.Tensor) -> list | None:
+        """This op's convolution alone, without its bias, into `out`; `body`, or None with nothing
+        run where the convolution does not compute `out` (the op then runs whole)."""
+        conv = fusion.conv_params(body[0][0], body[0][1]) if fusion.leads_with_convolution(self.body) else None
+        if conv is None or not _writes(conv, out):
+            return None
+        self._convolution(conv, out)
+        return body
+
+    def _after_bare(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
+        """This depthwise body over its input as `producer` left it (its bare convolution): as one
+        kernel that applies the producer's epilogue to each tap it loads
+        (`depthwise_conv.Prologue`); where that kernel does not fit or build, the epilogue
+        interpreted into a buffer of its own first (counted in `STATS.fallbacks`), then this
+        body as it runs otherwise."""
+        operands, conv = self.operands(body)
+        before_operands, before_conv = producer.operands(producer.wrote_bare)
+        before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
+                                         before_conv is not None and before_conv["bias"] is not None)
+        x = conv["input"] if conv is not None else None
+        if conv is not None and depthwise_conv.fits(conv, out) and depthwise_conv.prologue_fits(before, x):
+            w, bias = conv["weight"], conv["bias"] is not None
+            key = ("depthwise after bare", tuple(out.shape), tuple(out.stride()), out.dtype,
+                   tuple(conv[k] for k in ("stride", "padding", "dilation")),
+                   tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)), before.signature())
+            if self.launch(key, lambda: depthwise_conv.launcher(define(depthwise_conv.source(
+                    body, out, x, w, operands, bias, conv, before))), (out, x, w, [*operands, *before.operands]),
+                    " as a depthwise convolution with its input's epilogue"):
+                return out
+        STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
+        bare = body[0][1][0]
+        first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \
+            else ("aten::alias.default", (bare,), ())
+        activated = run_fused([first, *producer.wrote_bare[1:]])
+        body = [(body[0][0], (activated, *body[0][1][1:]), body[0][2]), *body[1:]]
+        got = self._run(body, out)
+        if got is None:
+            out.copy_(run_fused(body))
+        return out
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
         """The distinct tensors a generated kernel of `body` reads, in first-use order, with the

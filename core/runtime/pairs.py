@@ -8,6 +8,9 @@ kernel (`product_pairs`, run by `gemm.Gemm.with_epilogue`), and the copy that re
 product through views, whose elements the product's kernel stores where the copy would put them
 (`scatter_pairs`, run by `gemm.Gemm.through`). `find` finds all five;
 `placement.PlacedRun` runs each pair, and runs the two ops apart where the tensors do not fit.
+With `PROLOGUE_PAIRS` (off until measured on a GPU) it also finds the depthwise convolutions that
+apply their producer's epilogue as they load (`prologue_pairs`): there both ops still run, each
+as its own kernel, but the producer's epilogue moves from its kernel into its reader's.
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
 first's stream, and it waits for no other stream, so its buffer is free when the first runs,
@@ -30,6 +33,7 @@ from .placement import RESHAPES, PlacedOp, height_and_width
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
 SCATTER_PAIRS = True  # False: a copy of a product's permuted view copies (for comparisons)
+PROLOGUE_PAIRS = False  # True: a depthwise convolution applies its producer's epilogue as it loads (channels_last)
 MAX_VIEWS = 4  # views between a product and the copy that `scatter_pairs` pairs it with
 
 
@@ -42,16 +46,89 @@ class Pairs:
     copies: dict[int, tuple[PlacedOp, PlacedOp]] = field(default_factory=dict)
     products: dict[int, tuple[PlacedOp, FusedKernel, tuple | None]] = field(default_factory=dict)
     scatters: dict[int, tuple[list[PlacedOp], PlacedOp]] = field(default_factory=dict)
+    prologues: dict[int, int] = field(default_factory=dict)  # depthwise op -> the op whose epilogue it applies
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
          waits: Sequence) -> Pairs:
     """The pairs of this issue order, on CUDA streams `stream_of` with `waits`."""
     norms = norm_pairs(graph, placed, order, stream_of, waits)
-    return Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
-                 copy_pairs(graph, placed, order, stream_of, waits),
-                 product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
-                 scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
+    found = Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
+                  copy_pairs(graph, placed, order, stream_of, waits),
+                  product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
+                  scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
+    if PROLOGUE_PAIRS:
+        taken: set[int] = set()
+        for kind in (found.norms, found.means, found.copies, found.products, found.scatters):
+            for first, rest in kind.items():
+                taken |= {first, *_op_ids(rest)}
+        found.prologues = prologue_pairs(graph, placed, taken)
+    return found
+
+
+def _op_ids(obj) -> set[int]:
+    """The ops of every PlacedOp in `obj` (a pair's tuple, lists within it)."""
+    if isinstance(obj, PlacedOp):
+        return {obj.op.id}
+    return set().union(*(_op_ids(o) for o in obj)) if isinstance(obj, (tuple, list)) else set()
+
+
+def prologue_pairs(graph: Graph, placed: Sequence[PlacedOp], taken: set[int]) -> dict[int, int]:
+    """depthwise op -> producer, for each fused op led by a depthwise convolution (groups = its
+    input's channels, one input channel per filter) whose input is the result of a fused op led
+    by a convolution (not depthwise) with an epilogue that reads nothing but values per channel
+    (its bias, folded batch norms, activations), where that result has no other reader (the
+    depthwise body reads it only as its convolution's input), is no output and no view's base,
+    and neither op is in another pair (`taken`). The producer then
+    writes its convolution alone and the depthwise kernel applies the rest to each tap it loads
+    (`FusedKernel.bare`, `depthwise_conv.Prologue`): the epilogue's kernel and a pass of the
+    map through memory go. The executable sets these for channels_last candidates, the layout
+    the depthwise kernel takes."""
+    readers, outputs, aliased = _readers(graph)
+    found = {}
+    for op in graph.ops:
+        consumer = placed[op.id].substitute
+        if op.id in taken or not isinstance(consumer, FusedKernel) or not _depthwise(graph, consumer.body):
+            continue
+        x = consumer.body[0][1][0].id
+        if any(isinstance(a, Ref) and graph.root(a.id) == x for _, args, _ in consumer.body[1:] for a in args):
+            continue  # the body reads the producer's result past its convolution too (a residual sum)
+        producer = graph.values[x].producer
+        if producer is None or producer in taken or readers.get(x) != {op.id} or x in outputs or x in aliased \
+                or graph.values[x].alias_of is not None:
+            continue
+        before = placed[producer].substitute
+        if isinstance(before, FusedKernel) and len(before.body) > 1 and fusion.leads_with_convolution(before.body) \
+                and not _depthwise(graph, before.body) and _per_channel(graph, before.body[1:], x):
+            found[op.id] = producer
+    return found
+
+
+def _depthwise(graph: Graph, body) -> bool:
+    """Whether `body` leads with a 2-D convolution of each channel alone, over a graph value."""
+    if not fusion.leads_with_convolution(body):
+        return False
+    p = fusion.conv_params(body[0][0], body[0][1])
+    if p is None or not isinstance(p["input"], Ref) or not isinstance(p["weight"], Ref):
+        return False
+    x, w = graph.values[p["input"].id].spec.shape, graph.values[p["weight"].id].spec.shape
+    return len(x) == 4 and len(w) == 4 and w[1] == 1 and p["groups"] == w[0] == x[1]
+
+
+def _per_channel(graph: Graph, nodes, x: int) -> bool:
+    """Whether every graph value `nodes` read broadcasts along the channels of value `x` alone."""
+    shape = graph.values[x].spec.shape
+    for _, args, _ in nodes:
+        for a in args:
+            if not isinstance(a, Ref):
+                continue
+            s = graph.values[a.id].spec.shape
+            if len(s) > 4:
+                return False
+            padded = (1,) * (4 - len(s)) + tuple(s)
+            if padded[0] != 1 or padded[2] != 1 or padded[3] != 1 or padded[1] not in (1, shape[1]):
+                return False
+    return True
 
 
 def norm_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nimble.ir import Local
+from nimble.ir import Local, Op
+from nimble.ops.interpret import run_fused
 from nimble.runtime import depthwise_conv, tuning
 
 from .. import triton_shim
@@ -50,6 +51,56 @@ def test_the_convolution_and_its_relu6_are_what_torch_computes(n, c, size, k, st
     node = ("aten::convolution.default", (x, w, b, stride, padding, dilation, False, (0, 0), c), ())
     shim([node, RELU6], out, x, w, operands, with_bias, p)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+SILU = ("aten::silu.default", (Local(0),), ())
+
+
+@pytest.mark.parametrize("epilogue", ["relu6", "scale and silu"])
+@pytest.mark.parametrize("n, c, size, k, stride, padding", [
+    (2, 16, (9, 7), 3, (1, 1), (1, 1)),
+    (1, 40, (11, 10), 5, (2, 2), (2, 2)),
+    (3, 5, (6, 8), 3, (1, 2), (0, 1)),
+])
+def test_the_producer_s_epilogue_applied_on_load_is_what_torch_computes(epilogue, n, c, size, k, stride, padding):
+    """mobilenet_v2's expansion: a 1x1 convolution, its bias and relu6 (or a per-channel scale and
+    SiLU), then the depthwise convolution. The kernel reads the expansion's bare convolution and
+    applies the rest tap by tap: padding taps are zero after it, not relu6(bias)."""
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(n, 3, *size, generator=g)
+    w0, b0 = torch.randn(c, 3, 1, 1, generator=g), torch.randn(c, generator=g)
+    scale = torch.rand(c, 1, 1, generator=g) + 0.5
+    bare = F.conv2d(x0, w0).contiguous(memory_format=torch.channels_last)  # what the producer writes
+    if epilogue == "relu6":
+        before_body = [("aten::convolution.default", (x0, w0, b0), ()), RELU6]
+        operands, activated = (b0.reshape(1, -1, 1, 1),), F.hardtanh(bare + b0.reshape(1, -1, 1, 1), 0.0, 6.0)
+    else:
+        before_body = [("aten::convolution.default", (x0, w0, b0), ()), ("aten::mul.Tensor", (Local(0), scale), ()),
+                       ("aten::silu.default", (Local(1),), ())]
+        operands = (scale, b0.reshape(1, -1, 1, 1))
+        activated = F.silu((bare + b0.reshape(1, -1, 1, 1)) * scale)
+    before = depthwise_conv.Prologue(before_body, operands, True)
+    w, b = torch.randn(c, 1, k, k, generator=g), torch.randn(c, generator=g)
+    want = F.hardtanh(F.conv2d(activated, w, b, stride, padding, groups=c), 0.0, 6.0)
+    out = torch.full_like(want, 7.0).contiguous(memory_format=torch.channels_last)
+    p = params(bare, w, b, stride, padding)
+    node = ("aten::convolution.default", (bare, w, b, stride, padding, (1, 1), False, (0, 0), c), ())
+    assert depthwise_conv.prologue_fits(before, bare)
+    block_p, block_c = depthwise_conv.blocks(c)
+    text = depthwise_conv.source([node, RELU6], out, bare, w, [b.reshape(1, -1, 1, 1)], True, p, before)
+    positions = out.shape[0] * out.shape[2] * out.shape[3]
+    triton_shim.run_grid(text, (-(-positions // block_p), -(-c // block_c)), out, bare, w, b.reshape(1, -1, 1, 1),
+                         *operands, BLOCK_P=block_p, BLOCK_C=block_c)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_epilogue_that_reads_more_than_a_value_per_channel_is_not_applied_on_load():
+    bare = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    body = [("aten::convolution.default", (bare, bare, None), ()), ("aten::add.Tensor", (Local(0), None), ())]
+    for t, fits in [(torch.randn(4, 1, 1), True), (torch.randn(1, 4, 1, 1), True), (torch.randn(1), True),
+                    (torch.randn(5, 5), False), (torch.randn(2, 4, 1, 1), False), (torch.randn(4, 1, 1).double(), False),
+                    (torch.randn(3, 1, 1), False)]:
+        assert depthwise_conv.prologue_fits(depthwise_conv.Prologue(body, (t,), False), bare) is fits, t.shape
 
 
 def test_only_depthwise_convolutions_into_channels_last_results_qualify(monkeypatch):
@@ -105,6 +156,43 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
     assert kernels_with <= kernels_without - 2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kernel(tmp_path, monkeypatch, batch):
+    """`pairs.PROLOGUE_PAIRS` on a mobilenet_v2 block: the expansion writes its convolution alone,
+    the depthwise kernel applies its bias and relu6 as it loads; the outputs agree with eager and
+    with the run without pairs, in one kernel fewer (the expansion's epilogue)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime import kernels, pairs
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+    from nimble.specs import input_specs
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    path = tmp_path / "block.pt"
+    torch.jit.save(torch.jit.trace(Inverted().eval(), torch.randn(batch, 8, 28, 28)), str(path))
+    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x8x28x28"]), device="cpu").artifact())
+    art = read_artifact(tmp_path / "b.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
+    outputs = {}
+    for paired in (True, False):
+        monkeypatch.setattr(pairs, "PROLOGUE_PAIRS", paired)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{paired}.dot"))
+        assert bool(exe._pairs.prologues) is paired and kernels.STATS.fallbacks[before:] == []
+        outputs[paired] = exe.run(*x)
+        result = compare(outputs[paired], art.sample_outputs, rtol=1e-3, atol=1e-4)
+        assert result.passed, result.describe()
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-3, atol=1e-4)
+    assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - 1
+
+
 def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
     out = torch.empty(2, 8, 4, 4, device="meta").contiguous(memory_format=torch.channels_last)
     w = torch.empty(8, 1, 3, 3, device="meta")
@@ -112,3 +200,107 @@ def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indic
     node = ("aten::convolution.default", (), ())
     assert "tl.int64" not in depthwise_conv.source([node], out, out, w, [], False, params(out, w, None))
     assert "tl.program_id(0).to(tl.int64)" in depthwise_conv.source([node], out, far, w, [], False, params(far, w, None))
+
+
+class ShimKernel:
+    """`kernels.define` on the CPU: the generated text run through `triton_shim`."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: triton_shim.run_grid(self.source, grid, *args, **constants)
+
+
+def fused_kernel(op_id, body):
+    from nimble.ops import fusion
+    from nimble.runtime import kernels
+
+    return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
+
+
+@pytest.mark.parametrize("kernel", ["generated", "fails to build"])
+def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, monkeypatch):
+    """The runtime's side of `pairs.prologue_pairs`: the producer writes its convolution alone;
+    the depthwise op applies the producer's bias and relu6 as it loads (its generated kernel,
+    here through the shim), or, where that kernel fails to build, interprets them into a buffer
+    of its own first. Either way the result is eager's."""
+    from nimble.runtime import kernels
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
+    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    if kernel == "generated":
+        monkeypatch.setattr(kernels, "define", ShimKernel)
+    else:
+        def refuse(source):
+            raise RuntimeError("no Triton here")
+        monkeypatch.setattr(kernels, "define", refuse)
+    g = torch.Generator().manual_seed(2)
+    c = 24
+    x0 = torch.randn(2, 8, 10, 9, generator=g).contiguous(memory_format=torch.channels_last)
+    w0, b0 = torch.randn(c, 8, 1, 1, generator=g), torch.randn(c, generator=g)
+    wd, bd = torch.randn(c, 1, 3, 3, generator=g), torch.randn(c, generator=g)
+    expand = [("aten::convolution.default", (x0, w0, b0, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ()), RELU6]
+    mid = torch.full((2, c, 10, 9), 7.0).contiguous(memory_format=torch.channels_last)
+    out = torch.full((2, c, 5, 5), 7.0).contiguous(memory_format=torch.channels_last)
+    depthwise = [("aten::convolution.default", (mid, wd, bd, (2, 2), (1, 1), (1, 1), False, (0, 0), c), ()), RELU6]
+    producer, consumer = fused_kernel(1, expand), fused_kernel(2, depthwise)
+    producer.bare, consumer.after_bare = True, producer
+    assert producer([expand], mid) is mid and producer.wrote_bare is not None
+    torch.testing.assert_close(mid, F.conv2d(x0, w0))  # its convolution alone: no bias, no relu6
+    assert consumer([depthwise], out) is out
+    want = F.hardtanh(F.conv2d(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0), wd, bd, (2, 2), (1, 1), groups=c), 0.0, 6.0)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    interpreted = [f for f in kernels.STATS.fallbacks if "its input's epilogue interpreted" in f]
+    assert (kernel == "fails to build") == bool(interpreted), kernels.STATS.fallbacks
+    # where the producer did not write bare (its body broadcasts past its convolution: it ran
+    # whole), its reader applies nothing (None: the runtime interprets the body, as it would)
+    producer.wrote_bare = None
+    out.fill_(7.0)
+    mid.copy_(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0))
+    got = consumer([depthwise], out)
+    torch.testing.assert_close(got if got is not None else run_fused(depthwise), want, rtol=1e-4, atol=1e-4)
+
+
+class Inverted(torch.nn.Module):
+    """An inverted residual's first half: expansion (1x1, batch norm, relu6), then the depthwise
+    3x3 (batch norm, relu6); `shared`: the expanded map is read again (summed into the result),
+    `residual`: the expansion adds the input before its relu6."""
+
+    def __init__(self, shared=False, residual=False):
+        super().__init__()
+        self.shared, self.residual = shared, residual
+        self.expand, self.bn1 = torch.nn.Conv2d(8, 8 if residual else 24, 1, bias=False), \
+            torch.nn.BatchNorm2d(8 if residual else 24)
+        c = self.expand.out_channels
+        self.dw, self.bn2 = torch.nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        e = self.bn1(self.expand(x))
+        e = F.relu6(e + x if self.residual else e)
+        y = F.relu6(self.bn2(self.dw(e)))
+        return y + e if self.shared else y
+
+
+@pytest.mark.parametrize("variant, paired", [("plain", True), ("shared", False), ("residual", False)])
+def test_a_depthwise_op_is_paired_with_its_producer_only_where_the_epilogue_can_move(tmp_path, variant, paired):
+    """`pairs.prologue_pairs`: the expansion's epilogue moves into the depthwise kernel only where
+    the expanded map has no other reader and the epilogue reads values per channel alone; an op
+    in another pair is left alone."""
+    from nimble.pipeline import compile_model
+    from nimble.runtime import pairs
+    from nimble.runtime.placement import prepare
+    from nimble.specs import input_specs
+
+    from ..conftest import save_script
+
+    model = Inverted(shared=variant == "shared", residual=variant == "residual").eval()
+    path = save_script(tmp_path, model, variant)
+    graph = compile_model(path, input_specs(["2x8x6x6"]), device="cpu", check=False).artifact().graph
+    placed = prepare(graph)
+    found = pairs.prologue_pairs(graph, placed, set())
+    assert bool(found) is paired, found
+    for consumer, producer in found.items():
+        assert graph.values[graph.ops[consumer].args[0][0][1][0].id].producer == producer
+        assert pairs.prologue_pairs(graph, placed, {producer}) == {}
+        assert pairs.prologue_pairs(graph, placed, {consumer}) == {}
