@@ -37,6 +37,15 @@ _ELEMENTWISE_ON_SIZES = frozenset({*fusion.POINTWISE, "aten::floor_divide.defaul
                                    "aten::pow.Tensor_Tensor"})
 
 
+def _shape_rule(target: str, ins: list) -> list | None:
+    """The results of `target` on the meta tensors `ins` by its shape rule, or None where it has
+    none that answers (a rule that refuses the inputs answers nothing here either)."""
+    try:
+        return shapes.infer(target, ins, {})
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 class GraphBuilder:
     """The values, ops and weights of one model as a frontend emits them."""
 
@@ -163,7 +172,8 @@ class GraphBuilder:
         that, from a run on the meta device. An op without a meta kernel cannot be sized first: in
         strict folding it is refused, else it runs. Arithmetic on traced sizes (`x.size(-1) //
         heads`: tensors of one element and numbers) makes one element and is not run on the meta
-        device: the first such run imports sympy, 0.6 s of a transformer's compile."""
+        device: the first such run imports sympy, 0.6 s of a transformer's compile. An op with a
+        shape rule (`shapes.infer`: an embedding of constant ids, say) is sized by the rule."""
         if target in _ELEMENTWISE_ON_SIZES and all(
                 isinstance(obj, torch.Tensor) and obj.numel() <= 1 or isinstance(obj, (bool, int, float, type(None)))
                 for obj in ins):
@@ -176,7 +186,8 @@ class GraphBuilder:
 
         ins = [_META if spec.name == "device" else meta(obj) for spec, obj in zip(schema.arguments, ins)]
         try:
-            results = list(flat([call_schema(schema, target, ins)]))
+            inferred = _shape_rule(target, ins)  # a rule where there is one: the meta kernel's first run imports
+            results = inferred if inferred is not None else list(flat([call_schema(schema, target, ins)]))
         except Exception:
             if self.strict_folding:
                 raise UnsupportedError(f"{self.name}: {target} at {source} on constants cannot be sized before "

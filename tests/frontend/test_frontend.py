@@ -395,8 +395,8 @@ def test_a_view_that_only_the_exported_layout_allows_becomes_a_copy_that_nothing
 
 def test_arithmetic_on_traced_sizes_is_sized_without_the_meta_kernel():
     """`x.size(-1) // heads` folds on tensors of one element: counted as one element, never run on
-    the meta device (whose first run imports sympy); anything larger is still sized there and
-    refused past the limit."""
+    the meta device (whose first run imports sympy); anything larger is still sized first and
+    refused past the limit, without running."""
     b = builder.GraphBuilder("m", fold_limit=100)
     schema = torch.ops.aten.floor_divide.default._schema
     calls = []
@@ -413,20 +413,28 @@ def test_arithmetic_on_traced_sizes_is_sized_without_the_meta_kernel():
         mul = torch.ops.aten.mul.Tensor._schema
         with pytest.raises(UnsupportedError, match="would make 400 bytes"):
             b.fold(mul, "aten::mul.Tensor", [torch.ones(100), torch.tensor(2.0), 1], "x")
-    assert calls[-1] == ["meta", "meta"]  # the larger fold was sized on the meta device, and not run
+        repeat = torch.ops.aten.repeat.default._schema  # no shape rule: sized by its meta kernel
+        with pytest.raises(UnsupportedError, match="would make 4000 bytes"):
+            b.fold(repeat, "aten::repeat.default", [torch.ones(10), [100]], "x")
+    # the larger folds were sized (by mul's shape rule, on the meta device) and never run
+    assert calls == [["cpu", "cpu"], ["meta"]]
 
 
-def test_a_transformer_compiles_without_importing_sympy_or_dynamo(tmp_path):
-    """Shape rules answer attention (masked too) and size arithmetic on the host: a fresh process
-    that compiles the sample transformer (heads split by `size // heads`, attention matched into
-    scaled_dot_product_attention) never imports sympy or torch._dynamo, which took a second."""
+@pytest.mark.parametrize("sample, shapes, dtypes", [("transformer", ["1x64x128"], ["float32"]),
+                                                   ("bert", ["1x16", "1x16"], ["int64", "int64"])])
+def test_a_transformer_compiles_without_importing_sympy_or_dynamo(sample, shapes, dtypes):
+    """Shape rules answer attention (masked too), folds with a rule (BERT's embedding of constant
+    position ids) and size arithmetic on the host: a fresh process that compiles the sample
+    transformer (heads split by `size // heads`, attention matched into
+    scaled_dot_product_attention) or the BERT sample never imports sympy or torch._dynamo, which
+    took a second."""
     import subprocess
     import sys
 
     from ..conftest import ROOT
 
     code = ("import sys; from nimble.pipeline import compile_model; from nimble.specs import input_specs; "
-            f"compile_model({str(ROOT / 'sample_models' / 'transformer.pt')!r}, input_specs(['1x64x128']), "
+            f"compile_model({str(ROOT / 'sample_models' / (sample + '.pt'))!r}, input_specs({shapes!r}, {dtypes!r}), "
             "device='cpu', check=True); print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
