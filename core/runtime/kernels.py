@@ -97,6 +97,7 @@ class FusedKernel:
         self.bare = False  # this op writes its convolution alone; its depthwise reader does the rest
         self.after_bare: FusedKernel | None = None  # this depthwise op's producer, when it is bare
         self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
+        self._reported: set = set()  # call signatures whose interpreted epilogue STATS has counted
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
@@ -254,6 +255,7 @@ class FusedKernel:
         before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
                                          before_conv is not None and before_conv["bias"] is not None)
         x = conv["input"] if conv is not None else None
+        key = None
         if conv is not None and depthwise_conv.fits(conv, out) and depthwise_conv.prologue_fits(before, x):
             w, bias = conv["weight"], conv["bias"] is not None
             key = ("depthwise after bare", tuple(out.shape), tuple(out.stride()), out.dtype,
@@ -263,7 +265,9 @@ class FusedKernel:
                     body, out, x, w, operands, bias, conv, before))), (out, x, w, [*operands, *before.operands]),
                     " as a depthwise convolution with its input's epilogue"):
                 return out
-        STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
+        if key not in self._reported:  # said once per call signature (None: the kernel does not fit)
+            self._reported.add(key)
+            STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
         bare = body[0][1][0]
         first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \
             else ("aten::alias.default", (bare,), ())
