@@ -21,9 +21,10 @@ kernel writes that buffer itself.
 
 Which one runs is measured (`Attention`): the first call of a signature outside a capture times
 this kernel on each of its tiles (`tiles`) and PyTorch's attention, each in a CUDA graph, checks
-every result of the kernel against PyTorch's and keeps the fastest (`SLOWER`). Choices last for the process; they are not kept in
-the cache folder, so each process times them again. A call first seen inside a capture, a kernel
-that fails to build and one that disagrees all leave PyTorch's attention in place.
+every result of the kernel against PyTorch's and keeps the fastest (`SLOWER`). Choices last for
+the process; they are not kept in the cache folder, so each process times them again. A call
+first seen inside a capture, a kernel that fails to build and one that disagrees all leave
+PyTorch's attention in place.
 `ENABLED = False` turns it off.
 """
 
