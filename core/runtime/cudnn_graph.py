@@ -226,8 +226,8 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     or None. `operands` are x, w, bias (or None) and the tensors the steps read; `reference()`
     computes the same result the way nimble would without cuDNN graphs, into a buffer of its own
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
-    plan may then be `SLOWER_OUTSIDE` slower, `SLOWER_LARGE_OUTSIDE` for a large one). Plans are timed only outside a capture; the same
-    call later gets the same choice."""
+    plan may then be `SLOWER_OUTSIDE` slower, `SLOWER_LARGE_OUTSIDE` for a large one). Plans are
+    timed only outside a capture; the same call later gets the same choice."""
     if frontend() is None or overlaps(out, operands):
         return None
     key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside, out.numel() * out.element_size()))

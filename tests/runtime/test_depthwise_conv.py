@@ -176,7 +176,8 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
     torch.manual_seed(0)
     path = tmp_path / "block.pt"
     torch.jit.save(torch.jit.trace(Inverted().eval(), torch.randn(batch, 8, 28, 28)), str(path))
-    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x8x28x28"]), device="cpu").artifact())
+    write_artifact(tmp_path / "b.nimble",
+                   compile_model(path, input_specs([f"{batch}x8x28x28"]), device="cpu").artifact())
     art = read_artifact(tmp_path / "b.nimble")
     x = [t.cuda() for t in art.sample_inputs]
     choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
