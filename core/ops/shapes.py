@@ -20,6 +20,9 @@ from typing import Callable
 
 import torch
 
+from .arguments import flatten_result
+from .targets import resolve
+
 _META = torch.device("meta")
 
 
@@ -71,6 +74,16 @@ def infer(target: str, args: list, kwargs: dict) -> list[torch.Tensor] | None:
         return None
     out = rule(*args, **kwargs)
     return None if out is None else [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def results(target: str, args: list, kwargs: dict) -> list[torch.Tensor]:
+    """The op's results on meta tensors: by its rule (`infer`), else by its meta kernel, run
+    without importing torch._dynamo (`without_dynamo_import`)."""
+    found = infer(target, args, kwargs)
+    if found is not None:
+        return found
+    with without_dynamo_import():
+        return flatten_result(resolve(target)(*args, **kwargs))
 
 
 def _empty(shape, dtype, memory_format=torch.contiguous_format) -> torch.Tensor:

@@ -250,11 +250,7 @@ def _attention_spec(graph: Graph, q: Ref, k: Ref, v: Ref, mask: TensorSpec | Non
     meta = {r.id: arguments.meta_tensor(graph.values[r.id].spec) for r in (q, k, v)}
     kwargs = {"attn_mask": arguments.meta_tensor(mask) if mask is not None else None, "scale": scale}
     try:
-        inferred = shapes.infer(ATTENTION, [meta[q.id], meta[k.id], meta[v.id]], kwargs)
-        if inferred is None:
-            with shapes.without_dynamo_import():  # the meta kernel's first call would import it: a second
-                inferred = [targets.resolve(ATTENTION)(meta[q.id], meta[k.id], meta[v.id], **kwargs)]
-        result, = inferred
+        result, = shapes.results(ATTENTION, [meta[q.id], meta[k.id], meta[v.id]], kwargs)
     except Exception:
         return None
     return TensorSpec(tuple(result.shape), types.dtype_name(result.dtype), tuple(result.stride()),

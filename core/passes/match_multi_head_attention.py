@@ -246,8 +246,7 @@ class _Emitter:
         used = {r: self.tensor(r) for r in refs_of(tuple(args))}
         call_args = [arguments.to_torch(a, used, _META) for a in args]
         call_kwargs = {k: arguments.to_torch(a, used, _META) for k, a in kwargs}
-        results = shapes.infer(target, call_args, call_kwargs) or \
-            arguments.flatten_result(targets.resolve(target)(*call_args, **call_kwargs))
+        results = shapes.results(target, call_args, call_kwargs)
         passed = {id(t): r for r, t in used.items()}
         if len(results) == 1 and id(results[0]) in passed:  # the op hands back its input: nothing to run
             return [Ref(passed[id(results[0])])]

@@ -97,7 +97,7 @@ class FusedKernel:
         self.bare = False  # this op writes its convolution alone; its depthwise reader does the rest
         self.after_bare: FusedKernel | None = None  # this depthwise op's producer, when it is bare
         self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
-        self._reported: set = set()  # call signatures whose interpreted epilogue STATS has counted
+        self._interpreted_before = False  # whether STATS has counted its input's epilogue interpreted
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
@@ -210,28 +210,32 @@ class FusedKernel:
                             (out, pieces, operands), " as a cat's reader")
         return out if built else None
 
-    def _direct(self, body, out: torch.Tensor) -> torch.Tensor | None:
+    def _direct(self, body, out: torch.Tensor, before: depthwise_conv.Prologue | None = None) -> torch.Tensor | None:
         """`out`, where the leading convolution and the rest of the body ran as one generated
         kernel that computes the convolution too: of a 1x1 map (`pooled_conv`), or depthwise
-        (`depthwise_conv`); None, with nothing run, where none leads or fits."""
+        (`depthwise_conv`, applying `before`, its producer's epilogue, to its input where given);
+        None, with nothing run, where none leads or fits."""
         if not fusion.leads_with_convolution(self.body):
             return None
         operands, conv = self.operands(body)
         if conv is None:
             return None
         x, w, bias = conv["input"], conv["weight"], conv["bias"] is not None
-        if pooled_conv.fits(conv, out):
+        if before is None and pooled_conv.fits(conv, out):
             kind, build = "pooled", lambda: pooled_conv.launcher(define(pooled_conv.source(body, out, x, w, operands,
                                                                                              bias)))
-        elif depthwise_conv.fits(conv, out):
+        elif depthwise_conv.fits(conv, out) and (before is None or depthwise_conv.prologue_fits(before, x)):
             kind, build = "depthwise", lambda: depthwise_conv.launcher(define(depthwise_conv.source(
-                body, out, x, w, operands, bias, conv)))
+                body, out, x, w, operands, bias, conv, before)))
         else:
             return None
         key = (kind, tuple(out.shape), tuple(out.stride()), out.dtype, tuple(conv[k] for k in ("stride", "padding",
                                                                                                   "dilation")),
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)))
-        built = self.launch(key, build, (out, x, w, operands), f" as a {kind} convolution")
+               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)),
+               before.signature() if before is not None else None)
+        extra = list(before.operands) if before is not None else []
+        what = " with its input's epilogue" if before is not None else ""
+        built = self.launch(key, build, (out, x, w, [*operands, *extra]), f" as a {kind} convolution{what}")
         return out if built else None
 
     # ---------------------------------------------------------------------------- a producer's epilogue on load
@@ -247,26 +251,16 @@ class FusedKernel:
     def _after_bare(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
         """This depthwise body over its input as `producer` left it (its bare convolution): as one
         kernel that applies the producer's epilogue to each tap it loads
-        (`depthwise_conv.Prologue`); where that kernel does not fit or build, the epilogue
-        interpreted into a buffer of its own first (counted in `STATS.fallbacks`), then this
-        body as it runs otherwise."""
-        operands, conv = self.operands(body)
+        (`depthwise_conv.Prologue`, `_direct`); where that kernel does not fit or build, the
+        epilogue interpreted into a buffer of its own first (counted once in `STATS.fallbacks`),
+        then this body as it runs otherwise."""
         before_operands, before_conv = producer.operands(producer.wrote_bare)
         before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
                                          before_conv is not None and before_conv["bias"] is not None)
-        x = conv["input"] if conv is not None else None
-        key = None
-        if conv is not None and depthwise_conv.fits(conv, out) and depthwise_conv.prologue_fits(before, x):
-            w, bias = conv["weight"], conv["bias"] is not None
-            key = ("depthwise after bare", tuple(out.shape), tuple(out.stride()), out.dtype,
-                   tuple(conv[k] for k in ("stride", "padding", "dilation")),
-                   tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)), before.signature())
-            if self.launch(key, lambda: depthwise_conv.launcher(define(depthwise_conv.source(
-                    body, out, x, w, operands, bias, conv, before))), (out, x, w, [*operands, *before.operands]),
-                    " as a depthwise convolution with its input's epilogue"):
-                return out
-        if key not in self._reported:  # said once per call signature (None: the kernel does not fit)
-            self._reported.add(key)
+        if self._direct(body, out, before) is not None:
+            return out
+        if not self._interpreted_before:
+            self._interpreted_before = True
             STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
         bare = body[0][1][0]
         first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \
