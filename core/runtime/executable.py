@@ -223,7 +223,9 @@ class Executable:
         """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
         then build the CUDA graph that runs it."""
         folded = streams.fold(self.schedule.order, self.schedule.stream, self.schedule.waits)
-        options = tuning.candidates(self.graph, max(folded, default=0) + 1)
+        prologues = pairs.PROLOGUE_PAIRS and self._with_arena \
+            and bool(pairs.prologue_pairs(self.graph, self._placed, set()))
+        options = tuning.candidates(self.graph, max(folded, default=0) + 1, prologues)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
         timed: dict[str, float] = {}
@@ -274,7 +276,8 @@ class Executable:
         planned = not self._single_stream and choice.streams != "serial"
         self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
         paired = self.device.type == "cuda" and self._with_arena  # kernels that write two ops' buffers
-        self._pairs = pairs.find(self.graph, self._placed, self._order, self._stream_of, self._waits) \
+        prologues = choice.prologues == tuning.PROLOGUES[1] and choice.layout == "channels_last"
+        self._pairs = pairs.find(self.graph, self._placed, self._order, self._stream_of, self._waits, prologues) \
             if paired else pairs.Pairs()
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
@@ -543,9 +546,9 @@ class Executable:
 
     def tensors(self) -> dict[int, torch.Tensor]:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;
-        on CUDA, not the results outside the arena released after their last reader, and with
-        `pairs.PROLOGUE_PAIRS` a depthwise convolution's input holds its producer's convolution
-        alone (the depthwise kernel applies the rest)."""
+        on CUDA, not the results outside the arena released after their last reader, and under a
+        choice with depthwise prologues a depthwise convolution's input holds its producer's
+        convolution alone (the depthwise kernel applies the rest)."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 

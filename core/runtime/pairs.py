@@ -8,9 +8,10 @@ kernel (`product_pairs`, run by `gemm.Gemm.with_epilogue`), and the copy that re
 product through views, whose elements the product's kernel stores where the copy would put them
 (`scatter_pairs`, run by `gemm.Gemm.through`). `find` finds all five;
 `placement.PlacedRun` runs each pair, and runs the two ops apart where the tensors do not fit.
-With `PROLOGUE_PAIRS` (off until measured on a GPU) it also finds the depthwise convolutions that
-apply their producer's epilogue as they load (`prologue_pairs`): there both ops still run, each
-as its own kernel, but the producer's epilogue moves from its kernel into its reader's.
+Where the load's choice asks for depthwise prologues (`tuning.Choice.prologues`, a candidate
+while `PROLOGUE_PAIRS`), it also finds the depthwise convolutions that apply their producer's
+epilogue as they load (`prologue_pairs`): there both ops still run, each as its own kernel, but
+the producer's epilogue moves from its kernel into its reader's.
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
 first's stream, and it waits for no other stream, so its buffer is free when the first runs,
@@ -33,7 +34,7 @@ from .placement import RESHAPES, PlacedOp, height_and_width
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
 SCATTER_PAIRS = True  # False: a copy of a product's permuted view copies (for comparisons)
-PROLOGUE_PAIRS = False  # True: a depthwise convolution applies its producer's epilogue as it loads (channels_last)
+PROLOGUE_PAIRS = True  # False: no load times depthwise convolutions that apply their producer's epilogue
 MAX_VIEWS = 4  # views between a product and the copy that `scatter_pairs` pairs it with
 
 
@@ -50,14 +51,15 @@ class Pairs:
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
-         waits: Sequence) -> Pairs:
-    """The pairs of this issue order, on CUDA streams `stream_of` with `waits`."""
+         waits: Sequence, prologues: bool = False) -> Pairs:
+    """The pairs of this issue order, on CUDA streams `stream_of` with `waits`; the prologue pairs
+    too with `prologues`."""
     norms = norm_pairs(graph, placed, order, stream_of, waits)
     found = Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
                   copy_pairs(graph, placed, order, stream_of, waits),
                   product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
                   scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
-    if PROLOGUE_PAIRS:
+    if prologues:
         taken: set[int] = set()
         for kind in (found.norms, found.means, found.copies, found.products, found.scatters):
             for first, rest in kind.items():

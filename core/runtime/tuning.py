@@ -20,12 +20,18 @@ fastest:
   convolution and a generated epilogue kernel. Neither wins everywhere;
 - GEMM bias: a float32 addmm or linear with its bias in cuBLASLt's epilogue, or the GEMM alone
   then an in-place add (`placement.BiasedGemm`). The second wins with few rows, the first with
-  many (`benchmarks/gemm_bias.py`).
+  many (`benchmarks/gemm_bias.py`);
+- depthwise prologues (channels_last only, where `pairs.prologue_pairs` finds a pair): a
+  convolution's epilogue run in its own kernel, or applied by the depthwise convolution that
+  reads its result, as it loads each tap. The second saves a kernel and a pass of the map
+  through memory, but applies the epilogue nine times per element: on the H200 it made
+  mobilenet_v2 3.2 % faster at batch 8 and 3.2 % slower at batch 1
+  (`benchmarks/results/setting_ab_prologue_2026-11-27.md`).
 
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
 convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
-one, then that with its GEMM biases separate. Where cuDNN graphs can run (the `cudnn` extra),
-the split candidate is not timed: each conv-led body has then already been timed against its
+one, then that with its GEMM biases separate, then that with depthwise prologues. Where cuDNN
+graphs can run (the `cudnn` extra), the split candidate is not timed: each conv-led body has then already been timed against its
 alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_graph`). On the H100,
 with graphs, split was 1.14 to 1.33 times the best candidate's time on every peers row that had
 it (googlenet, inception_v3, resnet50, squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and
@@ -61,6 +67,7 @@ STREAMS = ("planned", f"at most {CAP}", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
 CONVOLUTIONS = ("cudnn-fused", "split")
 GEMM_BIAS = ("epilogue", "separate")
+PROLOGUES = ("apart", "in depthwise")
 
 
 @dataclass(frozen=True)
@@ -70,11 +77,14 @@ class Choice:
     algorithms: str = "heuristic"
     convolutions: str = "cudnn-fused"
     gemm_bias: str = "epilogue"
+    prologues: str = "apart"
 
     def describe(self) -> str:
-        """The four first settings; the GEMM bias only where it is not the default."""
+        """The four first settings; the GEMM bias and the prologues only where not the default."""
         separate = ", separate GEMM bias" if self.gemm_bias == "separate" else ""
-        return f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}{separate}"
+        prologues = ", depthwise prologues" if self.prologues == PROLOGUES[1] else ""
+        return (f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}"
+                f"{separate}{prologues}")
 
 
 def stream_cap(streams: str) -> int | None:
@@ -82,11 +92,12 @@ def stream_cap(streams: str) -> int | None:
     return {"planned": None, "serial": 1}.get(streams, CAP)
 
 
-def candidates(graph: Graph, num_streams: int) -> list[Choice]:
+def candidates(graph: Graph, num_streams: int, prologues: bool = False) -> list[Choice]:
     """Every choice worth considering for this graph: layouts and algorithms only where a 4-D
     convolution exists, split convolutions only where cuDNN's fused ones could run, a stream cap
     only below `num_streams` (the CUDA streams the planned ones fold onto), a separate GEMM bias
-    only where a float32 GEMM has one."""
+    only where a float32 GEMM has one, depthwise prologues only with `prologues` (the executable
+    found prologue pairs) and channels_last."""
     convs = bool(conv_weights(graph))
     layouts, algorithms = (LAYOUTS, ALGORITHMS) if convs else (LAYOUTS[:1], ALGORITHMS[:1])
     streams = [s for s in STREAMS if stream_cap(s) is None or stream_cap(s) < num_streams]
@@ -94,13 +105,13 @@ def candidates(graph: Graph, num_streams: int) -> list[Choice]:
     kinds = CONVOLUTIONS if fused else CONVOLUTIONS[:1]
     biases = GEMM_BIAS if any(BiasedGemm.applies(graph, op) and not small_product(graph, op) for op in graph.ops) \
         else GEMM_BIAS[:1]  # a small linear runs as a generated kernel (`pooled_conv.SmallLinear`) either way
-    return [Choice(layout, s, a, k, b) for layout in layouts for s in streams for a in algorithms for k in kinds
-            for b in biases]
+    return [Choice(layout, s, a, k, b, p) for layout in layouts for s in streams for a in algorithms for k in kinds
+            for b in biases for p in PROLOGUES if p == PROLOGUES[0] or (prologues and layout == "channels_last")]
 
 
 def every_choice() -> list[Choice]:
-    return [Choice(layout, s, a, k, b) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS for k in CONVOLUTIONS
-            for b in GEMM_BIAS]
+    return [Choice(layout, s, a, k, b, p) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS
+            for k in CONVOLUTIONS for b in GEMM_BIAS for p in PROLOGUES]
 
 
 def stages(options: list[Choice], graphs: bool = False):
@@ -108,10 +119,11 @@ def stages(options: list[Choice], graphs: bool = False):
     the next candidates. With `graphs` (cuDNN graphs can run: `cudnn_graph.frontend()`), split
     convolutions are not timed (see the module docstring)."""
     yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]
-           and c.gemm_bias == GEMM_BIAS[0]]
+           and c.gemm_bias == GEMM_BIAS[0] and c.prologues == PROLOGUES[0]]
     yield lambda best: [] if graphs else [c for c in options if c == replace(best, convolutions="split")]
     yield lambda best: [c for c in options if c in [replace(best, streams=s) for s in STREAMS[1:]]]
     yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
+    yield lambda best: [c for c in options if c == replace(best, prologues=PROLOGUES[1])]
 
 
 MEMORY_SLACK = 0.02  # a candidate this much slower than the fastest may win on memory ...

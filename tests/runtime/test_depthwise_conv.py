@@ -159,14 +159,14 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8])
 def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kernel(tmp_path, monkeypatch, batch):
-    """`pairs.PROLOGUE_PAIRS` on a mobilenet_v2 block: the expansion writes its convolution alone,
+    """Depthwise prologues on a mobilenet_v2 block: the expansion writes its convolution alone,
     the depthwise kernel applies its bias and relu6 as it loads; the outputs agree with eager and
     with the run without pairs, in one kernel fewer (the expansion's epilogue)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime import kernels, pairs
+    from nimble.runtime import kernels
     from nimble.runtime.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.runtime.streams import count_kernels
@@ -180,10 +180,10 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
                    compile_model(path, input_specs([f"{batch}x8x28x28"]), device="cpu").artifact())
     art = read_artifact(tmp_path / "b.nimble")
     x = [t.cuda() for t in art.sample_inputs]
-    choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
     outputs = {}
     for paired in (True, False):
-        monkeypatch.setattr(pairs, "PROLOGUE_PAIRS", paired)
+        choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split",
+                               prologues=tuning.PROLOGUES[paired])
         before = len(kernels.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{paired}.dot"))
         assert bool(exe._pairs.prologues) is paired and kernels.STATS.fallbacks[before:] == []

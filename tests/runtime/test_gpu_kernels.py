@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import nimble
 from nimble.formats import read_artifact
 from nimble.ops import fusion
-from nimble.runtime import cudnn_graph, reference, tuning
+from nimble.runtime import cudnn_graph, pairs, reference, tuning
 from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
 from nimble.runtime.streams import count_kernels, fold
@@ -28,8 +28,10 @@ def own_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_forced_choice_reproduces_the_model(sample_artifacts, name):
     art = read_artifact(sample_artifacts[name])
-    # the GEMM bias is independent of the convolution settings: separate, it runs under two of them
-    for choice in [c for c in tuning.every_choice() if c.gemm_bias == "epilogue" or c.algorithms == "heuristic"]:
+    # the GEMM bias and the depthwise prologues are independent of the convolution algorithms: each
+    # runs under one setting of them (the prologues under channels_last, the only layout they take)
+    for choice in [c for c in tuning.every_choice() if c.algorithms == "heuristic" or (
+            c.gemm_bias == "epilogue" and c.prologues == "apart")]:
         exe = Executable(art, "cuda", choice=choice)
         assert exe.stats.tuning == "forced" and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
         assert len(set(exe._stream_of)) <= (tuning.stream_cap(choice.streams) or exe.schedule.num_streams)
@@ -87,14 +89,18 @@ def test_generated_kernels_match_the_interpreted_body(shape):
 def test_tuning_is_timed_once_then_read_from_the_cache(sample_artifacts):
     first = nimble.load(sample_artifacts["mobilenet"], device="cuda", tune="full")
     s = first.schedule
-    options = tuning.candidates(first.graph, len(set(fold(s.order, s.stream, s.waits))))
+    prologues = bool(pairs.prologue_pairs(first.graph, first._placed, set()))
+    options = tuning.candidates(first.graph, len(set(fold(s.order, s.stream, s.waits))), prologues)
     streams = len({c.streams for c in options})
     split = any(c.convolutions == "split" for c in options)
     # its classifier, a linear of few rows, runs as a generated kernel: no GEMM bias to choose
     bias = any(c.gemm_bias == "separate" for c in options)
-    assert not bias and len(options) == 4 * streams * (1 + split)  # both layouts, both algorithm settings
+    # both layouts, both algorithm settings; depthwise prologues under channels_last only
+    assert not bias and len(options) == (4 + 2 * prologues) * streams * (1 + split)
     timed_split = split and cudnn_graph.frontend() is None  # with cuDNN graphs the split stage is skipped
-    assert first.stats.tuning == "timed" and len(first.stats.tuning_ms) == 4 + (streams - 1) + timed_split + bias
+    timed_prologues = prologues and first.choice.layout == "channels_last"  # the stage after the best so far
+    assert first.stats.tuning == "timed"
+    assert len(first.stats.tuning_ms) == 4 + (streams - 1) + timed_split + bias + timed_prologues
     assert tuning.cache_path().exists()
     again = nimble.load(sample_artifacts["mobilenet"], device="cuda")
     assert again.stats.tuning == "cache hit" and again.stats.choice == first.stats.choice
