@@ -14,6 +14,7 @@ _API = {
     "compile_model": "pipeline",
     "load": "runtime",
     "Executable": "runtime",
+    "Group": "runtime",
     "Compiled": "pipeline",
     "input_specs": "specs",
     "NimbleError": "errors",

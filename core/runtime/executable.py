@@ -24,6 +24,7 @@ On the CPU, the same placed op list runs serially in issue order on each call.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +86,7 @@ class Executable:
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
                  choice: tuning.Choice | None = None, max_memory: int | None = None,
-                 share: Executable | None = None, arena_bytes: int | None = None):
+                 share: Executable | None = None, arena_bytes: int | None = None, group=None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
@@ -96,7 +97,9 @@ class Executable:
         and on CUDA one whose device footprint (`footprint.py`) ends up above it. `share` (a
         loaded Executable of the same weights, on the same device) lends its weights and arena
         instead of allocating them, for the batch sizes of one artifact (`batched.py`); the arena
-        must be large enough: `arena_bytes` sizes the lender's above its own plan."""
+        must be large enough: `arena_bytes` sizes the lender's above its own plan. `group` (a
+        `group.Group`, whose `load` passes it) lends its arena, streams and workspaces instead, to
+        artifacts of different weights, and makes every call wait its turn (`group.py`)."""
         t0 = time.perf_counter()
         check_tune_mode(tune)
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
@@ -113,6 +116,7 @@ class Executable:
             self._with_arena = arena
             self._single_stream = single_stream
             self._share = share
+            self._group = group
             self._arena_size = max(arena_bytes or 0, self.memory.arena_bytes)
             self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
             self._blas_ready: set[int] = set()  # the streams whose cuBLAS workspaces exist
@@ -143,13 +147,16 @@ class Executable:
             stages.move("warmup", "kernels", kernels.STATS.seconds - seconds)  # kernels build on first run
             self.stats.kernel_fallbacks = kernels.STATS.fallbacks[fallbacks:]
             settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
+        if group is not None:
+            group._join(self)
         self.stats.seconds = {**stages.seconds, "total": time.perf_counter() - t0}
 
     def _planned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors the plan names: weights, arena and inputs."""
         g = self.graph
+        shared = 0 if self._group is None or self._group.arena is None else self._group.arena.numel()
         return {"weights": sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
-                "arena": self._arena_size if self._with_arena else 0,
+                "arena": max(self._arena_size - shared, 0) if self._with_arena else 0,
                 "inputs": sum(g.values[i].spec.nbytes for i in g.inputs)}
 
     def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
@@ -208,6 +215,8 @@ class Executable:
                 p.substitute.workspaces = self._cudnn_workspaces
         self.arena = None
         self._streams = []
+        if self._group is not None:
+            self._group._leave(self)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -294,7 +303,7 @@ class Executable:
         needed = max(self._stream_of, default=0) + 1  # made once per load: each stream costs workspaces
         self._streams += [torch.cuda.Stream(self.device) for _ in range(needed - len(self._streams))]
         self._make_blas_workspaces()
-        if self._share is None:  # sized anew for this choice's plans (the last graph is gone)
+        if self._share is None and self._group is None:  # sized anew for this choice's plans (no graph is left)
             self._cudnn_workspaces = cudnn_graph.Workspaces()
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
@@ -349,6 +358,9 @@ class Executable:
             self._borrow(self._share)
         else:
             self._allocate_own(need)
+        if self._group is not None:  # its arena and streams; the weights and input buffers stay its own
+            self.arena = self._group.reserve(self._arena_size)
+            self._share_streams(self._group)
         try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
             self._load_inputs(self.artifact.sample_inputs)
         except ShapeError as e:
@@ -374,16 +386,26 @@ class Executable:
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):
             raise ExecutionError(f"out of memory on {self.device} while loading the input buffers") from None
 
-    def _share_streams(self, lender: Executable) -> None:
-        """The lender's CUDA streams, with the cuBLAS workspaces PyTorch keeps for each (32 MiB on
-        Hopper), and its cuDNN graphs' workspaces: a multi-batch artifact's graphs replay one at a
-        time, so they can run on the same ones."""
+    def _share_streams(self, lender) -> None:
+        """The lender's (an Executable's or a Group's) CUDA streams, with the cuBLAS workspaces
+        PyTorch keeps for each (32 MiB on Hopper), and its cuDNN graphs' workspaces: a multi-batch
+        artifact's graphs, or a group's, replay one at a time, so they can run on the same ones."""
         self._streams, self._blas_ready, self._cudnn_workspaces = \
             lender._streams, lender._blas_ready, lender._cudnn_workspaces
 
     @property
     def _weights_by_name(self) -> dict[str, torch.Tensor]:
         return {self.graph.values[vid].name: t for vid, t in self._stored_weights.items()}
+
+    def _rebase(self, arena: torch.Tensor) -> None:
+        """Run on `arena` from now on (a group's, grown): the views into it made again and, on
+        CUDA, the graph captured again under the same choice."""
+        self.arena = arena
+        if self._with_arena:
+            self._views = arena_views(self.graph, self.memory, arena)
+        self._env_after = None
+        if self.device.type == "cuda" and not self._closed:
+            self._build(self.choice)
 
     def _allocate_own(self, need: int) -> None:
         g, dev = self.graph, self.device
@@ -399,7 +421,7 @@ class Executable:
                 convs = tuning.conv_weights(g)
                 kept = regions.pack({**{k: t for k, t in weights.items() if k not in convs},
                                      **{("input", k): x for k, x in enumerate(inputs)}}, dev,
-                                    blank={"arena": max(self._arena_size, 1)},
+                                    blank={"arena": 1 if self._group else max(self._arena_size, 1)},
                                     strides={k: (1, weights[k].shape[0]) for k in gemm.k_major_weights(g)})
                 self._stored_weights = {**{k: t for k, t in kept.items() if isinstance(k, int)},
                                         **regions.pack({k: t for k, t in weights.items() if k in convs}, dev)}
@@ -408,7 +430,7 @@ class Executable:
                                                            torch.channels_last)
             else:  # the artifact's own tensors: nothing to copy
                 self._stored_weights = {k: t.to(dev) for k, t in weights.items()}
-                self.arena = torch.empty(max(self._arena_size, 1), dtype=torch.uint8, device=dev)
+                self.arena = torch.empty(1 if self._group else max(self._arena_size, 1), dtype=torch.uint8, device=dev)
                 self._inputs, self._channels_last_weights = inputs, {}
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError):  # RuntimeError: the CPU allocator
             raise ExecutionError(f"out of {'GPU ' if dev.type == 'cuda' else ''}memory while loading: the weights "
@@ -461,14 +483,19 @@ class Executable:
         """One inference, its outputs always as a list (for code that handles any number of
         outputs); `copy` as for a call."""
         self._ensure_open()
-        self._load_inputs(inputs)
-        if self._cuda_graph is not None:
-            self._cuda_graph.replay()
-            outputs = self._outputs
-        else:
-            env = self._issue(validate=True)
-            outputs = [env[o] for o in self.graph.outputs]
-        return [t.clone() for t in outputs] if copy else list(outputs)
+        with self._turn():
+            self._load_inputs(inputs)
+            if self._cuda_graph is not None:
+                self._cuda_graph.replay()
+                outputs = self._outputs
+            else:
+                env = self._issue(validate=True)
+                outputs = [env[o] for o in self.graph.outputs]
+            return [t.clone() for t in outputs] if copy else list(outputs)
+
+    def _turn(self):
+        """The group's turn (its lock, and the GPU after its last call), else nothing."""
+        return self._group.turn() if self._group is not None else contextlib.nullcontext()
 
     def __repr__(self) -> str:
         g = self.graph
@@ -480,10 +507,11 @@ class Executable:
     def replay(self) -> None:
         """One inference on whatever the input buffers hold (for benchmarks)."""
         self._ensure_open()
-        if self._cuda_graph is not None:
-            self._cuda_graph.replay()
-        else:
-            self._issue(validate=True)
+        with self._turn():
+            if self._cuda_graph is not None:
+                self._cuda_graph.replay()
+            else:
+                self._issue(validate=True)
 
     def _load_inputs(self, inputs) -> None:
         self.check_inputs(inputs)

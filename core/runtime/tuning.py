@@ -31,12 +31,13 @@ fastest:
 Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
 convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
 one, then that with its GEMM biases separate, then that with depthwise prologues. Where cuDNN
-graphs can run (the `cudnn` extra), the split candidate is not timed: each conv-led body has then already been timed against its
-alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_graph`). On the H100,
-with graphs, split was 1.14 to 1.33 times the best candidate's time on every peers row that had
-it (googlenet, inception_v3, resnet50, squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and
-timing it was half of inception_v3's cold load (5 s: with benchmark algorithms, each plain
-convolution first runs cuDNN's search of its algorithms). A forced choice can still split.
+graphs can run (the `cudnn` extra), the split candidate is not timed: each conv-led body has then
+already been timed against its alternative, a graph against the split way or PyTorch's fused
+kernel (`cudnn_graph`). On the H100, with graphs, split was 1.14 to 1.33 times the best
+candidate's time on every peers row that had it (googlenet, inception_v3, resnet50,
+squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and timing it was half of inception_v3's
+cold load (5 s: with benchmark algorithms, each plain convolution first runs cuDNN's search of
+its algorithms). A forced choice can still split.
 
 The best of a stage is the fastest, unless a candidate at most `MEMORY_SLACK` slower holds at
 least `MEMORY_WORTH` less in its graph pool (the workspaces and temporaries of its capture): then
