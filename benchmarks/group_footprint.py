@@ -48,7 +48,8 @@ doc = {"reserved_growth": torch.cuda.memory_reserved() - before,
        "arena_bytes": [e.artifact.memory.arena_bytes for e in exes],
        "streams": len(group._streams) if grouped else sum(len(e._streams) for e in exes),
        "latency_ms": [report.median_ms(lambda: e(*x, copy=False)) for e, x in zip(exes, xs)],
-       "gpu_bound_ms": [gpu_bound_ms(e.replay) for e in exes]}
+       "gpu_bound_ms": [gpu_bound_ms(e.replay) for e in exes],
+       "footprints": [e.stats.footprint.document() for e in exes]}  # each from just before its own load
 for e in exes:
     e.close()
 torch.cuda.synchronize()
@@ -75,9 +76,16 @@ def main() -> int:
     if "error" in apart or "error" in group:
         print(f"failed: {apart.get('error') or group.get('error')}", file=sys.stderr)
         return 1
+    kinds = ("weights", "arena", "inputs", "outside_arena", "pool_free", "other_allocated", "cached")
+
+    def grown(run, k):  # what the k-th load added, by kind (the arena: what the group's had to grow)
+        f = run["footprints"][k]
+        return f"{f['growth'] / mib:.1f} (" + ", ".join(f"{f[kind] / mib:.1f}" for kind in kinds) + ")"
+
     rows = [[name, f"{apart['gpu_bound_ms'][k]:.3f} / {group['gpu_bound_ms'][k]:.3f}",
              f"{apart['latency_ms'][k]:.3f} / {group['latency_ms'][k]:.3f}",
-             f"{apart['arena_bytes'][k] / mib:.1f}"] for k, name in enumerate(args.models)]
+             f"{apart['arena_bytes'][k] / mib:.1f}", grown(apart, k), grown(group, k)]
+            for k, name in enumerate(args.models)]
     lines = [f"{len(args.models)} models in one process at batch {args.batch}, loaded one by one or into one "
              f"nimble.Group; {meta['gpu']}, torch {meta['torch']}, fp32 (TF32 convolutions), {meta['date']}. "
              f"Command: `{meta['command']}`. Each way in a fresh process from an empty tuning cache.", "",
@@ -89,7 +97,10 @@ def main() -> int:
              f"{max(group['arena_bytes']) / mib:.1f} MiB in a group",
              f"- still reserved after every close(): {apart['after_close'] / mib:.1f} MiB one by one, "
              f"{group['after_close'] / mib:.1f} MiB in a group", "",
-             *report.table(["model", "GPU-bound ms, apart / group", "latency ms, apart / group", "arena MiB"], rows)]
+             "Per model, in load order: MiB the load added to what was reserved, and in brackets by kind: "
+             + ", ".join(kinds) + " (`runtime/footprint.py`).", "",
+             *report.table(["model", "GPU-bound ms, apart / group", "latency ms, apart / group", "arena MiB",
+                            "added apart", "added in the group"], rows)]
     report.write(args.out, f"group_footprint_b{args.batch}", lines, {"meta": meta, **runs})
     print("\n".join(lines))
     return 0

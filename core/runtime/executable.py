@@ -117,6 +117,7 @@ class Executable:
             self._single_stream = single_stream
             self._share = share
             self._group = group
+            self._arena_added: int | None = None  # in a group: the bytes its load added to the group's arena
             self._arena_size = max(arena_bytes or 0, self.memory.arena_bytes)
             self._streams: list[torch.cuda.Stream] = []  # none on the CPU: ops run serially
             self._blas_ready: set[int] = set()  # the streams whose cuBLAS workspaces exist
@@ -154,9 +155,12 @@ class Executable:
     def _planned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors the plan names: weights, arena and inputs."""
         g = self.graph
-        shared = 0 if self._group is None or self._group.arena is None else self._group.arena.numel()
+        arena = self._arena_size
+        if self._group is not None:  # in a group: what it grew the group's arena by (to grow, before it loads)
+            shared = 0 if self._group.arena is None else self._group.arena.numel()
+            arena = max(arena - shared, 0) if self._arena_added is None else self._arena_added
         return {"weights": sum(t.numel() * t.element_size() for t in self.artifact.weights.values()),
-                "arena": max(self._arena_size - shared, 0) if self._with_arena else 0,
+                "arena": arena if self._with_arena else 0,
                 "inputs": sum(g.values[i].spec.nbytes for i in g.inputs)}
 
     def _check_budget(self, max_memory: int | None, planned: dict[str, int]) -> None:
@@ -359,7 +363,9 @@ class Executable:
         else:
             self._allocate_own(need)
         if self._group is not None:  # its arena and streams; the weights and input buffers stay its own
+            held = 0 if self._group.arena is None else self._group.arena.numel()
             self.arena = self._group.reserve(self._arena_size)
+            self._arena_added = self.arena.numel() - held
             self._share_streams(self._group)
         try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
             self._load_inputs(self.artifact.sample_inputs)
