@@ -468,8 +468,9 @@ class Executable:
 
     def _capture(self, dump: str | None = None) -> None:
         graph = streams.new_graph(debug=bool(dump))
+        pool = self._group.pool if self._group is not None else None  # a group's members share one graph pool
         with streams.capturing(graph, self._streams[0], self.device, "the op list",
-                               "try an artifact compiled with --streams 1"):
+                               "try an artifact compiled with --streams 1", pool):
             env = self._issue()
         torch.cuda.synchronize(self.device)
         if dump:

@@ -5,10 +5,13 @@ A server that keeps many models on one GPU pays each load's arena, per-stream cu
 (32 MiB a stream on Hopper) and cuDNN workspaces, though it runs one model at a time. A `Group`
 pays them once: its members' activations live in one arena sized for the largest plan, their
 ops run on one list of CUDA streams (with the cuBLAS workspaces PyTorch keeps per stream) and
-take their cuDNN graphs' workspaces from one `cudnn_graph.Workspaces`. Weights, input buffers
-and CUDA graphs stay each member's own.
+take their cuDNN graphs' workspaces from one `cudnn_graph.Workspaces`, and their CUDA graphs
+are captured into one graph pool (`torch.cuda.graph_pool_handle`), so the results outside the
+arena and the temporaries of one member's replay reuse the memory of another's. Weights, input
+buffers and CUDA graphs stay each member's own.
 
-Sharing the arena is safe because the members' calls never overlap: each call (and each
+Sharing the arena and the pool is safe because the members' calls never overlap, and nothing in
+either outlives a call but what a member's graph keeps allocated: each call (and each
 `replay`) takes the group's lock, and on the GPU waits for the event the group's previous call
 recorded, whichever member and whichever stream made it. The arena grows when a member with a
 larger plan joins; every member already loaded is then captured again on the new arena (a
@@ -48,7 +51,9 @@ class Group:
         self._blas_ready: set[int] = set()
         self._cudnn_workspaces = cudnn_graph.Workspaces()
         self._lock = threading.RLock()  # RLock: `verify` calls `run`
-        self._done = torch.cuda.Event() if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None  # the graph pool every member captures into
+        self._done = torch.cuda.Event() if cuda else None
         self._recorded = False
         self._closed = False
 
