@@ -61,10 +61,13 @@ class Group:
              max_memory: int | None = None) -> Executable | list[Executable]:
         """Read and load each artifact into the group (`nimble.load`'s arguments, per member); one
         path gives its executable, several a list. All are read before any is loaded, so the
-        arena is sized once for the largest plan among them and the members loaded before."""
+        arena is sized once for the largest plan among them and the members loaded before. Where
+        one fails to load, those this call loaded before it are closed again."""
         from nimble.formats import read_artifact
 
         self._ensure_open()
+        if not paths:
+            raise UsageError("Group.load needs at least one artifact path")
         read = []
         for path in paths:
             t = time.perf_counter()
@@ -78,13 +81,18 @@ class Group:
                 torch.cuda.synchronize(self.device)
             self.reserve(max(art.memory.arena_bytes for _, art, _ in read))
             loaded = []
-            for name, art, read_s in read:
-                exe = Executable(art, self.device.type, name=name, tune=tune, max_memory=max_memory, group=self)
-                exe.stats.seconds = {"read": read_s, **exe.stats.seconds,
-                                     "total": read_s + exe.stats.seconds["total"]}
-                loaded.append(exe)
-                if verify:
-                    exe.verify()
+            try:
+                for name, art, read_s in read:
+                    exe = Executable(art, self.device.type, name=name, tune=tune, max_memory=max_memory, group=self)
+                    exe.stats.seconds = {"read": read_s, **exe.stats.seconds,
+                                         "total": read_s + exe.stats.seconds["total"]}
+                    loaded.append(exe)
+                    if verify:
+                        exe.verify()
+            except BaseException:  # all of this call's members or none: the ones loaded go again
+                for exe in loaded:
+                    exe.close()
+                raise
         return loaded[0] if len(loaded) == 1 else loaded
 
     # ------------------------------------------------------------------------------ the arena

@@ -118,3 +118,27 @@ def test_a_member_s_budget_counts_only_the_arena_the_group_must_grow(sample_arti
         nimble.load(small, device="cpu", max_memory=need)
     group.close()
     assert big._closed
+
+
+def test_a_load_that_fails_takes_none_of_its_artifacts_and_no_path_is_refused(tmp_path, sample_artifacts):
+    """A member that fails to load (here: its budget) closes the members the same call loaded."""
+    def need(path):  # what a member of an arena already large enough asks of its budget
+        art = read_artifact(path)
+        return sum(t.numel() * t.element_size() for t in [*art.weights.values(), *art.sample_inputs])
+
+    group = nimble.Group("cpu")
+    kept = group.load(sample_artifacts["resnet"])
+    fits, fails = sorted([sample_artifacts["mobilenet"], sample_artifacts["transformer"]], key=need)
+    assert need(fits) < need(fails)
+    with pytest.raises(nimble.ExecutionError, match="memory budget"):
+        group.load(fits, fails, max_memory=need(fits))  # the first loads, the second is refused
+    assert group.members == [kept]
+    check(kept)
+    with pytest.raises(UsageError, match="at least one artifact"):
+        group.load()
+    broken = tmp_path / "broken.nimble"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(nimble.ArtifactError):
+        group.load(sample_artifacts["mobilenet"], broken)  # read before anything loads
+    assert group.members == [kept]
+    group.close()
