@@ -4,7 +4,6 @@ run one call at a time (`runtime/group.py`). On the CPU here; `test_gpu_group.py
 import threading
 
 import pytest
-import torch
 
 import nimble
 from nimble.errors import UsageError
