@@ -230,6 +230,9 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+        # Ray waits 30 s for HAProxy to answer on its admin socket, and on a busy 2-core machine
+        # (Ray's own processes starting beside other work) that start failed once in CI's tests
+        os.environ.setdefault("RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S", "120")
     if options.address is None:
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
                  _metrics_export_port=options.metrics_port)
