@@ -295,6 +295,30 @@ def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(a
     assert tuning.Choice(streams=f"at most {tuning.CAP}").describe().startswith(f"contiguous, at most {tuning.CAP} streams")
 
 
+def test_depthwise_prologues_are_a_channels_last_candidate_timed_last_and_kept_in_the_cache(artifacts, tmp_path,
+                                                                                           monkeypatch):
+    """Where prologue pairs exist, each channels_last candidate also comes with depthwise
+    prologues; the first stage times none, the last times the best so far with them (nothing
+    for a contiguous best), and the choice survives the tuning cache."""
+    from nimble.runtime import pairs, placement, tuning
+
+    g = artifacts["mobilenet"][1].graph
+    assert pairs.prologue_pairs(g, placement.prepare(g), set())  # its expansions feed depthwise convolutions
+    without, paired = tuning.candidates(g, 2), tuning.candidates(g, 2, prologues=True)
+    extra = [c for c in paired if c not in without]
+    assert extra and all(c.layout == "channels_last" and c.prologues == tuning.PROLOGUES[1] for c in extra)
+    assert len(extra) == len([c for c in without if c.layout == "channels_last"])
+    stages = list(tuning.stages(paired))
+    assert all(c.prologues == tuning.PROLOGUES[0] for c in stages[0])
+    best = tuning.Choice(layout="channels_last")
+    assert stages[-1](best) == [replace(best, prologues=tuning.PROLOGUES[1])]
+    assert stages[-1](tuning.Choice()) == []  # contiguous: the depthwise kernel takes channels_last alone
+    assert replace(best, prologues=tuning.PROLOGUES[1]).describe().endswith(", depthwise prologues")
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    tuning.store("k", replace(best, prologues=tuning.PROLOGUES[1]), {})
+    assert tuning.cached("k") == replace(best, prologues=tuning.PROLOGUES[1])
+
+
 def test_a_copying_reshape_or_contiguous_writes_its_buffer_in_one_copy():
     """A reshape the plan gave a buffer (its input allows no view) copies the input's elements
     once, in row-major order, into the buffer seen in the input's shape; contiguous copies in."""
