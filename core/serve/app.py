@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import __version__
+from ..errors import ExecutionError, NimbleError
 from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
@@ -249,23 +250,40 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     if options.device == "cuda" and gpus == 0:
         raise UsageError("--device cuda, but the Ray cluster has no GPU; use --device cpu or auto")
     threads = 0 if not cpu_only else max(1, (os.cpu_count() or 1) // (replicas * len(names)))
-    serve.start(http_options={"host": options.host, "port": options.port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
     device = "cpu" if cpu_only else "cuda"
-    for name, p in names.items():
-        largest = max(batches[name] or [1])
-        say(f"loading {name} on {replicas} {'CPU' if cpu_only else 'GPU'} replica(s)")
-        app = Model.options(
-            name=name, num_replicas=replicas,
-            ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
-            max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
-            max_queued_requests=options.max_queue,
-        ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads)
-        serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
-    serve.run(Server.bind(list(names)), name="nimble", route_prefix="/v2")
+    try:
+        serve.start(http_options={"host": options.host, "port": options.port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        for name, p in names.items():
+            largest = max(batches[name] or [1])
+            say(f"loading {name} on {replicas} {'CPU' if cpu_only else 'GPU'} replica(s)")
+            app = Model.options(
+                name=name, num_replicas=replicas,
+                ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
+                max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
+                max_queued_requests=options.max_queue,
+            ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads)
+            serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
+        serve.run(Server.bind(list(names)), name="nimble", route_prefix="/v2")
+    except NimbleError:
+        raise
+    except Exception as e:  # Ray's own failures (a task's error wraps its cause): one line, with what to try
+        raise ExecutionError(start_failure(e, options)) from None
     return {"url": f"http://{options.host}:{options.port}/v2", "models": {n: batches[n] for n in names},
             "replicas": replicas, "device": device,
             "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics"}
+
+
+def start_failure(e: BaseException, options: Options) -> str:
+    """The one line for a failure inside Ray Serve's start: the innermost cause a Ray task error
+    carries, and what to try (for the HAProxy ingress, Ray's own proxy)."""
+    while getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+    text = str(e).strip().splitlines()[0][:300].strip() if str(e).strip() else type(e).__name__
+    advice = "serve with --ingress proxy (Ray Serve's own HTTP proxy), or try again" \
+        if "haproxy" in f"{type(e).__name__} {e}".lower() and options.ingress == "haproxy" \
+        else "check the Ray logs (/tmp/ray/session_latest/logs) and try again"
+    return f"Ray Serve did not start the models ({type(e).__name__}: {text}); {advice}"
 
 
 def stop(paths: list[Path], joined: bool, grace_s: float = 20.0) -> None:

@@ -225,3 +225,24 @@ def test_sigterm_stops_cleanly_after_the_requests_in_flight(server):
     text = log.read_text()
     assert "SIGTERM: shutting down" in text and text.rstrip().endswith("stopped")
     assert "Traceback" not in text
+
+
+def test_a_failure_inside_ray_serve_s_start_is_one_line_with_its_innermost_cause():
+    """What Ray raises from a task (its error wrapping the task's own) becomes one line naming
+    the cause; an HAProxy failure suggests Ray's own proxy."""
+    from nimble.serve.app import Options, start_failure
+
+    class TaskError(Exception):  # the shape of ray.exceptions.RayTaskError: the task's error in .cause
+        def __init__(self, cause):
+            super().__init__("ray::HAProxyManager.ready() (pid=1, ip=192.0.2.2, actor_id=...)\nmore")
+            self.cause = cause
+
+    haproxy = TaskError(RuntimeError("HAProxy (pid=7) did not take over the admin socket within 30 seconds. "
+                                     "stderr: \nline two"))
+    line = start_failure(haproxy, Options(ingress="haproxy"))
+    assert line == ("Ray Serve did not start the models (RuntimeError: HAProxy (pid=7) did not take over the admin "
+                    "socket within 30 seconds. stderr:); serve with --ingress proxy (Ray Serve's own HTTP proxy), "
+                    "or try again")
+    other = start_failure(TaskError(ValueError("bad config")), Options(ingress="proxy"))
+    assert other.startswith("Ray Serve did not start the models (ValueError: bad config); check the Ray logs")
+    assert "\n" not in line + other
