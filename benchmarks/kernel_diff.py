@@ -333,9 +333,19 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--choice", help="run nimble as this choice instead of tuning: LAYOUT,STREAMS,ALGORITHMS,"
-                                         "CONVOLUTIONS[,GEMM_BIAS] (e.g. channels_last,planned,benchmark,split or "
-                                         "contiguous,serial,heuristic,cudnn-fused,separate)")
+                                         "CONVOLUTIONS[,GEMM_BIAS[,PROLOGUES]] (e.g. channels_last,planned,benchmark,"
+                                         "split or contiguous,serial,heuristic,cudnn-fused,separate or "
+                                         "'channels_last,planned,heuristic,cudnn-fused,epilogue,in depthwise')")
     args = parser.parse_args()
+    if args.choice:  # refused before minutes of compiling, not run under a name it does not have
+        from nimble.runtime.tuning import Choice, every_choice
+
+        try:
+            known = Choice(*args.choice.split(",")) in every_choice()
+        except TypeError:  # too many fields
+            known = False
+        if not known:
+            parser.error(f"--choice {args.choice!r} is no load-time choice; see --help for the fields")
     import torch
 
     # PyTorch's defaults, as peers.py runs: TF32 convolutions, full fp32 matmul (the tables up to
