@@ -102,6 +102,9 @@ class Executable:
         artifacts of different weights, and makes every call wait its turn (`group.py`)."""
         t0 = time.perf_counter()
         check_tune_mode(tune)
+        if choice is not None and choice not in tuning.every_choice():
+            raise UsageError(f"choice={choice!r} is no load-time choice; build it from the settings tuning.py "
+                             "names (LAYOUTS, STREAMS, ALGORITHMS, CONVOLUTIONS, GEMM_BIAS, PROLOGUES)")
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
         with stages.stage("prepare"):
             self.artifact = artifact

@@ -539,3 +539,14 @@ def test_a_convolution_into_a_buffer_that_is_not_dense_is_computed_and_copied(mo
         assert whole[:, :8].eq(0).all() and calls == []
     kernels.conv_into(p, torch.empty(2, 8, 6, 6))  # a dense buffer still takes the out= overload
     assert calls == [(2, 8, 6, 6)]
+
+
+def test_a_forced_choice_that_is_no_load_time_choice_is_refused_in_one_line(artifacts):
+    from nimble.errors import UsageError
+    from nimble.runtime import tuning
+    from nimble.runtime.executable import Executable
+
+    art = artifacts["resnet"][1]
+    with pytest.raises(UsageError, match="no load-time choice.*PROLOGUES"):
+        Executable(art, "cpu", choice=tuning.Choice(layout="channel_last"))
+    Executable(art, "cpu", choice=tuning.Choice(layout="channels_last", prologues=tuning.PROLOGUES[1]))
