@@ -239,8 +239,10 @@ class Executable:
         """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
         then build the CUDA graph that runs it."""
         folded = streams.fold(self.schedule.order, self.schedule.stream, self.schedule.waits)
-        prologues = pairs.PROLOGUE_PAIRS and self._with_arena \
-            and bool(pairs.prologue_pairs(self.graph, self._placed, set()))
+        # a candidate only where a pair survives the other pairs of the planned order (efficientnet's
+        # depthwise ops are all in mean pairs: the candidate would run the same kernels)
+        prologues = pairs.PROLOGUE_PAIRS and self._with_arena and bool(pairs.find(
+            self.graph, self._placed, self._order, self._stream_of, self._waits, prologues=True).prologues)
         options = tuning.candidates(self.graph, max(folded, default=0) + 1, prologues)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]

@@ -89,7 +89,9 @@ def test_generated_kernels_match_the_interpreted_body(shape):
 def test_tuning_is_timed_once_then_read_from_the_cache(sample_artifacts):
     first = nimble.load(sample_artifacts["mobilenet"], device="cuda", tune="full")
     s = first.schedule
-    prologues = bool(pairs.prologue_pairs(first.graph, first._placed, set()))
+    planned = Executable(first.artifact, "cpu")  # the order and streams the load found its candidates under
+    prologues = bool(pairs.find(planned.graph, planned._placed, planned._order, planned._stream_of, planned._waits,
+                                prologues=True).prologues)
     options = tuning.candidates(first.graph, len(set(fold(s.order, s.stream, s.waits))), prologues)
     streams = len({c.streams for c in options})
     split = any(c.convolutions == "split" for c in options)

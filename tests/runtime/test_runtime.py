@@ -300,10 +300,13 @@ def test_depthwise_prologues_are_a_channels_last_candidate_timed_last_and_kept_i
     """Where prologue pairs exist, each channels_last candidate also comes with depthwise
     prologues; the first stage times none, the last times the best so far with them (nothing
     for a contiguous best), and the choice survives the tuning cache."""
-    from nimble.runtime import pairs, placement, tuning
+    from nimble.runtime import pairs, tuning
+    from nimble.runtime.executable import Executable
 
     g = artifacts["mobilenet"][1].graph
-    assert pairs.prologue_pairs(g, placement.prepare(g), set())  # its expansions feed depthwise convolutions
+    exe = Executable(artifacts["mobilenet"][1], "cpu")  # the planned order, as a load finds its candidates under
+    # its expansions feed depthwise convolutions, which no other pair takes
+    assert pairs.find(g, exe._placed, exe._order, exe._stream_of, exe._waits, prologues=True).prologues
     without, paired = tuning.candidates(g, 2), tuning.candidates(g, 2, prologues=True)
     extra = [c for c in paired if c not in without]
     assert extra and all(c.layout == "channels_last" and c.prologues == tuning.PROLOGUES[1] for c in extra)
