@@ -239,10 +239,10 @@ class Executable:
         """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
         then build the CUDA graph that runs it."""
         folded = streams.fold(self.schedule.order, self.schedule.stream, self.schedule.waits)
-        # a candidate only where a pair survives the other pairs of the planned order (efficientnet's
-        # depthwise ops are all in mean pairs: the candidate would run the same kernels)
-        prologues = pairs.PROLOGUE_PAIRS and self._with_arena and bool(pairs.find(
-            self.graph, self._placed, self._order, self._stream_of, self._waits, prologues=True).prologues)
+        # a candidate only where a pair survives the other pairs of the planned order, which `_set_order`
+        # found (efficientnet's depthwise ops are all in mean pairs: the candidate would run the same kernels)
+        prologues = pairs.PROLOGUE_PAIRS and self._with_arena and bool(
+            pairs.prologue_pairs(self.graph, self._placed, pairs.taken(self._pairs)))
         options = tuning.candidates(self.graph, max(folded, default=0) + 1, prologues)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [tuning.Choice()]
@@ -412,11 +412,11 @@ class Executable:
         """Run on `arena` from now on (a group's, grown): the views into it made again and, on
         CUDA, the graph captured again under the same choice."""
         self.arena = arena
-        if self._with_arena:
-            self._views = arena_views(self.graph, self.memory, arena)
         self._env_after = None
         if self.device.type == "cuda" and not self._closed:
-            self._build(self.choice)
+            self._build(self.choice)  # which lays out the views too
+        elif self._with_arena:
+            self._views = arena_views(self.graph, self.memory, arena)
 
     def _allocate_own(self, need: int) -> None:
         g, dev = self.graph, self.device

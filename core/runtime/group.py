@@ -53,8 +53,7 @@ class Group:
         self._lock = threading.RLock()  # RLock: `verify` calls `run`
         cuda = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None  # the graph pool every member captures into
-        self._done = torch.cuda.Event() if cuda else None
-        self._recorded = False
+        self._done = torch.cuda.Event() if cuda else None  # waiting on it before its first record waits for nothing
         self._closed = False
 
     def load(self, *paths: str | Path, tune: str = "cached", verify: bool = False,
@@ -142,12 +141,11 @@ class Group:
     def turn(self):
         """One call of a member: alone on the host, and after the previous call on the GPU."""
         with self._lock:
-            if self._done is not None and self._recorded:
+            if self._done is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._done)
             yield
             if self._done is not None:
                 self._done.record(torch.cuda.current_stream(self.device))
-                self._recorded = True
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -60,12 +60,17 @@ def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_
                   product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
                   scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
     if prologues:
-        taken: set[int] = set()
-        for kind in (found.norms, found.means, found.copies, found.products, found.scatters):
-            for first, rest in kind.items():
-                taken |= {first, *_op_ids(rest)}
-        found.prologues = prologue_pairs(graph, placed, taken)
+        found.prologues = prologue_pairs(graph, placed, taken(found))
     return found
+
+
+def taken(found: Pairs) -> set[int]:
+    """The ops in `found`'s pairs of every kind but prologues: none of them can be in a prologue pair."""
+    ops: set[int] = set()
+    for kind in (found.norms, found.means, found.copies, found.products, found.scatters):
+        for first, rest in kind.items():
+            ops |= {first, *_op_ids(rest)}
+    return ops
 
 
 def _op_ids(obj) -> set[int]:

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import __version__
-from ..errors import ExecutionError, NimbleError
+from ..errors import ExecutionError, NimbleError, first_line
 from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
@@ -279,7 +279,7 @@ def start_failure(e: BaseException, options: Options) -> str:
     carries, and what to try (for the HAProxy ingress, Ray's own proxy)."""
     while getattr(e, "cause", None) is not None and e.cause is not e:
         e = e.cause
-    text = str(e).strip().splitlines()[0][:300].strip() if str(e).strip() else type(e).__name__
+    text = first_line(e)[:300].strip()
     advice = "serve with --ingress proxy (Ray Serve's own HTTP proxy), or try again" \
         if "haproxy" in f"{type(e).__name__} {e}".lower() and options.ingress == "haproxy" \
         else "check the Ray logs (/tmp/ray/session_latest/logs) and try again"
