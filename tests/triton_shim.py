@@ -64,6 +64,8 @@ def language() -> types.ModuleType:
 
     tl.load, tl.store = load, store
     def where(condition, x, y):
+        if isinstance(condition, bool):  # a loop's own counter: a scalar choice
+            return x if condition else y
         if isinstance(x, Pointer) or isinstance(y, Pointer):  # one program's choice of buffer
             return x if bool(condition.all()) else y
         return torch.where(condition, x, y)

@@ -27,7 +27,8 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from ..ir import ACTIVATION, ITEMSIZE, Graph
+from ..ir import ACTIVATION, ITEMSIZE, Graph, Ref
+from ..ops import fusion
 from .clocks import Clocks
 from .flow import FlowNetwork
 from .schedule import Schedule
@@ -167,13 +168,21 @@ PRODUCTS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "
 
 
 def held_inputs(graph: Graph) -> dict[int, list[int]]:
-    """op -> the values it holds, though it does not read them: a matrix product's inputs, held
-    by the one op that reads the product's result (directly or through views). The runtime may
-    run the two as one kernel (`runtime.pairs.product_pairs`, and `scatter_pairs` where that op
-    copies the product's views), whose tiles write that op's result while other tiles still read
-    the product's inputs, so the result must not take their bytes."""
+    """op -> the values it holds, though it does not read them:
+
+    - a matrix product's inputs, held by the one op that reads the product's result (directly or
+      through views). The runtime may run the two as one kernel (`runtime.pairs.product_pairs`,
+      and `scatter_pairs` where that op copies the product's views), whose tiles write that op's
+      result while other tiles still read the product's inputs, so the result must not take
+      their bytes;
+    - an elementwise fused op's inputs, held by the 1x1 convolution that alone reads its result
+      (`read_later`): the runtime may skip the elementwise op and apply its body as the
+      convolution's kernel loads its input (`runtime.pointwise_conv`), so those inputs are read
+      when the convolution runs."""
     readers = graph.readers()
     held: dict[int, list[int]] = {}
+    for reader, producer in read_later(graph, readers).items():
+        held.setdefault(reader, []).extend(graph.ops[producer].refs())
     for op in graph.ops:
         if op.target not in PRODUCTS or len(op.outputs) != 1:
             continue
@@ -304,3 +313,36 @@ def _bottom_left(order: list[int], size: dict[int, int], conflicts: dict[int, li
                 floor[c] = top
                 heapq.heappush(heap, (top, rank[c], c))
     return offset
+
+
+def read_later(graph: Graph, readers: dict[int, set[int]] | None = None) -> dict[int, int]:
+    """1x1 convolution op -> the elementwise op whose result it reads: for each fused op led by a
+    2-D convolution with a 1x1 filter, stride 1, no padding and one group, whose input is the
+    4-D floating result of a fused op that is elementwise (a cat may lead it: densenet's batch
+    norm and ReLU over every feature map before), where that result is read by this op alone,
+    once, as its convolution's input, and is no graph output and no view's base."""
+    readers = graph.readers() if readers is None else readers
+    outputs = {graph.root(o) for o in graph.outputs}
+    viewed = {v.alias_of for v in graph.values if v.alias_of is not None}
+    found: dict[int, int] = {}
+    for op in graph.ops:
+        if not fusion.is_fused(op) or not fusion.leads_with_convolution(fusion.body_of(op)):
+            continue
+        body = fusion.body_of(op)
+        p = fusion.conv_params(body[0][0], body[0][1])
+        if p is None or not isinstance(p["input"], Ref) or not isinstance(p["weight"], Ref) or p["groups"] != 1 \
+                or tuple(p["stride"]) != (1, 1) or tuple(p["padding"]) != (0, 0):
+            continue
+        x = p["input"].id
+        w = graph.values[p["weight"].id].spec.shape
+        producer = graph.values[x].producer
+        if len(w) != 4 or tuple(w[2:]) != (1, 1) or producer is None or graph.values[x].alias_of is not None \
+                or x in outputs or x in viewed or readers.get(x) != {op.id} or list(op.refs()).count(x) != 1:
+            continue
+        first = graph.ops[producer]
+        if not fusion.is_fused(first) or fusion.leads_with_convolution(fusion.body_of(first)) \
+                or len(first.outputs) != 1 or len(graph.values[x].spec.shape) != 4 \
+                or graph.values[x].spec.dtype not in fusion.FLOATS:
+            continue
+        found[op.id] = producer
+    return found

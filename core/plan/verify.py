@@ -26,11 +26,14 @@ from .schedule import Schedule
 MAX_STREAMS = 4096  # vector clocks cost streams^2 entries at worst
 
 
-def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
+def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan,
+               held: dict[int, list[int]] | None = None) -> None:
     """The schedule enforces every dependency, and the memory plan is safe under it: every
     activation buffer is placed and exactly as large as its tensor needs (aligned); nothing else
     has a buffer; overlapping buffers are ordered (every use of one happens-before the other's
-    producer); graph outputs overlap nothing. One pass over the issue order checks both."""
+    producer); graph outputs overlap nothing. One pass over the issue order checks both. `held`
+    (op -> values) counts each listed value as used by that op too: the runtime proves with it
+    that a plan holds the inputs of an op whose reads it moves to a later op."""
     for v in range(len(graph.ops)):
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:
@@ -51,7 +54,7 @@ def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan) -> None:
     last_use: dict[int, dict[int, int]] = {r: {} for r in roots}  # buffer -> stream -> highest sequence used
     for op in graph.ops:
         s, q = schedule.stream[op.id], clocks.seq[op.id]
-        for ref in (*op.refs(), *op.outputs):
+        for ref in (*op.refs(), *op.outputs, *(held or {}).get(op.id, ())):
             per_stream = last_use.get(graph.root(ref))
             if per_stream is not None and per_stream.get(s, -1) < q:
                 per_stream[s] = q

@@ -35,6 +35,8 @@ from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, U
 from ..ir import WEIGHT
 from ..ops import types
 from ..ops.execute import run_ops
+from ..plan.schedule import Schedule
+from ..plan.verify import check_plan
 from ..specs import check_tune_mode
 from ..stages import Stages
 from . import binaries, cudnn_graph, footprint, gemm, indices, kernels, pairs, regions, streams, timing, tuning
@@ -297,6 +299,23 @@ class Executable:
         prologues = choice.prologues == tuning.PROLOGUES[1] and choice.layout == "channels_last"
         self._pairs = pairs.find(self.graph, self._placed, self._order, self._stream_of, self._waits, prologues) \
             if paired else pairs.Pairs()
+        if self._pairs.inputs and not self._holds(pairs.held_by(self.graph, self._pairs.inputs)):
+            self._pairs.inputs = {}  # a plan from before `memory.held_inputs` held them may free them sooner
+
+    def _holds(self, held: dict[int, list[int]]) -> bool:
+        """Whether the memory plan stays safe, under this choice's issue order and streams, where
+        each op in `held` also uses the values listed for it (`verify.check_plan`)."""
+        n = len(self._order)
+        position = [0] * n
+        for k, op in enumerate(self._order):
+            position[op] = k
+        order = Schedule(tuple(self._stream_of), tuple(self._order), tuple(position),
+                         tuple(tuple(w) for w in self._waits), 0, 0, 0, 0, "")
+        try:
+            check_plan(self.graph, order, self.memory, held)
+        except ValueError:
+            return False
+        return True
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
         """Lay out the buffers and weights for `choice`, warm up every stream, and capture."""
@@ -319,12 +338,16 @@ class Executable:
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
                 p.substitute.bare, p.substitute.after_bare, p.substitute.wrote_bare = False, None, None
+                p.substitute.deferred, p.substitute.reads_deferred, p.substitute.deferred_call = False, None, None
             else:
                 biased = p.substitute
                 while isinstance(biased, (SmallLinear, Gemm)):  # the substitutes a product falls back to
                     biased = biased.fallback
                 if isinstance(biased, BiasedGemm):
                     biased.separate = choice.gemm_bias == "separate"
+        for second, first in self._pairs.inputs.items():  # the 1x1 convolution computes its input
+            self._placed[first].substitute.deferred = True
+            self._placed[second].substitute.reads_deferred = self._placed[first].substitute
         if channels_last:  # the layout the depthwise kernel takes: it applies its producer's epilogue
             for consumer, producer in self._pairs.prologues.items():
                 self._placed[producer].substitute.bare = True

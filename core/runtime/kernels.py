@@ -53,7 +53,7 @@ from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
 from ..ops.interpret import run_fused
-from . import binaries, cache, cudnn_graph, depthwise_conv, pooled_conv
+from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv
 from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, norm_source, overlaps
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
@@ -98,11 +98,22 @@ class FusedKernel:
         self.after_bare: FusedKernel | None = None  # this depthwise op's producer, when it is bare
         self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
         self._interpreted_before = False  # whether STATS has counted its input's epilogue interpreted
+        # an elementwise op whose 1x1 convolution reader computes it as it loads (`pairs.input_pairs`),
+        # set per tuning candidate by the executable
+        self.deferred = False  # this op writes nothing; its reader runs its body
+        self.deferred_call: tuple | None = None  # (body, buffer) of this op's last call, where it deferred it
+        self.reads_deferred: FusedKernel | None = None  # this 1x1 convolution's input's producer, deferred
+        self._tiles = pointwise_conv.Choices()
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
         if not out.is_cuda:
             return None
+        if self.deferred:
+            self.deferred_call = (body, out)
+            return out
+        if self.reads_deferred is not None and self.reads_deferred.deferred_call is not None:
+            return self._with_input(body, out, self.reads_deferred)
         if self.bare:
             self.wrote_bare = self._bare(body, out)
             if self.wrote_bare is not None:
@@ -270,6 +281,53 @@ class FusedKernel:
         got = self._run(body, out)
         if got is None:
             out.copy_(run_fused(body))
+        return out
+
+    # ---------------------------------------------------------------------------- an elementwise input on load
+    def _with_input(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
+        """This 1x1 convolution's body over the result of `producer`, an elementwise op that
+        deferred its call: as one kernel that applies the producer's body to each block of the
+        input it loads (`pointwise_conv`), where that fits and was measured faster; else the
+        producer's call first, into its own buffer, then this body as it runs otherwise."""
+        before_body, before_out = producer.deferred_call
+        operands, conv = self.operands(body)
+        before = None
+        if conv is not None:
+            pieces = tuple(before_body[0][1][0]) if fusion.leads_with_concat(producer.body) else ()
+            before = pointwise_conv.Before(tuple(before_body), before_out, pieces,
+                                           tuple(_operands(before_body, skip_first=bool(pieces))))
+        if before is None or not pointwise_conv.fits(conv, out, before):
+            return self._apart(body, out, producer)
+        w, bias = conv["weight"], conv["bias"] is not None
+        key = ("pointwise", _signature(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
+
+        def fused(tile) -> bool:
+            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
+                body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
+                " as a 1x1 convolution with its input's elementwise op")
+
+        def note(why: str) -> None:
+            STATS.fallbacks.append(f"op {self.op.id}: {why}")
+        tile = self._tiles.tile(key, out, lambda: self._apart(body, out, producer), fused, note)
+        if tile is None or not fused(tile):
+            return self._apart(body, out, producer)
+        return out
+
+    def _apart(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
+        """`producer`'s deferred call run into its buffer, then this body as it runs otherwise
+        (interpreted where no kernel takes it)."""
+        before_body, before_out = producer.deferred_call
+        got = producer._run(before_body, before_out)
+        if got is None:
+            before_out.copy_(run_fused(list(before_body)))
+        elif got is not before_out:
+            before_out.copy_(got)
+        got = self._run(body, out)
+        if got is None:
+            out.copy_(run_fused(list(body)))
+            return out
+        if got is not out:
+            out.copy_(got)
         return out
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
@@ -446,6 +504,11 @@ def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tens
     else:
         out.copy_(torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0, 0], p["groups"]))
     return out
+
+
+def _signature(*tensors: torch.Tensor) -> tuple:
+    """Each tensor's shape, strides and dtype."""
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
 
 
 def _operands(body, skip_first: bool) -> list[torch.Tensor]:

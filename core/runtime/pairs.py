@@ -11,13 +11,17 @@ product through views, whose elements the product's kernel stores where the copy
 Where the load's choice asks for depthwise prologues (`tuning.Choice.prologues`, a candidate
 while `PROLOGUE_PAIRS`), it also finds the depthwise convolutions that apply their producer's
 epilogue as they load (`prologue_pairs`): there both ops still run, each as its own kernel, but
-the producer's epilogue moves from its kernel into its reader's.
+the producer's epilogue moves from its kernel into its reader's. And it finds the elementwise ops
+whose result a 1x1 convolution alone reads (`input_pairs`): the first op writes nothing, and the
+convolution's kernel computes its input as it loads it (`pointwise_conv`).
 
 A pair moves the second op's work earlier past no other op: the second is the next op on the
 first's stream, and it waits for no other stream, so its buffer is free when the first runs,
 except that it may hold an input the first op still reads (the plan frees an input once its last
 reader is done). A kernel that writes one element per element it reads is safe with that; the
-product's is not, so it declines where the two overlap.
+product's is not, so it declines where the two overlap. An input pair moves the first op's reads
+later, to the second: the memory plan holds the first op's inputs until the second
+(`memory.held_inputs`), and the executable proves that on the plan it loaded (`held_by`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Sequence
 
 from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
+from ..plan.memory import read_later
 from .gemm import Gemm
 from .kernels import FusedKernel
 from .placement import RESHAPES, PlacedOp, height_and_width
@@ -35,6 +40,7 @@ MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it 
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
 SCATTER_PAIRS = True  # False: a copy of a product's permuted view copies (for comparisons)
 PROLOGUE_PAIRS = True  # False: no load times depthwise convolutions that apply their producer's epilogue
+INPUT_PAIRS = True  # False: every elementwise op a 1x1 convolution reads runs in a kernel of its own
 MAX_VIEWS = 4  # views between a product and the copy that `scatter_pairs` pairs it with
 
 
@@ -48,6 +54,7 @@ class Pairs:
     products: dict[int, tuple[PlacedOp, FusedKernel, tuple | None]] = field(default_factory=dict)
     scatters: dict[int, tuple[list[PlacedOp], PlacedOp]] = field(default_factory=dict)
     prologues: dict[int, int] = field(default_factory=dict)  # depthwise op -> the op whose epilogue it applies
+    inputs: dict[int, int] = field(default_factory=dict)  # 1x1 convolution op -> the elementwise op it computes
 
 
 def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
@@ -59,6 +66,8 @@ def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_
                   copy_pairs(graph, placed, order, stream_of, waits),
                   product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
                   scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
+    if INPUT_PAIRS:
+        found.inputs = input_pairs(graph, placed, order, stream_of, waits, taken(found))
     if prologues:
         found.prologues = prologue_pairs(graph, placed, taken(found))
     return found
@@ -70,7 +79,35 @@ def taken(found: Pairs) -> set[int]:
     for kind in (found.norms, found.means, found.copies, found.products, found.scatters):
         for first, rest in kind.items():
             ops |= {first, *_op_ids(rest)}
+    for second, first in found.inputs.items():
+        ops |= {first, second}
     return ops
+
+
+def input_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_of: Sequence[int],
+                waits: Sequence, taken: set[int]) -> dict[int, int]:
+    """1x1 convolution op -> the elementwise op whose result it alone reads (`memory.read_later`,
+    the pairs whose inputs the memory plan holds until the convolution), where both run as fused
+    kernels, the convolution is the next op issued on the elementwise op's stream and waits for
+    no other, and neither op is in another pair (`taken`). The elementwise op then writes
+    nothing, and the convolution's kernel applies its body to each block of the input it loads
+    (`pointwise_conv`), or runs it first where that does not fit. The executable keeps a pair only
+    where the plan proves that it holds the elementwise op's inputs (`held_by`)."""
+    next_on_stream = _next_on_stream(order, stream_of)
+    found = {}
+    for second, first in read_later(graph).items():
+        if first in taken or second in taken or waits[second] or next_on_stream.get(first) != second \
+                or not isinstance(placed[first].substitute, FusedKernel) \
+                or not isinstance(placed[second].substitute, FusedKernel):
+            continue
+        found[second] = first
+    return found
+
+
+def held_by(graph: Graph, inputs: dict[int, int]) -> dict[int, list[int]]:
+    """op -> the values it must hold for `inputs` (`input_pairs`): each elementwise op's inputs,
+    held by its convolution (for `verify.check_plan`)."""
+    return {second: list(graph.ops[first].refs()) for second, first in inputs.items()}
 
 
 def _op_ids(obj) -> set[int]:

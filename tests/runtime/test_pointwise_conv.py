@@ -1,0 +1,305 @@
+"""A 1x1 convolution that computes its input as it loads it (`runtime/pointwise_conv.py`,
+`pairs.input_pairs`, `memory.read_later`): the kernel's source run on the CPU through
+`triton_shim` against torch for densenet's batch norm and ReLU over a cat (parts that a block of
+channels spans one at a time, and parts it does not) and efficientnet's squeeze-and-excitation
+scale; which convolutions qualify; the memory plan holding the elementwise op's inputs, and the
+load-time proof refusing a plan that does not; the runtime's two paths; and on the GPU a
+densenet block and an SE block against eager, in fewer kernels."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nimble.ir import Local, Op
+from nimble.ops import fusion
+from nimble.runtime import kernels, pointwise_conv
+
+from .. import triton_shim
+
+CL = torch.channels_last
+RELU = ("aten::relu.default", (Local(0),), ())
+
+
+def conv_node(x, w, bias):
+    return ("aten::convolution.default", (x, w, bias, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ())
+
+
+def params(x, w, bias):
+    return fusion.conv_params(*conv_node(x, w, bias)[:2])
+
+
+def densenet_input(g, n, channels, size):
+    """densenet's batch norm and ReLU over a cat of parts with these channels: (body, pieces,
+    what it computes)."""
+    pieces = [torch.randn(n, c, *size, generator=g).contiguous(memory_format=CL) for c in channels]
+    total = sum(channels)
+    scale, shift = torch.rand(1, total, 1, 1, generator=g) + 0.5, torch.randn(1, total, 1, 1, generator=g)
+    body = [("aten::cat.default", (pieces, 1), ()), ("aten::mul.Tensor", (Local(0), scale), ()),
+            ("aten::add.Tensor", (Local(1), shift), ()), ("aten::relu.default", (Local(2),), ())]
+    return body, pieces, F.relu(torch.cat(pieces, 1) * scale + shift)
+
+
+def se_input(g, n, channels, size):
+    """efficientnet's squeeze-and-excitation scale: x * sigmoid(s + b), s one value per image and
+    channel (`channels`: one count)."""
+    (channels,) = channels
+    x = torch.randn(n, channels, *size, generator=g).contiguous(memory_format=CL)
+    s, b = torch.randn(n, channels, 1, 1, generator=g), torch.randn(1, channels, 1, 1, generator=g)
+    body = [("aten::add.Tensor", (s, b), ()), ("aten::sigmoid.default", (Local(0),), ()),
+            ("aten::mul.Tensor", (x, Local(1)), ())]
+    return body, [], x * torch.sigmoid(s + b)
+
+
+def shim_run(body, out, w, operands, bias, before, tile):
+    text = pointwise_conv.source(body, out, w, operands, bias, before, tile)
+    rows = out.shape[0] * out.shape[2] * out.shape[3]
+    programs = -(-rows // tile[0]) * -(-out.shape[1] // tile[1])
+    triton_shim.run_grid(text, programs, out, w, *operands, *before.pieces, *before.operands,
+                         BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=tile[2])
+    return text
+
+
+@pytest.mark.parametrize("kind, channels", [
+    ("cat", (64, 32, 32)),  # parts on block boundaries: one loop picks the part of each block
+    ("cat", (24, 13)),  # parts off them: a loop per part
+    ("se", (40,)),
+])
+@pytest.mark.parametrize("tile", [pointwise_conv.TILES[0], (16, 32, 16, 4, 3)])
+@pytest.mark.parametrize("after", ["bias and relu", "residual add"])
+def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind, channels, tile, after):
+    g = torch.Generator().manual_seed(0)
+    n, size, cout = 2, (5, 7), 20
+    before_body, pieces, x_want = (densenet_input if kind == "cat" else se_input)(g, n, channels, size)
+    total = x_want.shape[1]
+    x = torch.full((n, total, *size), float("nan")).contiguous(memory_format=CL)  # never written, never read
+    w, b = torch.randn(cout, total, 1, 1, generator=g), torch.randn(cout, generator=g)
+    residual = torch.randn(n, cout, *size, generator=g).contiguous(memory_format=CL)
+    if after == "bias and relu":
+        body, operands, want = [conv_node(x, w, b), RELU], [b.reshape(1, -1, 1, 1)], F.relu(F.conv2d(x_want, w, b))
+    else:
+        body = [conv_node(x, w, None), ("aten::add.Tensor", (Local(0), residual), ())]
+        operands, want = [residual], F.conv2d(x_want, w) + residual
+    before = pointwise_conv.Before(tuple(before_body), x, tuple(pieces),
+                                   tuple(kernels._operands(before_body, skip_first=bool(pieces))))
+    out = torch.full_like(want, 7.0).contiguous(memory_format=CL)
+    text = shim_run(body, out, w, operands, after == "bias and relu", before, tile)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    aligned = kind == "cat" and all(c % tile[2] == 0 for c in channels[:-1])
+    assert ("base = tl.where" in text) is aligned
+
+
+def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_result_qualify(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
+    g = torch.Generator().manual_seed(1)
+    body, pieces, _ = densenet_input(g, 2, (8, 8), (6, 6))
+    x = torch.empty(2, 16, 6, 6).contiguous(memory_format=CL)
+    before = pointwise_conv.Before(tuple(body), x, tuple(pieces), tuple(kernels._operands(body, skip_first=True)))
+    w = torch.randn(12, 16, 1, 1)
+    out = torch.empty(2, 12, 6, 6).contiguous(memory_format=CL)
+    assert pointwise_conv.fits(params(x, w, None), out, before)
+    assert not pointwise_conv.fits(params(x, w, None), torch.empty(2, 12, 6, 6), before)  # a contiguous result
+    assert not pointwise_conv.fits(params(x, torch.randn(12, 16, 3, 3), None), out, before)  # not 1x1
+    strided = {**params(x, w, None), "stride": (2, 2)}
+    assert not pointwise_conv.fits(strided, torch.empty(2, 12, 3, 3).contiguous(memory_format=CL), before)
+    assert not pointwise_conv.fits(params(x.clone(), w, None), out, before)  # not the elementwise op's result
+    assert not pointwise_conv.fits(params(x, w.double(), None), out, before)
+    into_a_part = pieces[0].new_empty(0).set_(pieces[0].untyped_storage(), 0, (2, 12, 6, 6), out.stride())
+    assert not pointwise_conv.fits(params(x, w, None), into_a_part, before)  # the result over a part it reads
+    monkeypatch.setattr(pointwise_conv, "ENABLED", False)
+    assert not pointwise_conv.fits(params(x, w, None), out, before)
+
+
+def test_an_input_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
+    x = torch.empty(2, 8, 4, 4, device="meta").contiguous(memory_format=CL)
+    far = torch.empty_strided((2, 8, 4, 4), (2**31, 1, 32, 8), device="meta")
+    w = torch.empty(6, 8, 1, 1, device="meta")
+    out = torch.empty(2, 6, 4, 4, device="meta").contiguous(memory_format=CL)
+    body = [("aten::cat.default", ([x], 1), ()), RELU]
+    near = pointwise_conv.Before(tuple(body), x, (x,), ())
+    assert "tl.int64" not in pointwise_conv.source([conv_node(x, w, None)], out, w, [], False, near)
+    wide = pointwise_conv.Before(tuple(body), x, (far,), ())
+    assert "tl.program_id(0).to(tl.int64)" in pointwise_conv.source([conv_node(x, w, None)], out, w, [], False, wide)
+
+
+class ShimKernel:
+    """`kernels.define` on the CPU: the generated text run through `triton_shim`."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __getitem__(self, grid):
+        def launch(*args, **constants):
+            constants.pop("num_stages", None)
+            triton_shim.run_grid(self.source, grid, *args, **constants)
+        return launch
+
+
+def fused_kernel(op_id, body):
+    return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
+
+
+@pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
+def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kernel, monkeypatch):
+    """The runtime's side of `pairs.input_pairs`: the elementwise op writes nothing; its reader
+    applies its body as it loads (the generated kernel, here through the shim), or, where that
+    fails to build or was timed slower, runs the elementwise op into its buffer first. Either way
+    the result is eager's."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
+    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
+    times = iter([1.0] * len(pointwise_conv.TILES) + [100.0 if kernel != "slower" else 0.5])
+    monkeypatch.setattr(pointwise_conv.timing, "graph_us", lambda fn, device: next(times))
+    if kernel == "fails to build":
+        def refuse(source):
+            raise RuntimeError("no Triton here")
+        monkeypatch.setattr(kernels, "define", refuse)
+    else:
+        monkeypatch.setattr(kernels, "define", ShimKernel)
+    monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
+    g = torch.Generator().manual_seed(2)
+    before_body, pieces, x_want = densenet_input(g, 2, (32, 8), (4, 5))
+    x = torch.full((2, 40, 4, 5), 7.0).contiguous(memory_format=CL)
+    w, b = torch.randn(16, 40, 1, 1, generator=g), torch.randn(16, generator=g)
+    out = torch.full((2, 16, 4, 5), 7.0).contiguous(memory_format=CL)
+    body = [conv_node(x, w, b), RELU]
+    producer, consumer = fused_kernel(1, before_body), fused_kernel(2, body)
+    producer.deferred, consumer.reads_deferred = True, producer
+    for call in range(2):  # the first call chooses (running the two apart for reference), the second runs
+        x.fill_(7.0)
+        out.fill_(7.0)
+        assert producer([before_body], x) is x and producer.deferred_call is not None
+        assert bool((x == 7.0).all())  # deferred: nothing written
+        assert consumer([body], out) is out
+        torch.testing.assert_close(out, F.relu(F.conv2d(x_want, w, b)), rtol=1e-4, atol=1e-4)
+    wrote_input = not bool((x == 7.0).all())
+    assert wrote_input is (kernel != "generated")
+    assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build")
+
+
+class Dense(torch.nn.Module):
+    """Two densenet layers and a transition: batch norm and ReLU over every feature map before,
+    then a 1x1 convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.norms = torch.nn.ModuleList(torch.nn.BatchNorm2d(c) for c in (16, 24, 32))
+        self.squeeze = torch.nn.ModuleList(torch.nn.Conv2d(c, 32, 1, bias=False) for c in (16, 24))
+        self.mid = torch.nn.ModuleList(torch.nn.BatchNorm2d(32) for _ in range(2))
+        self.grow = torch.nn.ModuleList(torch.nn.Conv2d(32, 8, 3, padding=1, bias=False) for _ in range(2))
+        self.transition = torch.nn.Conv2d(32, 16, 1, bias=False)
+        for norm in [*self.norms, *self.mid]:
+            torch.nn.init.uniform_(norm.running_mean, -1, 1)
+            torch.nn.init.uniform_(norm.running_var, 0.5, 2)
+            torch.nn.init.uniform_(norm.weight, 0.5, 2)
+            torch.nn.init.uniform_(norm.bias, -1, 1)
+
+    def forward(self, x):
+        features = [self.stem(x)]
+        for k in range(2):
+            h = torch.cat(features, 1)
+            h = self.squeeze[k](F.relu(self.norms[k](h)))
+            features.append(self.grow[k](F.relu(self.mid[k](h))))
+        t = self.transition(F.relu(self.norms[2](torch.cat(features, 1))))
+        return F.avg_pool2d(t, 2)
+
+
+class Excite(torch.nn.Module):
+    """efficientnet's squeeze-and-excitation, then its 1x1 projection, as wide as the map."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 32, 3, padding=1)
+        self.reduce, self.expand = torch.nn.Conv2d(32, 8, 1), torch.nn.Conv2d(8, 32, 1)
+        self.project = torch.nn.Conv2d(32, 32, 1)
+
+    def forward(self, x):
+        y = F.silu(self.conv(x))
+        scale = torch.sigmoid(self.expand(F.silu(self.reduce(y.mean((2, 3), keepdim=True)))))
+        return F.adaptive_avg_pool2d(self.project(y * scale), 1) + 1.0
+
+
+def compiled(module, shape, tmp_path):
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    torch.manual_seed(0)
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.trace(module.eval(), torch.randn(*shape)), str(path))
+    return compile_model(path, input_specs(["x".join(map(str, shape))]), device="cpu").artifact()
+
+
+@pytest.mark.parametrize("module, pairs", [(Dense, 3), (Excite, 1)])
+def test_the_plan_holds_the_elementwise_op_s_inputs_until_its_1x1_reader(module, pairs, tmp_path):
+    from nimble.plan import memory
+    from nimble.plan.verify import check_plan
+    from nimble.runtime.pairs import held_by
+
+    art = compiled(module(), (2, 3 if module is Dense else 8, 8, 8), tmp_path)
+    found = memory.read_later(art.graph)
+    assert len(found) == pairs
+    for second, first in found.items():
+        assert not fusion.leads_with_convolution(fusion.body_of(art.graph.ops[first]))
+        assert set(art.graph.ops[first].refs()) <= set(memory.held_inputs(art.graph)[second])
+    check_plan(art.graph, art.schedule, art.memory, held_by(art.graph, found))
+
+
+def test_a_plan_that_frees_the_elementwise_op_s_inputs_at_it_fails_the_load_time_proof(tmp_path, monkeypatch):
+    """A plan made without the rule (as before it) gives the projection's result the bytes of the
+    map the scale reads, which dies at the scale: safe while the scale runs first, not where the
+    projection reads the map itself, and the proof the executable runs says so."""
+    from nimble.plan import memory
+    from nimble.plan.verify import check_plan
+    from nimble.runtime.pairs import held_by
+
+    art = compiled(Excite(), (2, 8, 8, 8), tmp_path)
+    found = memory.read_later(art.graph)
+    monkeypatch.setattr(memory, "read_later", lambda graph, readers=None: {})
+    older = memory.plan(art.graph, art.schedule)
+    check_plan(art.graph, art.schedule, older)
+    with pytest.raises(ValueError, match="overlap but may be live at once"):
+        check_plan(art.graph, art.schedule, older, held_by(art.graph, found))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module, shape, pairs", [(Dense, (2, 3, 9, 7), 3), (Excite, (3, 8, 7, 5), 1)])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, pairs, layout, tmp_path,
+                                                                 monkeypatch):
+    """With input pairs on and the kernel taken wherever it is correct (SLOWER raised: this test
+    counts kernels, it does not time them), each pair runs as one kernel in channels_last, and the
+    results agree with eager and with the run without pairs; in contiguous the kernel declines
+    and the two ops run apart, in as many kernels as without pairs."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime import tuning
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
+    write_artifact(tmp_path / "m.nimble", compiled(module(), shape, tmp_path))
+    art = read_artifact(tmp_path / "m.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    outputs = {}
+    for paired in (True, False):
+        monkeypatch.setattr(pairing, "INPUT_PAIRS", paired)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
+                         graph_dump=str(tmp_path / f"{paired}.dot"))
+        assert len(exe._pairs.inputs) == (pairs if paired else 0)
+        assert kernels.STATS.fallbacks[before:] == []
+        outputs[paired] = exe.run(*x)
+        result = compare(outputs[paired], art.sample_outputs, rtol=1e-2, atol=1e-3)
+        assert result.passed, result.describe()
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-2, atol=1e-3)
+    fewer = pairs if layout == "channels_last" else 0
+    assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - fewer
