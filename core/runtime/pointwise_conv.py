@@ -18,7 +18,7 @@ is never written.
 op's inputs until the convolution (`memory.held_inputs`). `pairs.input_pairs` takes a pair at
 load where the convolution is the next op on the elementwise op's stream, waits for no other, and
 the plan proves that it holds those inputs. On a call signature's first call outside a capture,
-`Choices.tile` builds the kernel with each of TILES, checks it against the two ops run apart
+`Choices.tile` builds the kernel with each of its `tiles`, checks it against the two ops run apart
 (`TOLERANCE`) and times it beside them in a CUDA graph: the fastest runs where it takes at most
 SLOWER of their time, else the two run apart. Products are TF32 where cuDNN's convolutions are
 (`torch.backends.cudnn.allow_tf32`, PyTorch's default), else three TF32 products each
@@ -37,8 +37,17 @@ from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, finish, flat
 ENABLED = True
 TOLERANCE = 1e-2  # largest difference from the two ops run apart, relative to their largest magnitude
 SLOWER = 1.0  # the kernel runs where it takes at most this many times the two ops apart
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) each call times
-TILES = ((128, 64, 32, 4, 3), (64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (32, 32, 64, 4, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiles a call may time; `tiles` picks two (each
+# costs a build at load: densenet121 has 61 pairs)
+TILES = ((64, 128, 32, 4, 3), (64, 64, 32, 4, 3), (64, 32, 32, 4, 3), (32, 64, 32, 4, 3), (32, 32, 32, 4, 3))
+
+
+def tiles(rows: int, cols: int) -> tuple[tuple, ...]:
+    """The tiles a call of `rows` positions and `cols` output channels times: the widest that
+    spans the output channels (up to 128) with 64 rows, and one of 32 rows and at most 64
+    channels, which makes more programs where positions are few (densenet's last block)."""
+    width = min(128, max(32, 1 << (cols - 1).bit_length()))
+    return (next(t for t in TILES if t[:2] == (64, width)), next(t for t in TILES if t[:2] == (32, min(64, width))))
 
 
 @dataclass(frozen=True)
@@ -60,9 +69,9 @@ class Before:
             if isinstance(a, torch.Tensor):
                 return ("operand", next((k for k, t in enumerate(self.operands) if t is a), -1))
             if isinstance(a, (list, tuple)):
-                return tuple(constant(b) for b in a) if not all(isinstance(b, torch.Tensor) for b in a) else "pieces"
+                return tuple(constant(b) for b in a)
             return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
-        return (tuple((node[0], tuple(constant(a) for a in node[1]), tuple(node[2])) for node in self.body),
+        return (tuple((node[0], constant(node[1]), constant(node[2])) for node in self.body),
                 tuple(_layout(t) for t in (self.out, *self.pieces, *self.operands)))
 
 
@@ -259,7 +268,7 @@ class Choices:
                 return None  # nothing to check the kernel against
             scale = max(float(ref.abs().max()), 1e-30)
             times = {}
-            for tile in TILES:
+            for tile in tiles(out.shape[0] * out.shape[2] * out.shape[3], out.shape[1]):
                 if not fused(tile):
                     continue
                 if float((out.float() - ref.float()).abs().max()) > TOLERANCE * scale:
