@@ -611,7 +611,9 @@ class Executable:
         """Value id -> the tensor holding it in the captured graph (CUDA) or after the last call;
         on CUDA, not the results outside the arena released after their last reader, and under a
         choice with depthwise prologues a depthwise convolution's input holds its producer's
-        convolution alone (the depthwise kernel applies the rest)."""
+        convolution alone (the depthwise kernel applies the rest), and where a 1x1 convolution
+        computes the elementwise op before it as it loads (`pairs.input_pairs`), that op's buffer
+        holds nothing."""
         return dict(self._tensors if self._cuda_graph is not None else getattr(self, "_env_after", {}))
 
 

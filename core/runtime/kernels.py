@@ -19,6 +19,9 @@ the tensor that holds the result:
 - a body led by a 1x1 convolution of a 1x1 map (squeeze-and-excitation's, `pooled_conv.fits`)
   or by a depthwise convolution with a channels_last result (`depthwise_conv.fits`) runs as one
   generated kernel that computes the convolution too;
+- a body led by a 1x1 convolution whose input an elementwise op deferred (`pairs.input_pairs`)
+  runs as one generated kernel that computes that op's body as it loads the input
+  (`pointwise_conv`), where it fits and was measured faster; else the deferred op runs first;
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
   cuDNN's out= kernel and the bias added in place, or the depthwise kernel with its bias;
