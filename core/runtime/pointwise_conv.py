@@ -210,11 +210,11 @@ def source(body: list, out: torch.Tensor, w: torch.Tensor, operands: list[torch.
 def _pick(pieces, starts: list[int]) -> list[str]:
     """Lines that set, for the block of channels at `start`, the part that holds it: `base` its
     pointer, `first` its first channel, `s0` to `s3` its strides."""
-    lines = [f"        base = x0_ptr", "        first = 0",
-             *(f"        s{d} = {pieces[0].stride(d)}" for d in range(4))]
+    lines = ["        base = x0_ptr", "        first = 0", *(f"        s{d} = {pieces[0].stride(d)}" for d in range(4))]
     for j in range(1, len(pieces)):
         at = f"start >= {starts[j]}"
-        lines += [f"        base = tl.where({at}, x{j}_ptr, base)", f"        first = tl.where({at}, {starts[j]}, first)",
+        lines += [f"        base = tl.where({at}, x{j}_ptr, base)",
+                  f"        first = tl.where({at}, {starts[j]}, first)",
                   *(f"        s{d} = tl.where({at}, {pieces[j].stride(d)}, s{d})" for d in range(4))]
     return lines
 
