@@ -27,6 +27,7 @@ from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, finish, fla
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
 TILE = 2048  # output elements of one program
+PROLOGUE_SLOWER = 1.0  # a prologue pair is kept where it takes at most this many times its two ops run whole
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
 from ..ops.interpret import run_fused
-from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv
+from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, timing
 from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, norm_source, overlaps
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
@@ -100,6 +100,8 @@ class FusedKernel:
         self.bare = False  # this op writes its convolution alone; its depthwise reader does the rest
         self.after_bare: FusedKernel | None = None  # this depthwise op's producer, when it is bare
         self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
+        self.bare_out: torch.Tensor | None = None  # the buffer it wrote it into
+        self._prologue_chosen: dict[tuple, bool] = {}  # call signature -> whether the pair ran faster than apart
         self._interpreted_before = False  # whether STATS has counted its input's epilogue interpreted
         # an elementwise op whose 1x1 convolution reader computes it as it loads (`pairs.input_pairs`),
         # set per tuning candidate by the executable
@@ -120,6 +122,7 @@ class FusedKernel:
         if self.bare:
             self.wrote_bare = self._bare(body, out)
             if self.wrote_bare is not None:
+                self.bare_out = out
                 return out
         if self.after_bare is not None and self.after_bare.wrote_bare is not None:
             return self._after_bare(body, out, self.after_bare)
@@ -271,7 +274,14 @@ class FusedKernel:
         before_operands, before_conv = producer.operands(producer.wrote_bare)
         before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
                                          before_conv is not None and before_conv["bias"] is not None)
+        key = (_signature(out, producer.bare_out), before.signature())
+        if self._prologue_chosen.get(key) is False:
+            return self._whole_before(body, out, producer)
         if self._direct(body, out, before) is not None:
+            if key not in self._prologue_chosen and not torch.cuda.is_current_stream_capturing():
+                self._prologue_chosen[key] = self._pair_faster(body, out, producer, before)
+                if not self._prologue_chosen[key]:
+                    return self._whole_before(body, out, producer)
             return out
         if not self._interpreted_before:
             self._interpreted_before = True
@@ -284,6 +294,41 @@ class FusedKernel:
         got = self._run(body, out)
         if got is None:
             out.copy_(run_fused(body))
+        return out
+
+    def _pair_faster(self, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
+        """Whether the producer's bare convolution and this kernel with its epilogue on load take
+        at most `depthwise_conv.PROLOGUE_SLOWER` times the producer run whole and this body after
+        it, both timed in a CUDA graph (`timing.graph_us`): depthwise prologues apply the epilogue
+        once per tap, which does not always pay (mobilenet_v2 at batch 1 ran 3.2 % slower with all
+        of them)."""
+        wrote, into = producer.wrote_bare, producer.bare_out
+
+        def paired() -> None:
+            producer._bare(wrote, into)
+            self._direct(body, out, before)
+        with timing.on_stream(out.device):
+            mine = timing.graph_us(paired, out.device)
+            theirs = timing.graph_us(lambda: self._whole_before(body, out, producer, switch=False), out.device)
+            paired()  # this call's result, as the pair computes it
+        return mine <= depthwise_conv.PROLOGUE_SLOWER * theirs
+
+    def _whole_before(self, body, out: torch.Tensor, producer: FusedKernel, switch: bool = True) -> torch.Tensor:
+        """The producer run whole into the buffer it wrote bare, then this body over its result as
+        it runs otherwise; with `switch`, the producer runs whole from its next call on."""
+        wrote, into = producer.wrote_bare, producer.bare_out
+        got = producer._run(wrote, into)
+        if got is None:
+            into.copy_(run_fused(list(wrote)))
+            got = into
+        body = [(body[0][0], (got, *body[0][1][1:]), body[0][2]), *body[1:]]
+        result = self._run(body, out)
+        if result is None:
+            out.copy_(run_fused(body))
+        elif result is not out:
+            out.copy_(result)
+        if switch:
+            producer.bare, producer.wrote_bare = False, None
         return out
 
     # ---------------------------------------------------------------------------- an elementwise input on load

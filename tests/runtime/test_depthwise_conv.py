@@ -173,6 +173,7 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
     from nimble.specs import input_specs
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(depthwise_conv, "PROLOGUE_SLOWER", 100.0)  # kept wherever it builds: this test counts kernels
     torch.manual_seed(0)
     path = tmp_path / "block.pt"
     torch.jit.save(torch.jit.trace(Inverted().eval(), torch.randn(batch, 8, 28, 28)), str(path))
@@ -220,17 +221,25 @@ def fused_kernel(op_id, body):
     return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
 
 
-@pytest.mark.parametrize("kernel", ["generated", "fails to build"])
+@pytest.mark.parametrize("kernel", ["generated", "generated, timed slower", "fails to build"])
 def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, monkeypatch):
     """The runtime's side of `pairs.prologue_pairs`: the producer writes its convolution alone;
     the depthwise op applies the producer's bias and relu6 as it loads (its generated kernel,
     here through the shim), or, where that kernel fails to build, interprets them into a buffer
-    of its own first. Either way the result is eager's."""
+    of its own first. Where the pair was timed slower than the two run whole, the producer runs
+    whole from then on. Either way the result is eager's."""
+    import contextlib
+
     from nimble.runtime import kernels
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
     monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
-    if kernel == "generated":
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernels.timing, "on_stream", lambda device: contextlib.nullcontext())
+    times = iter([2.0, 1.0] if kernel == "generated, timed slower" else [1.0, 2.0])  # the pair's, then whole
+    monkeypatch.setattr(kernels.timing, "graph_us", lambda fn, device: (fn(), next(times))[1])
+    monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
+    if kernel != "fails to build":
         monkeypatch.setattr(kernels, "define", ShimKernel)
     else:
         def refuse(source):
@@ -252,7 +261,10 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     assert consumer([depthwise], out) is out
     want = F.hardtanh(F.conv2d(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0), wd, bd, (2, 2), (1, 1), groups=c), 0.0, 6.0)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    consumer([depthwise], out)  # again: the same call, said once
+    assert producer.bare is (kernel != "generated, timed slower")
+    out.fill_(7.0)
+    assert producer([expand], mid) is not None and consumer([depthwise], out) is out  # again: the same call
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     interpreted = [f for f in kernels.STATS.fallbacks if "its input's epilogue interpreted" in f]
     assert len(interpreted) == (kernel == "fails to build"), kernels.STATS.fallbacks
     # where the producer did not write bare (its body broadcasts past its convolution: it ran
