@@ -114,6 +114,7 @@ def run_grid(source: str, grid: int | tuple[int, ...], *args, **constants) -> No
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
     exec(compile(code, "<kernel>", "exec"), namespace)
     constants.pop("num_warps", None)
+    constants.pop("num_stages", None)
     for pid in itertools.product(*(range(g) for g in (grid if isinstance(grid, tuple) else (grid,)))):
         _Program.pid = pid
         namespace["kernel"](*(Pointer(a) if isinstance(a, torch.Tensor) else a for a in args), **constants)

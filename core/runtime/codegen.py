@@ -130,6 +130,23 @@ def strided_offset(shape, strides, order, dense: bool) -> str:
     return " + ".join(terms) or "i * 0"  # a block, as `i` is: Triton loads a block only through one
 
 
+def layouts(*tensors: torch.Tensor) -> tuple:
+    """Each tensor's shape, strides and dtype: what a kernel specialised to them depends on."""
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
+
+
+def body_signature(nodes, operands) -> tuple:
+    """What a kernel's text takes from these body nodes: each node's target and constants, each
+    tensor named by its place among `operands` (-1: none of them), lists and tuples walked."""
+    def constant(a):
+        if isinstance(a, torch.Tensor):
+            return ("operand", next((k for k, t in enumerate(operands) if t is a), -1))
+        if isinstance(a, (list, tuple)):
+            return tuple(constant(b) for b in a)
+        return a if isinstance(a, (int, float, bool, str, type(None), Local)) else repr(a)
+    return tuple((node[0], constant(node[1]), constant(node[2])) for node in nodes)
+
+
 def program_id(wide: bool) -> str:
     """The program's id along the grid's first axis, 64-bit where `wide` (`needs_wide`)."""
     return "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"

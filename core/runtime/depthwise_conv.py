@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import Local
-from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, finish, flat_offsets, needs_wide, pointers,
-                      program_id, span)
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
+                      needs_wide, pointers, program_id, span)
 
 ENABLED = True
 MAX_TAPS = 49  # filter positions (7x7) at most
@@ -44,12 +43,7 @@ class Prologue:
     def signature(self) -> tuple:
         """What the kernel's text depends on: each node's target and constants (which operand each
         tensor argument is), the operands' shapes, strides and dtypes, and the bias."""
-        def constant(a):
-            if isinstance(a, torch.Tensor):
-                return ("operand", next(k for k, t in enumerate(self.operands) if t is a))
-            return a if isinstance(a, (int, float, bool, str, type(None), Local)) else repr(a)
-        return (tuple((node[0], tuple(constant(a) for a in node[1]), tuple(node[2])) for node in self.body[1:]),
-                tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in self.operands), self.bias)
+        return body_signature(self.body[1:], self.operands), layouts(*self.operands), self.bias
 
 
 def fits(p: dict, out: torch.Tensor) -> bool:

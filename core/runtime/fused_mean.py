@@ -62,7 +62,7 @@ def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -
         return None
     operands, conv = kernel.operands(body)
     key = ("mean", tuple(out.shape), tuple(out.stride()), out.dtype, tuple(mean.out.shape),
-           tuple(mean.out.stride()), mean.store, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+           tuple(mean.out.stride()), mean.store, codegen.layouts(*operands))
     if kernel.declined(key) or not kernel.lead(conv, out):
         return None
     (grid, args, constants), rest = launches[0], launches[1:]

@@ -57,7 +57,7 @@ from ..ir import Local
 from ..ops import fusion
 from ..ops.interpret import run_fused
 from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, timing
-from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, norm_source, overlaps
+from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, layouts, norm_source, overlaps
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
@@ -197,7 +197,7 @@ class FusedKernel:
     def _generated(self, body, out: torch.Tensor) -> torch.Tensor | None:
         operands, conv = self.operands(body)
         key = (tuple(out.shape), tuple(out.stride()), out.dtype,
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+               layouts(*operands))
         if self.declined(key):
             return None
         if conv is not None and len(body) == 1:  # a convolution alone: nothing to generate
@@ -215,7 +215,7 @@ class FusedKernel:
         pieces, dim = list(body[0][1][0]), body[0][1][1]
         operands = _operands(body, skip_first=True)
         key = ("cat", dim, tuple(out.shape), tuple(out.stride()), out.dtype,
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (*pieces, *operands)))
+               layouts(*pieces, *operands))
         if self.declined(key) or out.dtype not in FLOAT_KINDS or overlaps(out, [*pieces, *operands]):
             return None
         tiles = ConcatTiles(out, pieces, dim)
@@ -248,7 +248,7 @@ class FusedKernel:
             return None
         key = (kind, tuple(out.shape), tuple(out.stride()), out.dtype, tuple(conv[k] for k in ("stride", "padding",
                                                                                                   "dilation")),
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (x, w, *operands)),
+               layouts(x, w, *operands),
                before.signature() if before is not None else None)
         extra = list(before.operands) if before is not None else []
         what = " with its input's epilogue" if before is not None else ""
@@ -274,7 +274,7 @@ class FusedKernel:
         before_operands, before_conv = producer.operands(producer.wrote_bare)
         before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
                                          before_conv is not None and before_conv["bias"] is not None)
-        key = (_signature(out, producer.bare_out), before.signature())
+        key = (layouts(out, producer.bare_out), before.signature())
         if self._prologue_chosen.get(key) is False:
             return self._whole_before(body, out, producer)
         if self._direct(body, out, before) is not None:
@@ -314,19 +314,9 @@ class FusedKernel:
         return mine <= depthwise_conv.PROLOGUE_SLOWER * theirs
 
     def _whole_before(self, body, out: torch.Tensor, producer: FusedKernel, switch: bool = True) -> torch.Tensor:
-        """The producer run whole into the buffer it wrote bare, then this body over its result as
-        it runs otherwise; with `switch`, the producer runs whole from its next call on."""
-        wrote, into = producer.wrote_bare, producer.bare_out
-        got = producer._run(wrote, into)
-        if got is None:
-            into.copy_(run_fused(list(wrote)))
-            got = into
-        body = [(body[0][0], (got, *body[0][1][1:]), body[0][2]), *body[1:]]
-        result = self._run(body, out)
-        if result is None:
-            out.copy_(run_fused(body))
-        elif result is not out:
-            out.copy_(result)
+        """The producer run whole into the buffer it wrote bare, then this body (`_after`); with
+        `switch`, the producer runs whole from its next call on."""
+        self._after(body, out, producer, producer.wrote_bare, producer.bare_out)
         if switch:
             producer.bare, producer.wrote_bare = False, None
         return out
@@ -347,7 +337,7 @@ class FusedKernel:
         if before is None or not pointwise_conv.fits(conv, out, before):
             return self._apart(body, out, producer)
         w, bias = conv["weight"], conv["bias"] is not None
-        key = ("pointwise", _signature(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
+        key = ("pointwise", layouts(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
 
         def fused(tile) -> bool:
             return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
@@ -362,20 +352,22 @@ class FusedKernel:
         return out
 
     def _apart(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
-        """`producer`'s deferred call run into its buffer, then this body as it runs otherwise
-        (interpreted where no kernel takes it)."""
-        before_body, before_out = producer.deferred_call
-        got = producer._run(before_body, before_out)
+        """`producer`'s deferred call run into its buffer, then this body (`_after`)."""
+        return self._after(body, out, producer, *producer.deferred_call)
+
+    def _after(self, body, out: torch.Tensor, producer: FusedKernel, first_body, first_out) -> torch.Tensor:
+        """`producer` run on `first_body` into `first_out` (interpreted where no kernel takes it),
+        then this body over the tensor that holds its result, as it runs otherwise, into `out`."""
+        got = producer._run(first_body, first_out)
         if got is None:
-            before_out.copy_(run_fused(list(before_body)))
-        elif got is not before_out:
-            before_out.copy_(got)
-        got = self._run(body, out)
-        if got is None:
-            out.copy_(run_fused(list(body)))
-            return out
-        if got is not out:
-            out.copy_(got)
+            first_out.copy_(run_fused(list(first_body)))
+            got = first_out
+        body = [(body[0][0], (got, *body[0][1][1:]), body[0][2]), *body[1:]]
+        result = self._run(body, out)
+        if result is None:
+            out.copy_(run_fused(body))
+        elif result is not out:
+            out.copy_(result)
         return out
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
@@ -440,7 +432,7 @@ class FusedKernel:
             return False
         operands = _operands(body, skip_first=False)
         key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
-               tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in operands))
+               layouts(*operands))
         return self.launch(key, lambda: _compile_norm(norm_source(body, out, operands, norm)), (out, operands, norm),
                            " with its layer norm")
 
@@ -552,11 +544,6 @@ def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tens
     else:
         out.copy_(torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0, 0], p["groups"]))
     return out
-
-
-def _signature(*tensors: torch.Tensor) -> tuple:
-    """Each tensor's shape, strides and dtype."""
-    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
 
 
 def _operands(body, skip_first: bool) -> list[torch.Tensor]:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from . import timing
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, epilogue_lines, finish, flat_offsets, overlaps, program_id, span
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
+                      overlaps, program_id, span)
 
 ENABLED = True
 TOLERANCE = 1e-2  # largest difference from the two ops run apart, relative to their largest magnitude
@@ -65,18 +66,7 @@ class Before:
     def signature(self) -> tuple:
         """What the kernel's text depends on in this op: each node's target and constants (which
         operand each tensor argument is), and the pieces' and operands' shapes, strides and dtypes."""
-        def constant(a):
-            if isinstance(a, torch.Tensor):
-                return ("operand", next((k for k, t in enumerate(self.operands) if t is a), -1))
-            if isinstance(a, (list, tuple)):
-                return tuple(constant(b) for b in a)
-            return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
-        return (tuple((node[0], constant(node[1]), constant(node[2])) for node in self.body),
-                tuple(_layout(t) for t in (self.out, *self.pieces, *self.operands)))
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), tuple(t.stride()), t.dtype
+        return body_signature(self.body, self.operands), layouts(self.out, *self.pieces, *self.operands)
 
 
 def fits(p: dict, out: torch.Tensor, before: Before) -> bool:
@@ -87,7 +77,7 @@ def fits(p: dict, out: torch.Tensor, before: Before) -> bool:
     result clear of everything the kernel reads (the memory plan holds those until the
     convolution; a plan from before that rule may not)."""
     x, w = p["input"], p["weight"]
-    if not (ENABLED and out.is_cuda and isinstance(x, torch.Tensor) and _layout(x) == _layout(before.out)
+    if not (ENABLED and out.is_cuda and isinstance(x, torch.Tensor) and layouts(x) == layouts(before.out)
             and x.data_ptr() == before.out.data_ptr() and w.dim() == 4 and out.dim() == 4 and x.dim() == 4):
         return False
     n, channels, h, width = x.shape

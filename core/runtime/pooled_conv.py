@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .codegen import HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, pointers, program_id, span
+from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, layouts, needs_wide, pointers, program_id,
+                      span)
 
 ENABLED = True
 MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
@@ -121,7 +122,7 @@ class SmallLinear:
         x, w, bias = (list(args) + [None])[:3]
         if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and linear_fits(x, w, bias, out):
             operands = [] if bias is None else [bias]
-            key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in (out, x, w, *operands))
+            key = layouts(out, x, w, *operands)
             if kernels.launch_once(self._launch, key, lambda: launcher(kernels.define(source(
                     [LINEAR], out, x, w, operands, bias is not None))), (out, x, w, operands),
                     f"op {self.op_id} as a small linear"):

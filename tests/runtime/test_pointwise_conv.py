@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nimble.ir import Local, Op
+from nimble.ir import Local
 from nimble.ops import fusion
 from nimble.runtime import kernels, pointwise_conv
 
 from .. import triton_shim
+from .test_depthwise_conv import ShimKernel, fused_kernel
 
 CL = torch.channels_last
 RELU = ("aten::relu.default", (Local(0),), ())
@@ -131,23 +132,6 @@ def test_an_input_across_more_than_2_to_the_31_elements_gets_64_bit_indices():
     hash(near.signature())  # a call's key: every constant hashable (a cat's list of parts among them)
     wide = pointwise_conv.Before(tuple(body), x, (far,), ())
     assert "tl.program_id(0).to(tl.int64)" in pointwise_conv.source([conv_node(x, w, None)], out, w, [], False, wide)
-
-
-class ShimKernel:
-    """`kernels.define` on the CPU: the generated text run through `triton_shim`."""
-
-    def __init__(self, source):
-        self.source = source
-
-    def __getitem__(self, grid):
-        def launch(*args, **constants):
-            constants.pop("num_stages", None)
-            triton_shim.run_grid(self.source, grid, *args, **constants)
-        return launch
-
-
-def fused_kernel(op_id, body):
-    return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
 
 
 @pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
