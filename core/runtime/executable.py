@@ -222,6 +222,7 @@ class Executable:
         for p in self._placed:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.workspaces = self._cudnn_workspaces
+                p.substitute.forget_calls()
         self.arena = None
         self._streams = []
         if self._group is not None:

@@ -128,6 +128,11 @@ class FusedKernel:
             return self._after_bare(body, out, self.after_bare)
         return self._run(body, out)
 
+    def forget_calls(self) -> None:
+        """Drop the last call's body and buffer that a bare or deferred op keeps for its reader:
+        views of the arena and weights, which would keep them allocated after the executable closes."""
+        self.wrote_bare = self.bare_out = self.deferred_call = None
+
     def _run(self, body, out: torch.Tensor) -> torch.Tensor | None:
         if fusion.leads_with_concat(self.body):
             return self._concat(body, out)

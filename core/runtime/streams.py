@@ -14,6 +14,7 @@ platform requires (DESIGN.md, "Multi-stream capture"):
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -122,8 +123,13 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: to
               advice: str, pool=None) -> Iterator[None]:
     """Capture the body into `graph` on `stream`, which first waits for the current stream. A
     failure other than an ExecutionError (an op that fails names itself) becomes a CaptureError:
-    `what` names what was captured and `advice` what to try instead."""
+    `what` names what was captured and `advice` what to try instead. Python's cyclic garbage
+    collector stays off meanwhile: an unreachable executable it collected mid-capture could free
+    CUDA objects (cuDNN plans, events), which the capture forbids (a test that failed while
+    another load's executable waited for collection broke the next capture)."""
     stream.wait_stream(torch.cuda.current_stream(device))
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
@@ -132,6 +138,9 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: to
     except Exception as e:
         raise CaptureError(f"CUDA graph capture of {what} failed ({first_line(e)}); this process cannot use "
                            f"CUDA reliably any more. Restart it, and {advice}") from e
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:

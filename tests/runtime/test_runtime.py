@@ -553,3 +553,22 @@ def test_a_forced_choice_that_is_no_load_time_choice_is_refused_in_one_line(arti
     with pytest.raises(UsageError, match="no load-time choice.*PROLOGUES"):
         Executable(art, "cpu", choice=tuning.Choice(layout="channel_last"))
     Executable(art, "cpu", choice=tuning.Choice(layout="channels_last", prologues=tuning.PROLOGUES[1]))
+
+
+def test_close_drops_the_calls_that_bare_and_deferred_kernels_keep(artifacts):
+    """A bare or deferred fused op keeps its last call's body and buffer (views of the arena) for
+    its reader; close drops them, so a closed executable that is still referenced holds no arena."""
+    import weakref
+
+    from nimble.runtime import kernels
+    exe = nimble.load(artifacts["mobilenet"][0], device="cpu")
+    fused = [p.substitute for p in exe._placed if isinstance(p.substitute, kernels.FusedKernel)]
+    assert fused
+    arena = exe.arena
+    gone = weakref.ref(arena)
+    view = arena[:8]
+    fused[0].wrote_bare, fused[0].bare_out, fused[-1].deferred_call = [("body", (view,), ())], view, ([], view)
+    del arena, view
+    exe.close()
+    assert all(k.wrote_bare is None and k.bare_out is None and k.deferred_call is None for k in fused)
+    assert gone() is None
