@@ -83,6 +83,9 @@ class KernelStats:
 
 
 STATS = KernelStats()
+# a 1x1 convolution whose body cuDNN does not fuse whole may run as one generated matrix product
+# (`FusedKernel._pointwise`), chosen per call by measurement
+STANDALONE_POINTWISE = True
 
 
 class FusedKernel:
@@ -138,8 +141,48 @@ class FusedKernel:
             return self._concat(body, out)
         got = self._direct(body, out)
         if got is None:
-            got = self.whole_on_cudnn(body, out)
+            got = self._pointwise(body, out)
+        return got if got is not None else self._split(body, out)
+
+    def _split(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """The body as cuDNN runs it whole, else as a convolution and a generated kernel after it."""
+        got = self.whole_on_cudnn(body, out)
         return got if got is not None else self._generated(body, out)
+
+    def _pointwise(self, body, out: torch.Tensor) -> torch.Tensor | None:
+        """`out`, where a 1x1 convolution and the rest of its body ran as one generated matrix
+        product (`pointwise_conv`, reading the input as it lies) and that was measured faster than
+        `_split`; None, with nothing run, elsewhere. Only bodies that cuDNN's fused kernels do not
+        take whole (conv -> relu, conv -> add -> relu: one kernel already) are candidates, which
+        keeps the builds at load to efficientnet's and mobilenet's SiLU, ReLU6 and residual adds."""
+        if not STANDALONE_POINTWISE or len(body) < 2 or self.pattern in ("relu", "add_relu") \
+                or not fusion.leads_with_convolution(self.body):
+            return None
+        operands, conv = self.operands(body)
+        if conv is None or not isinstance(conv["input"], torch.Tensor):
+            return None
+        before = pointwise_conv.Before.alone(conv["input"])
+        if not pointwise_conv.fits(conv, out, before):
+            return None
+        w, bias = conv["weight"], conv["bias"] is not None
+        key = ("pointwise", layouts(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
+
+        def fused(tile) -> bool:
+            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
+                body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
+                " as a 1x1 convolution")
+
+        def split() -> None:
+            got = self._split(body, out)
+            if got is None:
+                out.copy_(run_fused(body))
+            elif got is not out:
+                out.copy_(got)
+
+        def note(why: str) -> None:
+            STATS.fallbacks.append(f"op {self.op.id}: {why}")
+        tile = self._tiles.tile(key, out, split, fused, note)
+        return out if tile is not None and fused(tile) else None
 
     def whole_on_cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
         """The tensor holding the result where this call runs the whole body as one cuDNN kernel

@@ -56,12 +56,18 @@ class Before:
     """The elementwise op whose result the convolution reads, as the runtime passed it: `body`
     its nodes with tensors in place of Refs, `out` its planned buffer (the convolution's input;
     not written where the kernel runs), `pieces` the parts of a cat that leads it (else none), and
-    `operands` the distinct tensors its other nodes read."""
+    `operands` the distinct tensors its other nodes read. `alone` makes one without a body: the
+    convolution reads its input as it lies."""
 
     body: tuple
     out: torch.Tensor
     pieces: tuple
     operands: tuple
+
+    @staticmethod
+    def alone(x: torch.Tensor) -> Before:
+        """No elementwise op: the input `x` read as it lies, as the one part of a cat."""
+        return Before((), x, (x,), ())
 
     def signature(self) -> tuple:
         """What the kernel's text depends on in this op: each node's target and constants (which
@@ -159,8 +165,8 @@ def source(body: list, out: torch.Tensor, w: torch.Tensor, operands: list[torch.
         else:  # one value per channel
             given[k] = f"tl.load(pin{k}_ptr + ch * {s[1]}, mask=kmask, other=0.0).to(tl.float32)[None, :]"
     prologue = epilogue_lines(list(before.body), extra, [""] * len(extra), "xv" if before.pieces else None, False,
-                              indent=" " * 8, given=given, prefix="p")
-    last = f"pv{len(before.body) - 1}"
+                              indent=" " * 8, given=given, prefix="p") if before.body else []
+    last = f"pv{len(before.body) - 1}" if before.body else "xv"  # `alone`: the input as it lies
     product = [f"        a = tl.where(mask, {last}, 0.0).to({kind})",
                f"        b = tl.load(w_ptr + ch[:, None] * {w.stride(1)} + cols[None, :] * {w.stride(0)}, "
                "mask=kmask[:, None] & cmask[None, :], other=0.0)",

@@ -93,6 +93,29 @@ def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind
     assert ("base = tl.where" in text) is aligned
 
 
+SILU = ("aten::silu.default", (Local(0),), ())
+
+
+@pytest.mark.parametrize("tile", [pointwise_conv.TILES[2], (16, 32, 16, 4, 3)])
+@pytest.mark.parametrize("after", ["bias and silu", "residual add"])
+def test_the_kernel_alone_computes_a_1x1_convolution_and_its_body(tile, after):
+    """`Before.alone`: no elementwise op, the input read as it lies (efficientnet's expansion
+    convolution and SiLU, a projection and its residual add)."""
+    g = torch.Generator().manual_seed(5)
+    n, size, cin, cout = 2, (5, 7), 24, 40
+    x = torch.randn(n, cin, *size, generator=g).contiguous(memory_format=CL)
+    w, b = torch.randn(cout, cin, 1, 1, generator=g), torch.randn(cout, generator=g)
+    residual = torch.randn(n, cout, *size, generator=g).contiguous(memory_format=CL)
+    if after == "bias and silu":
+        body, operands, want = [conv_node(x, w, b), SILU], [b.reshape(1, -1, 1, 1)], F.silu(F.conv2d(x, w, b))
+    else:
+        body = [conv_node(x, w, None), ("aten::add.Tensor", (Local(0), residual), ())]
+        operands, want = [residual], F.conv2d(x, w) + residual
+    out = torch.full_like(want, 7.0).contiguous(memory_format=CL)
+    shim_run(body, out, w, operands, after == "bias and silu", pointwise_conv.Before.alone(x), tile)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
 def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_result_qualify(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     g = torch.Generator().manual_seed(1)
@@ -171,6 +194,44 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
     wrote_input = not bool((x == 7.0).all())
     assert wrote_input is (kernel != "generated")
     assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build")
+
+
+@pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel, enabled, monkeypatch):
+    """`FusedKernel._pointwise`: a 1x1 convolution whose body cuDNN does not fuse whole runs as
+    the generated matrix product where it builds, agrees and was timed faster; else as before
+    (here: the convolution, then the generated SiLU). Either way the result is eager's; conv ->
+    relu (one cuDNN kernel already) is no candidate."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", enabled)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
+    times = iter([1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5])
+    monkeypatch.setattr(pointwise_conv.timing, "graph_us", lambda fn, device: next(times))
+    monkeypatch.setattr(kernels, "define", ShimKernel)
+    if kernel == "fails to build":
+        def refuse(source, tile):
+            raise RuntimeError("no Triton here")
+        monkeypatch.setattr(pointwise_conv, "launcher", refuse)
+    monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 24, 4, 5, generator=g).contiguous(memory_format=CL)
+    w, b = torch.randn(16, 24, 1, 1, generator=g), torch.randn(16, generator=g)
+    out = torch.full((2, 16, 4, 5), 7.0).contiguous(memory_format=CL)
+    for body, want in (([conv_node(x, w, b), SILU], F.silu(F.conv2d(x, w, b))),
+                       ([conv_node(x, w, b), RELU], F.relu(F.conv2d(x, w, b)))):
+        op = fused_kernel(3, body)
+        for call in range(2):  # the first call chooses, the second runs the choice
+            out.fill_(7.0)
+            assert op([body], out) is out
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        chosen = list(op._tiles._chosen.values())
+        one_kernel = enabled and kernel == "generated" and body[1] is SILU
+        assert (chosen != [] and chosen[0] is not None) is one_kernel
+        assert chosen == [] or body[1] is SILU and enabled
+    assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build" and enabled)
 
 
 class Dense(torch.nn.Module):
@@ -294,4 +355,50 @@ def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, p
         assert result.passed, result.describe()
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-2, atol=1e-3)
     fewer = pairs if layout == "channels_last" else 0
+    assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - fewer
+
+
+class Inverted(torch.nn.Module):
+    """mobilenet's and efficientnet's 1x1 convolutions outside SE: an expansion with SiLU, a
+    projection with the residual add; odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand, self.project = torch.nn.Conv2d(12, 44, 1), torch.nn.Conv2d(44, 12, 1)
+
+    def forward(self, x):
+        return x + self.project(F.silu(self.expand(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(layout, tmp_path, monkeypatch):
+    """With the generated kernel taken wherever it is correct (SLOWER raised) and cuDNN's whole
+    bodies off (so that each op otherwise takes a convolution and a generated kernel), both 1x1
+    convolutions run as one kernel each in channels_last and agree with eager; in contiguous the
+    kernel declines."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.runtime import tuning
+    from nimble.runtime.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.runtime.streams import count_kernels
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
+    monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)
+    write_artifact(tmp_path / "m.nimble", compiled(Inverted(), (3, 12, 9, 7), tmp_path))
+    art = read_artifact(tmp_path / "m.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    for alone in (True, False):
+        monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", alone)
+        before = len(kernels.STATS.fallbacks)
+        exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
+                         graph_dump=str(tmp_path / f"{alone}.dot"))
+        assert kernels.STATS.fallbacks[before:] == []
+        result = compare(exe.run(*x), art.sample_outputs, rtol=1e-2, atol=1e-3)
+        assert result.passed, result.describe()
+        exe.close()
+    fewer = 2 if layout == "channels_last" else 0
     assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - fewer
