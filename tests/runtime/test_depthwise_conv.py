@@ -174,6 +174,7 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(depthwise_conv, "PROLOGUE_SLOWER", 100.0)  # kept wherever it builds: this test counts kernels
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # the expansion alone: one kernel or two, as timed
     torch.manual_seed(0)
     path = tmp_path / "block.pt"
     torch.jit.save(torch.jit.trace(Inverted().eval(), torch.randn(batch, 8, 28, 28)), str(path))

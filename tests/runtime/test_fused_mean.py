@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nimble.ir import Local
-from nimble.runtime import depthwise_conv, fused_mean, pairs, placement, pooled_conv, reductions, tuning
+from nimble.runtime import depthwise_conv, fused_mean, kernels, pairs, placement, pooled_conv, reductions, tuning
 
 from .. import triton_shim
 from ..conftest import save_script
@@ -215,6 +215,7 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     monkeypatch.setattr(depthwise_conv, "ENABLED", False)  # apart, its depthwise body would be one kernel too
     # the scale and the projection: one kernel or two, as timed at each load (this test compares two loads exactly)
     monkeypatch.setattr(pairs, "INPUT_PAIRS", False)
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # likewise a 1x1 convolution alone
     write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, shape))
     art = read_artifact(tmp_path / "se.nimble")
     x = [t.cuda() for t in art.sample_inputs]
@@ -254,6 +255,7 @@ def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(pooled_conv, "ENABLED", False)
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # nor as a timed matrix product: the test counts
     write_artifact(tmp_path / "moved.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
     monkeypatch.setattr(pipeline, "FUSION", tuple(p for p in pipeline.FUSION if p.__name__ != "bias_into_broadcast"))
     write_artifact(tmp_path / "kept.nimble", se_graph(tmp_path, (3, 40, 7, 5)))

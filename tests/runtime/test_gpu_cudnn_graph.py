@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nimble.formats import read_artifact
-from nimble.runtime import cudnn_graph, tuning
+from nimble.runtime import cudnn_graph, kernels, tuning
 from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
 
@@ -244,7 +244,7 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
     x, want, artifact = _prepared(Projections, (3, 12, 9, 11))
     lone = [fusion.body_of(op) for op in artifact.graph.ops if op.target == fusion.FUSED]
     assert [[node[0] for node in body] for body in lone] == [["aten::convolution.default"]] * 2
-    kernels = {}
+    counts = {}
     for package in ("installed", "missing"):
         if package == "missing":
             monkeypatch.setattr(cudnn_graph, "_module", None)
@@ -253,9 +253,9 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
         dump = tmp_path / f"{package}.dot"
         exe = Executable(artifact, "cuda", choice=tuning.Choice(layout), graph_dump=str(dump))
         torch.testing.assert_close(exe(x.cuda()).cpu(), want, rtol=1e-2, atol=1e-3)
-        kernels[package] = count_kernels(dump)
-    if "installed" in kernels:  # the projection's bias joins its kernel
-        assert kernels["installed"] < kernels["missing"], kernels
+        counts[package] = count_kernels(dump)
+    if "installed" in counts:  # the projection's bias joins its kernel
+        assert counts["installed"] < counts["missing"], counts
 
 
 def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
@@ -320,8 +320,9 @@ def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch
 
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     monkeypatch.setattr(cudnn_graph, "epilogue", lambda body, out: None)  # no plan for any whole body
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # nor the 1x1 one as a generated matrix product
     x, want, artifact = _prepared(Activated, (3, 8, 9, 11))
-    kernels = {}
+    counts = {}
     for package in ("installed", "missing"):
         if package == "missing":
             monkeypatch.setattr(cudnn_graph, "_module", None)
@@ -329,9 +330,9 @@ def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch
         dump = tmp_path / f"{package}.dot"
         exe = Executable(artifact, "cuda", choice=tuning.Choice(layout), graph_dump=str(dump))
         torch.testing.assert_close(exe(x.cuda()).cpu(), want, rtol=1e-2, atol=1e-3)
-        kernels[package] = count_kernels(dump)
+        counts[package] = count_kernels(dump)
         if package == "installed":
             bare = [key for key, plan in cudnn_graph._chosen.items() if plan is not None and key[1] == ()]
             assert cudnn_graph.STATS["chosen"] - chosen == len(bare) >= 1, (cudnn_graph.STATS, list(cudnn_graph._chosen))
             assert all(key[0][4] is None for key in bare)  # the bias is the generated kernel's
-    assert kernels["installed"] == kernels["missing"], kernels
+    assert counts["installed"] == counts["missing"], counts

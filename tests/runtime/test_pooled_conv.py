@@ -166,6 +166,8 @@ def with_and_without(module, art, choice, tmp_path, monkeypatch) -> tuple[int, i
     from nimble.runtime.streams import count_kernels
 
     x = [t.cuda() for t in art.sample_inputs]
+    # a 1x1 convolution's generated matrix product is timed at each load: these counts and tolerances are not its
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)
     outputs = {}
     for enabled in (True, False):
         monkeypatch.setattr(module, "ENABLED", enabled)
