@@ -240,6 +240,7 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     times = iter([2.0, 1.0] if kernel == "generated, timed slower" else [1.0, 2.0])  # the pair's, then whole
     monkeypatch.setattr(kernels.timing, "graph_us", lambda fn, device: (fn(), next(times))[1])
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
+    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # the producer run whole: as before, untimed
     if kernel != "fails to build":
         monkeypatch.setattr(kernels, "define", ShimKernel)
     else:
