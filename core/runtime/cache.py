@@ -1,7 +1,8 @@
 """nimble's cache folder, read as carefully as an artifact.
 
 The folder holds generated kernel sources, records of compiled kernels (`binaries/`), the tuning
-choices (`tuning.json`) and the cuDNN plan choices (`cudnn_plans.json`). Another user
+choices (`tuning.json`), the cuDNN plan choices (`cudnn_plans.json`) and the per-call kernel
+choices (`kernel_choices.json`, `recall.py`). Another user
 who can write into it could plant a file that nimble then trusts, so:
 - the folder is created 0700; one not owned by this user, or writable by group or others, is
   not used at all (nimble says so once per process, and runs without a cache);

@@ -56,8 +56,9 @@ from ..errors import first_line
 from ..ir import Local
 from ..ops import fusion
 from ..ops.interpret import run_fused
-from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, timing
-from .codegen import BLOCK, ConcatTiles, concat_source, elementwise_source, layouts, norm_source, overlaps
+from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, recall, timing
+from .codegen import (BLOCK, ConcatTiles, body_signature, concat_source, elementwise_source, layouts, norm_source,
+                      overlaps)
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
@@ -165,7 +166,8 @@ class FusedKernel:
         if not pointwise_conv.fits(conv, out, before):
             return None
         w, bias = conv["weight"], conv["bias"] is not None
-        key = ("pointwise", layouts(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
+        key = ("pointwise", layouts(out, w, *operands), body_signature(body, operands), before.signature(),
+               torch.backends.cudnn.allow_tf32)
 
         def fused(tile) -> bool:
             return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
@@ -327,7 +329,15 @@ class FusedKernel:
             return self._whole_before(body, out, producer)
         if self._direct(body, out, before) is not None:
             if key not in self._prologue_chosen and not torch.cuda.is_current_stream_capturing():
-                self._prologue_chosen[key] = self._pair_faster(body, out, producer, before)
+                operands, conv = self.operands(body)  # the key above names the producer's side only
+                setting = (key, layouts(conv["weight"], *operands), body_signature(body, operands),
+                           depthwise_conv.PROLOGUE_SLOWER)
+                kept = (recall.recalled("prologue", setting, out.device) or {}).get("paired")
+                if isinstance(kept, bool):
+                    self._prologue_chosen[key] = kept
+                else:
+                    self._prologue_chosen[key] = self._pair_faster(body, out, producer, before)
+                    recall.keep("prologue", setting, out.device, {"paired": self._prologue_chosen[key]})
                 if not self._prologue_chosen[key]:
                     return self._whole_before(body, out, producer)
             return out
@@ -385,7 +395,8 @@ class FusedKernel:
         if before is None or not pointwise_conv.fits(conv, out, before):
             return self._apart(body, out, producer)
         w, bias = conv["weight"], conv["bias"] is not None
-        key = ("pointwise", layouts(out, w, *operands), before.signature(), torch.backends.cudnn.allow_tf32)
+        key = ("pointwise", layouts(out, w, *operands), body_signature(body, operands), before.signature(),
+               torch.backends.cudnn.allow_tf32)
 
         def fused(tile) -> bool:
             return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(

@@ -1,0 +1,74 @@
+"""Per-call kernel choices measured at load, kept in the cache folder (`kernel_choices.json`).
+
+Some generated kernels are taken per call signature by measurement on its first call (a 1x1
+convolution's tile, or the two ops run apart: `pointwise_conv.Choices`; a depthwise prologue
+kept or not: `FusedKernel._pair_faster`). Measured at every load, each costs builds and CUDA
+graph timings (seconds for densenet121's 61 pairs), and two loads of one artifact could choose
+differently where the two ways time alike. The choice is kept here, keyed by the call's
+signature, the settings the choice depends on, the GPU, torch's and Triton's versions and
+nimble's runtime code (a choice measured on other kernel text is not reused), so a later load
+takes it without timing and builds only what it runs.
+
+The file may be crafted like any cache file (`cache.py`): an entry is recalled only in the
+shape its caller expects (a tile among the known ones, a boolean), and a recalled kernel is
+still checked against the ops it replaces before it runs; a crafted entry can only make a load
+slower. Nothing is kept on a machine without CUDA (the CPU tests drive these paths with tensors
+that only claim to be on CUDA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from . import cache
+from .binaries import triton_version
+
+MAX_TABLE_BYTES = 4 * 2**20  # a few thousand entries; the older half goes past it (`cache.write_entry`)
+TABLE = "kernel_choices.json"
+
+
+@lru_cache(maxsize=1)
+def _runtime_code() -> str:
+    """A digest of nimble's runtime sources: the kernels' text and the way they are chosen."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _where(device: torch.device) -> tuple | None:
+    """The GPU and software a choice was measured on; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.major, props.minor, torch.__version__, triton_version(), _runtime_code()
+
+
+def _entry_key(kind: str, key: tuple, device: torch.device) -> str | None:
+    where = _where(device)
+    return None if where is None else hashlib.sha256(repr((kind, where, key)).encode()).hexdigest()
+
+
+def _path() -> Path | None:
+    folder = cache.cache_dir()
+    return None if folder is None else folder / TABLE
+
+
+def recalled(kind: str, key: tuple, device: torch.device) -> dict | None:
+    """The entry kept for this `kind` of choice and call `key` on this device, or None."""
+    entry_key = _entry_key(kind, key, device)
+    if entry_key is None:
+        return None
+    entry = cache.read_table(_path(), MAX_TABLE_BYTES).get(entry_key)
+    return entry if isinstance(entry, dict) else None
+
+
+def keep(kind: str, key: tuple, device: torch.device, entry: dict) -> None:
+    """Keep `entry` (JSON) for this `kind` of choice and call `key` on this device."""
+    entry_key = _entry_key(kind, key, device)
+    if entry_key is not None:
+        cache.write_entry(_path(), entry_key, entry, MAX_TABLE_BYTES)
