@@ -153,7 +153,8 @@ class FusedKernel:
     def _pointwise(self, body, out: torch.Tensor) -> torch.Tensor | None:
         """`out`, where a 1x1 convolution and the rest of its body ran as one generated matrix
         product (`pointwise_conv`, reading the input as it lies) and that was measured faster than
-        `_split`; None, with nothing run, elsewhere. Only bodies that cuDNN's fused kernels do not
+        `_split`; else None (on the call that chose, `_split` ran into `out` to be timed against,
+        and the caller runs it again). Only bodies that cuDNN's fused kernels do not
         take whole (conv -> relu, conv -> add -> relu: one kernel already) are candidates, which
         keeps the builds at load to efficientnet's and mobilenet's SiLU, ReLU6 and residual adds."""
         if not STANDALONE_POINTWISE or len(body) < 2 or self.pattern in ("relu", "add_relu") \
@@ -165,14 +166,6 @@ class FusedKernel:
         before = pointwise_conv.Before.alone(conv["input"])
         if not pointwise_conv.fits(conv, out, before):
             return None
-        w, bias = conv["weight"], conv["bias"] is not None
-        key = ("pointwise", layouts(out, w, *operands), body_signature(body, operands), before.signature(),
-               torch.backends.cudnn.allow_tf32)
-
-        def fused(tile) -> bool:
-            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
-                body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
-                " as a 1x1 convolution")
 
         def split() -> None:
             got = self._split(body, out)
@@ -180,11 +173,25 @@ class FusedKernel:
                 out.copy_(run_fused(body))
             elif got is not out:
                 out.copy_(got)
+        return out if self._pointwise_chosen(body, out, operands, conv, before, split, "") else None
+
+    def _pointwise_chosen(self, body, out: torch.Tensor, operands: list, conv: dict, before, otherwise,
+                          what: str) -> bool:
+        """Whether `pointwise_conv`'s kernel computed this body over `before` into `out`: with the
+        tile chosen for this call against `otherwise()` (`pointwise_conv.Choices`), where one was."""
+        w, bias = conv["weight"], conv["bias"] is not None
+        key = ("pointwise", layouts(out, w, *operands), body_signature(body, operands), before.signature(),
+               torch.backends.cudnn.allow_tf32)
+
+        def fused(tile) -> bool:
+            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
+                body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
+                f" as a 1x1 convolution{what}")
 
         def note(why: str) -> None:
             STATS.fallbacks.append(f"op {self.op.id}: {why}")
-        tile = self._tiles.tile(key, out, split, fused, note)
-        return out if tile is not None and fused(tile) else None
+        tile = self._tiles.tile(key, out, otherwise, fused, note)
+        return tile is not None and fused(tile)
 
     def whole_on_cudnn(self, body, out: torch.Tensor) -> torch.Tensor | None:
         """The tensor holding the result where this call runs the whole body as one cuDNN kernel
@@ -394,19 +401,8 @@ class FusedKernel:
                                            tuple(_operands(before_body, skip_first=bool(pieces))))
         if before is None or not pointwise_conv.fits(conv, out, before):
             return self._apart(body, out, producer)
-        w, bias = conv["weight"], conv["bias"] is not None
-        key = ("pointwise", layouts(out, w, *operands), body_signature(body, operands), before.signature(),
-               torch.backends.cudnn.allow_tf32)
-
-        def fused(tile) -> bool:
-            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
-                body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
-                " as a 1x1 convolution with its input's elementwise op")
-
-        def note(why: str) -> None:
-            STATS.fallbacks.append(f"op {self.op.id}: {why}")
-        tile = self._tiles.tile(key, out, lambda: self._apart(body, out, producer), fused, note)
-        if tile is None or not fused(tile):
+        if not self._pointwise_chosen(body, out, operands, conv, before, lambda: self._apart(body, out, producer),
+                                      " with its input's elementwise op"):
             return self._apart(body, out, producer)
         return out
 

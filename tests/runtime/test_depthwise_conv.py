@@ -222,6 +222,23 @@ def fused_kernel(op_id, body):
     return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
 
 
+def expansion_then_depthwise(g, c: int, size: tuple, stride: int):
+    """mobilenet's expansion (1x1 from 8 channels to `c`, bias, relu6) into `mid`, then a
+    depthwise 3x3 (`stride`, padding 1, bias, relu6) into `out`, both channels_last and filled
+    with 7: (x0, w0, expand's body, mid, the depthwise body, out, what eager computes)."""
+    cl = torch.channels_last
+    x0 = torch.randn(2, 8, *size, generator=g).contiguous(memory_format=cl)
+    w0, b0 = torch.randn(c, 8, 1, 1, generator=g), torch.randn(c, generator=g)
+    wd, bd = torch.randn(c, 1, 3, 3, generator=g), torch.randn(c, generator=g)
+    expand = [("aten::convolution.default", (x0, w0, b0, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ()), RELU6]
+    mid = torch.full((2, c, *size), 7.0).contiguous(memory_format=cl)
+    depthwise = [("aten::convolution.default", (mid, wd, bd, (stride,) * 2, (1, 1), (1, 1), False, (0, 0), c), ()),
+                 RELU6]
+    want = F.hardtanh(F.conv2d(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0), wd, bd, stride, 1, groups=c), 0.0, 6.0)
+    out = torch.full(want.shape, 7.0).contiguous(memory_format=cl)
+    return x0, w0, expand, mid, depthwise, out, want
+
+
 @pytest.mark.parametrize("kernel", ["generated", "generated, timed slower", "fails to build"])
 def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, monkeypatch):
     """The runtime's side of `pairs.prologue_pairs`: the producer writes its convolution alone;
@@ -247,21 +264,13 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
         def refuse(source):
             raise RuntimeError("no Triton here")
         monkeypatch.setattr(kernels, "define", refuse)
-    g = torch.Generator().manual_seed(2)
-    c = 24
-    x0 = torch.randn(2, 8, 10, 9, generator=g).contiguous(memory_format=torch.channels_last)
-    w0, b0 = torch.randn(c, 8, 1, 1, generator=g), torch.randn(c, generator=g)
-    wd, bd = torch.randn(c, 1, 3, 3, generator=g), torch.randn(c, generator=g)
-    expand = [("aten::convolution.default", (x0, w0, b0, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ()), RELU6]
-    mid = torch.full((2, c, 10, 9), 7.0).contiguous(memory_format=torch.channels_last)
-    out = torch.full((2, c, 5, 5), 7.0).contiguous(memory_format=torch.channels_last)
-    depthwise = [("aten::convolution.default", (mid, wd, bd, (2, 2), (1, 1), (1, 1), False, (0, 0), c), ()), RELU6]
+    x0, w0, expand, mid, depthwise, out, want = expansion_then_depthwise(torch.Generator().manual_seed(2), 24,
+                                                                         (10, 9), 2)
     producer, consumer = fused_kernel(1, expand), fused_kernel(2, depthwise)
     producer.bare, consumer.after_bare = True, producer
     assert producer([expand], mid) is mid and producer.wrote_bare is not None
     torch.testing.assert_close(mid, F.conv2d(x0, w0))  # its convolution alone: no bias, no relu6
     assert consumer([depthwise], out) is out
-    want = F.hardtanh(F.conv2d(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0), wd, bd, (2, 2), (1, 1), groups=c), 0.0, 6.0)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     assert producer.bare is (kernel != "generated, timed slower")
     out.fill_(7.0)
@@ -273,7 +282,7 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     # whole), its reader applies nothing (None: the runtime interprets the body, as it would)
     producer.wrote_bare = None
     out.fill_(7.0)
-    mid.copy_(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0))
+    mid.copy_(run_fused(expand))
     got = consumer([depthwise], out)
     torch.testing.assert_close(got if got is not None else run_fused(depthwise), want, rtol=1e-4, atol=1e-4)
 

@@ -23,6 +23,7 @@ from .test_depthwise_conv import ShimKernel, fused_kernel
 
 CL = torch.channels_last
 RELU = ("aten::relu.default", (Local(0),), ())
+SILU = ("aten::silu.default", (Local(0),), ())
 
 
 def conv_node(x, w, bias):
@@ -55,6 +56,20 @@ def se_input(g, n, channels, size):
     return body, [], x * torch.sigmoid(s + b)
 
 
+def conv_body(g, x, x_want, cout, activation):
+    """The 1x1 convolution's body over `x` (its input buffer; `x_want` what it holds): with its
+    bias and `activation` (a node over Local(0)), or, where None, without a bias and with a
+    residual add. (body, operands, what it computes, the filter)."""
+    n, cin, *size = x.shape
+    w, b = torch.randn(cout, cin, 1, 1, generator=g), torch.randn(cout, generator=g)
+    residual = torch.randn(n, cout, *size, generator=g).contiguous(memory_format=CL)
+    if activation is not None:
+        want = {"aten::relu.default": F.relu, "aten::silu.default": F.silu}[activation[0]](F.conv2d(x_want, w, b))
+        return [conv_node(x, w, b), activation], [b.reshape(1, -1, 1, 1)], want, w
+    return [conv_node(x, w, None), ("aten::add.Tensor", (Local(0), residual), ())], [residual], \
+        F.conv2d(x_want, w) + residual, w
+
+
 def shim_run(body, out, w, operands, bias, before, tile):
     text = pointwise_conv.source(body, out, w, operands, bias, before, tile)
     rows = out.shape[0] * out.shape[2] * out.shape[3]
@@ -77,13 +92,7 @@ def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind
     before_body, pieces, x_want = (densenet_input if kind == "cat" else se_input)(g, n, channels, size)
     total = x_want.shape[1]
     x = torch.full((n, total, *size), float("nan")).contiguous(memory_format=CL)  # never written, never read
-    w, b = torch.randn(cout, total, 1, 1, generator=g), torch.randn(cout, generator=g)
-    residual = torch.randn(n, cout, *size, generator=g).contiguous(memory_format=CL)
-    if after == "bias and relu":
-        body, operands, want = [conv_node(x, w, b), RELU], [b.reshape(1, -1, 1, 1)], F.relu(F.conv2d(x_want, w, b))
-    else:
-        body = [conv_node(x, w, None), ("aten::add.Tensor", (Local(0), residual), ())]
-        operands, want = [residual], F.conv2d(x_want, w) + residual
+    body, operands, want, w = conv_body(g, x, x_want, cout, RELU if after == "bias and relu" else None)
     before = pointwise_conv.Before(tuple(before_body), x, tuple(pieces),
                                    tuple(kernels._operands(before_body, skip_first=bool(pieces))))
     out = torch.full_like(want, 7.0).contiguous(memory_format=CL)
@@ -91,9 +100,6 @@ def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     aligned = kind == "cat" and all(c % tile[2] == 0 for c in channels[:-1])
     assert ("base = tl.where" in text) is aligned
-
-
-SILU = ("aten::silu.default", (Local(0),), ())
 
 
 @pytest.mark.parametrize("tile", [pointwise_conv.TILES[2], (16, 32, 16, 4, 3)])
@@ -104,13 +110,7 @@ def test_the_kernel_alone_computes_a_1x1_convolution_and_its_body(tile, after):
     g = torch.Generator().manual_seed(5)
     n, size, cin, cout = 2, (5, 7), 24, 40
     x = torch.randn(n, cin, *size, generator=g).contiguous(memory_format=CL)
-    w, b = torch.randn(cout, cin, 1, 1, generator=g), torch.randn(cout, generator=g)
-    residual = torch.randn(n, cout, *size, generator=g).contiguous(memory_format=CL)
-    if after == "bias and silu":
-        body, operands, want = [conv_node(x, w, b), SILU], [b.reshape(1, -1, 1, 1)], F.silu(F.conv2d(x, w, b))
-    else:
-        body = [conv_node(x, w, None), ("aten::add.Tensor", (Local(0), residual), ())]
-        operands, want = [residual], F.conv2d(x, w) + residual
+    body, operands, want, w = conv_body(g, x, x, cout, SILU if after == "bias and silu" else None)
     out = torch.full_like(want, 7.0).contiguous(memory_format=CL)
     shim_run(body, out, w, operands, after == "bias and silu", pointwise_conv.Before.alone(x), tile)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

@@ -110,11 +110,9 @@ def test_a_kept_tile_that_disagrees_or_is_unknown_is_timed_again(cache_folder, m
 def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_folder, monkeypatch, faster):
     """`FusedKernel._after_bare`: the first load times the pair against the two ops run whole and
     keeps the answer; a later load (new kernels) takes it untimed, with eager's result either way."""
-    import torch.nn.functional as F
-
     from nimble.runtime import kernels
 
-    from .test_depthwise_conv import RELU6, ShimKernel, fused_kernel
+    from .test_depthwise_conv import ShimKernel, expansion_then_depthwise, fused_kernel
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -122,16 +120,8 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)
     monkeypatch.setattr(kernels, "define", ShimKernel)
-    g = torch.Generator().manual_seed(3)
-    c = 16
-    x0 = torch.randn(2, 8, 6, 5, generator=g).contiguous(memory_format=torch.channels_last)
-    w0, b0 = torch.randn(c, 8, 1, 1, generator=g), torch.randn(c, generator=g)
-    wd, bd = torch.randn(c, 1, 3, 3, generator=g), torch.randn(c, generator=g)
-    expand = [("aten::convolution.default", (x0, w0, b0, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), ()), RELU6]
-    mid = torch.empty(2, c, 6, 5).contiguous(memory_format=torch.channels_last)
-    out = torch.empty(2, c, 6, 5).contiguous(memory_format=torch.channels_last)
-    depthwise = [("aten::convolution.default", (mid, wd, bd, (1, 1), (1, 1), (1, 1), False, (0, 0), c), ()), RELU6]
-    want = F.hardtanh(F.conv2d(F.hardtanh(F.conv2d(x0, w0, b0), 0.0, 6.0), wd, bd, 1, 1, groups=c), 0.0, 6.0)
+    _, _, expand, mid, depthwise, out, want = expansion_then_depthwise(torch.Generator().manual_seed(3), 16,
+                                                                        (6, 5), 1)
     timed = []
     for load in range(2):
         times = iter([1.0, 2.0] if faster else [2.0, 1.0])  # the pair's, then whole
