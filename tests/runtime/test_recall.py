@@ -98,12 +98,14 @@ def test_a_kept_tile_that_disagrees_or_is_unknown_is_timed_again(cache_folder, m
     got, timed, notes = choose(Pair(wrong={two[0]}), monkeypatch, iter([1.0, 100.0]))
     assert got == two[1] and timed == 2 and len(notes) == 2  # the kept tile, then timing it again
     table = json.loads((cache_folder / recall.TABLE).read_text())
-    for entry in table.values():
-        entry["tile"] = [1, 2, 3, 4, 5]  # no tile the kernel has
-    (cache_folder / recall.TABLE).write_text(json.dumps(table))
-    pair = Pair()
-    got, timed, _ = choose(pair, monkeypatch, iter([1.0, 2.0, 100.0]))
-    assert got == two[0] and timed == 3 and (1, 2, 3, 4, 5) not in pair.fused_tiles
+    for crafted in ([1, 2, 3, 4, 5], [*two[1][:-1], float(two[1][-1])], "tile"):  # unknown; a float; no list
+        for entry in table.values():
+            entry["tile"] = crafted
+        (cache_folder / recall.TABLE).write_text(json.dumps(table))
+        pair = Pair()
+        got, timed, _ = choose(pair, monkeypatch, iter([1.0, 2.0, 100.0]))
+        assert got == two[0] and timed == 3 and pair.fused_tiles == list(two)  # timed again, nothing else built
+        table = json.loads((cache_folder / recall.TABLE).read_text())
 
 
 @pytest.mark.parametrize("faster", [True, False])
