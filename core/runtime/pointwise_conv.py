@@ -12,7 +12,10 @@ channels). For each block of input channels a program loads the elementwise op's
 they lie (each part of a leading cat in a loop of its own), applies its body
 (`codegen.epilogue_lines`), multiplies the block with the filter's and accumulates in float32;
 then it applies the convolution's body and stores its tile once. The elementwise op's own buffer
-is never written.
+is never written. The same kernel also runs a 1x1 convolution with nothing before it, reading
+its input as it lies (`Before.alone`), where cuDNN does not take its body whole (efficientnet's
+expansions with SiLU, mobilenet's with ReLU6, projections with a residual add: the convolution
+and a generated epilogue before), chosen the same way (`FusedKernel._pointwise`).
 
 `memory.read_later` names the pairs at compile time, and the memory plan holds the elementwise
 op's inputs until the convolution (`memory.held_inputs`). `pairs.input_pairs` takes a pair at
