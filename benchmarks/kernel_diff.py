@@ -10,7 +10,9 @@ torch.profiler records the CUDA kernels of REPS inferences of each, in one proce
   kernel to the launch call that made it, and the launch call lies inside one op's range: so each
   kernel maps to the op, or the fused group, that launched it. Its class comes from that op,
   refined by the kernel's name inside a fused convolution or GEMM (the cuDNN or cuBLAS kernel is
-  the convolution or GEMM, a generated kernel after it the epilogue).
+  the convolution or GEMM, a generated kernel after it the epilogue; a generated kernel of an op
+  that launched no library kernel computed the convolution itself: depthwise, pooled and 1x1
+  kernels, input and prologue pairs among them).
 - torch.compile: its CUDA graph replays; each kernel is classed by its name (Inductor names its
   Triton kernels after the ops it fused: `triton_poi_fused_add_relu_3`, `triton_per_fused__softmax_1`).
 
@@ -92,14 +94,24 @@ def by_name(kernel: str) -> str:
     return "other"
 
 
-def nimble_class(op, kernel: str) -> str:
-    """The class of `kernel`, launched by nimble's `op`."""
+def generated(kernel: str) -> bool:
+    """Whether `kernel` is one nimble generated (Triton), not a library's (cuDNN, cuBLAS, ATen)."""
+    return kernel.startswith(("triton", "kernel"))
+
+
+def nimble_class(op, kernel: str, computes_convolution: bool = False) -> str:
+    """The class of `kernel`, launched by nimble's `op`. A generated kernel of a fused op that
+    leads with a convolution is its epilogue, unless `computes_convolution`: the op launched no
+    library kernel, so the generated one computed the convolution too (a depthwise, pooled or
+    1x1 kernel, with any epilogue or prologue it applies)."""
     from nimble.ops import fusion
 
     if fusion.is_fused(op):
         lead = fusion.body_of(op)[0][0].split("::")[-1].split(".")[0]
         named = by_name(kernel)
         if _OP_CLASS.get(lead) == "convolution":
+            if generated(kernel) and computes_convolution:
+                return "convolution"
             return "epilogue" if named in ("epilogue", "concatenation and copy") else "convolution"
         return "epilogue"
     short = op.target.split("::")[-1].split(".")[0]
@@ -235,8 +247,9 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     learned = {}
     for k in ours:
         op = op_of(k["corr"])
-        if op is not None and not k["name"].startswith(("triton", "kernel")):
+        if op is not None and not generated(k["name"]):
             learned[k["name"]] = nimble_class(g.ops[op], k["name"])
+    with_library = {op_of(k["corr"]) for k in ours if not generated(k["name"])}
     names: dict = defaultdict(float)
     for k in theirs:
         cls = learned.get(k["name"]) or by_name(k["name"])
@@ -257,7 +270,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
             unmapped += 1
             cls = by_name(k["name"])
         else:
-            cls = nimble_class(g.ops[op], k["name"])
+            cls = nimble_class(g.ops[op], k["name"], computes_convolution=op not in with_library)
             per_op[op] += k["dur"] / 1000 / REPS
             labelled = by_label[(cls, op_label(g.ops[op]))]
             labelled[0] += k["dur"] / 1000 / REPS
