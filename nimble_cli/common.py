@@ -178,7 +178,8 @@ TUNE_HELP = ("How to choose, on CUDA, the layout (NCHW or channels_last), the st
              "cuDNN's convolution algorithms and whether convolutions use cuDNN's fused kernels: cached "
              "(default) times the candidates once per artifact, GPU and torch version and keeps the choice in "
              "~/.cache/nimble/tuning.json (or $NIMBLE_CACHE_DIR); full times them again; off takes NCHW, the "
-             "planned streams, cuDNN's heuristics and its fused kernels.")
+             "planned streams, cuDNN's heuristics and its fused kernels. Under every mode, cuDNN plans and "
+             "generated kernels' per-call choices stay kept in cudnn_plans.json and kernel_choices.json there.")
 
 
 # Options every command that takes them takes alike: `debug: DebugOption = False`.
