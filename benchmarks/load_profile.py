@@ -1,8 +1,12 @@
 """Where load to first inference goes: each load in a fresh process, empty caches then warm,
 with Python's profiler over the load and first call.
 
-    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm] [--top 30] [--no-profile]
+    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm unkept] [--top 30] [--no-profile]
                                       [--set MODULE.NAME=VALUE] [--out DIR]
+
+A `unkept` run is a warm one without the per-call kernel choices the loads before kept
+(`kernel_choices.json`, `runtime/recall.py`): it times them again, on warm kernel caches, as
+every load did before they were kept.
 
 Prints, per run, the seconds from `nimble.load` to the first result, the stage seconds the load
 reports (`exe.stats.seconds`), the tuning outcome, the cuDNN graph counts where the `cudnn` extra
@@ -58,7 +62,7 @@ print(json.dumps({"seconds": seconds, "stages": exe.stats.seconds, "choice": exe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"], choices=["cold", "warm"])
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"], choices=["cold", "warm", "unkept"])
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-profile", action="store_true", help="time the runs without Python's profiler")
     parser.add_argument("--set", default=None, metavar="MODULE.NAME=VALUE",
@@ -74,6 +78,8 @@ def main() -> None:
         for label in args.runs:
             if label == "cold":
                 subprocess.run(["rm", "-rf", f"{tmp}/nimble", f"{tmp}/triton"], check=True)
+            elif label == "unkept":
+                Path(f"{tmp}/nimble/kernel_choices.json").unlink(missing_ok=True)
             done = subprocess.run([sys.executable, "-c", PROBE, str(args.artifact),
                                    "0" if args.no_profile else str(max(args.top, 1)), json.dumps(settings)],
                                   env=env,
