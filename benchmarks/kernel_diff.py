@@ -244,12 +244,12 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
                  for cls in CLASSES}
     # a library kernel (cuDNN, cuBLAS) that nimble launched for a known op has that op's class in
     # torch.compile's graph too: names alone do not tell cuDNN's *gemm* convolutions from GEMMs
+    owner = [op_of(k["corr"]) for k in ours]  # the op that launched each of our kernels, None where unknown
     learned = {}
-    for k in ours:
-        op = op_of(k["corr"])
+    for k, op in zip(ours, owner):
         if op is not None and not generated(k["name"]):
             learned[k["name"]] = nimble_class(g.ops[op], k["name"])
-    with_library = {op_of(k["corr"]) for k in ours if not generated(k["name"])}
+    with_library = {op for k, op in zip(ours, owner) if not generated(k["name"])}
     names: dict = defaultdict(float)
     for k in theirs:
         cls = learned.get(k["name"]) or by_name(k["name"])
@@ -264,8 +264,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     by_label: dict = defaultdict(lambda: [0.0, 0])  # (class, op label) -> nimble's ms and kernels
     our_names: dict = defaultdict(lambda: [0.0, 0])
     unmapped = 0
-    for k in ours:
-        op = op_of(k["corr"])
+    for k, op in zip(ours, owner):
         if op is None:
             unmapped += 1
             cls = by_name(k["name"])

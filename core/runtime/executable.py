@@ -338,8 +338,9 @@ class Executable:
             if isinstance(p.substitute, kernels.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
-                p.substitute.bare, p.substitute.after_bare, p.substitute.wrote_bare = False, None, None
-                p.substitute.deferred, p.substitute.reads_deferred, p.substitute.deferred_call = False, None, None
+                p.substitute.bare, p.substitute.after_bare = False, None
+                p.substitute.deferred, p.substitute.reads_deferred = False, None
+                p.substitute.forget_calls()
             else:
                 biased = p.substitute
                 while isinstance(biased, (SmallLinear, Gemm)):  # the substitutes a product falls back to

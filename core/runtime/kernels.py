@@ -170,14 +170,9 @@ class FusedKernel:
         before = pointwise_conv.Before.alone(conv["input"])
         if not pointwise_conv.fits(conv, out, before):
             return None
-
-        def split() -> None:
-            got = self._split(body, out)
-            if got is None:
-                out.copy_(run_fused(body))
-            elif got is not out:
-                out.copy_(got)
-        return out if self._pointwise_chosen(body, out, operands, conv, before, split, "") else None
+        chosen = self._pointwise_chosen(body, out, operands, conv, before,
+                                        lambda: self._into(body, out, self._split(body, out)), "")
+        return out if chosen else None
 
     def _pointwise_chosen(self, body, out: torch.Tensor, operands: list, conv: dict, before, otherwise,
                           what: str) -> bool:
@@ -340,15 +335,7 @@ class FusedKernel:
             return self._whole_before(body, out, producer)
         if self._direct(body, out, before) is not None:
             if key not in self._prologue_chosen and not torch.cuda.is_current_stream_capturing():
-                operands, conv = self.operands(body)  # the key above names the producer's side only
-                setting = (key, layouts(conv["weight"], *operands), body_signature(body, operands),
-                           depthwise_conv.PROLOGUE_SLOWER)
-                kept = (recall.recalled("prologue", setting, out.device) or {}).get("paired")
-                if isinstance(kept, bool):
-                    self._prologue_chosen[key] = kept
-                else:
-                    self._prologue_chosen[key] = self._pair_faster(body, out, producer, before)
-                    recall.keep("prologue", setting, out.device, {"paired": self._prologue_chosen[key]})
+                self._prologue_chosen[key] = self._prologue_kept(key, body, out, producer, before)
                 if not self._prologue_chosen[key]:
                     return self._whole_before(body, out, producer)
             return out
@@ -364,6 +351,20 @@ class FusedKernel:
         if got is None:
             out.copy_(run_fused(body))
         return out
+
+    def _prologue_kept(self, key: tuple, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
+        """Whether this pair runs as one: as an earlier load kept it (`recall`), else measured
+        (`_pair_faster`) and kept. `key` names the producer's side; the kept choice's key adds
+        this op's filter, operands and body."""
+        operands, conv = self.operands(body)
+        setting = (key, layouts(conv["weight"], *operands), body_signature(body, operands),
+                   depthwise_conv.PROLOGUE_SLOWER)
+        kept = (recall.recalled("prologue", setting, out.device) or {}).get("paired")
+        if isinstance(kept, bool):
+            return kept
+        paired = self._pair_faster(body, out, producer, before)
+        recall.keep("prologue", setting, out.device, {"paired": paired})
+        return paired
 
     def _pair_faster(self, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
         """Whether the producer's bare convolution and this kernel with its epilogue on load take
@@ -422,11 +423,16 @@ class FusedKernel:
             first_out.copy_(run_fused(list(first_body)))
             got = first_out
         body = [(body[0][0], (got, *body[0][1][1:]), body[0][2]), *body[1:]]
-        result = self._run(body, out)
-        if result is None:
+        return self._into(body, out, self._run(body, out))
+
+    @staticmethod
+    def _into(body, out: torch.Tensor, got: torch.Tensor | None) -> torch.Tensor:
+        """`out` holding what a way of running `body` returned: `got` copied in where it lies
+        elsewhere (cuDNN's fused kernels allocate), the body interpreted where it returned None."""
+        if got is None:
             out.copy_(run_fused(body))
-        elif result is not out:
-            out.copy_(result)
+        elif got is not out:
+            out.copy_(got)
         return out
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
