@@ -138,13 +138,18 @@ def layouts(*tensors: torch.Tensor) -> tuple:
 def body_signature(nodes, operands) -> tuple:
     """What a kernel's text takes from these body nodes: each node's target and constants, each
     tensor named by its place among `operands` (-1: none of them), lists and tuples walked."""
-    def constant(a):
-        if isinstance(a, torch.Tensor):
-            return ("operand", next((k for k, t in enumerate(operands) if t is a), -1))
-        if isinstance(a, (list, tuple)):
-            return tuple(constant(b) for b in a)
-        return a if isinstance(a, (int, float, bool, str, type(None), Local)) else repr(a)
-    return tuple((node[0], constant(node[1]), constant(node[2])) for node in nodes)
+    return tuple((node[0], _constant(node[1], operands), _constant(node[2], operands)) for node in nodes)
+
+
+def _constant(a, operands) -> object:
+    """`a` as `body_signature` keeps it. A module function, not a closure: a recursive closure is
+    a reference cycle, which would hold `operands` (views of the arena) until the garbage collector
+    runs, and so keep the arena reserved after the executable closes."""
+    if isinstance(a, torch.Tensor):
+        return ("operand", next((k for k, t in enumerate(operands) if t is a), -1))
+    if isinstance(a, (list, tuple)):
+        return tuple(_constant(b, operands) for b in a)
+    return a if isinstance(a, (int, float, bool, str, type(None), Local)) else repr(a)
 
 
 def program_id(wide: bool) -> str:

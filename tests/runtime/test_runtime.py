@@ -572,3 +572,23 @@ def test_close_drops_the_calls_that_bare_and_deferred_kernels_keep(artifacts):
     exe.close()
     assert all(k.wrote_bare is None and k.bare_out is None and k.deferred_call is None for k in fused)
     assert gone() is None
+
+
+def test_a_body_signature_leaves_no_reference_cycle_holding_its_operands():
+    """A kernel's call signature names its operands; working it out must not leave a reference
+    cycle that holds them (views of the arena) until the garbage collector runs: the capture
+    turns the collector off, and a closed executable would keep its arena reserved."""
+    import gc
+    import weakref
+
+    from nimble.runtime.codegen import body_signature
+    x = torch.ones(4)
+    gone = weakref.ref(x)
+    gc.disable()
+    try:
+        signature = body_signature([("aten.mul.Tensor", (x, [x, 2.0]), (("alpha", x),))], [x])
+        del x
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert signature == (("aten.mul.Tensor", (("operand", 0), (("operand", 0), 2.0)), (("alpha", ("operand", 0)),)),)
