@@ -39,6 +39,7 @@ from .stages import Stages
 # canonical before anything that decides by order (fusion, the schedule) or names by it.
 REWRITES: tuple = (passes.functionalise, passes.fold_constants, passes.index_as_view, passes.normalise_convolutions,
                    passes.fold_batch_norm, passes.affine_batch_norm, passes.flatten_concats,
+                   passes.merge_sibling_convolutions,
                    passes.match_multi_head_attention, passes.match_attention, passes.precompute_attention_masks,
                    passes.inline_scalar_constants, passes.drop_identity_copies, passes.bias_into_epilogue,
                    passes.eliminate_common_subexpressions,

@@ -31,6 +31,7 @@ from .fuse_pointwise import fuse_pointwise
 from .generate_broadcast_ops import generate_broadcast_ops
 from .match_attention import match_attention
 from .match_multi_head_attention import match_multi_head_attention
+from .merge_sibling_convolutions import merge_sibling_convolutions
 from .name_values import name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
@@ -39,7 +40,7 @@ from .precompute_attention_masks import precompute_attention_masks
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_constants, index_as_view, fold_batch_norm, affine_batch_norm, match_attention,
                               inline_scalar_constants, align_attention_masks, drop_precision_casts,
-                              bias_into_broadcast})
+                              bias_into_broadcast, merge_sibling_convolutions})
 
 __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_broadcast",
            "bias_into_epilogue", "chain_loose_ops",
@@ -47,5 +48,6 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bi
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
-           "match_attention", "match_multi_head_attention", "name_values", "normalise_convolutions",
+           "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_values",
+           "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]

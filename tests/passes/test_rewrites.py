@@ -207,7 +207,7 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_constants", "index_as_view", "normalise_convolutions",
                                              "fold_batch_norm",
-                                             "affine_batch_norm", "flatten_concats",
+                                             "affine_batch_norm", "flatten_concats", "merge_sibling_convolutions",
                                              "match_multi_head_attention", "match_attention",
                                              "precompute_attention_masks", "inline_scalar_constants",
                                              "drop_identity_copies",
@@ -626,3 +626,92 @@ def test_views_of_a_weight_stay_views_and_store_nothing_twice(tmp_path):
         assert not any(v.name.endswith("_folded") for v in lowered.graph.values)
         assert sum(t.numel() for t in lowered.weights.values()) <= 32 * 2  # at most the export's own copies
         assert_reproduces(lowered, model)
+
+
+class Fire(nn.Module):
+    """squeezenet's fire module: a squeeze, then 1x1 and 3x3 expansions of it side by side in a
+    cat; `kernels` and `paddings` change the expansions."""
+
+    def __init__(self, kernels=((1, 1), (3, 3)), paddings=((0, 0), (1, 1)), bias=(True, True)):
+        super().__init__()
+        self.squeeze = nn.Conv2d(8, 6, 1)
+        self.e1 = nn.Conv2d(6, 5, kernels[0], padding=paddings[0], bias=bias[0])
+        self.e3 = nn.Conv2d(6, 6, kernels[1], padding=paddings[1], bias=bias[1])
+
+    def forward(self, x):
+        s = self.squeeze(x).relu()
+        return torch.cat([self.e1(s).relu(), self.e3(s).relu()], 1)
+
+
+class TappedFire(Fire):
+    """A fire module that also returns its 1x1 expansion."""
+
+    def forward(self, x):
+        s = self.squeeze(x).relu()
+        y = self.e1(s).relu()
+        return torch.cat([y, self.e3(s).relu()], 1), y
+
+
+def convolutions(lowered) -> list:
+    return [op for op in lowered.graph.ops if op.target == "aten::convolution.default"]
+
+
+@pytest.mark.parametrize("frontend_of", ["script", "export"])
+@pytest.mark.parametrize("bias", [(True, True), (False, True), (False, False)])
+def test_sibling_convolutions_side_by_side_in_a_cat_become_one(tmp_path, frontend_of, bias):
+    model = Fire(bias=bias)
+    x = torch.randn(2, 8, 9, 7)
+    lowered = rewrite(scripted(tmp_path, model, x) if frontend_of == "script" else exported(model, x))
+    convs = convolutions(lowered)
+    assert len(convs) == 2 and "aten::cat.default" not in targets(lowered)
+    merged = lowered.graph.values[convs[1].args[1].id]
+    assert merged.name.endswith(".weight_merged") and merged.spec.shape == (11, 6, 3, 3)
+    assert tuple(convs[1].args[4]) == (1, 1)
+    assert (convs[1].args[2] is None) == (bias == (False, False))
+    assert lowered.graph.values[lowered.graph.outputs[0]].spec.shape == (2, 11, 9, 7)
+    assert_reproduces(lowered, model)
+
+
+@pytest.mark.parametrize("kernels, paddings", [
+    (((1, 1), (3, 3)), ((0, 0), (1, 1))),   # squeezenet's: merged
+    (((1, 3), (3, 1)), ((0, 1), (1, 0))),   # inception_v3's: three times the work, stays apart
+    (((3, 3), (5, 5)), ((1, 1), (2, 2))),   # 1.4 times the work: merged, the 3x3 inside the 5x5
+    (((1, 1), (3, 3)), ((1, 1), (2, 2))),   # padded 1x1 (one ring of zeros) inside a 3x3 padded by 2: merged
+])
+def test_siblings_merge_only_where_the_windows_line_up_and_the_work_stays_small(tmp_path, kernels, paddings):
+    model = Fire(kernels, paddings)
+    x = torch.randn(1, 8, 9, 9)
+    lowered = rewrite(scripted(tmp_path, model, x))
+    assert len(convolutions(lowered)) == (3 if kernels[0] == (1, 3) else 2)
+    assert_reproduces(lowered, model)
+
+
+def test_a_sibling_read_elsewhere_stays_apart(tmp_path):
+    model = TappedFire()
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(1, 8, 6, 6)))
+    assert len(convolutions(lowered)) == 3 and "aten::cat.default" in targets(lowered)
+    assert_reproduces(lowered, model)
+
+
+class Siblings(nn.Module):
+    """Three parts of a cat: two expansions of one input around one of another input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(4, 3, 1), nn.Conv2d(4, 2, 1), nn.Conv2d(4, 5, 3, padding=1)
+        self.d = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x, y):
+        return torch.cat([self.a(x).relu(), self.b(x).relu(), self.d(y).relu(), self.c(x).sigmoid(),
+                          self.c(x).relu()], 1)
+
+
+def test_only_adjacent_parts_with_the_same_input_and_chain_merge(tmp_path):
+    model = Siblings()
+    xs = torch.randn(1, 4, 5, 5), torch.randn(1, 4, 5, 5)
+    lowered = rewrite(exported(model, *xs))
+    cat = next(op for op in lowered.graph.ops if op.target == "aten::cat.default")
+    assert len(cat.args[0]) == 4  # a and b merged; d reads y; the two c's end in different chains
+    shapes = [lowered.graph.values[p.id].spec.shape[1] for p in cat.args[0]]
+    assert shapes == [5, 2, 5, 5]
+    assert_reproduces(lowered, model)
