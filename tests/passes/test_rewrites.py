@@ -715,3 +715,56 @@ def test_only_adjacent_parts_with_the_same_input_and_chain_merge(tmp_path):
     shapes = [lowered.graph.values[p.id].spec.shape[1] for p in cat.args[0]]
     assert shapes == [5, 2, 5, 5]
     assert_reproduces(lowered, model)
+
+
+class Inception(nn.Module):
+    """googlenet's inception block: a 1x1; a 1x1 reduction then a 3x3; another of those; a max
+    pool then a 1x1; each convolution then batch norm and ReLU, the four side by side in a cat."""
+
+    def __init__(self, reduce=(6, 3), out=(8, 4)):
+        super().__init__()
+
+        def conv(i, o, k):
+            return nn.Sequential(nn.Conv2d(i, o, k, padding=k // 2, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+        self.b1 = conv(8, 4, 1)
+        self.b2 = nn.Sequential(conv(8, reduce[0], 1), conv(reduce[0], out[0], 3))
+        self.b3 = nn.Sequential(conv(8, reduce[1], 1), conv(reduce[1], out[1], 3))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), conv(8, 4, 1))
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                nn.init.uniform_(m.running_mean, -1, 1)
+                nn.init.uniform_(m.running_var, 0.5, 2)
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+
+
+@pytest.mark.parametrize("frontend_of", ["script", "export"])
+def test_towers_two_convolutions_deep_merge_level_by_level(tmp_path, frontend_of):
+    model = Inception().eval()
+    x = torch.randn(2, 8, 7, 6)
+    lowered = rewrite(scripted(tmp_path, model, x) if frontend_of == "script" else exported(model, x))
+    convs = convolutions(lowered)
+    assert len(convs) == 4  # b1; b2 and b3's reductions as one, their 3x3s as one; b4
+    shapes = sorted(lowered.graph.values[c.args[1].id].spec.shape for c in convs)
+    assert shapes == [(4, 8, 1, 1), (4, 8, 1, 1), (9, 8, 1, 1), (12, 9, 3, 3)]
+    reduction = next(c for c in convs if lowered.graph.values[c.args[1].id].spec.shape == (9, 8, 1, 1))
+    block = next(c for c in convs if lowered.graph.values[c.args[1].id].spec.shape == (12, 9, 3, 3))
+    w = lowered.weights[lowered.graph.values[block.args[1].id].name]
+    assert w[:8, 6:].abs().max() == 0 and w[8:, :6].abs().max() == 0  # block-diagonal: each reads its own
+    assert lowered.graph.values[block.args[0].id].producer is not None
+    cat = next(op for op in lowered.graph.ops if op.target == "aten::cat.default")
+    assert len(cat.args[0]) == 3
+    assert reduction.outputs[0] != block.outputs[0]
+    assert_reproduces(lowered, model)
+
+
+def test_towers_merge_up_to_twice_the_work_and_stay_apart_past_it(tmp_path):
+    model = Inception(reduce=(6, 6), out=(8, 8)).eval()  # block-diagonal 3x3: 12 x 16 against 2 x 6 x 8: 2.0
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(1, 8, 5, 5)))
+    assert len(convolutions(lowered)) == 4  # at the bound: merged
+    assert_reproduces(lowered, model)
+    model = Inception(reduce=(6, 2), out=(2, 8)).eval()  # 8 x 10 against 12 + 16: 2.9
+    lowered = rewrite(scripted(tmp_path, model, torch.randn(1, 8, 5, 5)))
+    assert len(convolutions(lowered)) == 6
+    assert_reproduces(lowered, model)
