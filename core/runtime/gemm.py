@@ -32,7 +32,7 @@ import torch
 
 from ..ir import WEIGHT, Graph, Op, Ref, refs_of
 from ..plan.memory import PRODUCTS
-from . import kernels, timing
+from . import kernels, recall, timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
                       span, strided_offset)
 
@@ -308,24 +308,37 @@ class Gemm:
         return _chosen[key]
 
     def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> tuple | None:
-        """Build the kernel for this call with each of TILES; the fastest that agrees with
-        PyTorch's product, where it takes at most SLOWER times PyTorch's time, else None."""
+        """The tile kept for this call by an earlier load (`recall`), where its result agrees
+        with PyTorch's product, or None where PyTorch's product was kept; else build the kernel
+        with each of TILES: the fastest that agrees, where it takes at most SLOWER times
+        PyTorch's time, else None, and keep that."""
+        setting = (key, TOLERANCE, SLOWER)
+        kept = recall.recalled("gemm", setting, out.device)
+        kept = kept.get("tile", False) if kept is not None else False  # False: nothing kept
+        if kept is None:
+            return None
         _pytorch(x, b, bias, out)
         ref = out.clone()
         if not bool(torch.isfinite(ref).all()):
             return None  # nothing to check the kernel against
-        times = {}
-        for tile in TILES:
+
+        def agrees(tile) -> bool:
             if not kernels.launch_once(_built, (key, tile),
                                        lambda: launcher(kernels.define(source(x, b, bias, out, tile=tile)), tile),
                                        (x, b, bias, out), f"op {self.op_id} as a float32 product"):
-                continue
+                return False
             if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
                 kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
-                continue
-            times[tile] = timing.graph_us(lambda: _built[key, tile](x, b, bias, out), out.device)
+                return False
+            return True
+        if recall.known_tile(kept, TILES) and agrees(tuple(kept)):
+            return tuple(kept)
+        times = {tile: timing.graph_us(lambda: _built[key, tile](x, b, bias, out), out.device)
+                 for tile in TILES if agrees(tile)}
         if not times:
             return None
         best = min(times, key=times.get)
-        theirs = timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device)
-        return best if times[best] <= SLOWER * theirs else None
+        if times[best] > SLOWER * timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device):
+            best = None
+        recall.keep("gemm", setting, out.device, {"tile": None if best is None else list(best)})
+        return best

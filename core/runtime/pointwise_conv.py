@@ -281,8 +281,7 @@ class Choices:
                     note(f"the kernel with tile {tile} disagrees with the two ops run apart")
                     return False
                 return True
-            known = isinstance(kept, list) and all(type(v) is int for v in kept) and tuple(kept) in TILES
-            if known and agrees(tuple(kept)):
+            if recall.known_tile(kept, TILES) and agrees(tuple(kept)):
                 self._chosen[key] = tuple(kept)
                 return self._chosen[key]
             times = {tile: timing.graph_us(lambda: fused(tile), out.device)

@@ -2,15 +2,16 @@
 
 Some generated kernels are taken per call signature by measurement on its first call (a 1x1
 convolution's tile, or the two ops run apart: `pointwise_conv.Choices`; a depthwise prologue
-kept or not: `FusedKernel._pair_faster`). Measured at every load, each costs builds and CUDA
-graph timings (seconds for densenet121's 61 pairs), and two loads of one artifact could choose
-differently where the two ways time alike. The choice is kept here, keyed by the call's
+kept or not: `FusedKernel._prologue_kept`; a float32 product's tile, or PyTorch's product:
+`gemm.Gemm._choose`; attention's tile, or PyTorch's attention: `small_attention.Attention._choose`).
+Measured at every load, each costs builds and CUDA graph timings (seconds for densenet121's 61
+pairs), and two loads of one artifact could choose differently where the two ways time alike. The choice is kept here, keyed by the call's
 signature, the settings the choice depends on, the GPU, torch's and Triton's versions and
 nimble's runtime code (a choice measured on other kernel text is not reused), so a later load
 takes it without timing and builds only what it runs.
 
 The file may be crafted like any cache file (`cache.py`): an entry is recalled only in the
-shape its caller expects (a tile among the known ones, a boolean), and a recalled kernel is
+shape its caller expects (a tile among the known ones in integers, a boolean), and a recalled kernel is
 still checked against the ops it replaces before it runs; a crafted entry can only make a load
 slower. Nothing is kept on a machine without CUDA (the CPU tests drive these paths with tensors
 that only claim to be on CUDA).
@@ -72,3 +73,9 @@ def keep(kind: str, key: tuple, device: torch.device, entry: dict) -> None:
     entry_key = _entry_key(kind, key, device)
     if entry_key is not None:
         cache.write_entry(_path(), entry_key, entry, MAX_TABLE_BYTES)
+
+
+def known_tile(kept, tiles) -> bool:
+    """Whether a recalled entry's `kept` is one of `tiles`, written as a list of integers (a
+    float that hashes like an integer is not one)."""
+    return isinstance(kept, list) and all(type(v) is int for v in kept) and tuple(kept) in tiles

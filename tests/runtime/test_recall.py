@@ -139,3 +139,98 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         assert producer.bare is faster
     assert timed == [0, 0]  # the second load timed nothing
+
+
+def fake_timing(monkeypatch, module, times):
+    """`module.timing` timing each function from `times` (and counting them), on no stream."""
+    timed = []
+
+    def graph_us(fn, device):
+        timed.append(fn)
+        fn()
+        return next(times)
+    monkeypatch.setattr(module.timing, "graph_us", graph_us)
+    monkeypatch.setattr(module.timing, "on_stream", lambda device: contextlib.nullcontext())
+    return timed
+
+
+def choose_product(monkeypatch, times, wrong=()):
+    """`gemm.Gemm._choose` for one call, its kernel a stand-in that computes the product (off by
+    one on `wrong` tiles): (the choice, the tiles built, the functions timed)."""
+    from nimble.runtime import gemm, kernels
+
+    built = []
+
+    def launcher(kernel, tile):
+        built.append(tile)
+
+        def launch(x, b, bias, out):
+            torch.mm(x, b, out=out)
+            out.add_(1.0 if tile in wrong else 0.0)
+        return launch
+    monkeypatch.setattr(gemm, "launcher", launcher)
+    monkeypatch.setattr(kernels, "define", lambda source: source)
+    monkeypatch.setattr(gemm, "_built", {})
+    timed = fake_timing(monkeypatch, gemm, times)
+    g = torch.Generator().manual_seed(1)
+    x, b = torch.randn(6, 8, generator=g), torch.randn(8, 5, generator=g)
+    key = ("product", 6, 8, 5)
+    return gemm.Gemm(0, "aten::mm.default", None)._choose(key, x, b, None, torch.empty(6, 5)), built, timed
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_later_load_takes_the_kept_float32_product_without_timing(cache_folder, monkeypatch, faster):
+    from nimble.runtime import gemm
+
+    got, built, timed = choose_product(monkeypatch, iter([2.0, 1.0, 100.0 if faster else 0.5]))
+    assert got == (gemm.TILES[1] if faster else None) and built == list(gemm.TILES) and len(timed) == 3
+    again, built, timed = choose_product(monkeypatch, iter([]))
+    assert again == got and timed == [] and built == ([gemm.TILES[1]] if faster else [])
+    again, built, timed = choose_product(monkeypatch, iter([2.0, 100.0]), wrong={gemm.TILES[1]})
+    if faster:  # the kept tile now disagrees: timed again, and the other one kept
+        assert again == gemm.TILES[0] and built == [gemm.TILES[1], gemm.TILES[0]] and len(timed) == 2
+
+
+def choose_attention(monkeypatch, times, wrong=()):
+    """`small_attention.Attention._choose` for one call, its kernel a stand-in computing PyTorch's
+    attention (off by one on `wrong` tiles): (whether it runs, the launcher kept, the tiles made
+    into launchers, the functions timed)."""
+    from nimble.runtime import kernels, small_attention
+
+    made = []
+
+    def launcher(kernel, tile=None):
+        made.append(tile)
+
+        def launch(q, k, v, mask, out):
+            out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, mask) + (1.0 if tile in wrong else 0))
+        launch.tile = tile
+        return launch
+    monkeypatch.setattr(small_attention, "launcher", launcher)
+    monkeypatch.setattr(kernels, "define", lambda source: source)
+    monkeypatch.setattr(small_attention, "_built", {})
+    timed = fake_timing(monkeypatch, small_attention, times)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 49, 16, generator=g) for _ in range(3))
+    key = ("attention", 49)
+    runs = small_attention.Attention(0, {})._choose(key, q, k, v, None, torch.empty(1, 2, 49, 16), False, 0.25)
+    return runs, getattr(small_attention._built.get(key), "tile", "none"), made, timed
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_later_load_takes_the_kept_attention_choice_without_timing(cache_folder, monkeypatch, faster):
+    from nimble.runtime import small_attention
+
+    tiles = small_attention.tiles(*(torch.empty(1, 2, 49, 16),) * 2)
+    others = [t for t in tiles if small_attention.grid(*(torch.empty(1, 2, 49, 16),) * 2, t)
+              != small_attention.grid(*(torch.empty(1, 2, 49, 16),) * 2)]
+    assert others
+    times = [5.0] + [4.0 if t == others[0] else 6.0 for t in others] + [100.0 if faster else 1.0]
+    runs, tile, made, timed = choose_attention(monkeypatch, iter(times))
+    assert runs is faster and tile == others[0] and len(timed) == len(others) + 2
+    runs, tile, made, timed = choose_attention(monkeypatch, iter([]))
+    assert runs is faster and timed == []
+    assert made == ([None, others[0]] if faster else []) and tile == (others[0] if faster else "none")
+    runs, tile, made, timed = choose_attention(monkeypatch, iter(times), wrong={others[0]})
+    if faster:  # the kept tile now disagrees: timed again, another kept
+        assert runs and tile == (others[1] if len(others) > 1 else None) and len(timed) == len(others) + 1
