@@ -141,8 +141,14 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
     assert timed == [0, 0]  # the second load timed nothing
 
 
-def fake_timing(monkeypatch, module, times):
-    """`module.timing` timing each function from `times` (and counting them), on no stream."""
+def stand_in(monkeypatch, module, launcher, times):
+    """`module`'s kernels made by `launcher` (no source is built), none built yet, and its timing
+    taking each function's time from `times` on no stream: the functions timed."""
+    from nimble.runtime import kernels
+
+    monkeypatch.setattr(module, "launcher", launcher)
+    monkeypatch.setattr(kernels, "define", lambda source: source)
+    monkeypatch.setattr(module, "_built", {})
     timed = []
 
     def graph_us(fn, device):
@@ -157,7 +163,7 @@ def fake_timing(monkeypatch, module, times):
 def choose_product(monkeypatch, times, wrong=()):
     """`gemm.Gemm._choose` for one call, its kernel a stand-in that computes the product (off by
     one on `wrong` tiles): (the choice, the tiles built, the functions timed)."""
-    from nimble.runtime import gemm, kernels
+    from nimble.runtime import gemm
 
     built = []
 
@@ -168,10 +174,7 @@ def choose_product(monkeypatch, times, wrong=()):
             torch.mm(x, b, out=out)
             out.add_(1.0 if tile in wrong else 0.0)
         return launch
-    monkeypatch.setattr(gemm, "launcher", launcher)
-    monkeypatch.setattr(kernels, "define", lambda source: source)
-    monkeypatch.setattr(gemm, "_built", {})
-    timed = fake_timing(monkeypatch, gemm, times)
+    timed = stand_in(monkeypatch, gemm, launcher, times)
     g = torch.Generator().manual_seed(1)
     x, b = torch.randn(6, 8, generator=g), torch.randn(8, 5, generator=g)
     key = ("product", 6, 8, 5)
@@ -195,7 +198,7 @@ def choose_attention(monkeypatch, times, wrong=()):
     """`small_attention.Attention._choose` for one call, its kernel a stand-in computing PyTorch's
     attention (off by one on `wrong` tiles): (whether it runs, the launcher kept, the tiles made
     into launchers, the functions timed)."""
-    from nimble.runtime import kernels, small_attention
+    from nimble.runtime import small_attention
 
     made = []
 
@@ -206,10 +209,7 @@ def choose_attention(monkeypatch, times, wrong=()):
             out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, mask) + (1.0 if tile in wrong else 0))
         launch.tile = tile
         return launch
-    monkeypatch.setattr(small_attention, "launcher", launcher)
-    monkeypatch.setattr(kernels, "define", lambda source: source)
-    monkeypatch.setattr(small_attention, "_built", {})
-    timed = fake_timing(monkeypatch, small_attention, times)
+    timed = stand_in(monkeypatch, small_attention, launcher, times)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 49, 16, generator=g) for _ in range(3))
     key = ("attention", 49)
