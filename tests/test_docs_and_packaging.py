@@ -84,3 +84,17 @@ def test_a_built_wheel_holds_every_module(tmp_path):
 def test_console_script_is_installed(tmp_path):
     out = subprocess.run(["nimble", "--version"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("nimble ")
+
+
+def test_the_gpu_test_runner_runs_every_gpu_test_file_once():
+    """`.ci/gpu-tests` deals the files that hold GPU tests out to its processes: each exactly
+    once, however many processes, so a new GPU test file is never left out."""
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                    if "pytest.mark.gpu" in p.read_text())
+    assert len(marked) > 10
+    for processes in (1, 3, 5):
+        listed = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-tests"), "--list", str(processes)],
+                                capture_output=True, text=True, check=True).stdout.splitlines()
+        assert len(listed) == processes
+        files = [f for line in listed for f in line.split()]
+        assert sorted(files) == marked
