@@ -9,10 +9,9 @@ import dataclasses
 
 import torch
 
-from ..ir import WEIGHT, Graph, Ref, TensorSpec, Value
-from ..ops import types
+from ..ir import WEIGHT, Graph, Ref
 from .rewrite import Facts
-from .substitute import free_name, read_weights, rebuild
+from .substitute import new_weight, read_weights, rebuild
 
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 
@@ -36,13 +35,9 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         bias = bias * scale + (beta if beta is not None else 0)
         weight = (w * scale.reshape(-1, *[1] * (w.dim() - 1))).to(w.dtype)
         base = graph.values[conv.args[1].id].name.removesuffix(".weight")
-        new = []
-        for tensor, suffix in ((weight, "weight_fused_bn"), (bias.to(w.dtype), "bias_fused_bn")):
-            name = free_name(f"{base}.{suffix}", weights)
-            weights[name] = tensor.contiguous()
-            spec = TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype), tuple(tensor.contiguous().stride()))
-            new.append(Value(next_id, WEIGHT, spec, name))
-            next_id += 1
+        new = [new_weight(weights, f"{base}.weight_fused_bn", weight, next_id),
+               new_weight(weights, f"{base}.bias_fused_bn", bias.to(w.dtype), next_id + 1)]
+        next_id += 2
         added[conv.outputs[0]] = new
         args = (*conv.args[:1], Ref(new[0].id), Ref(new[1].id), *conv.args[3:])
         ops[conv.id] = dataclasses.replace(conv, args=args)

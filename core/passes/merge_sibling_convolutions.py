@@ -23,10 +23,10 @@ import dataclasses
 
 import torch
 
-from ..ir import WEIGHT, Graph, Ref, TensorSpec, Value, contiguous_strides
-from ..ops import fusion, types
+from ..ir import WEIGHT, Graph, Ref, TensorSpec, contiguous_strides
+from ..ops import fusion
 from .rewrite import Facts
-from .substitute import free_name, read_weights, rebuild
+from .substitute import new_weight, read_weights, rebuild
 
 _CAT = "aten::cat.default"
 _CONVOLUTION = "aten::convolution.default"
@@ -65,20 +65,14 @@ def merge_sibling_convolutions(graph: Graph, weights: dict[str, torch.Tensor]) -
             for depth, level in enumerate(zip(*run)):
                 weight, bias, padding = _merged(level, depth)
                 base = graph.values[level[0].conv.args[1].id].name.removesuffix(".weight")
-                new = []
-                for tensor, suffix in ((weight, "weight_merged"), (bias, "bias_merged")):
-                    if tensor is None:
-                        new.append(None)
-                        continue
-                    name = free_name(f"{base}.{suffix}", weights)
-                    weights[name] = tensor
-                    new.append(Value(next_id, WEIGHT, TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype),
-                                                                 tuple(tensor.stride())), name))
-                    next_id += 1
+                new = [new_weight(weights, f"{base}.weight_merged", weight, next_id)]
+                if bias is not None:
+                    new.append(new_weight(weights, f"{base}.bias_merged", bias, next_id + 1))
+                next_id += len(new)
                 first = level[0]
-                added[first.conv.outputs[0]] = [v for v in new if v is not None]
+                added[first.conv.outputs[0]] = new
                 args = list(first.conv.args)
-                args[1], args[2], args[4] = Ref(new[0].id), Ref(new[1].id) if new[1] is not None else None, padding
+                args[1], args[2], args[4] = Ref(new[0].id), Ref(new[1].id) if bias is not None else None, padding
                 ops[first.conv.id] = dataclasses.replace(first.conv, args=tuple(args))
                 for op in (first.conv, *first.chain):  # the first tower's values now hold every tower's channels
                     v = values[op.outputs[0]]

@@ -55,6 +55,15 @@ def read_weights(graph: Graph, weights: dict) -> tuple[Graph, dict]:
     return graph, {name: t for name, t in weights.items() if name in names}
 
 
+def new_weight(weights: dict, name: str, tensor, value_id: int) -> Value:
+    """Store `tensor` (made contiguous) in `weights` under `name`, or the first free name after
+    it (`free_name`), and return the weight value `value_id` that reads it."""
+    name = free_name(name, weights)
+    weights[name] = tensor.contiguous()
+    return Value(value_id, WEIGHT, TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype),
+                                              tuple(weights[name].stride())), name)
+
+
 def free_name(name: str, weights: dict) -> str:
     """`name`, or `name_1`, `name_2`, ...: the first that no weight has yet."""
     base, n = name, 1

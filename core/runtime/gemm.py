@@ -313,8 +313,7 @@ class Gemm:
         with each of TILES: the fastest that agrees, where it takes at most SLOWER times
         PyTorch's time, else None, and keep that."""
         setting = (key, TOLERANCE, SLOWER)
-        kept = recall.recalled("gemm", setting, out.device)
-        kept = kept.get("tile", False) if kept is not None else False  # False: nothing kept
+        kept = recall.kept_tile("gemm", setting, out.device, TILES)
         if kept is None:
             return None
         _pytorch(x, b, bias, out)
@@ -331,8 +330,8 @@ class Gemm:
                 kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
                 return False
             return True
-        if recall.known_tile(kept, TILES) and agrees(tuple(kept)):
-            return tuple(kept)
+        if kept and agrees(kept):
+            return kept
         times = {tile: timing.graph_us(lambda: _built[key, tile](x, b, bias, out), out.device)
                  for tile in TILES if agrees(tile)}
         if not times:
@@ -340,5 +339,5 @@ class Gemm:
         best = min(times, key=times.get)
         if times[best] > SLOWER * timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device):
             best = None
-        recall.keep("gemm", setting, out.device, {"tile": None if best is None else list(best)})
+        recall.keep_tile("gemm", setting, out.device, best)
         return best

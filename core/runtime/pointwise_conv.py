@@ -263,8 +263,7 @@ class Choices:
             return None
         self._chosen[key] = None
         setting = (key, TOLERANCE, SLOWER)
-        kept = recall.recalled("pointwise", setting, out.device)
-        kept = kept.get("tile", False) if kept is not None else False  # False: nothing kept
+        kept = recall.kept_tile("pointwise", setting, out.device, TILES)
         if kept is None:
             return None  # the two ops apart were faster
         with timing.on_stream(out.device):
@@ -281,9 +280,9 @@ class Choices:
                     note(f"the kernel with tile {tile} disagrees with the two ops run apart")
                     return False
                 return True
-            if recall.known_tile(kept, TILES) and agrees(tuple(kept)):
-                self._chosen[key] = tuple(kept)
-                return self._chosen[key]
+            if kept and agrees(kept):
+                self._chosen[key] = kept
+                return kept
             times = {tile: timing.graph_us(lambda: fused(tile), out.device)
                      for tile in tiles(out.shape[0] * out.shape[2] * out.shape[3], out.shape[1]) if agrees(tile)}
             if not times:
@@ -291,5 +290,5 @@ class Choices:
             best = min(times, key=times.get)
             theirs = timing.graph_us(apart, out.device)
         self._chosen[key] = best if times[best] <= SLOWER * theirs else None
-        recall.keep("pointwise", setting, out.device, {"tile": None if self._chosen[key] is None else list(best)})
+        recall.keep_tile("pointwise", setting, out.device, self._chosen[key])
         return self._chosen[key]

@@ -5,15 +5,15 @@ convolution's tile, or the two ops run apart: `pointwise_conv.Choices`; a depthw
 kept or not: `FusedKernel._prologue_kept`; a float32 product's tile, or PyTorch's product:
 `gemm.Gemm._choose`; attention's tile, or PyTorch's attention: `small_attention.Attention._choose`).
 Measured at every load, each costs builds and CUDA graph timings (seconds for densenet121's 61
-pairs), and two loads of one artifact could choose differently where the two ways time alike. The choice is kept here, keyed by the call's
-signature, the settings the choice depends on, the GPU, torch's and Triton's versions and
-nimble's runtime code (a choice measured on other kernel text is not reused), so a later load
-takes it without timing and builds only what it runs.
+pairs), and two loads of one artifact could choose differently where the two ways time alike.
+The choice is kept here, keyed by the call's signature, the settings the choice depends on, the
+GPU, torch's and Triton's versions and nimble's runtime code (a choice measured on other kernel
+text is not reused), so a later load takes it without timing and builds only what it runs.
 
 The file may be crafted like any cache file (`cache.py`): an entry is recalled only in the
-shape its caller expects (a tile among the known ones in integers, a boolean), and a recalled kernel is
-still checked against the ops it replaces before it runs; a crafted entry can only make a load
-slower. Nothing is kept on a machine without CUDA (the CPU tests drive these paths with tensors
+shape its caller expects (a tile among the known ones in integers, a boolean), and a recalled
+kernel is still checked against the ops it replaces before it runs; a crafted entry can only make
+a load slower. Nothing is kept on a machine without CUDA (the CPU tests drive these paths with tensors
 that only claim to be on CUDA).
 """
 
@@ -73,6 +73,21 @@ def keep(kind: str, key: tuple, device: torch.device, entry: dict) -> None:
     entry_key = _entry_key(kind, key, device)
     if entry_key is not None:
         cache.write_entry(_path(), entry_key, entry, MAX_TABLE_BYTES)
+
+
+def kept_tile(kind: str, key: tuple, device: torch.device, tiles) -> tuple | None | bool:
+    """The tile kept for this call, where it is one of `tiles`; None where the other way was
+    kept (PyTorch's, or the ops apart); False where nothing usable was kept."""
+    entry = recalled(kind, key, device)
+    tile = entry.get("tile", False) if entry is not None else False
+    if tile is None:
+        return None
+    return tuple(tile) if known_tile(tile, tiles) else False
+
+
+def keep_tile(kind: str, key: tuple, device: torch.device, tile: tuple | None) -> None:
+    """Keep the tile chosen for this call, or None for the other way (`kept_tile` reads it)."""
+    keep(kind, key, device, {"tile": None if tile is None else list(tile)})
 
 
 def known_tile(kept, tiles) -> bool:

@@ -209,7 +209,8 @@ def test_dead_ops_go_and_values_are_named_after_their_op():
 def test_the_rewrites_are_named_in_the_order_they_run():
     assert [p.__name__ for p in REWRITES] == ["functionalise", "fold_constants", "index_as_view", "normalise_convolutions",
                                              "fold_batch_norm",
-                                             "affine_batch_norm", "flatten_concats", "merge_sibling_convolutions",
+                                             "affine_batch_norm", "flatten_concats",
+                                             "merge_sibling_convolutions",
                                              "match_multi_head_attention", "match_attention",
                                              "precompute_attention_masks", "inline_scalar_constants",
                                              "drop_identity_copies",
