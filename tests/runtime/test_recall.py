@@ -234,3 +234,24 @@ def test_a_later_load_takes_the_kept_attention_choice_without_timing(cache_folde
     runs, tile, made, timed = choose_attention(monkeypatch, iter(times), wrong={others[0]})
     if faster:  # the kept tile now disagrees: timed again, another kept
         assert runs and tile == (others[1] if len(others) > 1 else None) and len(timed) == len(others) + 1
+
+
+@pytest.mark.parametrize("crafted", [{"tile": [64.0, 64, 32, 4, 3]}, {"tile": [1, 2, 3, 4, 5]}, {"tile": "x"},
+                                     {"runs": "yes", "tile": [9, 9, 9]}, [1, 2]])
+def test_a_crafted_product_or_attention_entry_is_timed_again_not_trusted(cache_folder, monkeypatch, crafted):
+    """A `kernel_choices.json` entry for a float32 product or attention in any other shape than
+    the one written (a known tile in integers, a boolean) is passed over: the call is timed as
+    on a first load, and the entry written again."""
+    from nimble.runtime import gemm, small_attention
+
+    choose_product(monkeypatch, iter([2.0, 1.0, 100.0]))
+    choose_attention(monkeypatch, iter([5.0] + [6.0] * 8 + [100.0]))
+    table = json.loads((cache_folder / recall.TABLE).read_text())
+    assert len(table) == 2
+    (cache_folder / recall.TABLE).write_text(json.dumps({key: crafted for key in table}))
+    got, built, timed = choose_product(monkeypatch, iter([2.0, 1.0, 100.0]))
+    assert got == gemm.TILES[1] and built == list(gemm.TILES) and len(timed) == 3
+    tiles = small_attention.tiles(*(torch.empty(1, 2, 49, 16),) * 2)
+    runs, tile, made, timed = choose_attention(monkeypatch, iter([5.0] + [6.0] * len(tiles) + [100.0]))
+    assert runs and tile is None and len(timed) >= 2
+    assert all(isinstance(e, dict) and "tile" in e for e in json.loads((cache_folder / recall.TABLE).read_text()).values())
