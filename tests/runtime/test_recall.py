@@ -254,4 +254,5 @@ def test_a_crafted_product_or_attention_entry_is_timed_again_not_trusted(cache_f
     tiles = small_attention.tiles(*(torch.empty(1, 2, 49, 16),) * 2)
     runs, tile, made, timed = choose_attention(monkeypatch, iter([5.0] + [6.0] * len(tiles) + [100.0]))
     assert runs and tile is None and len(timed) >= 2
-    assert all(isinstance(e, dict) and "tile" in e for e in json.loads((cache_folder / recall.TABLE).read_text()).values())
+    entries = json.loads((cache_folder / recall.TABLE).read_text()).values()
+    assert all(isinstance(e, dict) and "tile" in e for e in entries)
