@@ -91,6 +91,13 @@ STATS = KernelStats()
 # a 1x1 convolution whose body cuDNN does not fuse whole may run as one generated matrix product
 # (`FusedKernel._pointwise`), chosen per call by measurement
 STANDALONE_POINTWISE = True
+# conv -> add -> relu is one cuDNN kernel, except where cuDNN's plan splits the sum over the input
+# channels and adds a reduction kernel (small maps: resnet50's 14x14 stage at batch 1); such a
+# body whose product has at most this many rows (images x height x width) is a candidate too
+# where its cuDNN way was counted launching more than one kernel (0: never). conv -> relu is
+# never one: inception_v3's 8x8 convolutions are split sums too, and their candidates all lost
+# while doubling its cold load (`benchmarks/results/small_map_candidates_2026-11-27.md`)
+FUSED_CANDIDATE_ROWS = 256
 
 
 class FusedKernel:
@@ -117,6 +124,7 @@ class FusedKernel:
         self.deferred_call: tuple | None = None  # (body, buffer) of this op's last call, where it deferred it
         self.reads_deferred: FusedKernel | None = None  # this 1x1 convolution's input's producer, deferred
         self._tiles = pointwise_conv.Choices()
+        self._split_counts: dict[tuple, int] = {}  # call signature -> kernels its cuDNN way launched
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
         body = args[0]
@@ -158,10 +166,11 @@ class FusedKernel:
         """`out`, where a 1x1 convolution and the rest of its body ran as one generated matrix
         product (`pointwise_conv`, reading the input as it lies) and that was measured faster than
         `_split`; else None (on the call that chose, `_split` ran into `out` to be timed against,
-        and the caller runs it again). Only bodies that cuDNN's fused kernels do not
-        take whole (conv -> relu, conv -> add -> relu: one kernel already) are candidates, which
-        keeps the builds at load to efficientnet's and mobilenet's SiLU, ReLU6 and residual adds."""
-        if not STANDALONE_POINTWISE or len(body) < 2 or self.pattern in ("relu", "add_relu") \
+        and the caller runs it again). Bodies that cuDNN's fused kernels take whole are no
+        candidates (conv -> relu), or only where cuDNN launched two kernels for them on a small
+        map (conv -> add -> relu, `_split_in_two`), which keeps the builds at load to
+        efficientnet's and mobilenet's SiLU, ReLU6 and residual adds, and to resnets' split sums."""
+        if not STANDALONE_POINTWISE or len(body) < 2 or self.pattern == "relu" \
                 or not fusion.leads_with_convolution(self.body):
             return None
         operands, conv = self.operands(body)
@@ -170,9 +179,26 @@ class FusedKernel:
         before = pointwise_conv.Before.alone(conv["input"])
         if not pointwise_conv.fits(conv, out, before):
             return None
+        if self.pattern == "add_relu" and not self._split_in_two(body, out, operands):
+            return None
         chosen = self._pointwise_chosen(body, out, operands, conv, before,
                                         lambda: self._into(body, out, self._split(body, out)), "")
         return out if chosen else None
+
+    def _split_in_two(self, body, out: torch.Tensor, operands: list) -> bool:
+        """Whether this call's body, one cuDNN kernel by its pattern, launched more than one
+        (`FUSED_CANDIDATE_ROWS`): counted once per call signature outside a capture, after a
+        first run has made cuDNN's choices; False inside a capture where it was not counted."""
+        if out.numel() // max(out.shape[1], 1) > FUSED_CANDIDATE_ROWS:
+            return False
+        key = (layouts(out, *operands), body_signature(body, operands), self.cudnn_fusion,
+               torch.backends.cudnn.allow_tf32)
+        if key not in self._split_counts:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            self._split(body, out)
+            self._split_counts[key] = timing.kernels_in(lambda: self._split(body, out), out.device)
+        return self._split_counts[key] > 1
 
     def _pointwise_chosen(self, body, out: torch.Tensor, operands: list, conv: dict, before, otherwise,
                           what: str) -> bool:

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from .streams import forked
+from .streams import count_kernels, forked, new_graph
 
 
 @dataclass
@@ -138,6 +138,24 @@ def on_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     side = stream(device)
     with forked([side], device), torch.cuda.stream(side):
         yield side
+
+
+def kernels_in(fn, device: torch.device) -> int:
+    """How many kernels one call of `fn` launches: the kernel nodes of a CUDA graph of it,
+    captured on `on_stream`'s stream (call `fn` once outside a capture first, so that whatever it
+    decides on its first call is decided)."""
+    import tempfile
+    from pathlib import Path
+
+    with torch.cuda.device(device):
+        with on_stream(device) as side:
+            graph = new_graph(debug=True)
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+        with tempfile.TemporaryDirectory() as folder:
+            dump = Path(folder) / "graph.dot"
+            graph.debug_dump(str(dump))
+            return count_kernels(dump)
 
 
 def graph_us(fn, device: torch.device, runs: int = 10) -> float:

@@ -167,7 +167,8 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
     monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
-    times = iter([1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5])
+    one_choice = [1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5]
+    times = iter(one_choice * 2)
     monkeypatch.setattr(pointwise_conv.timing, "graph_us", lambda fn, device: next(times))
     if kernel == "fails to build":
         def refuse(source):
@@ -198,17 +199,24 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
 
 @pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel, enabled, monkeypatch):
+@pytest.mark.parametrize("residual_kernels", [1, 2])
+def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel, enabled, residual_kernels,
+                                                                          monkeypatch):
     """`FusedKernel._pointwise`: a 1x1 convolution whose body cuDNN does not fuse whole runs as
     the generated matrix product where it builds, agrees and was timed faster; else as before
-    (here: the convolution, then the generated SiLU). Either way the result is eager's; conv ->
-    relu (one cuDNN kernel already) is no candidate."""
+    (here: the convolution, then the generated SiLU). Either way the result is eager's. conv ->
+    relu, one cuDNN kernel by its pattern, is never a candidate; conv -> add -> relu is one only
+    where its way was counted launching two (a split sum) on a map of at most
+    `FUSED_CANDIDATE_ROWS` positions."""
+    counted = []
+    monkeypatch.setattr(kernels.timing, "kernels_in", lambda fn, device: counted.append(fn) or residual_kernels)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", enabled)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
-    times = iter([1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5])
+    one_choice = [1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5]
+    times = iter(one_choice * 2)
     monkeypatch.setattr(pointwise_conv.timing, "graph_us", lambda fn, device: next(times))
     monkeypatch.setattr(kernels, "define", ShimKernel)
     if kernel == "fails to build":
@@ -219,18 +227,22 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 24, 4, 5, generator=g).contiguous(memory_format=CL)
     w, b = torch.randn(16, 24, 1, 1, generator=g), torch.randn(16, generator=g)
+    z = torch.randn(2, 16, 4, 5, generator=g).contiguous(memory_format=CL)
     out = torch.full((2, 16, 4, 5), 7.0).contiguous(memory_format=CL)
+    residual = [conv_node(x, w, b), ("aten::add.Tensor", (Local(0), z), ()), ("aten::relu.default", (Local(1),), ())]
     for body, want in (([conv_node(x, w, b), SILU], F.silu(F.conv2d(x, w, b))),
-                       ([conv_node(x, w, b), RELU], F.relu(F.conv2d(x, w, b)))):
+                       ([conv_node(x, w, b), RELU], F.relu(F.conv2d(x, w, b))),
+                       (residual, F.relu(F.conv2d(x, w, b) + z))):
         op = fused_kernel(3, body)
         for call in range(2):  # the first call chooses, the second runs the choice
             out.fill_(7.0)
             assert op([body], out) is out
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         chosen = list(op._tiles._chosen.values())
-        one_kernel = enabled and kernel == "generated" and body[1] is SILU
-        assert (chosen != [] and chosen[0] is not None) is one_kernel
-        assert chosen == [] or body[1] is SILU and enabled
+        candidate = enabled and (body[1] is SILU or body is residual and residual_kernels == 2)
+        assert (chosen != [] and chosen[0] is not None) is (candidate and kernel == "generated")
+        assert (chosen != []) is candidate
+    assert len(counted) == enabled  # only the residual body's way counted, once, on its first call
     assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build" and enabled)
 
 
@@ -402,3 +414,16 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
         exe.close()
     fewer = 2 if layout == "channels_last" else 0
     assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - fewer
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_call_s_kernels_are_counted_from_its_capture():
+    """`timing.kernels_in`, which decides whether a conv -> relu that cuDNN runs whole is a
+    candidate: the kernel nodes of one captured call, which does not run the call."""
+    from nimble.runtime import timing
+
+    x = torch.zeros(64, device="cuda")
+    assert timing.kernels_in(lambda: x.add_(1).mul_(3), x.device) == 2
+    assert timing.kernels_in(lambda: x.add_(1), x.device) == 1
+    torch.cuda.synchronize()
+    assert float(x.abs().max()) == 0.0
