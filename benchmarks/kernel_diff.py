@@ -95,8 +95,9 @@ def by_name(kernel: str) -> str:
 
 
 def generated(kernel: str) -> bool:
-    """Whether `kernel` is one nimble generated (Triton), not a library's (cuDNN, cuBLAS, ATen)."""
-    return kernel.startswith(("triton", "kernel"))
+    """Whether `kernel` is one nimble generated (Triton), not a library's (cuDNN, cuBLAS, ATen). The
+    profiler names a kernel that Triton's static launcher ran `Kernel`."""
+    return kernel.lower().startswith(("triton", "kernel"))
 
 
 def nimble_class(op, kernel: str, computes_convolution: bool = False) -> str:

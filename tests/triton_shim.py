@@ -80,6 +80,17 @@ def language() -> types.ModuleType:
         return product if acc is None else acc + product
 
     tl.dot = dot
+
+    def inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
+        """The one instruction generated kernels use: float32 rounded to the nearest TF32 value,
+        ties away from zero (`cvt.rna.tf32.f32`): the magnitude's 13 low bits rounded off."""
+        assert asm == "cvt.rna.tf32.f32 $0, $1;" and constraints == "=r,r" and dtype == torch.float32, asm
+        (x,) = args
+        bits = x.contiguous().view(torch.int32)
+        rounded = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+        return torch.where(torch.isfinite(x), rounded, x)
+
+    tl.inline_asm_elementwise = inline_asm_elementwise
     tl.maximum, tl.minimum = torch.fmax, torch.fmin  # NaN-dropping, as Triton's default
     tl.sigmoid, tl.exp, tl.sqrt, tl.rsqrt, tl.abs, tl.erf = (torch.sigmoid, torch.exp, torch.sqrt, torch.rsqrt,
                                                            torch.abs, torch.erf)

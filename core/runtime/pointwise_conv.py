@@ -27,6 +27,13 @@ SLOWER of their time, else the two run apart. The choice is kept in the cache fo
 a later load checks the tile kept and times nothing. Products are TF32 where cuDNN's convolutions are
 (`torch.backends.cudnn.allow_tf32`, PyTorch's default), else three TF32 products each
 (float32's accuracy, as `gemm.py`). Only channels_last results qualify (`fits`).
+
+Triton's TF32 products drop the 13 low bits of each float32 operand: every operand moves toward
+zero, so the errors lean one way and add up over the sum. cuDNN rounds to the nearest TF32 value.
+With `ROUND_TF32` each operand is rounded so first (`cvt.rna.tf32.f32`, one instruction per value
+loaded): resnet50 at batch 1, whose 14x14 residual convolutions run here, differed from eager by
+2.4e-3 of its largest output with truncation, against 1.9e-4 with cuDNN's convolutions (H200,
+`benchmarks/results/tf32_rounding_2026-11-27.md`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_li
                       overlaps, program_id, span)
 
 ENABLED = True
+ROUND_TF32 = True  # float32 operands rounded to the nearest TF32 value before TF32 products, as cuDNN's
 TOLERANCE = 1e-2  # largest difference from the two ops run apart, relative to their largest magnitude
 SLOWER = 1.0  # the kernel runs where it takes at most this many times the two ops apart
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiles a call may time; `tiles` picks two (each
@@ -174,6 +182,8 @@ def source(body: list, out: torch.Tensor, w: torch.Tensor, operands: list[torch.
     product = [f"        a = tl.where(mask, {last}, 0.0).to({kind})",
                f"        b = tl.load(w_ptr + ch[:, None] * {w.stride(1)} + cols[None, :] * {w.stride(0)}, "
                "mask=kmask[:, None] & cmask[None, :], other=0.0)",
+               *(tf32_rounded(v, " " * 8) for v in "ab" if out.dtype == torch.float32 and precision == "tf32"
+                 and ROUND_TF32),
                f'        acc = tl.dot(a, b, acc, input_precision="{precision}")'
                if out.dtype == torch.float32 else "        acc = tl.dot(a, b, acc)"]
     starts = [sum(t.shape[1] for t in before.pieces[:j]) for j in range(len(before.pieces))]
@@ -205,6 +215,13 @@ def source(body: list, out: torch.Tensor, w: torch.Tensor, operands: list[torch.
                          "other=0.0).to(tl.float32)")
         lines += [*prologue, *product]
     return _stored(lines, body, out, operands, bias, cols)
+
+
+def tf32_rounded(name: str, indent: str) -> str:
+    """The line that rounds float32 `name` to the nearest TF32 value, ties away from zero (PTX
+    `cvt.rna.tf32.f32`; the result is a float32 whose 13 low bits are zero)."""
+    return (f'{indent}{name} = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [{name}], '
+            "dtype=tl.float32, is_pure=True, pack=1)")
 
 
 def _pick(pieces, starts: list[int]) -> list[str]:

@@ -70,6 +70,22 @@ def conv_body(g, x, x_want, cout, activation):
         F.conv2d(x_want, w) + residual, w
 
 
+@pytest.fixture(autouse=True)
+def exact_products_on_the_cpu(request, monkeypatch):
+    """The CPU tests check what the kernel computes against float32 convolutions at 1e-4: there the
+    operands are not rounded to TF32 first (the shim's products are exact). The rounding has tests
+    of its own, and the GPU tests run as a load does."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(pointwise_conv, "ROUND_TF32", False)
+
+
+def tf32(t: torch.Tensor, rounded: bool = True) -> torch.Tensor:
+    """`t` as a TF32 product takes it: rounded to the nearest TF32 value, ties away from zero, or
+    with its 13 low bits dropped (what Triton's tf32 products do)."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000 if rounded else bits) & ~0x1FFF).view(torch.float32)
+
+
 def shim_run(body, out, w, operands, bias, before, tile):
     text = pointwise_conv.source(body, out, w, operands, bias, before, tile)
     rows = out.shape[0] * out.shape[2] * out.shape[3]
@@ -100,6 +116,43 @@ def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     aligned = kind == "cat" and all(c % tile[2] == 0 for c in channels[:-1])
     assert ("base = tl.where" in text) is aligned
+
+
+def test_the_shim_rounds_to_the_nearest_tf32_value_ties_away_from_zero_as_the_gpu_does():
+    """`cvt.rna.tf32.f32` in `triton_shim`, which the rounding tests below rely on: TF32 keeps 10
+    bits of the mantissa, so 1 + 2**-11 lies halfway and rounds away from zero."""
+    tl = triton_shim.language()
+    x = torch.tensor([1 + 2**-11, -(1 + 2**-11), 1 + 2**-11 - 2**-23, 1 + 3 * 2**-11, 3.0, float("inf")])
+    got = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                    pack=1)
+    assert got.tolist() == [1 + 2**-10, -(1 + 2**-10), 1.0, 1 + 2 * 2**-10, 3.0, float("inf")]
+    assert torch.equal(got[:5], tf32(x[:5]))
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_float32_operands_are_rounded_to_the_nearest_tf32_value_before_a_tf32_product(allow_tf32, monkeypatch):
+    """Triton's TF32 products drop each operand's 13 low bits, so with positive operands every
+    error leans the same way; the kernel rounds both operands first (`ROUND_TF32`). Its result is
+    the exact product of the rounded operands, not of the truncated ones. With TF32 off the
+    products are three TF32 ones (float32's accuracy) and nothing is rounded."""
+    monkeypatch.setattr(pointwise_conv, "ROUND_TF32", True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.rand(2, 96, 3, 5, generator=g) + 1).contiguous(memory_format=CL)
+    w, b = torch.rand(24, 96, 1, 1, generator=g) + 1, torch.randn(24, generator=g)
+    out = torch.full((2, 24, 3, 5), 7.0).contiguous(memory_format=CL)
+    text = shim_run([conv_node(x, w, b), RELU], out, w, [b.reshape(1, -1, 1, 1)], True,
+                    pointwise_conv.Before.alone(x), pointwise_conv.TILES[1])
+    assert text.count("cvt.rna.tf32.f32") == (2 if allow_tf32 else 0)
+    assert ('input_precision="tf32"' in text) is allow_tf32
+
+    def product(xs, ws):
+        return F.relu(F.conv2d(xs.double(), ws.double(), b.double())).float()
+    if allow_tf32:
+        torch.testing.assert_close(out, product(tf32(x), tf32(w)), rtol=1e-6, atol=1e-5)
+        assert float((out - product(tf32(x, rounded=False), tf32(w, rounded=False))).abs().max()) > 1e-3
+    else:
+        torch.testing.assert_close(out, product(x, w), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("tile", [pointwise_conv.TILES[2], (16, 32, 16, 4, 3)])
@@ -427,3 +480,35 @@ def test_on_the_gpu_a_call_s_kernels_are_counted_from_its_capture():
     assert timing.kernels_in(lambda: x.add_(1), x.device) == 1
     torch.cuda.synchronize()
     assert float(x.abs().max()) == 0.0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_rounded_tf32_operands_err_less_than_truncated_ones_and_no_more_than_cudnn():
+    """On the GPU, with positive operands over 1024 input channels (where truncation's errors add
+    up): against a float64 product, the kernel with `ROUND_TF32` errs less than half as much as
+    without it, and at most twice as much as cuDNN's TF32 convolution."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(1, 1024, 14, 14, generator=g) + 0.5).contiguous(memory_format=CL).cuda()
+    w = (torch.rand(256, 1024, 1, 1, generator=g) + 0.5).contiguous(memory_format=CL).cuda()
+    exact = F.conv2d(x.double(), w.double())
+    body = [conv_node(x, w, None), RELU]
+    errors = {}
+    allow = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        for rounded in (True, False):
+            pointwise_conv.ROUND_TF32 = rounded
+            out = torch.empty_like(exact, dtype=torch.float32).contiguous(memory_format=CL)
+            run = pointwise_conv.launcher(kernels.define(pointwise_conv.source(
+                body, out, w, [], False, pointwise_conv.Before.alone(x), pointwise_conv.TILES[1])),
+                pointwise_conv.TILES[1])
+            run(out, w, [], pointwise_conv.Before.alone(x))
+            errors[rounded] = float((out.double() - exact.relu()).abs().max())
+        cudnn = float((F.conv2d(x, w).double().relu() - exact.relu()).abs().max())
+    finally:
+        pointwise_conv.ROUND_TF32 = True
+        torch.backends.cudnn.allow_tf32 = allow
+    assert errors[True] < errors[False] / 2, errors
+    assert errors[True] <= 2 * cudnn, (errors, cudnn)
