@@ -145,6 +145,7 @@ def kernels_in(fn, device: torch.device) -> int:
     captured on `on_stream`'s stream (call `fn` once outside a capture first, so that whatever it
     decides on its first call is decided)."""
     import tempfile
+    import warnings
     from pathlib import Path
 
     with torch.cuda.device(device):
@@ -152,7 +153,10 @@ def kernels_in(fn, device: torch.device) -> int:
             graph = new_graph(debug=True)
             with torch.cuda.graph(graph, stream=side):
                 fn()
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            # PyTorch warns on every dump ("DEBUG: calling cudaGraphDebugDotPrint() with ..."): a
+            # load counts unasked, so the user would see one such line per count
+            warnings.filterwarnings("ignore", message=".*cudaGraphDebugDotPrint")
             dump = Path(folder) / "graph.dot"
             graph.debug_dump(str(dump))
             return count_kernels(dump)
