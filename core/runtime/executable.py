@@ -504,7 +504,7 @@ class Executable:
             env = self._issue()
         torch.cuda.synchronize(self.device)
         if dump:
-            graph.debug_dump(dump)
+            streams.write_dot(graph, dump)
         self._cuda_graph = graph
         self._outputs = [env[o] for o in self.graph.outputs]
         self._tensors = env

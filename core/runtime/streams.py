@@ -155,6 +155,17 @@ def new_graph(debug: bool = False) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def write_dot(graph: torch.cuda.CUDAGraph, path) -> None:
+    """Write `graph` (made by `new_graph(debug=True)`) as Graphviz DOT to `path`, without the
+    warning PyTorch gives on every dump ("DEBUG: calling cudaGraphDebugDotPrint() with ..."):
+    `nimble bench` and a load's kernel counts dump unasked, and the user would see it each time."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cudaGraphDebugDotPrint")
+        graph.debug_dump(str(path))
+
+
 def count_kernels(dot_path) -> int:
     """Kernel nodes in a CUDA graph written by `debug_dump` (Graphviz DOT): one per launch."""
     import re

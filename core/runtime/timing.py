@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from .streams import count_kernels, forked, new_graph
+from .streams import count_kernels, forked, new_graph, write_dot
 
 
 @dataclass
@@ -145,7 +145,6 @@ def kernels_in(fn, device: torch.device) -> int:
     captured on `on_stream`'s stream (call `fn` once outside a capture first, so that whatever it
     decides on its first call is decided)."""
     import tempfile
-    import warnings
     from pathlib import Path
 
     with torch.cuda.device(device):
@@ -153,12 +152,9 @@ def kernels_in(fn, device: torch.device) -> int:
             graph = new_graph(debug=True)
             with torch.cuda.graph(graph, stream=side):
                 fn()
-        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-            # PyTorch warns on every dump ("DEBUG: calling cudaGraphDebugDotPrint() with ..."): a
-            # load counts unasked, so the user would see one such line per count
-            warnings.filterwarnings("ignore", message=".*cudaGraphDebugDotPrint")
+        with tempfile.TemporaryDirectory() as folder:
             dump = Path(folder) / "graph.dot"
-            graph.debug_dump(str(dump))
+            write_dot(graph, dump)
             return count_kernels(dump)
 
 

@@ -136,8 +136,8 @@ class TrainingGraph:
             torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
         torch.cuda.synchronize(self.device)
         if dump:
-            fwd.debug_dump(f"{dump}forward.dot")
-            bwd.debug_dump(f"{dump}backward.dot")
+            streams.write_dot(fwd, f"{dump}forward.dot")
+            streams.write_dot(bwd, f"{dump}backward.dot")
         self.with_grad = [(p, b) for p, b, g in zip(self.params, self.grad_buffers, grads) if g is not None]
         self.static_outputs = [o.detach() for o in outputs]
         self.fwd_graph, self.bwd_graph = fwd, bwd

@@ -119,11 +119,17 @@ def test_load_never_schedules_or_plans_on_cuda(artifacts, monkeypatch):
 
 
 def test_bench_runs_with_baselines(artifacts):
+    """`bench` with its baselines; the graph it dumps to count kernels prints no PyTorch debug
+    warning (`streams.write_dot`)."""
     import json
+    import warnings
 
-    result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "20", "--duration", "0.2",
-                                      "--json"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, ["bench", str(artifacts["inception"]), "--iterations", "20", "--duration",
+                                          "0.2", "--json"])
     assert result.exit_code == 0, result.stderr
+    assert [str(w.message) for w in caught if "cudaGraphDebugDotPrint" in str(w.message)] == []
     report = json.loads(result.stdout)
     assert set(report["results"]) == {"nimble", "eager", "pytorch_graph_1stream", "pytorch_graph_streams"}
     assert report["memory"]["arena_bytes"] > 0 and report["results"]["nimble"]["gpu_mean_ms"] > 0

@@ -3,6 +3,7 @@ ordering the schedule lacks: each CUDA stream's ops follow one another in the sc
 
 import dataclasses
 import random
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from nimble.pipeline import rewrite
 from nimble.plan.memory import plan
 from nimble.plan.schedule import assign_streams, schedule_dag
 from nimble.plan.verify import check_plan
+from nimble.runtime import streams
 from nimble.runtime.streams import fold
 from nimble.specs import input_specs
 
@@ -130,3 +132,29 @@ def test_results_are_released_after_their_last_reader_and_only_on_one_stream(tmp
     kept_apart = [v for v in range(len(g.values)) if g.values[v].producer is not None and v not in released
                   and g.root(v) not in outputs]
     assert kept_apart  # values shared across streams stay to the end
+
+
+def test_a_graph_dump_writes_its_file_without_pytorch_s_debug_warning(tmp_path):
+    """`streams.write_dot`: PyTorch warns on every CUDA graph dump, and `nimble bench` and a load's
+    kernel counts dump unasked; the file is written and no such warning reaches the user, while
+    any other warning still does."""
+    import warnings
+
+    class Graph:
+        def debug_dump(self, path):
+            warnings.warn(f"DEBUG: calling cudaGraphDebugDotPrint() with {path} (Triggered internally)", UserWarning)
+            warnings.warn("something else", UserWarning)
+            Path(path).write_text("digraph { KERNEL }")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        streams.write_dot(Graph(), tmp_path / "g.dot")
+    assert [str(w.message) for w in caught] == ["something else"]
+    assert streams.count_kernels(tmp_path / "g.dot") == 1
+
+
+def test_every_graph_dump_in_nimble_goes_through_write_dot():
+    """No other module calls `debug_dump` itself (it would print PyTorch's warning)."""
+    root = Path(streams.__file__).resolve().parents[1]
+    callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if ".debug_dump(" in p.read_text())
+    assert callers == ["runtime/streams.py"]
