@@ -253,7 +253,7 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
 
 @pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
 @pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("residual_kernels", [1, 2])
+@pytest.mark.parametrize("residual_kernels", [1, 2, "large map"])
 def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel, enabled, residual_kernels,
                                                                           monkeypatch):
     """`FusedKernel._pointwise`: a 1x1 convolution whose body cuDNN does not fuse whole runs as
@@ -261,9 +261,12 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
     (here: the convolution, then the generated SiLU). Either way the result is eager's. conv ->
     relu, one cuDNN kernel by its pattern, is never a candidate; conv -> add -> relu is one only
     where its way was counted launching two (a split sum) on a map of at most
-    `FUSED_CANDIDATE_ROWS` positions."""
+    `FUSED_CANDIDATE_ROWS` positions ("large map": 40 positions past a bound of 39, never counted)."""
     counted = []
-    monkeypatch.setattr(kernels.timing, "kernels_in", lambda fn, device: counted.append(fn) or residual_kernels)
+    if residual_kernels == "large map":
+        monkeypatch.setattr(kernels, "FUSED_CANDIDATE_ROWS", 39)
+    split = 2 if residual_kernels == "large map" else residual_kernels  # what counting would find
+    monkeypatch.setattr(kernels.timing, "kernels_in", lambda fn, device: counted.append(fn) or split)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", enabled)
@@ -296,7 +299,8 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
         candidate = enabled and (body[1] is SILU or body is residual and residual_kernels == 2)
         assert (chosen != [] and chosen[0] is not None) is (candidate and kernel == "generated")
         assert (chosen != []) is candidate
-    assert len(counted) == enabled  # only the residual body's way counted, once, on its first call
+    # only the residual body's way counted, once, on its first call, and only on a small map
+    assert len(counted) == (enabled and residual_kernels != "large map")
     assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build" and enabled)
 
 
