@@ -22,9 +22,10 @@ the tensor that holds the result:
 - a body led by a 1x1 convolution whose input an elementwise op deferred (`pairs.input_pairs`)
   runs as one generated kernel that computes that op's body as it loads the input
   (`pointwise_conv`), where it fits and was measured faster; else the deferred op runs first;
-- any other body led by a 1x1 convolution with a channels_last result, except conv -> relu and
-  conv -> add -> relu (one cuDNN kernel already), may run as that kernel reading its input as it
-  lies (`_pointwise`, `STANDALONE_POINTWISE`), where it was measured faster than the ways above;
+- any other body led by a 1x1 convolution with a channels_last result, except conv -> relu (one
+  cuDNN kernel already) and conv -> add -> relu (the same, unless cuDNN splits its sum on a small
+  map: `FUSED_CANDIDATE_ROWS`), may run as that kernel reading its input as it lies
+  (`_pointwise`, `STANDALONE_POINTWISE`), where it was measured faster than the ways above;
 - such measured choices are kept in the cache folder (`recall.py`) for later loads;
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
