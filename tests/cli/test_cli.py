@@ -46,6 +46,28 @@ def test_compile_prints_a_summary_and_writes_the_artifact(tmp_path):
     assert "check on cpu: ok" in result.stderr and "arena" in result.stderr
     assert f"wrote {out}" in result.stderr.replace("\n", "")
     assert out.is_file() and result.stdout == ""
+    text = " ".join(result.stderr.split())  # rich wraps long lines
+    assert "passes: lowered 71 ops, fuse_conv 71 -> 42;" in text and "more passes changed no op count" in text
+    assert "time: load " in text and "under 0.005 s" in text and "functionalise 0.00 s" not in text
+
+
+def test_the_summary_names_the_passes_that_changed_the_op_count_and_the_stages_that_took_time():
+    """`describe_passes` and `describe_seconds`: a compile runs about 30 passes, most of which change
+    nothing in a given model and take no measurable time; the summary names the others, in order,
+    and counts the rest (`--json` keeps every one)."""
+    from nimble.cli.compile import describe_passes, describe_seconds
+
+    passes = [("lowered", 71), ("functionalise", 71), ("fuse_conv", 60), ("fold", 60), ("fuse_pointwise", 42)]
+    assert describe_passes(passes) == "lowered 71 ops, fuse_conv 71 -> 60, fuse_pointwise 60 -> 42; 2 more passes " \
+        "changed no op count"
+    assert describe_passes([("lowered", 5), ("fold", 5)]) == "lowered 5 ops, 1 pass changed no op count"
+    assert describe_passes([("lowered", 5), ("fuse", 3)]) == "lowered 5 ops, fuse 5 -> 3"
+    assert describe_passes([("lowered", 5)]) == "lowered 5 ops"
+    assert describe_passes([]) == "none"
+    seconds = {"load": 0.06, "functionalise": 0.001, "check": 0.5, "write": 0.004}
+    assert describe_seconds(seconds) == "load 0.06 s, check 0.50 s; 2 stages under 0.005 s"
+    assert describe_seconds({"load": 0.001}) == "1 stage under 0.005 s"
+    assert describe_seconds({"load": 0.2}) == "load 0.20 s"
 
 
 def test_output_folder_gets_model_stem(tmp_path):
