@@ -18,8 +18,9 @@ torch.profiler records the CUDA kernels of REPS inferences of each, in one proce
 
 It prints, per op class (convolution, GEMM, epilogue, normalisation, softmax or attention,
 concatenation and copy, pooling, reduction, other), the kernel time per inference of each and the
-difference, the ten nimble ops that take the most kernel time, and for each class where nimble
-loses, the ops (by kind) that launch nimble's kernels of that class. Kernel times are the sum of
+difference, the ten nimble ops that take the most kernel time, the nimble ops that launch more
+than one kernel (with the kernels' names: where a kernel might go), and for each class where
+nimble loses, the ops (by kind) that launch nimble's kernels of that class. Kernel times are the sum of
 kernel durations: they do not count the gaps between kernels or the overlap of streams, which the
 GPU-bound figures of `peers.py` do.
 """
@@ -32,7 +33,7 @@ import json
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import report
@@ -138,6 +139,20 @@ def kernels_of(trace_file: Path) -> tuple[list[dict], dict[int, tuple[int, float
             ranges.append({"tid": e.get("tid"), "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"]),
                            "op": int(e["name"].split()[-1])})
     return kernels, launches, ranges
+
+
+def ops_with_several_kernels(ours: list[dict], owner: list, reps: int = REPS) -> list[dict]:
+    """The ops that launch more than one kernel per inference, most kernels first: each with its
+    kernels per inference and their names (a split sum's reduction, a workspace-clearing kernel,
+    an epilogue apart: where a kernel might go). `owner[i]` is the op that launched `ours[i]`, None
+    where unknown; `ours` holds `reps` inferences."""
+    names: dict = defaultdict(Counter)
+    for k, op in zip(ours, owner):
+        if op is not None:
+            names[op][k["name"][:90]] += 1
+    several = [{"op": op, "kernels": sum(c.values()) // reps,
+                "names": {n: count // reps for n, count in c.most_common()}} for op, c in names.items()]
+    return sorted((r for r in several if r["kernels"] > 1), key=lambda r: (-r["kernels"], r["op"]))
 
 
 def profile(run, folder: Path, tag: str) -> Path:
@@ -291,6 +306,8 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
                                    for (cls, label), (ms, n) in sorted(by_label.items(), key=lambda kv: -kv[1][0])
                                    if cls == c][:8] for c in losing}
     row["unmapped_kernels"] = unmapped // REPS
+    row["several_kernels"] = [r | {"label": op_label(g.ops[r["op"]]), "value": g.values[g.ops[r["op"]].outputs[0]].name}
+                              for r in ops_with_several_kernels(ours, owner)]
     row["choice"] = exe.stats.choice
     row["top_ops"] = [{"op": i, "label": op_label(g.ops[i]), "value": g.values[g.ops[i].outputs[0]].name,
                        "ms": ms} for i, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:10]]
@@ -320,6 +337,10 @@ def table(rows: list[dict], meta: dict) -> list[str]:
                                     sum(v["nimble_kernels"] for v in r["classes"].values())]]),
                   "", "nimble's ten costliest ops: " + "; ".join(f"{o['value']} {o['label']} {o['ms']:.3f} ms"
                                                                  for o in r["top_ops"]),
+                  "", f"nimble's ops launching more than one kernel ({len(r.get('several_kernels', []))}): "
+                  + "; ".join(f"{o['value']} {o['label']} {o['kernels']} kernels ("
+                      + ", ".join(f"`{n}` x{c}" for n, c in o["names"].items()) + ")"
+                      for o in r.get("several_kernels", [])[:12]),
                   "", *[f"nimble's ops launching its {cls} kernels (a class where it loses): " + "; ".join(
                       f"{o['op']} {o['kernels']} kernels {o['ms']:.3f} ms" for o in ops)
                         for cls, ops in r.get("losing_class_ops", {}).items()],

@@ -39,3 +39,22 @@ def test_a_generated_elementwise_op_stays_an_epilogue_and_a_library_kernel_keeps
     assert kernel_diff.generated("kernel") and kernel_diff.generated("triton_per_fused_0")
     assert kernel_diff.generated("Kernel")  # as the profiler names one the static launcher ran
     assert not kernel_diff.generated("nvjet_tst_128x64") and not kernel_diff.generated("cudnn_conv")
+
+
+def test_the_ops_launching_several_kernels_are_listed_most_kernels_first_per_inference():
+    """`ops_with_several_kernels`: resnet50's split sums at batch 1 showed up this way (a GEMM and a
+    reduction for one op); an op of one kernel, and kernels of no known op, are left out."""
+    reps = 2
+    ours = [{"name": n} for n in ("gemm", "reduce", "conv", "gemm", "reduce", "conv", "init", "xmma", "init",
+                                  "xmma", "stray")]
+    owner = [7, 7, 3, 7, 7, 3, 5, 5, 5, 5, None]
+    ours += [{"name": "epilogue"}] * 4
+    owner += [7] * 4
+    got = kernel_diff.ops_with_several_kernels(ours, owner, reps)
+    assert got == [{"op": 7, "kernels": 4, "names": {"epilogue": 2, "gemm": 1, "reduce": 1}},
+                   {"op": 5, "kernels": 2, "names": {"init": 1, "xmma": 1}}]
+    row = {"model": "m", "batch": 1, "precision": "fp32", "choice": "c", "classes": {}, "top_ops": [],
+           "torch_compile_top_kernels": [], "several_kernels": [g | {"label": "fused(x)", "value": f"v{g['op']}"}
+                                                                for g in got]}
+    text = "\n".join(kernel_diff.table([row], {"gpu": "g", "torch": "t", "date": "d", "command": "c"}))
+    assert "more than one kernel (2): v7 fused(x) 4 kernels (`epilogue` x2, `gemm` x1, `reduce` x1); v5" in text
