@@ -67,9 +67,9 @@ def test_compile_json_inspect_and_the_manifest_name_the_passes(tmp_path):
     printed = json.loads(result.stdout)["passes"]
     assert [p["pass"] for p in printed] == ["lowered", *PASS_NAMES]
     assert json.loads(invoke("inspect", out, "--json").stdout)["passes"] == printed
-    assert "lowered 71 ops, functionalise 71, fold_constants 71, index_as_view 71, normalise_convolutions 71, " in invoke("inspect", out, "--no-ops").stdout
-    assert ("eliminate_dead_ops 71, order_canonically 71, name_values 71, drop_precision_casts 71, "
-            "align_attention_masks 71, bias_into_broadcast 71, fuse_conv 42, fuse_pointwise 42") in invoke("inspect", out, "--no-ops").stdout
+    shown = " ".join(invoke("inspect", out, "--no-ops").stdout.split())  # the passes that changed the op count
+    unchanged = len(PASS_NAMES) - 1
+    assert f"lowered 71 ops, fuse_conv 71 -> 42; {unchanged} more passes changed no op count" in shown
     assert read_artifact(out).passes == [(p["pass"], p["ops"]) for p in printed]
     bad = tmp_path / "bad.nimble"
     bad.write_bytes(rebuild(out.read_bytes(), {}, manifest_edit=lambda m: m.__setitem__("passes", [["x", -1]])))
