@@ -189,7 +189,8 @@ class FusedKernel:
     def _split_in_two(self, body, out: torch.Tensor, operands: list) -> bool:
         """Whether this call's body, one cuDNN kernel by its pattern, launched more than one
         (`FUSED_CANDIDATE_ROWS`): counted once per call signature outside a capture, after a
-        first run has made cuDNN's choices; False inside a capture where it was not counted."""
+        first run has made cuDNN's choices; False inside a capture where it was not counted, and
+        where no temporary folder takes the capture's DOT file (the count is left out, not the load)."""
         if out.numel() // max(out.shape[1], 1) > FUSED_CANDIDATE_ROWS:
             return False
         key = (layouts(out, *operands), body_signature(body, operands), self.cudnn_fusion,
@@ -198,7 +199,11 @@ class FusedKernel:
             if torch.cuda.is_current_stream_capturing():
                 return False
             self._split(body, out)
-            self._split_counts[key] = timing.kernels_in(lambda: self._split(body, out), out.device)
+            try:
+                self._split_counts[key] = timing.kernels_in(lambda: self._split(body, out), out.device)
+            except OSError as e:
+                STATS.fallbacks.append(f"op {self.op.id}: kernels not counted: {first_line(e)}")
+                self._split_counts[key] = 1
         return self._split_counts[key] > 1
 
     def _pointwise_chosen(self, body, out: torch.Tensor, operands: list, conv: dict, before, otherwise,
