@@ -26,8 +26,10 @@ from .ir import WEIGHT, Graph, TensorSpec
 from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams, with_batch
 from .ops import arguments, types
 from .runtime.device import resolve_device
+from .plan import capped
 from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
+from .plan.verify import check_plan
 from .runtime import reference
 from .passes.reduce_precision import Precision
 from .runtime.compare import L2_TOLERANCE, Comparison, compare, default_tolerance
@@ -289,10 +291,11 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     with stages.stage("check", "running the reference"):
         xs, expected, result = _reference_check(lowered, inputs, source.model, device, options.check,
                                                 record["tolerance"] if record else None, samples)
-    with stages.stage("schedule", "scheduling"):
-        schedule = assign_streams(lowered.graph, streams)
-    with stages.stage("memory", "planning memory"):
+    with stages.stage("schedule", "scheduling"):  # the planned streams and the capped candidates
+        schedule = capped.with_candidates(assign_streams(lowered.graph, streams))
+    with stages.stage("memory", "planning memory"):  # one plan, proved safe under every candidate
         memory = plan(lowered.graph, schedule)
+        check_plan(lowered.graph, schedule, memory)
     manifest_options = {"streams": str(streams), "shapes": ["x".join(map(str, s.shape)) or "scalar" for s in inputs],
                         "dtypes": [s.dtype for s in inputs], "fuse": options.fuse, "frontend": source.frontend}
     weights = {k: t.cpu() for k, t in lowered.weights.items()}  # the artifact's copy; a no-op on the CPU

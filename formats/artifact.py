@@ -4,7 +4,7 @@ Layout (every member stored, uncompressed, with fixed timestamps, in this order)
     manifest.json               format and tool versions, source hash, I/O specs, options,
                                 and the sha256 and size of every other member
     graph.json                  the op graph (nimble.ir)
-    schedule.json               the multi-stream schedule
+    schedule.json               the multi-stream schedule and its capped stream candidates
     memory.json                 the arena plan
     batch/<b>/graph.json, ...   an artifact of several batch sizes (`--batch-sizes`): the graph,
                                 schedule and memory plan of each batch size after the first, the

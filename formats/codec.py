@@ -13,6 +13,7 @@ from nimble.errors import ArtifactError, GraphError
 from nimble.ir import INPUT, ITEMSIZE, WEIGHT, ACTIVATION, Graph, Local, Op, Ref, Special, TensorSpec, Value
 from nimble.ops.fusion import FUSED, MAX_NODES as MAX_BODY
 from nimble.plan.memory import ALIGNMENT, EXACT, LIVE_SET, MemoryPlan
+from nimble.plan.capped import CAPS
 from nimble.plan.schedule import Schedule
 
 from .spec import MAX_DIMS, MAX_STRING, limit
@@ -53,9 +54,10 @@ def encode_graph(graph: Graph) -> dict:
 
 
 def encode_schedule(s: Schedule) -> dict:
+    capped = {"capped": [{"cap": cap, "stream": list(cuda)} for cap, cuda in s.capped]} if s.capped else {}
     return {"requested": s.requested, "stream": list(s.stream), "order": list(s.order),
             "waits": [list(w) for w in s.waits], "reduction_edges": s.reduction_edges,
-            "matching": s.matching, "critical_path": s.critical_path, "max_width": s.max_width}
+            "matching": s.matching, "critical_path": s.critical_path, "max_width": s.max_width, **capped}
 
 
 def encode_memory(m: MemoryPlan) -> dict:
@@ -226,7 +228,28 @@ def decode_schedule(doc: dict, n_ops: int) -> Schedule:
     return Schedule(stream, order, tuple(position), waits,
                     *(_get(doc, k, int, "schedule") for k in ("reduction_edges", "matching", "critical_path",
                                                                "max_width")),
-                    _get(doc, "requested", str, "schedule"))
+                    _get(doc, "requested", str, "schedule"), _decode_capped(doc, n_ops))
+
+
+def _decode_capped(doc: dict, n_ops: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The capped candidates (optional: artifacts before 2026-11-28 have none), typed and bounded
+    here; `plan.capped.check` and the plan checker judge them."""
+    raw = doc.get("capped", [])
+    if type(raw) is not list or len(raw) > len(CAPS):
+        raise ArtifactError(f"schedule.capped must be a list of at most {len(CAPS)} candidate"
+                            f"{'s' if len(CAPS) > 1 else ''}, one per cap")
+    out = []
+    for k, entry in enumerate(raw):
+        where = f"schedule.capped[{k}]"
+        cap = _get(entry, "cap", int, where)
+        if cap not in CAPS:
+            raise ArtifactError(f"{where}.cap is {cap}; this nimble stores candidates capped at "
+                                f"{', '.join(map(str, CAPS))} streams: recompile the model with this nimble")
+        cuda = _ints(_get(entry, "stream", list, where), where, 0, cap, ".stream")
+        if len(cuda) != n_ops:
+            raise ArtifactError(f"{where}.stream does not cover the graph's {n_ops} ops exactly once")
+        out.append((cap, cuda))
+    return tuple(out)
 
 
 def decode_memory(doc: dict, n_values: int) -> MemoryPlan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -92,15 +93,12 @@ def bench_command(
             raise UsageError("--duration and --warmup must not be negative")
 
         with progress(f"loading {artifact.name}") as update:
-            import tempfile
-
             from nimble.runtime.streams import count_kernels
 
             t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory() as tmp:
-                dump = str(Path(tmp) / "graph.dot") if torch.cuda.is_available() and device != "cpu" else None
+            with _graph_dump(torch.cuda.is_available() and device != "cpu") as dump:
                 loaded = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump)
-                kernels = count_kernels(dump) if loaded.device.type == "cuda" else None
+                kernels = count_kernels(dump) if dump and loaded.device.type == "cuda" else None
             exe, sizes = _one_batch(loaded, batch_size, artifact.name)
             if exe is not loaded and exe is not loaded.executable(sizes[-1]):
                 kernels = None  # the count is the largest batch size's graph
@@ -174,6 +172,25 @@ def bench_command(
         if json_out:
             print_json(report)
         _print(report, pcts)
+
+
+@contextlib.contextmanager
+def _graph_dump(cuda: bool):
+    """Where the load writes its captured graph's DOT file, which counts the kernels per
+    inference: a file in a temporary folder, removed after. None on the CPU, or where no temporary
+    folder can be made (`TMPDIR` unwritable): the count is then left out (null), not the bench."""
+    if not cuda:
+        yield None
+        return
+    import tempfile
+
+    try:
+        folder = tempfile.TemporaryDirectory()
+    except OSError:
+        yield None
+        return
+    with folder:
+        yield str(Path(folder.name) / "graph.dot")
 
 
 def _one_batch(loaded, batch: int | None, name: str):

@@ -25,7 +25,9 @@ def compile_command(
                                               "Give one for all inputs or one per --shape."),
     streams: str = typer.Option("auto", "--streams", help="auto: one stream per chain of Nimble's schedule "
                                 "(maximum concurrency, minimum syncs), up to 64, else the widest level's op count; "
-                                "1: a single stream; N: at most N streams."),
+                                "1: a single stream; N: at most N streams. Where the streams need more than 2 CUDA "
+                                "streams, the artifact also stores them folded onto 2, which loading times "
+                                "as a candidate."),
     device: DeviceOption = "auto",
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write a Graphviz picture of the schedule here: ops "
                                        "coloured by stream, waits dashed."),
@@ -205,7 +207,8 @@ def _summary(c) -> None:
     s = c.schedule
     console.print(f"  schedule ({s.requested}): {s.num_streams} streams, {s.num_waits} waits; "
                   f"{s.reduction_edges} reduction edges, critical path {s.critical_path} ops, "
-                  f"widest level {s.max_width} ops")
+                  f"widest level {s.max_width} ops"
+                  + "".join(f"; stored beside it, a candidate on at most {cap} CUDA streams" for cap, _ in s.capped))
     m = c.memory
     console.print(f"  memory: arena {human_bytes(m.arena_bytes)}, {m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)} "
                   f"({m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x), without reuse {human_bytes(m.no_reuse_bytes)}")

@@ -97,7 +97,8 @@ def _summary(art, path: Path, show_ops: bool) -> None:
     table.add_row("precision", describe_precision(art.precision))
     if art.passes:
         table.add_row("passes", describe_passes(art.passes))
-    table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}")
+    table.add_row("streams", f"{s.num_streams} ({literal(s.requested)}), {s.num_waits} syncs, critical path {s.critical_path}"
+                  + "".join(f"; a candidate on {len(set(cuda))} CUDA streams (at most {cap})" for cap, cuda in s.capped))
     table.add_row("arena", f"{human_bytes(m.arena_bytes)} ({m.lower_bound} lower bound {human_bytes(m.lower_bound_bytes)}, "
                            f"{m.arena_bytes / max(m.lower_bound_bytes, 1):.2f}x; without reuse "
                            f"{human_bytes(m.no_reuse_bytes)})")

@@ -7,6 +7,7 @@ The README documents every field. Bump SCHEMA_VERSION on any incompatible change
 from __future__ import annotations
 
 from ..ir import Graph
+from . import capped
 
 SCHEMA_VERSION = 1
 
@@ -58,6 +59,8 @@ def plan_document(graph: Graph, *, model: str, schedule=None, memory=None, passe
             "matching": schedule.matching,
             "critical_path": schedule.critical_path,
             "max_width": schedule.max_width,
+            "capped": [{"cap": cap, "streams": len(set(cuda)), "syncs": capped.as_schedule(schedule, cuda).num_waits,
+                        "stream": list(cuda)} for cap, cuda in schedule.capped],
         },
         "arena_bytes": None if memory is None else memory.arena_bytes,
         "lower_bound_bytes": None if memory is None else memory.lower_bound_bytes,

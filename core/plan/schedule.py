@@ -40,6 +40,8 @@ class Schedule:
     critical_path: int  # ops on the longest dependency path
     max_width: int  # most ops on one ASAP level
     requested: str  # "auto" or the cap, as given
+    # the capped candidates compile stores (`capped.py`): (cap, CUDA stream of each op), by cap
+    capped: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_streams(self) -> int:

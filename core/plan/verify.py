@@ -19,6 +19,7 @@ import bisect
 from collections import defaultdict
 
 from ..ir import ACTIVATION, Graph
+from . import capped
 from .clocks import Clocks
 from .memory import ALIGNMENT, MemoryPlan
 from .schedule import Schedule
@@ -33,7 +34,13 @@ def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan,
     has a buffer; overlapping buffers are ordered (every use of one happens-before the other's
     producer); graph outputs overlap nothing. One pass over the issue order checks both. `held`
     (op -> values) counts each listed value as used by that op too: the runtime proves with it
-    that a plan holds the inputs of an op whose reads it moves to a later op."""
+    that a plan holds the inputs of an op whose reads it moves to a later op.
+
+    The schedule's capped candidates (`capped.py`) are checked the same way, each as capture
+    would issue it: the one memory plan must be safe under every one of them."""
+    capped.check(schedule)
+    for _, cuda in schedule.capped:
+        check_plan(graph, capped.as_schedule(schedule, cuda), memory, held)
     for v in range(len(graph.ops)):
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:

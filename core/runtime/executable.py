@@ -15,7 +15,8 @@ convolutions, by building and timing a few candidates, or by reading the choice 
 cache. Fused ops run as cuDNN fused convolutions or generated kernels (`kernels.py`).
 
 The planned streams are folded onto as few CUDA streams as keep them all parallel
-(`streams.fold`), made once per load. During the warm-up and the capture, a result outside the
+(`streams.fold`), made once per load; a capped candidate is the one the artifact stores
+(`plan/capped.py`). During the warm-up and the capture, a result outside the
 arena is dropped once its last reader is issued, so the graph pool reuses its memory. What the
 load holds on the GPU is reported by kind (`footprint.py`), and `close()` gives it back.
 
@@ -35,6 +36,7 @@ from ..errors import ArtifactError, ExecutionError, MismatchError, ShapeError, U
 from ..ir import WEIGHT
 from ..ops import types
 from ..ops.execute import run_ops
+from ..plan import capped
 from ..plan.schedule import Schedule
 from ..plan.verify import check_plan
 from ..specs import check_tune_mode
@@ -288,10 +290,11 @@ class Executable:
             self._order, self._stream_of, self._waits = list(range(n)), [0] * n, [()] * n
         elif choice.streams == "serial":
             self._order, self._stream_of, self._waits = list(self.schedule.order), [0] * n, [()] * n
-        else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel
-            self._order = list(self.schedule.order)  # (or as `choice` caps them)
-            self._stream_of = streams.fold(self._order, self.schedule.stream, self.schedule.waits,
-                                           tuning.stream_cap(choice.streams))
+        else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel,
+            self._order = list(self.schedule.order)  # or the artifact's candidate capped as `choice` says
+            cap = tuning.stream_cap(choice.streams)
+            self._stream_of = streams.fold(self._order, self.schedule.stream, self.schedule.waits) if cap is None \
+                else capped.streams_under(self.schedule, cap)
             self._waits = [tuple(u for u in ws if self._stream_of[u] != self._stream_of[i])  # the rest: in order
                            for i, ws in enumerate(self.schedule.waits)]
         planned = not self._single_stream and choice.streams != "serial"

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import CaptureError, ExecutionError, first_line
 from ..ir import Graph
+from ..plan.capped import fold  # noqa: F401 (folding is planning; the executable issues it as streams.fold)
 
 
 @contextlib.contextmanager
@@ -57,65 +58,6 @@ def issue(order: Sequence[int], run: Callable[[int], None], device: torch.device
                 if i in waited:
                     events[i] = torch.cuda.Event()
                     events[i].record(stream)
-
-
-def fold(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequence[int]],
-         cap: int | None = None) -> list[int]:
-    """The CUDA stream each op is issued on, when the planned streams share as few CUDA streams as
-    the schedule allows: a planned stream, at its first op, takes over a CUDA stream whose planned
-    stream has issued its last op and whose last op already precedes this one (through the planned
-    streams' order and waits), so capture records no ordering the schedule lacks and the captured
-    graph keeps its parallelism. Fewer CUDA streams mean fewer per-stream segments in the graph's
-    memory pool and fewer cuBLAS workspaces (one per stream that multiplies matrices).
-
-    With `cap`, at most that many CUDA streams: a planned stream that finds none to take over
-    once `cap` exist shares the one with the fewest planned streams still running (a finished one
-    first), then the one whose last op was issued earliest. Sharing a stream only adds ordering,
-    and every op still follows its waits' ops in issue order, so the memory plan, proved safe
-    under the planned order, stays safe, and nothing can wait on an op issued after it."""
-    last_on_planned: dict[int, int] = {}
-    waiters: dict[int, int] = {}  # op -> how many ops wait on it
-    for i in order:
-        last_on_planned[stream_of[i]] = i
-        for u in waits[i]:
-            waiters[u] = waiters.get(u, 0) + 1
-    before: dict[int, int] = {}  # op -> bitset of the ops that precede it, while a later op may read it
-    previous: dict[int, int] = {}  # planned stream -> its latest op so far
-    physical: dict[int, int] = {}  # planned stream -> CUDA stream
-    tail: list[int] = []  # CUDA stream -> the last op issued on it
-    running: list[int] = []  # CUDA stream -> how many of its planned streams have ops still to issue
-    position = {op: k for k, op in enumerate(order)}
-    out = [0] * len(stream_of)
-    for i in order:
-        planned = stream_of[i]
-        preds = [*waits[i], *([previous[planned]] if planned in previous else [])]
-        mask = 0
-        for p in preds:
-            mask |= before[p] | (1 << p)
-        before[i] = mask
-        if planned in previous and previous[planned] not in waiters:
-            del before[previous[planned]]  # its stream has moved on and no one waits on it
-        for u in waits[i]:
-            waiters[u] -= 1
-            if waiters[u] == 0:
-                del waiters[u]
-                if previous.get(stream_of[u]) != u:  # its own stream needs it no more either
-                    before.pop(u, None)
-        if planned not in physical:
-            reuse = next((k for k, (n, last) in enumerate(zip(running, tail)) if not n and mask >> last & 1), None)
-            if reuse is None and cap is not None and len(tail) >= cap:
-                reuse = min(range(len(tail)), key=lambda k: (running[k], position[tail[k]]))
-            if reuse is None:
-                reuse = len(tail)
-                tail.append(-1)
-                running.append(0)
-            physical[planned] = reuse
-            running[reuse] += 1
-        k = physical[planned]
-        out[i], tail[k], previous[planned] = k, i, i
-        if last_on_planned[planned] == i:
-            running[k] -= 1
-    return out
 
 
 @contextlib.contextmanager

@@ -8,9 +8,10 @@ fastest:
   weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
   bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares;
 - streams: the artifact's schedule as planned (its streams folded onto as few CUDA streams as
-  keep them parallel), the same folded onto at most `CAP` CUDA streams, or every op on one stream
-  in the schedule's issue order. All three are safe under the one memory plan the artifact
-  stores: sharing a stream only adds ordering to what the plan already proved safe. Fewer
+  keep them parallel), the candidate on at most `CAP` CUDA streams that the artifact stores with
+  it (`plan/capped.py`), or every op on one stream in the schedule's issue order. All three are
+  safe under the one memory plan the artifact stores: sharing a stream only adds ordering to what
+  the plan already proved safe, and reading the artifact proved the plan on the stored candidate. Fewer
   streams compete less for a busy GPU, and hold fewer per-stream workspaces and pool segments;
 - convolution algorithms: cuDNN's heuristic choice, or the fastest of its algorithms timed per
   convolution during the warm-up (what `torch.backends.cudnn.benchmark` does);
@@ -59,11 +60,12 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ..ops import fusion
+from ..plan.capped import CAPS
 from . import cache
 from .placement import BiasedGemm, small_product
 
 LAYOUTS = ("contiguous", "channels_last")
-CAP = 2  # the CUDA streams of the capped stream candidate
+CAP = CAPS[0]  # the CUDA streams of the capped stream candidate, which the artifact stores
 STREAMS = ("planned", f"at most {CAP}", "serial")
 ALGORITHMS = ("heuristic", "benchmark")
 CONVOLUTIONS = ("cudnn-fused", "split")

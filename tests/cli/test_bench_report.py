@@ -2,6 +2,8 @@
 median among them), throughput from the timed run itself and, labelled, back to back; and it warns
 when a percentile rests on too few inferences to differ from the max."""
 
+from pathlib import Path
+
 from nimble.runtime.timing import Timing, percentile, samples_behind
 
 from ..conftest import SAMPLES
@@ -97,3 +99,25 @@ def test_trace_refuses_a_path_it_cannot_write_before_loading(tmp_path):
     assert result.exit_code == 2 and "--trace" in result.stderr and "does not exist" in result.stderr
     result = invoke("bench", out, "--device", "cpu", "--trace", out)
     assert result.exit_code == 2 and "the artifact itself" in result.stderr
+
+
+def test_bench_needs_no_temporary_folder(tmp_path, monkeypatch):
+    """The kernel count's graph file goes to a temporary folder; where none can be made the count is
+    left out, not the bench (on the CPU there is no count and no folder)."""
+    import tempfile
+
+    from nimble_cli.bench import _graph_dump
+
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    result = invoke("bench", out, "--device", "cpu", "-n", "3", "--duration", "0", "--no-baselines")
+    assert result.exit_code == 0, result.stderr
+    with _graph_dump(True) as dump:
+        assert dump is None
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with _graph_dump(True) as dump:
+        assert Path(dump).parent.is_dir() and Path(dump).parent.parent == tmp_path
+    assert not Path(dump).parent.exists()
+    with _graph_dump(False) as dump:
+        assert dump is None
