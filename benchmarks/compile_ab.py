@@ -3,7 +3,9 @@
 Compile-time targets compare against an earlier day's code ("within 1.2 x of today"), but a
 shared CPU builder drifts by more than that margin between sessions (`import torch` alone took
 1.41 s one day and 1.74 s another). Here the earlier commit is checked out into a git worktree
-and imported through a folder that names it `nimble` first on PYTHONPATH; each round compiles
+and imported through a folder that names it `nimble` first on PYTHONPATH, with its `formats` and
+`nimble_cli` folders linked in as `nimble.formats` and `nimble.cli` (before 2026-11-28 those two
+came from the current tree, whatever the base: the editable install maps them); each round compiles
 every model once with each commit, alternating which goes first, in fresh processes. Reported per
 model and commit: the medians of the wall time and of the pipeline's stages as `nimble compile`
 prints them (`compile_time.py`'s columns), and the ratio of the current commit's to the base's.
@@ -83,13 +85,16 @@ def main() -> int:
             shim = tmp / "shim"
             shim.mkdir()
             (shim / "nimble").symlink_to(base / "core", target_is_directory=True)
+            for package, folder in (("formats", "formats"), ("cli", "nimble_cli")):  # nimble.formats and
+                (base / "core" / package).symlink_to(base / folder, target_is_directory=True)  # nimble.cli too
             envs = {head: dict(os.environ),
                     args.base: dict(os.environ, PYTHONPATH=os.pathsep.join(
                         [str(shim), *filter(None, [os.environ.get("PYTHONPATH")])]))}
             for rev, env in envs.items():  # which code each one imports
-                where = subprocess.run([sys.executable, "-c", "import nimble; print(nimble.__file__)"],
+                where = subprocess.run([sys.executable, "-c", "import nimble.formats, nimble.cli; print(*(m.__file__ "
+                                        "for m in (nimble, nimble.formats, nimble.cli)))"],
                                        capture_output=True, text=True, env=env, cwd=tmp, check=True).stdout.strip()
-                print(f"{rev}: nimble from {where}", flush=True)
+                print(f"{rev}: nimble, nimble.formats and nimble.cli from {where}", flush=True)
             models = traced(tmp, args.models)
             runs: dict[tuple[str, str], list[dict]] = {}
             for k in range(args.rounds):
