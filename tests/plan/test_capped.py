@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from nimble.errors import ArtifactError
 from nimble.formats import read_artifact
+from nimble.formats.spec import BATCH_MEMBER
 from nimble.plan.capped import CAPS, as_schedule, check, fold, streams_under, with_candidates
 from nimble.plan.document import plan_document
 from nimble.plan.memory import plan
@@ -108,14 +109,17 @@ def _forged(sample_artifacts, tmp_path, edit):
     return path
 
 
+def _split(doc):
+    """Move the last op of a planned stream of several ops to the other CUDA stream."""
+    stream, cuda = doc["stream"], doc["capped"][0]["stream"]
+    first = next(op for op in doc["order"] if stream.count(stream[op]) > 1)
+    later = max(op for op in range(len(stream)) if stream[op] == stream[first])
+    cuda[later] = 1 - cuda[first]
+
+
 def test_an_artifact_whose_candidate_splits_a_planned_stream_is_refused(sample_artifacts, tmp_path):
-    def split(doc):
-        stream, cuda = doc["stream"], doc["capped"][0]["stream"]
-        first = next(op for op in doc["order"] if stream.count(stream[op]) > 1)
-        later = max(op for op in range(len(stream)) if stream[op] == stream[first])
-        cuda[later] = 1 - cuda[first]
     with pytest.raises(ArtifactError, match="unsafe plan: the candidate capped at 2 streams splits planned stream"):
-        read_artifact(_forged(sample_artifacts, tmp_path, split))
+        read_artifact(_forged(sample_artifacts, tmp_path, _split))
 
 
 @pytest.mark.parametrize("edit, why", [
@@ -161,3 +165,22 @@ def test_a_load_capped_at_two_streams_issues_the_stored_candidate(sample_artifac
     got = exe(*art.sample_inputs)
     torch.testing.assert_close(list(got) if isinstance(got, (list, tuple)) else [got], art.sample_outputs,
                                rtol=1e-4, atol=1e-5)
+
+
+def test_every_batch_size_of_an_artifact_stores_its_candidate_and_a_forged_one_is_refused(tmp_path):
+    from ..cli.test_cli import invoke
+    from ..conftest import SAMPLES
+
+    path = tmp_path / "nasnet.nimble"
+    result = invoke("compile", SAMPLES / "nasnet.pt", "-s", "1x3x64x64", "--batch-sizes", "1,4", "--device", "cpu",
+                    "-o", path)
+    assert result.exit_code == 0, result.stderr
+    art = read_artifact(path)
+    for schedule in (art.schedule, art.batches[4][1]):
+        assert [cap for cap, _ in schedule.capped] == [2]
+        assert list(schedule.capped[0][1]) == fold(schedule.order, schedule.stream, schedule.waits, 2)
+
+    forged = tmp_path / "forged.nimble"
+    forged.write_bytes(edit_json(path.read_bytes(), BATCH_MEMBER.format(4, "schedule.json"), _split))
+    with pytest.raises(ArtifactError, match="batch 4: unsafe plan: the candidate capped at 2 streams splits"):
+        read_artifact(forged)
