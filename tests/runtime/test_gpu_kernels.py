@@ -35,6 +35,8 @@ def test_every_forced_choice_reproduces_the_model(sample_artifacts, name):
         exe = Executable(art, "cuda", choice=choice)
         assert exe.stats.tuning == "forced" and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
         assert len(set(exe._stream_of)) <= (tuning.stream_cap(choice.streams) or exe.schedule.num_streams)
+        if choice.streams == f"at most {tuning.CAP}" and art.schedule.capped:  # the artifact's candidate
+            assert exe._stream_of == list(dict(art.schedule.capped)[tuning.CAP])
         result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
         assert result.passed, f"{choice}: {result.describe()}"
         fused = {op.outputs[0]: op for op in exe.graph.ops if op.target == fusion.FUSED}
