@@ -1,6 +1,6 @@
 """Do the load's memory savings cost speed? Each artifact loaded in one process, `--tune off`
 (the planned streams), on CUDA: as nimble loads it; with the planned streams not folded onto fewer
-CUDA streams (`streams.fold`); with results outside the arena kept to the end of capture rather
+CUDA streams (`plan/capped.fold`); with results outside the arena kept to the end of capture rather
 than released after their last reader (`streams.release_plan`); with max pooling left to
 PyTorch (which allocates its result and int64 indices, then copies) rather than the generated
 kernel (`reductions.max_pool2d`); and with every weight and input buffer allocated on its own
@@ -24,10 +24,11 @@ def main() -> int:
     import torch
 
     import nimble
+    from nimble.plan import capped
     from nimble.runtime import placement, regions, streams
     from nimble.runtime.timing import gpu_ms
 
-    folded, release, pack, pool = streams.fold, streams.release_plan, regions.pack, placement.SUBSTITUTES.copy()
+    folded, release, pack, pool = capped.fold, streams.release_plan, regions.pack, placement.SUBSTITUTES.copy()
 
     def one_by_one(tensors, device, memory_format=torch.preserve_format, blank=None):
         return {**{k: t.to(device).contiguous(memory_format=memory_format) if memory_format == torch.channels_last
@@ -37,7 +38,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU-bound ms, --tune off")
     for path in sys.argv[1:]:
         for variant in ("as loaded", "unfolded", "kept", "PyTorch pooling", "unpacked") * 2:
-            streams.fold = folded if variant != "unfolded" else (lambda order, stream_of, waits: list(stream_of))
+            capped.fold = folded if variant != "unfolded" else (lambda order, stream_of, waits, cap=None: list(stream_of))
             streams.release_plan = release if variant != "kept" else (lambda graph, order, stream_of: {})
             regions.pack = pack if variant != "unpacked" else one_by_one
             placement.SUBSTITUTES.clear()
@@ -51,7 +52,7 @@ def main() -> int:
                 print(f"{Path(path).name} {variant}: {len(set(exe._stream_of))} CUDA streams, {ms:.4f} ms, pool "
                       f"{sum(f.pool_segments_per_stream.values())} segments {(f.pool_free + f.outside_arena) / 2**20:.1f} "
                       f"MiB, other {f.other_allocated / 2**20:.1f} MiB, growth {f.growth / 2**20:.1f} MiB", flush=True)
-    streams.fold, streams.release_plan, regions.pack = folded, release, pack
+    capped.fold, streams.release_plan, regions.pack = folded, release, pack
     return 0
 
 

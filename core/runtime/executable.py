@@ -15,8 +15,8 @@ convolutions, by building and timing a few candidates, or by reading the choice 
 cache. Fused ops run as cuDNN fused convolutions or generated kernels (`kernels.py`).
 
 The planned streams are folded onto as few CUDA streams as keep them all parallel
-(`streams.fold`), made once per load; a capped candidate is the one the artifact stores
-(`plan/capped.py`). During the warm-up and the capture, a result outside the
+(`plan/capped.fold`), made once per load; a capped candidate is the one the artifact stores
+(`capped.streams_under`). During the warm-up and the capture, a result outside the
 arena is dropped once its last reader is issued, so the graph pool reuses its memory. What the
 load holds on the GPU is reported by kind (`footprint.py`), and `close()` gives it back.
 
@@ -243,7 +243,7 @@ class Executable:
     def _choose(self, tune: str, forced, graph_dump) -> None:
         """Pick how to run (forced, from the tuning cache, or by timing the candidates greedily),
         then build the CUDA graph that runs it."""
-        folded = streams.fold(self.schedule.order, self.schedule.stream, self.schedule.waits)
+        folded = capped.streams_under(self.schedule, None)
         # a candidate only where a pair survives the other pairs of the planned order, which `_set_order`
         # found (efficientnet's depthwise ops are all in mean pairs: the candidate would run the same kernels)
         prologues = pairs.PROLOGUE_PAIRS and self._with_arena and bool(
@@ -292,9 +292,7 @@ class Executable:
             self._order, self._stream_of, self._waits = list(self.schedule.order), [0] * n, [()] * n
         else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel,
             self._order = list(self.schedule.order)  # or the artifact's candidate capped as `choice` says
-            cap = tuning.stream_cap(choice.streams)
-            self._stream_of = streams.fold(self._order, self.schedule.stream, self.schedule.waits) if cap is None \
-                else capped.streams_under(self.schedule, cap)
+            self._stream_of = capped.streams_under(self.schedule, tuning.stream_cap(choice.streams))
             self._waits = [tuple(u for u in ws if self._stream_of[u] != self._stream_of[i])  # the rest: in order
                            for i, ws in enumerate(self.schedule.waits)]
         planned = not self._single_stream and choice.streams != "serial"

@@ -13,7 +13,7 @@ loading: the number `nvidia-smi` shows for it, less the CUDA context.
   keeps one per CUDA stream that multiplied matrices (32 MiB each on Hopper by default), which
   PyTorch holds for the whole process and the captured graph uses; a later load on the same
   streams reuses them (PyTorch hands out streams from a pool of 32). Folding the planned streams
-  onto fewer CUDA streams (`streams.fold`) keeps their number down. Also the workspaces of the
+  onto fewer CUDA streams (`plan/capped.fold`) keeps their number down. Also the workspaces of the
   cuDNN graphs (`cudnn_graph.Workspaces`: one per CUDA stream, most plans need none);
 - `cached`: the free parts of segments outside the pool that the load grew. Whole free segments
   go back to the device at the end of a load (`torch.cuda.empty_cache()`), so what stays is the

@@ -21,7 +21,6 @@ import torch
 
 from ..errors import CaptureError, ExecutionError, first_line
 from ..ir import Graph
-from ..plan.capped import fold  # noqa: F401 (folding is planning; the executable issues it as streams.fold)
 
 
 @contextlib.contextmanager

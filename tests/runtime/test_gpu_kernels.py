@@ -13,7 +13,8 @@ from nimble.ops import fusion
 from nimble.runtime import cudnn_graph, pairs, reference, tuning
 from nimble.runtime.compare import compare
 from nimble.runtime.executable import Executable
-from nimble.runtime.streams import count_kernels, fold
+from nimble.plan.capped import fold
+from nimble.runtime.streams import count_kernels
 
 from ..conftest import MODELS
 

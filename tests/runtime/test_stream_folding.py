@@ -1,4 +1,4 @@
-"""Folding the planned streams onto fewer CUDA streams for capture (`streams.fold`) adds no
+"""Folding the planned streams onto fewer CUDA streams for capture (`plan/capped.fold`) adds no
 ordering the schedule lacks: each CUDA stream's ops follow one another in the schedule already."""
 
 import dataclasses
@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from nimble.frontend import load_module, lower
 from nimble.pipeline import rewrite
+from nimble.plan.capped import fold
 from nimble.plan.memory import plan
 from nimble.plan.schedule import assign_streams, schedule_dag
 from nimble.plan.verify import check_plan
 from nimble.runtime import streams
-from nimble.runtime.streams import fold
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES
