@@ -192,6 +192,37 @@ def replay_gaps(kernels: list[dict]) -> dict:
                       for n, (ms, c) in sorted(waited.items(), key=lambda kv: -kv[1][0])[:8]]}
 
 
+def attribute(exe, folder: Path, tag: str) -> tuple[list[dict], list[int | None]]:
+    """The kernels of REPS inferences of `exe`, issued op by op on its streams, and the op that
+    launched each (its index in `exe.graph.ops`; None where unknown): each op runs inside a
+    `record_function` range, and a kernel's launch call lies inside one op's range."""
+    import torch
+
+    def around(step):
+        def labelled(i: int) -> None:
+            with torch.profiler.record_function(f"nimble op {i}"):
+                step(i)
+        return labelled
+
+    ours, launches, ranges = kernels_of(profile(lambda: exe._issue(validate=True, around=around), folder, tag))
+    by_tid: dict = defaultdict(list)
+    for r in sorted(ranges, key=lambda r: r["start"]):
+        by_tid[r["tid"]].append(r)
+    starts = {tid: [r["start"] for r in rs] for tid, rs in by_tid.items()}
+
+    def op_of(corr) -> int | None:
+        if corr not in launches:
+            return None
+        tid, ts = launches[corr]
+        rs = by_tid.get(tid, [])
+        k = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        while k >= 0 and rs[k]["end"] < ts:
+            k -= 1
+        return rs[k]["op"] if k >= 0 and rs[k]["start"] <= ts <= rs[k]["end"] else None
+
+    return ours, [op_of(k["corr"]) for k in ours]
+
+
 def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None = None) -> dict:
     import torch
 
@@ -233,34 +264,11 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     g = exe.graph
     row["nimble_replay"] = replay_gaps(kernels_of(profile(exe.replay, tmp, f"{name}_{batch}_replay"))[0])
 
-    def around(step):
-        def labelled(i: int) -> None:
-            with torch.profiler.record_function(f"nimble op {i}"):
-                step(i)
-        return labelled
-
-    ours, launches, ranges = kernels_of(profile(lambda: exe._issue(validate=True, around=around), tmp,
-                                                f"{name}_{batch}_nimble"))
-    by_tid: dict = defaultdict(list)
-    for r in sorted(ranges, key=lambda r: r["start"]):
-        by_tid[r["tid"]].append(r)
-    starts = {tid: [r["start"] for r in rs] for tid, rs in by_tid.items()}
-
-    def op_of(corr) -> int | None:
-        if corr not in launches:
-            return None
-        tid, ts = launches[corr]
-        rs = by_tid.get(tid, [])
-        k = bisect.bisect_right(starts.get(tid, []), ts) - 1
-        while k >= 0 and rs[k]["end"] < ts:
-            k -= 1
-        return rs[k]["op"] if k >= 0 and rs[k]["start"] <= ts <= rs[k]["end"] else None
-
+    ours, owner = attribute(exe, tmp, f"{name}_{batch}_nimble")
     per_class = {cls: {"torch_compile_ms": 0.0, "nimble_ms": 0.0, "torch_compile_kernels": 0, "nimble_kernels": 0}
                  for cls in CLASSES}
     # a library kernel (cuDNN, cuBLAS) that nimble launched for a known op has that op's class in
     # torch.compile's graph too: names alone do not tell cuDNN's *gemm* convolutions from GEMMs
-    owner = [op_of(k["corr"]) for k in ours]  # the op that launched each of our kernels, None where unknown
     learned = {}
     for k, op in zip(ours, owner):
         if op is not None and not generated(k["name"]):

@@ -3,7 +3,7 @@
 Each op whose output is a planned buffer writes straight into its arena view through the op's
 `out=` overload. Where that overload would only compute and then copy (convolution, relu), a
 substitute with a real out= kernel is used: cuDNN convolution plus an in-place bias add,
-clamp_min for relu, generated kernels for layer norm, max pooling and the mean over height and
+clamp_min for relu, generated kernels for layer norm, max and average pooling and the mean over height and
 width (global average pooling; `reductions.py`) and roll (`movement.py`), one copy
 for a reshape or `contiguous` that must copy, a float32 GEMM then its bias where tuning chose
 that (`BiasedGemm`), and a linear layer of few rows as a generated kernel (`small_product`,
@@ -31,7 +31,7 @@ from .indices import clamped
 from .kernels import FusedKernel, NormAfter, conv_into
 from .movement import roll
 from .pooled_conv import SmallLinear
-from .reductions import layer_norm, max_pool2d, spatial_mean
+from .reductions import avg_pool2d, layer_norm, max_pool2d, spatial_mean
 from .small_attention import Attention
 
 
@@ -197,6 +197,7 @@ SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::mean.dim": _mean,
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
+    "aten::avg_pool2d.default": avg_pool2d,
     "aten::contiguous.default": _copy,
     "aten::linear.default": _linear,
     "aten::_to_copy.default": _copy,

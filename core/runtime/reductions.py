@@ -1,5 +1,5 @@
-"""Generated kernels that reduce, on CUDA: layer norm along rows, max pooling over windows, and
-the mean over a feature map's height and width.
+"""Generated kernels that reduce, on CUDA: layer norm along rows, max and average pooling over
+windows, and the mean over a feature map's height and width.
 
 PyTorch's layer norm has no out= kernel (its out= overload computes, then copies), so a planned
 layer norm took two kernels: the norm, then a copy into its arena buffer. `layer_norm(args, out)`
@@ -20,8 +20,17 @@ element (three times the result's bytes in float32) and then copies the result i
 Those temporaries are what gave every stream that pools its own 20 MiB segment in the CUDA graph's
 memory pool. The kernel writes the maximum of each window straight into the planned buffer, one
 element per lane, in the buffer's own order (NCHW or channels_last), any strides in; a NaN in a
-window is the result, as in PyTorch. It covers 4-D floating inputs; anything else is left to
-PyTorch.
+window is the result, as in PyTorch. It covers 4-D floating inputs and windows of at most
+MAX_WINDOW taps; anything else is left to PyTorch.
+
+`avg_pool2d(args, out)`, the substitute for `aten::avg_pool2d`, is the same kernel summing each
+window in float32 and dividing as PyTorch does (by the window's size clipped to the padded map,
+by the taps inside the map without count_include_pad, or by divisor_override). PyTorch's own
+kernel is slow in channels_last, the layout every conv net runs fastest in otherwise: on
+inception_v3 at batch 8 on the H200, eight of its 3x3 average pools took 0.36 ms of kernel time
+per inference in channels_last and 0.24 in NCHW, of the model's 1.55 ms in channels_last
+(`benchmarks/results/layout_bound_2026-11-28.md`); both are far from what moving the map once
+through memory costs. `AVERAGE = False` leaves average pooling to PyTorch, for comparisons.
 
 `spatial_mean(x, out)` is the mean of each image's channel over its height and width: global
 average pooling (`aten::adaptive_avg_pool2d` to 1x1, the squeeze of every squeeze-and-excitation
@@ -73,15 +82,15 @@ def kernel(x_ptr, w_ptr, b_ptr, out_ptr, eps, N: tl.constexpr, HAS_W: tl.constex
     tl.store(out_ptr + row * N + cols, y, mask=mask)
 '''
 
-MAX_POOL = '''import triton
+POOL = '''import triton
 import triton.language as tl
 
 
 @triton.jit
 def kernel(x_ptr, out_ptr, numel, C, H, W, OH, OW, sxn, sxc, sxh, sxw, son, soc, soh, sow, KH: tl.constexpr,
            KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-           DH: tl.constexpr, DW: tl.constexpr, CHANNELS_LAST: tl.constexpr, WIDE: tl.constexpr,
-           BLOCK: tl.constexpr):
+           DH: tl.constexpr, DW: tl.constexpr, AVG: tl.constexpr, COUNT_PAD: tl.constexpr, DIVISOR: tl.constexpr,
+           CHANNELS_LAST: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0)
     if WIDE:
         start = start.to(tl.int64)
@@ -102,17 +111,39 @@ def kernel(x_ptr, out_ptr, numel, C, H, W, OH, OW, sxn, sxc, sxh, sxw, son, soc,
         c = rest % C
         n = rest // C
     base = x_ptr + n * sxn + c * sxc
-    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    if AVG:
+        acc = tl.zeros([BLOCK], tl.float32)
+    else:
+        acc = tl.full([BLOCK], float("-inf"), tl.float32)
     for kh in tl.static_range(KH):
         ih = oh * SH - PH + kh * DH
         for kw in tl.static_range(KW):
             iw = ow * SW - PW + kw * DW
             inside = mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            v = tl.load(base + ih * sxh + iw * sxw, mask=inside, other=float("-inf")).to(tl.float32)
-            acc = tl.where((v > acc) | (v != v), v, acc)
+            if AVG:
+                acc += tl.load(base + ih * sxh + iw * sxw, mask=inside, other=0.0).to(tl.float32)
+            else:
+                v = tl.load(base + ih * sxh + iw * sxw, mask=inside, other=float("-inf")).to(tl.float32)
+                acc = tl.where((v > acc) | (v != v), v, acc)
+    if AVG:
+        if DIVISOR > 0:
+            acc = acc / DIVISOR
+        else:
+            hs = oh * SH - PH
+            ws = ow * SW - PW
+            he = tl.where(hs + KH < H + PH, hs + KH, H + PH)
+            we = tl.where(ws + KW < W + PW, ws + KW, W + PW)
+            if not COUNT_PAD:
+                hs = tl.where(hs > 0, hs, 0)
+                ws = tl.where(ws > 0, ws, 0)
+                he = tl.where(he < H, he, H)
+                we = tl.where(we < W, we, W)
+            acc = acc / ((he - hs) * (we - ws)).to(tl.float32)
     tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow, acc, mask=mask)
 '''
 POOL_BLOCK = 512
+AVERAGE = True  # False leaves average pooling to PyTorch, for comparisons
+MAX_WINDOW = 256  # taps of one window at most: the loop over them is unrolled (a larger window stays with PyTorch)
 
 SPATIAL_MEAN = '''import triton
 import triton.language as tl
@@ -177,7 +208,7 @@ class FixedKernel:
 
 
 _layer_norm = FixedKernel(LAYER_NORM, "layer norm")
-_max_pool = FixedKernel(MAX_POOL, "max pooling")
+_pool = FixedKernel(POOL, "pooling")
 _spatial_mean = FixedKernel(SPATIAL_MEAN, "spatial mean")
 
 
@@ -201,46 +232,74 @@ def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out if done else None
 
 
-def pool_params(args: list) -> tuple[list[int], ...] | None:
-    """aten::max_pool2d's (kernel, stride, padding, dilation), each as two ints, as PyTorch reads
-    them (an empty stride means the kernel's), or None where they are not that."""
-    kernel, stride, padding, dilation = (list(args[k]) if k < len(args) and isinstance(args[k], (list, tuple))
-                                         else d for k, d in ((1, None), (2, []), (3, [0]), (4, [1])))
+def pool_params(args: list, dilated: bool = True) -> tuple[list[int], ...] | None:
+    """The (kernel, stride, padding, dilation) of aten::max_pool2d (or, not `dilated`, of
+    aten::avg_pool2d, whose dilation is 1), each as two ints, as PyTorch reads them (an empty
+    stride means the kernel's), or None where they are not that, not what PyTorch accepts (a
+    positive kernel, stride and dilation, padding from 0 to half the kernel), or a window of more
+    than MAX_WINDOW taps. PyTorch then runs the op, and refuses what it refuses."""
+    kernel, stride, padding = (list(args[k]) if k < len(args) and isinstance(args[k], (list, tuple))
+                               else d for k, d in ((1, None), (2, []), (3, [0])))
+    dilation = list(args[4]) if dilated and len(args) > 4 and isinstance(args[4], (list, tuple)) else [1]
     if kernel is None:
         return None
     params = [kernel, stride or kernel, padding, dilation]
     params = [p * 2 if len(p) == 1 else p for p in params]
     if not all(len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in params):
         return None
+    (kh, kw), stride, (ph, pw), dilation = params
+    if min(kh, kw, *stride, *dilation) < 1 or min(ph, pw) < 0 or 2 * ph > kh or 2 * pw > kw \
+            or kh * kw > MAX_WINDOW:
+        return None
     return tuple(params)
 
 
-def pool_launch(x: torch.Tensor, out: torch.Tensor, params) -> tuple[tuple, dict]:
-    """The arguments and constants of MAX_POOL for `x` pooled into `out`."""
+def pool_launch(x: torch.Tensor, out: torch.Tensor, params, average: tuple[bool, int] | None = None) \
+        -> tuple[tuple, dict]:
+    """The arguments and constants of POOL for `x` pooled into `out`: the maximum of each window,
+    or with `average` (count_include_pad, divisor: 0 for none) the mean, as aten::avg_pool2d
+    divides it."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = params
     _, c, h, w = x.shape
     oh, ow = out.shape[2:]
     channels_last = out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
     reach = max(sum((d - 1) * s for d, s in zip(t.shape, t.stride())) for t in (x, out))
+    count_pad, divisor = average or (True, 0)
     return ((x, out, out.numel(), c, h, w, oh, ow, *x.stride(), *out.stride()),
-            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, CHANNELS_LAST=channels_last,
+            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, AVG=average is not None,
+                 COUNT_PAD=count_pad, DIVISOR=divisor, CHANNELS_LAST=channels_last,
                  WIDE=max(reach, out.numel()) + POOL_BLOCK > codegen.INT32_LIMIT, BLOCK=POOL_BLOCK))
+
+
+def _pooled(x, out: torch.Tensor, params, average: tuple[bool, int] | None = None) -> torch.Tensor | None:
+    """`x` pooled into `out` by POOL, or None where it does not apply: not 4-D floating CUDA tensors
+    of one dtype with the same images and channels, or the kernel cannot be built."""
+    if params is None or _pool.failed or not (isinstance(x, torch.Tensor) and x.is_cuda and out.is_cuda
+                                              and x.dim() == 4 and out.dim() == 4 and x.dtype in kernels.FLOAT_KINDS
+                                              and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
+        return None
+    if not out.numel():
+        return out
+    args, constants = pool_launch(x, out, params, average)
+    return out if _pool.launch((-(-out.numel() // POOL_BLOCK),), *args, **constants, num_warps=4) else None
 
 
 def max_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """aten::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode) into `out` (whose
     shape already holds the ceil_mode rule), or None where this kernel does not apply."""
-    x = args[0] if args else None
-    params = pool_params(args) if isinstance(x, torch.Tensor) else None
-    if params is None or not (x.is_cuda and out.is_cuda and x.dim() == 4 and out.dim() == 4
-                              and x.dtype in kernels.FLOAT_KINDS and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
+    return _pooled(args[0] if args else None, out, pool_params(args))
+
+
+def avg_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
+    """aten::avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+    divisor_override) into `out` (whose shape already holds the ceil_mode rule), or None where
+    this kernel does not apply (a divisor that is not a positive int among them)."""
+    count_pad = args[5] if len(args) > 5 else True
+    divisor = args[6] if len(args) > 6 else None
+    if not AVERAGE or not isinstance(count_pad, bool) \
+            or divisor is not None and not (type(divisor) is int and 0 < divisor < 2**31):
         return None
-    if _max_pool.failed:
-        return None
-    if not out.numel():
-        return out
-    args, constants = pool_launch(x, out, params)
-    return out if _max_pool.launch((-(-out.numel() // POOL_BLOCK),), *args, **constants, num_warps=4) else None
+    return _pooled(args[0] if args else None, out, pool_params(args, dilated=False), (count_pad, divisor or 0))
 
 
 def spatial_mean(x, out: torch.Tensor) -> torch.Tensor | None:

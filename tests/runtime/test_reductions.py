@@ -84,7 +84,7 @@ def shim_max_pool(x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=F
     out = torch.full_like(want, 7.0, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     params = reductions.pool_params([x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode])
     args, constants = reductions.pool_launch(x, out, params)
-    triton_shim.run_grid(reductions.MAX_POOL, -(-out.numel() // constants["BLOCK"]), *args, **constants)
+    triton_shim.run_grid(reductions.POOL, -(-out.numel() // constants["BLOCK"]), *args, **constants)
     return out, want
 
 
@@ -112,6 +112,57 @@ def test_a_nan_in_a_window_is_its_maximum_as_in_torch():
     got, want = shim_max_pool(x, (2, 2))
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(got[0, 1, 1, 1]) and torch.isnan(got).sum() == 1
+
+
+def shim_avg_pool(x, kernel, stride=(), padding=(0,), ceil_mode=False, count_pad=True, divisor=None,
+                  channels_last=False):
+    want = torch.nn.functional.avg_pool2d(x, kernel, stride or None, padding, ceil_mode, count_pad, divisor)
+    out = torch.full_like(want, 7.0, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    args = [x, list(kernel), list(stride), list(padding), ceil_mode, count_pad, divisor]
+    params = reductions.pool_params(args, dilated=False)
+    launch, constants = reductions.pool_launch(x, out, params, (count_pad, divisor or 0))
+    triton_shim.run_grid(reductions.POOL, -(-out.numel() // constants["BLOCK"]), *launch, **constants)
+    return out, want
+
+
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode", [
+    ((3, 3), (1, 1), (1, 1), False),  # inception_v3's branch pools
+    ((2, 2), (2, 2), (0, 0), False),  # densenet's transitions
+    ((3, 3), (2, 2), (1, 1), True),  # windows past the padded edge: the size clipped to it
+    ((3, 2), (2, 1), (1, 0), True),  # unequal sides
+    ((2,), (), (0,), False),  # an empty stride is the kernel's
+])
+@pytest.mark.parametrize("count_pad, divisor", [(True, None), (False, None), (True, 5), (False, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("size", [(9, 10), (10, 9)])  # each side's last window past the padded edge somewhere
+def test_the_average_pool_source_computes_what_torch_does(kernel, stride, padding, ceil_mode, count_pad, divisor,
+                                                          channels_last, size):
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(2))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    got, want = shim_avg_pool(x, kernel, stride, padding, ceil_mode, count_pad, divisor, channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_pool_parameters_are_what_torch_accepts_and_a_window_the_kernel_unrolls():
+    x = torch.randn(1, 2, 6, 6)
+    assert reductions.pool_params([x, [3, 3], [1, 1], [1, 1]], dilated=False) == ([3, 3], [1, 1], [1, 1], [1, 1])
+    # avg_pool2d's fifth argument is ceil_mode, not a dilation
+    assert reductions.pool_params([x, [3, 3], [1, 1], [1, 1], True], dilated=False)[3] == [1, 1]
+    for bad in ([x, [3, 3], [1, 1], [2, 2]],  # padding over half the kernel: PyTorch refuses it
+                [x, [0, 3]], [x, [3, 3], [0, 1]], [x, [3, 3], [1, 1], [-1, 0]], [x, [3, 3], [1, 1], [0, 0], [0, 1]],
+                [x, [17, 16]]):  # more than MAX_WINDOW taps: PyTorch runs it
+        assert reductions.pool_params(bad) is None, bad
+    assert reductions.pool_params([x, [16, 16]]) is not None
+
+
+def test_the_average_pool_substitute_declines_the_cpu_and_a_divisor_not_a_positive_int():
+    x = torch.randn(1, 2, 6, 6)
+    out = torch.empty(1, 2, 3, 3)
+    assert reductions.avg_pool2d([x, [2, 2], [2, 2], [0, 0], False, True, None], out) is None
+    for divisor in (0, -1, 2.0, True, 2**31):
+        assert reductions.avg_pool2d([x, [2, 2], [2, 2], [0, 0], False, True, divisor], out) is None
+    assert reductions.avg_pool2d([x, [2, 2], [2, 2], [0, 0], False, 1, None], out) is None  # not a bool
 
 
 def test_the_max_pool_substitute_declines_the_cpu_and_what_it_does_not_cover():
@@ -143,6 +194,31 @@ def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtyp
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() == held  # no indices, no result to copy
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_average_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtype, channels_last):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(8, 288, 35, 35, device="cuda").to(dtype).contiguous(memory_format=fmt)
+    odd = torch.randn(3, 5, 13, 11, device="cuda").to(dtype).contiguous(memory_format=fmt)
+    for args in ([x, [3, 3], [1, 1], [1, 1], False, True, None], [x, [2, 2], [2, 2], [0, 0], False, True, None],
+                 [odd, [3, 3], [2, 2], [1, 1], True, False, None], [odd, [3, 2], [1, 2], [1, 1], True, True, 4]):
+        want = torch.nn.functional.avg_pool2d(*args)
+        out = torch.empty_like(want, memory_format=fmt)
+        assert reductions.avg_pool2d(args, out) is out  # the first call builds the kernel
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        assert reductions.avg_pool2d(args, out) is out
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() == held
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
 
 def shim_norm_after(body, x, operands, norm):
