@@ -6,7 +6,9 @@ fastest:
 
 - layout: 4-D activations contiguous (NCHW), or channels_last (NHWC) with the convolution
   weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
-  bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares;
+  bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares.
+  One layout for the whole model: a per-op choice could save at most 0 to 2.2 % of kernel time on
+  the conv nets before paying a single conversion (H200, batch 8, `benchmarks/layout_bound.py`);
 - streams: the artifact's schedule as planned (its streams folded onto as few CUDA streams as
   keep them parallel), the candidate on at most `CAP` CUDA streams that the artifact stores with
   it (`plan/capped.py`), or every op on one stream in the schedule's issue order. All three are
