@@ -31,8 +31,6 @@ import argparse
 import bisect
 import json
 import sys
-import tempfile
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -394,16 +392,8 @@ def main() -> int:
     # 2026-11-24 turned TF32 on for matmul too, so their GEMM rows are not peers.py's)
     torch.backends.cudnn.allow_tf32 = True
     meta = report.gpu_meta("kernel_diff.py")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            for batch in args.batches:
-                t = time.perf_counter()
-                try:
-                    rows.append(diff_one(name, batch, args.precision, Path(tmp), args.choice))
-                except Exception as e:  # one model's failure is a result too
-                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                print(f"{name} batch {batch}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    rows = report.each_row(args.models, args.batches,
+                           lambda name, batch, tmp: diff_one(name, batch, args.precision, tmp, args.choice))
     report.write(args.out, f"kernel_diff_{args.tag}", table(rows, meta), {"meta": meta, "rows": rows})
     print("\n".join(table(rows, meta)))
     return 0 if rows else 1

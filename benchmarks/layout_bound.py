@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -148,16 +146,8 @@ def main() -> int:
 
     torch.backends.cudnn.allow_tf32 = True
     meta = report.gpu_meta("layout_bound.py")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            for batch in args.batches:
-                t = time.perf_counter()
-                try:
-                    rows.append(bound_one(name, batch, Path(tmp), args.settings))
-                except Exception as e:  # one model's failure is a result too
-                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                print(f"{name} batch {batch}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    rows = report.each_row(args.models, args.batches,
+                           lambda name, batch, tmp: bound_one(name, batch, tmp, args.settings))
     lines = table(rows, meta)
     report.write(args.out, f"layout_bound_{args.tag}", lines, {"meta": meta, "rows": rows})
     print("\n".join(lines))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +30,23 @@ def write(out: Path | None, name: str, lines: list[str] | str | None = None, doc
         (out / f"{name}.md").write_text(text)
     if doc is not None:
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def each_row(models: list[str], batches: list[int], one) -> list[dict]:
+    """`one(name, batch, folder)` for every model and batch, in order, with a temporary folder they
+    share: the rows it returned. Each row's seconds go to stderr; a row that raises is printed
+    there and left out (one model's failure is a result too)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            for batch in batches:
+                t = time.perf_counter()
+                try:
+                    rows.append(one(name, batch, Path(tmp)))
+                except Exception as e:
+                    print(f"{name} batch {batch}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(f"{name} batch {batch}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 def finish(out: Path | None, name: str, lines: list[str], verdict: str, ok: bool) -> int:

@@ -173,6 +173,22 @@ def test_the_max_pool_substitute_declines_the_cpu_and_what_it_does_not_cover():
     assert reductions.pool_params([x, [3], [], [1], [1], False]) == ([3, 3], [3, 3], [1, 1], [1, 1])
 
 
+def pooled_in_place(substitute, args: list, want: torch.Tensor, fmt) -> torch.Tensor:
+    """A buffer like `want` in layout `fmt`, written by `substitute(args, buffer)` (after a first
+    call that builds the kernel, and NaN poured in), which allocates nothing: no indices, no
+    result to copy."""
+    out = torch.empty_like(want, memory_format=fmt)
+    assert substitute(args, out) is out
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    assert substitute(args, out) is out
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == held
+    return out
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -184,16 +200,7 @@ def test_the_max_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(dtyp
     for args in ([x, [3, 3], [2, 2], [1, 1], [1, 1], False], [x, [3, 3], [2, 2], [0, 0], [1, 1], True],
                  [x, [2, 2], [], [0, 0], [1, 1], False]):
         want = torch.nn.functional.max_pool2d(*args)
-        out = torch.empty_like(want, memory_format=fmt)
-        reductions.max_pool2d(args, out)  # the first call builds the kernel
-        out.fill_(float("nan"))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated()
-        assert reductions.max_pool2d(args, out) is out
-        torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() == held  # no indices, no result to copy
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(pooled_in_place(reductions.max_pool2d, args, want, fmt), want, rtol=0, atol=0)
 
 
 @gpu
@@ -208,17 +215,8 @@ def test_the_average_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(
     for args in ([x, [3, 3], [1, 1], [1, 1], False, True, None], [x, [2, 2], [2, 2], [0, 0], False, True, None],
                  [odd, [3, 3], [2, 2], [1, 1], True, False, None], [odd, [3, 2], [1, 2], [1, 1], True, True, 4]):
         want = torch.nn.functional.avg_pool2d(*args)
-        out = torch.empty_like(want, memory_format=fmt)
-        assert reductions.avg_pool2d(args, out) is out  # the first call builds the kernel
-        out.fill_(float("nan"))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated()
-        assert reductions.avg_pool2d(args, out) is out
-        torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() == held
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(pooled_in_place(reductions.avg_pool2d, args, want, fmt), want, rtol=tol, atol=tol)
 
 
 def shim_norm_after(body, x, operands, norm):
