@@ -1,6 +1,7 @@
 """benchmarks/layout_bound.py's arithmetic: the per-op choice of layout takes each op's faster
 layout, the kernels of no known op count as in the better whole-model layout, and the bound is
-the fraction of the better whole-model kernel time that choice saves."""
+the fraction of the better whole-model kernel time that choice saves. And the loop over models
+and batches it shares with kernel_diff.py (`report.each_row`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ def test_kernels_count_per_inference_and_unknown_launches_apart():
     owner = [4] * (2 * reps) + [None] * reps
     ms, unknown = layout_bound.per_op_ms(ours, owner)
     assert ms == {4: pytest.approx(2.0)} and unknown == pytest.approx(0.5)
+
+
+def test_every_model_and_batch_makes_a_row_and_a_failing_one_is_reported_and_left_out(capsys):
+    report = pytest.importorskip("report")
+    folders = set()
+
+    def one(name, batch, folder):
+        folders.add(folder)
+        assert folder.is_dir()
+        if (name, batch) == ("b", 8):
+            raise RuntimeError("out of memory")
+        return {"model": name, "batch": batch}
+
+    rows = report.each_row(["a", "b"], [1, 8], one)
+    assert rows == [{"model": "a", "batch": 1}, {"model": "a", "batch": 8}, {"model": "b", "batch": 1}]
+    assert len(folders) == 1 and not next(iter(folders)).exists()  # one folder, shared, then removed
+    err = capsys.readouterr().err
+    assert "b batch 8: FAILED RuntimeError: out of memory" in err and err.count(" s\n") == 4
