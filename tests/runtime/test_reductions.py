@@ -1,7 +1,9 @@
-"""The generated layer-norm kernel (`runtime/reductions.py`): on the CPU its source runs through
-`triton_shim` against torch's layer norm; on the GPU the runtime's substitute runs it into a
-planned buffer, and declines what it does not cover."""
+"""The generated reduction kernels (`runtime/reductions.py`: layer norm, max and average pooling,
+the spatial mean): on the CPU their sources run through `triton_shim` against torch; on the GPU
+the runtime's substitutes run them into planned buffers, and decline what they do not cover."""
 
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -142,6 +144,31 @@ def test_the_average_pool_source_computes_what_torch_does(kernel, stride, paddin
         x = x.contiguous(memory_format=torch.channels_last)
     got, want = shim_avg_pool(x, kernel, stride, padding, ceil_mode, count_pad, divisor, channels_last)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.tuples(st.integers(1, 11), st.integers(1, 11)), kernel=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+       stride=st.tuples(st.integers(1, 4), st.integers(1, 4)), pad=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+       dilation=st.tuples(st.integers(1, 3), st.integers(1, 3)), ceil_mode=st.booleans(), average=st.booleans(),
+       count_pad=st.booleans(), divisor=st.one_of(st.none(), st.integers(1, 30)), channels_last=st.booleans())
+def test_any_pooling_torch_accepts_the_source_computes_as_torch_does(size, kernel, stride, pad, dilation, ceil_mode,
+                                                                     average, count_pad, divisor, channels_last):
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(3))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    try:
+        want = torch.nn.functional.avg_pool2d(x, kernel, stride, pad, ceil_mode, count_pad, divisor) if average \
+            else torch.nn.functional.max_pool2d(x, kernel, stride, pad, dilation, ceil_mode)
+    except RuntimeError:
+        assume(False)  # torch refuses these parameters
+    args = [x, list(kernel), list(stride), list(pad)] + ([ceil_mode, count_pad, divisor] if average
+                                                         else [list(dilation), ceil_mode])
+    params = reductions.pool_params(args, dilated=not average)
+    assert params is not None  # every pooling torch accepts, this kernel takes
+    out = torch.full_like(want, 7.0, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    launch, constants = reductions.pool_launch(x, out, params, (count_pad, divisor or 0) if average else None)
+    triton_shim.run_grid(reductions.POOL, -(-out.numel() // constants["BLOCK"]), *launch, **constants)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_pool_parameters_are_what_torch_accepts_and_a_window_the_kernel_unrolls():
