@@ -229,7 +229,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
-    from nimble.runtime.tuning import Choice
+    from nimble.runtime.tuning import choice_of
     from peers import make_inputs
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
@@ -256,7 +256,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     c = compile_model(pt, specs, **({"device": "cpu"} | options))
     path = tmp / f"{name}_{batch}.nimble"
     write_artifact(path, c.artifact())
-    forced = {"choice": Choice(*force.split(","))} if force else {"tune": "full"}
+    forced = {"choice": choice_of(force)} if force else {"tune": "full"}
     exe = Executable(read_artifact(path), "cuda", **forced)
     exe.run(*xs)
     g = exe.graph
@@ -378,13 +378,9 @@ def main() -> int:
                                          "'channels_last,planned,heuristic,cudnn-fused,epilogue,in depthwise')")
     args = parser.parse_args()
     if args.choice:  # refused before minutes of compiling, not run under a name it does not have
-        from nimble.runtime.tuning import Choice, every_choice
+        from nimble.runtime.tuning import choice_of
 
-        try:
-            known = Choice(*args.choice.split(",")) in every_choice()
-        except TypeError:  # too many fields
-            known = False
-        if not known:
+        if choice_of(args.choice) is None:
             parser.error(f"--choice {args.choice!r} is no load-time choice; see --help for the fields")
     import torch
 

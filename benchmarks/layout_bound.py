@@ -70,7 +70,7 @@ def bound_one(name: str, batch: int, tmp: Path, settings: str) -> dict:
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
     from nimble.runtime.trace import op_label
-    from nimble.runtime.tuning import LAYOUTS, Choice
+    from nimble.runtime.tuning import LAYOUTS, choice_of
     from nimble.specs import input_specs
     from peers import gpu_bound_ms, make_inputs
 
@@ -86,7 +86,7 @@ def bound_one(name: str, batch: int, tmp: Path, settings: str) -> dict:
     row = {"model": name, "batch": batch, "settings": settings, "gpu_bound_ms": {}, "kernels": {}}
     per_layout, unknown, labels = {}, {}, {}
     for layout in LAYOUTS:
-        exe = Executable(read_artifact(path), "cuda", choice=Choice(layout, *settings.split(",")))
+        exe = Executable(read_artifact(path), "cuda", choice=choice_of(f"{layout},{settings}"))
         exe.run(*xs)
         row["gpu_bound_ms"][layout] = gpu_bound_ms(exe.replay)
         ours, owner = attribute(exe, tmp, f"{name}_{batch}_{layout}")
@@ -134,13 +134,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     args = parser.parse_args()
-    from nimble.runtime.tuning import LAYOUTS, Choice, every_choice
+    from nimble.runtime.tuning import LAYOUTS, choice_of
 
-    try:
-        known = Choice(LAYOUTS[0], *args.settings.split(",")) in every_choice()
-    except TypeError:
-        known = False
-    if not known:
+    if choice_of(f"{LAYOUTS[0]},{args.settings}") is None:
         parser.error(f"--settings {args.settings!r} are no load-time choice's fields; see --help")
     import torch
 

@@ -293,8 +293,7 @@ class Executable:
         else:  # the planned streams, folded onto as few CUDA streams as keep every one of them parallel,
             self._order = list(self.schedule.order)  # or the artifact's candidate capped as `choice` says
             self._stream_of = capped.streams_under(self.schedule, tuning.stream_cap(choice.streams))
-            self._waits = [tuple(u for u in ws if self._stream_of[u] != self._stream_of[i])  # the rest: in order
-                           for i, ws in enumerate(self.schedule.waits)]
+            self._waits = list(capped.as_schedule(self.schedule, self._stream_of).waits)  # the rest: in order
         planned = not self._single_stream and choice.streams != "serial"
         self._planned_stream_of = list(self.schedule.stream) if planned else [0] * n  # the trace's tracks
         paired = self.device.type == "cuda" and self._with_arena  # kernels that write two ops' buffers

@@ -119,6 +119,16 @@ def every_choice() -> list[Choice]:
             for k in CONVOLUTIONS for b in GEMM_BIAS for p in PROLOGUES]
 
 
+def choice_of(fields: str) -> Choice | None:
+    """The load-time choice that comma-separated `fields` name, Choice's fields in order (the later
+    ones may be left out: their defaults), or None where they name none."""
+    try:
+        choice = Choice(*fields.split(","))
+    except TypeError:  # too many fields
+        return None
+    return choice if choice in every_choice() else None
+
+
 def stages(options: list[Choice], graphs: bool = False):
     """The greedy order of timing: a list of candidates, then functions from the best so far to
     the next candidates. With `graphs` (cuDNN graphs can run: `cudnn_graph.frontend()`), split

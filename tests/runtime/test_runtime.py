@@ -1,7 +1,7 @@
 """The runtime on the CPU: placed execution, parity, and loading without re-planning."""
 
 import json
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import numpy as np
 import pytest
@@ -278,6 +278,17 @@ def test_split_convolutions_are_timed_only_without_cudnn_graphs():
     assert list(tuning.stages(options))[1](best) == [replace(best, convolutions="split")]
     assert list(tuning.stages(options, graphs=True))[1](best) == []
     assert list(tuning.stages(options, graphs=True))[0] == list(tuning.stages(options))[0]
+
+
+def test_a_choice_is_named_by_its_fields_in_order_and_nothing_else_names_one():
+    from nimble.runtime import tuning
+
+    assert tuning.choice_of("channels_last,serial") == tuning.Choice(layout="channels_last", streams="serial")
+    assert tuning.choice_of("contiguous,planned,heuristic,cudnn-fused,epilogue,in depthwise") == \
+        tuning.Choice(prologues="in depthwise")
+    assert all(tuning.choice_of(",".join(astuple(c))) == c for c in tuning.every_choice())
+    for text in ("nchw", "contiguous,planned,heuristic,cudnn-fused,epilogue,apart,extra", ""):
+        assert tuning.choice_of(text) is None, text
 
 
 def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(artifacts):
