@@ -424,12 +424,15 @@ def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_bat
     if (len(top.values), len(top.ops), top.inputs, top.outputs) != \
             (len(graph.values), len(graph.ops), graph.inputs, graph.outputs):
         raise RowsError(f"its graph has other values, ops, inputs or outputs than batch {top_batch}'s")
+    # a reshape may be a view at one batch size and a copy at another; that matters only to writes
+    writes = any(op.mutates for g in (top, graph) for op in g.ops)
     for mine, theirs in zip(graph.values, top.values):
         r, want = rows[mine.id], list(mine.spec.shape)
         if r is not None:
             want[r.axis] = top_batch * r.inner
-        if (mine.kind, mine.name, mine.producer, mine.alias_of, mine.spec.dtype, tuple(want)) != \
-                (theirs.kind, theirs.name, theirs.producer, theirs.alias_of, theirs.spec.dtype, theirs.spec.shape):
+        if (mine.kind, mine.name, mine.producer, mine.spec.dtype, tuple(want)) != \
+                (theirs.kind, theirs.name, theirs.producer, theirs.spec.dtype, theirs.spec.shape) or \
+                (writes and mine.alias_of != theirs.alias_of):
             raise RowsError(f"value {mine.id} ('{mine.name[:60]}') is not batch {top_batch}'s with the batch "
                             "substituted")
     for mine, theirs in zip(graph.ops, top.ops):

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from ..errors import ExecutionError, ShapeError, UsageError
-from ..ops import types
+from ..errors import ExecutionError, MismatchError, ShapeError, UsageError
+from ..ops import rows, types
 from . import footprint
+from .compare import compare, default_tolerance
 from .executable import Executable, LoadStats, _mib, settle_footprint
 
 
@@ -145,10 +146,29 @@ class Batched:
         return self._by_batch[self._sizes[-1]].input_buffers
 
     def verify(self, rtol: float | None = None, atol: float | None = None):
-        """`Executable.verify` at every batch size, on the stored sample rows repeated; returns the
-        largest's comparison."""
+        """`Executable.verify` at every batch size, on the stored sample rows repeated, then
+        `check_rows`; returns the largest's comparison."""
         self._ensure_open()
-        return [self._by_batch[b].verify(rtol, atol) for b in self._sizes][-1]
+        result = [self._by_batch[b].verify(rtol, atol) for b in self._sizes][-1]
+        self.check_rows(rtol, atol)
+        return result
+
+    def check_rows(self, rtol: float | None = None, atol: float | None = None) -> None:
+        """MismatchError unless every batch size, on inputs whose rows differ (`rows.distinct_rows`
+        of the stored sample), gives each row what the smallest batch size gives that row alone."""
+        self._ensure_open()
+        small = self._sizes[0]
+        rt, at = default_tolerance(self.device.type)
+        rt, at = rt if rtol is None else rtol, at if atol is None else atol
+        for b in self._sizes[1:]:
+            xs = [x.to(self.device) for x in rows.distinct_rows(self.artifact.sample_inputs, b)]
+            got = self._by_batch[b].run(*xs)
+            alone = [self._by_batch[small].run(*[x[[r] * small] for x in xs]) for r in range(b)]
+            result = compare(got, [torch.stack([one[k][0] for one in alone]) for k in range(len(got))], rt, at)
+            if not result.passed:
+                raise MismatchError(f"{self._name}: at batch {b}, on rows that differ, the outputs are not batch "
+                                    f"{small}'s for each row alone ({result.describe()}); the artifact's batch sizes "
+                                    "compute different functions: recompile it")
 
     # ------------------------------------------------------------------------------ memory
     def footprint(self) -> footprint.Footprint | None:
