@@ -8,17 +8,20 @@
 - Elsewhere, or on a file system without `O_TMPFILE`, it is named `.NAME.nimble-PID-RANDOM.tmp`.
   Every write into a folder first removes such files whose process is gone, so debris from a kill
   lasts until the next write there at most.
-- The file gets the mode a plain `open()` would give: 0666 less the umask, or the old file's mode
-  when it replaces one.
+- The file gets the mode a plain `open()` would give: 0666 less the umask, or the old file's
+  permission bits when it replaces one (never setuid, setgid or sticky).
+- It replaces only a regular file (or a link, itself): never a device, FIFO, socket or folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -31,6 +34,11 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     interrupt, nothing is left behind."""
     path = Path(path)
     folder = path.parent
+    with contextlib.suppress(FileNotFoundError):
+        found = os.lstat(path).st_mode
+        if not (stat.S_ISREG(found) or stat.S_ISLNK(found)):
+            raise OSError(errno.EISDIR if stat.S_ISDIR(found) else errno.EEXIST, "exists and is not a regular file",
+                          str(path))
     remove_stale_temps(folder)
     mode = _mode_for(path)
     named: Path | None = None
@@ -79,9 +87,9 @@ def _temp_name(path: Path) -> Path:
 
 
 def _mode_for(path: Path) -> int:
-    """The old file's permission bits, or what the umask leaves of 0666."""
+    """The old file's permission bits (no special bits), or what the umask leaves of 0666."""
     try:
-        return os.stat(path).st_mode & 0o7777
+        return os.stat(path).st_mode & 0o777
     except OSError:
         umask = os.umask(0)
         os.umask(umask)

@@ -83,8 +83,9 @@ def bench_command(
             raise UsageError(f"--percentiles {percentiles!r}: give numbers such as 90,95,99") from None
         if not all(0 < p <= 100 for p in pcts):
             raise UsageError("--percentiles must lie in (0, 100]")
-        writable(export_times, "--export-times", {"the artifact": artifact})
-        writable(trace, "--trace", {"the artifact": artifact, "--export-times": export_times})
+        given = {"the artifact": artifact, "an --input file": [i.partition("=")[2] or i for i in inputs or []]}
+        writable(export_times, "--export-times", given)
+        writable(trace, "--trace", {**given, "--export-times": export_times})
         from .run import read_inputs
 
         if iterations < 1:

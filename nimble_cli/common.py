@@ -117,9 +117,11 @@ def error_document(kind: str, message: str, exit_code: int) -> dict:
 
 def writable(path, option: str, inputs: dict | None = None):
     """Fail fast, before any work, with a usage error (exit 2): when an output's folder does not
-    exist or cannot be written, when the output is a folder, or when it is one of the command's own
-    `inputs` (label -> path), reached by the same path or another (a link, `..`)."""
+    exist or cannot be written, when the output exists and is not a regular file (a folder, a
+    device, a FIFO, a socket, a link loop), or when it is one of the command's own `inputs`
+    (label -> path, or a list of paths), reached by the same path or another (a link, `..`)."""
     import os
+    import stat
     import tempfile
     from pathlib import Path
 
@@ -132,8 +134,17 @@ def writable(path, option: str, inputs: dict | None = None):
     folder = path.parent
     if not folder.is_dir():
         raise UsageError(f"{option} {path}: folder {folder} does not exist")
-    if path.is_dir():
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a link loop, a name too long, a path through a file
+        raise UsageError(f"{option} {path}: {e.strerror or e}; give a new file name or a regular file") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{option} {path} is a folder; give a file name")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise UsageError(f"{option} {path} is not a regular file (a device, FIFO or socket); nimble writes only new "
+                         "or regular files, so give another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: folder {folder} is not writable")
     try:  # what the permission bits do not tell: /proc, a read-only or full file system
@@ -141,10 +152,11 @@ def writable(path, option: str, inputs: dict | None = None):
             pass
     except OSError as e:
         raise UsageError(f"{option} {path}: nothing can be written in folder {folder} ({e.strerror or e})") from None
-    for label, other in (inputs or {}).items():
-        if other is not None and same_file(path, other):
-            raise UsageError(f"{option} {path} is {label} itself; writing it would destroy the input, so "
-                             "choose another path")
+    for label, others in (inputs or {}).items():
+        for other in others if isinstance(others, list) else [others]:
+            if other is not None and same_file(path, other):
+                raise UsageError(f"{option} {path} is {label} itself; writing it would destroy the input, so "
+                                 "choose another path")
     return path
 
 

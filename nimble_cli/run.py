@@ -52,15 +52,14 @@ def run_command(
         from nimble.runtime.compare import MismatchError, compare, default_tolerance, l2_tolerance
         from nimble.runtime.executable import load
 
-        given = {"the artifact": artifact}
-        given.update({f"--input {item}": item.partition("=")[2] or item for item in inputs or []})
+        given = {"the artifact": artifact, **{f"--input {item}": item.partition("=")[2] or item for item in inputs or []}}
         writable(output, "--output", given)
         if output is not None and output.suffix.lower() not in (".safetensors", ".npy"):
             raise UsageError(f"--output {output}: nimble writes .safetensors (every output, by name) or .npy (a "
                              "model with one output); give the file one of those suffixes")
         for name, value in (("--rtol", rtol), ("--atol", atol)):
-            if value is not None and not value >= 0:
-                raise UsageError(f"{name} {value}: a tolerance is a number of at least 0")
+            if value is not None and not 0 <= value < math.inf:
+                raise UsageError(f"{name} {value}: a tolerance is a finite number of at least 0")
         if check and (inputs or random):
             raise UsageError("--check runs the stored sample input; leave out --input and --random")
         if inputs and random:
@@ -208,9 +207,14 @@ def read_inputs(items: list[str], graph) -> list:
             name, file = names[0], item
         if name not in names:
             raise UsageError(f"--input {item}: the model has no input '{name}' (inputs: {', '.join(names)})")
+        if name in given:
+            raise UsageError(f"--input {item}: input '{name}' is given twice; give each input once")
         path = Path(file)
-        if not path.is_file():
+        if not path.exists():
             raise ModelError(f"--input {item}: {path}: no such file")
+        if not path.is_file():
+            raise ModelError(f"--input {item}: {path} is not a regular file (a folder, FIFO or device); give a "
+                             ".npy or .safetensors file")
         given[name] = _read_tensor(item, path, name)
     missing = [n for n in names if n not in given]
     if missing:
