@@ -85,7 +85,8 @@ def decode(body: bytes, header_length: str | None, model: ModelInfo) -> InferReq
     """An infer request for `model`, checked; ProtocolError (400) names what is wrong."""
     split = len(body)
     if header_length is not None:
-        if not (header_length.isascii() and header_length.isdigit() and 0 < int(header_length) <= len(body)):
+        if not (header_length.isascii() and header_length.isdigit() and len(header_length) <= 20
+                and 0 < int(header_length) <= len(body)):
             raise ProtocolError(400, f"{HEADER_LENGTH} {header_length[:40]!r} is not a length within the body "
                                 f"({len(body)} bytes)")
         split = int(header_length)
@@ -136,11 +137,17 @@ def decode(body: bytes, header_length: str | None, model: ModelInfo) -> InferReq
                         rows.pop(), _outputs(doc, model))
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _json(data) -> object:
+    """Strict JSON: NaN and Infinity, which Python's parser takes, are refused."""
     try:
-        return json.loads(bytes(data))
+        return json.loads(bytes(data), parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ProtocolError(400, "the request is not valid JSON") from None
+        raise ProtocolError(400, "the request is not valid JSON (NaN and Infinity are not JSON either; send such "
+                            "values as binary data)") from None
 
 
 def _shape(entry: dict, info: TensorInfo, model: ModelInfo) -> tuple[int, ...]:
@@ -213,9 +220,11 @@ def _outputs(doc: dict, model: ModelInfo) -> list[tuple[int, bool]]:
         raise ProtocolError(400, "'outputs' must be a list")
     for entry in requested:
         name = entry.get("name") if isinstance(entry, dict) else None
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise ProtocolError(400, f"unknown output {str(name)[:100]!r}; {model.name} gives "
                                 f"{', '.join(names)}")
+        if any(k == names[name] for k, _ in out):  # each output once: a response is never larger than them
+            raise ProtocolError(400, f"output '{name}' is asked for twice; name each output once")
         p = entry.get("parameters") or {}
         out.append((names[name], bool(p.get("binary_data", binary_default)) if isinstance(p, dict) else False))
     return out
@@ -232,6 +241,9 @@ def encode(model: ModelInfo, request: InferRequest, outputs: list[torch.Tensor])
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ProtocolError(422, f"output '{info.name}' holds NaN or infinity, which JSON cannot carry; ask "
+                                    "for it as binary data (parameters.binary_data_output)")
             entry["data"] = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).flatten().tolist()
         entries.append(entry)
     doc = {"model_name": model.name, "model_version": "1", "outputs": entries}

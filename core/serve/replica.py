@@ -60,6 +60,8 @@ class Replica:
         sizes = getattr(self.exe, "batch_sizes", [])
         self.info: ModelInfo = model_info(name, self.exe.graph, sizes)
         self.stats = Stats()
+        # the model's source lines that errors name stay in this process: a client sees none of its paths
+        self._sources = sorted({op.source for op in self.exe.graph.ops if op.source}, key=len, reverse=True)
         self._observe = observe
         self._lock = threading.Lock()  # one call at a time: the batch sizes share one arena
 
@@ -68,7 +70,13 @@ class Replica:
         try:
             self.exe.check_inputs(request.tensors)
         except NimbleError as e:
-            raise ProtocolError(400, str(e)) from None
+            raise ProtocolError(400, self.for_client(str(e))) from None
+
+    def for_client(self, message: str) -> str:
+        """`message` without the artifact's recorded source paths."""
+        for source in self._sources:
+            message = message.replace(source, "the model's code")
+        return message
 
     def infer(self, requests: list[InferRequest]) -> list[list[torch.Tensor] | ProtocolError]:
         """Outputs (CPU tensors) or a ProtocolError for each request, in order."""
@@ -108,7 +116,7 @@ class Replica:
                 outs = [o.cpu() if o.is_cuda else o.clone() for o in self.exe.run(*xs, copy=False)]
         except NimbleError as e:
             for k in ids:
-                answers[k] = ProtocolError(400, str(e))
+                answers[k] = ProtocolError(400, self.for_client(str(e)))
             self.stats.failures += len(ids)
             return
         compute = time.perf_counter() - start

@@ -132,3 +132,27 @@ def test_a_replicas_answers_stay_its_own_after_the_next_call(tmp_path):
     kept = first.clone()
     replica.infer([one(1)])
     assert torch.equal(first, kept)
+
+
+def test_an_output_named_twice_is_refused_so_no_answer_grows_past_the_outputs():
+    with pytest.raises(ProtocolError, match="output 'y' is asked for twice") as e:
+        decode(request(good(), outputs=[{"name": "y"}] * 1000), None, MODEL)
+    assert e.value.status == 400
+    with pytest.raises(ProtocolError, match="unknown output"):
+        decode(request(good(), outputs=[{"name": ["y"]}]), None, MODEL)
+
+
+def test_nan_a_huge_header_length_and_non_finite_outputs_get_one_line():
+    body = request(good()).replace(b"0.5", b"NaN", 1)
+    with pytest.raises(ProtocolError, match="not valid JSON") as e:
+        decode(body, None, MODEL)
+    assert e.value.status == 400
+    with pytest.raises(ProtocolError, match="is not a length") as e:
+        decode(request(good()), "9" * 5000, MODEL)
+    assert e.value.status == 400
+    r = decode(request(good(1)), None, MODEL)
+    with pytest.raises(ProtocolError, match="NaN or infinity") as e:
+        encode(MODEL, r, [torch.full((1, 5), float("nan")), torch.zeros(1, dtype=torch.bfloat16)])
+    r.outputs = [(0, True)]
+    body, _ = encode(MODEL, r, [torch.full((1, 5), float("nan")), torch.zeros(1, dtype=torch.bfloat16)])
+    assert len(body) < 200  # as binary data NaN travels
