@@ -13,7 +13,9 @@ def serve_command(
     artifacts: list[Path] = typer.Argument(..., metavar="ARTIFACT...", help="One or more .nimble artifacts; each "
                                            "is served as the model named by its file name (resnet50.nimble: "
                                            "/v2/models/resnet50)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface). Nothing "
+                             "else listens beyond loopback: HAProxy's stats and metrics and Ray's metrics stay on "
+                             "127.0.0.1."),
     port: int = typer.Option(8000, "--port", help="HTTP port."),
     replicas: str = typer.Option("auto", "--replicas", metavar="N|auto", help="Replicas per model, each loading "
                                  "the artifact once and holding one GPU; auto: one per GPU the Ray cluster has, "
@@ -29,7 +31,9 @@ def serve_command(
                                  "one is answered 413."),
     address: str = typer.Option(None, "--address", metavar="RAY_ADDRESS", help="Join this Ray cluster (e.g. "
                                 "auto, or ray://head:10001) instead of starting a local one: the replicas then "
-                                "spread over its machines and GPUs."),
+                                "spread over its machines and GPUs. The cluster's own listeners are then its "
+                                "business: Ray's nodes talk over the network, and each replica serves HTTP on its "
+                                "node's address, so run it on a network you trust."),
     ingress: str = typer.Option("haproxy", "--ingress", metavar="haproxy|proxy", help="What takes the HTTP "
                                 "requests on a local Ray: haproxy (Ray Serve's HAProxy ingress, in front of replicas "
                                 "that serve HTTP themselves) or proxy (Ray Serve's Python HTTP proxy, one per node: "
@@ -37,6 +41,12 @@ def serve_command(
                                 "with."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
                                      "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms)."),
+    body_timeout: float = typer.Option(5.0, "--body-timeout", metavar="SECONDS", help="How long a request body may "
+                                       "take to arrive, plus 2 s per MiB it declares (60 s at most); a slower one "
+                                       "is answered 408 and its slot freed."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", metavar="SECONDS", help="On Ctrl-C or SIGTERM, "
+                                        "how long the requests in flight may take to finish; new ones get 503 with "
+                                        "Retry-After meanwhile."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
     debug: DebugOption = False,
@@ -63,6 +73,8 @@ def serve_command(
             raise UsageError(f"--ingress {ingress!r}: use haproxy or proxy")
         if delay_ms < 0 or max_queue < 1 or max_ongoing < 0 or max_body < 1:
             raise UsageError("--max-batch-delay-ms must not be negative; --max-queue and --max-body must be positive")
+        if not (0 < body_timeout <= 600 and 0 <= drain_timeout <= 3600):
+            raise UsageError("--body-timeout takes seconds from above 0 to 600, --drain-timeout from 0 to 3600")
         try:
             from nimble.serve import app
         except ImportError as e:
@@ -74,7 +86,8 @@ def serve_command(
 
         options = app.Options(host=host, port=port, replicas=replicas, delay_ms=delay_ms, max_queue=max_queue,
                               max_ongoing=max_ongoing, address=address, device=device, tune=tune,
-                              max_body=max_body, metrics_port=metrics_port, ingress=ingress)
+                              max_body=max_body, metrics_port=metrics_port, ingress=ingress,
+                              body_timeout_s=body_timeout, drain_s=drain_timeout)
         started = None
         try:
             started = app.start(artifacts, options, say)
@@ -84,8 +97,8 @@ def serve_command(
             console.print(f"nimble serve: ready at {started['url']}: {models}; {started['replicas']} replica(s) per "
                           f"model on {started['device']}{metrics}. Ctrl-C stops.")
             name = app.wait_for_signal()
-            console.print(f"{name}: shutting down, finishing the requests in flight")
+            console.print(f"{name}: shutting down: new requests get 503, the requests in flight finish")
         finally:
             if started is not None or address is None:
-                app.stop(artifacts, joined=address is not None)
+                app.stop(artifacts, address is not None, options, started["replicas_total"] if started else 0)
         console.print("stopped")

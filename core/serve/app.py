@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from .. import __version__
 from ..errors import ExecutionError, NimbleError, first_line
+from . import ingress
 from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
@@ -50,7 +51,32 @@ def _error(status: int, message: str) -> Response:
     return Response(error_body(message), status_code=status, media_type="application/json")
 
 
+def _unavailable() -> Response:
+    """What a draining server answers a new request: try again (elsewhere) in a second."""
+    return Response(error_body("the server is shutting down; send the request again (to another server)"),
+                    status_code=503, media_type="application/json", headers={"Retry-After": "1"})
+
+
 DRAIN_BYTES = 2**30  # a refused body is read and dropped up to this, so that the client reads the 413
+BODY_SECONDS_PER_MIB = 2.0  # a body's deadline: --body-timeout, plus this per MiB it declares ...
+BODY_SECONDS_CAP = 60.0  # ... and never more than this
+
+
+def body_deadline(length: str | None, limit: int, base_s: float) -> float:
+    """Seconds a request body may take to arrive: `base_s` plus BODY_SECONDS_PER_MIB for each MiB
+    it declares (or may hold, without a Content-Length), capped."""
+    size = int(length) if length is not None and length.isdigit() and len(length) < 20 else limit
+    return min(base_s + BODY_SECONDS_PER_MIB * min(size, limit) / 2**20, BODY_SECONDS_CAP)
+
+
+async def _body_within(request: Request, limit: int, base_s: float) -> bytes:
+    """The body, read before the request counts as the replica's; 408 past its deadline."""
+    deadline = body_deadline(request.headers.get("content-length"), limit, base_s)
+    try:
+        return await asyncio.wait_for(_body(request, limit), deadline)
+    except asyncio.TimeoutError:
+        raise ProtocolError(408, f"the request body did not arrive within {deadline:.0f} s; send it at once (the "
+                            "server allows --body-timeout seconds plus 2 s per MiB)") from None
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -80,7 +106,10 @@ class Model:
     """One artifact behind /v2/models/<name>."""
 
     def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
-                 threads: int):
+                 threads: int, folder: str, body_timeout_s: float):
+        import threading
+        import uuid
+
         import torch
         from ray.serve import metrics
 
@@ -100,6 +129,20 @@ class Model:
         self.infer_batch.set_max_batch_size(self.info.max_batch)
         self.infer_batch.set_batch_wait_timeout_s(delay_s)
         self._busy = 0  # requests this replica is running or batching (one event loop: no lock needed)
+        self._held = 0  # requests this replica answers now, their bodies still arriving included
+        self._folder, self._body_timeout_s = folder, body_timeout_s
+        self._marker = ingress.idle_marker(folder, uuid.uuid4().hex)
+        threading.Thread(target=self._watch_drain, daemon=True).start()
+
+    def _watch_drain(self) -> None:
+        """Once the server drains, keep a marker file while this replica holds no request."""
+        while True:
+            time.sleep(0.05)
+            if ingress.draining(self._folder):
+                if self._held == 0:
+                    Path(self._marker).touch()
+                else:
+                    Path(self._marker).unlink(missing_ok=True)
 
     def _observe(self, rows: int, queue_s: float, compute_s: float) -> None:
         self._rows.observe(rows, self._tags)
@@ -117,6 +160,9 @@ class Model:
         if route is None:
             return _error(404, f"no route {request.url.path[:200]}; see GET /v2/models/{self.info.name}")
         what = route.group(1)
+        if what in ("/infer", "/ready") and ingress.draining(self._folder):
+            return _unavailable()
+        self._held += 1
         try:
             if what == "/infer":
                 if request.method != "POST":
@@ -137,9 +183,11 @@ class Model:
             logging.getLogger("ray.serve").exception("nimble serve: %s failed", request.url.path)
             return _error(500, f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                           "the replica's log has the traceback")
+        finally:
+            self._held -= 1
 
     async def _infer(self, request: Request) -> Response:
-        body = await _body(request, self._max_body)
+        body = await _body_within(request, self._max_body, self._body_timeout_s)
         decoded = decode(body, request.headers.get(HEADER_LENGTH.lower()), self.info)
         decoded.received = time.perf_counter()
         self._busy += 1
@@ -158,12 +206,14 @@ class Model:
 class Server:
     """The server's own routes under /v2, and a JSON 404 for an unknown model."""
 
-    def __init__(self, models: list[str]):
-        self.models = models
+    def __init__(self, models: list[str], folder: str):
+        self.models, self._folder = models, folder
 
     async def __call__(self, request: Request) -> Response:
         prefix = request.scope.get("root_path", "")
         path = request.url.path[len(prefix):].rstrip("/") if request.url.path.startswith(prefix) else ""
+        if path == "/health/ready" and ingress.draining(self._folder):
+            return _unavailable()
         if path in ("", "/v2") and request.method == "GET":
             return _json({"name": "nimble", "version": __version__, "extensions": ["binary_tensor_data",
                                                                                     "statistics"]})
@@ -190,6 +240,9 @@ class Options:
     max_body: int = 64 * 2**20
     metrics_port: int = 8080
     ingress: str = "haproxy"  # or "proxy": Ray Serve's own HTTP proxy
+    body_timeout_s: float = 5.0  # a body's deadline, plus BODY_SECONDS_PER_MIB per MiB
+    drain_s: float = 30.0  # how long a stop waits for the requests in flight
+    folder: Path | None = None  # the server's private folder (ingress.private_folder); start makes one
 
 
 def model_names(paths: list[Path]) -> dict[str, Path]:
@@ -225,18 +278,24 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     for name, p in names.items():  # checked here, in one line, before any replica tries
         art = read_artifact(p)
         batches[name] = art.batch_sizes
+    local = options.host in ("127.0.0.1", "localhost", "::1")
+    for what, port in (("--port", options.port), ("--metrics-port", options.metrics_port if options.address is None
+                                                   else None)):
+        why = None if port is None else ingress.port_in_use(options.host if what == "--port" else "127.0.0.1", port)
+        if why:
+            raise UsageError(f"{what} {port}: it cannot be opened on {options.host if what == '--port' else '127.0.0.1'} "
+                             f"({why}); another server may hold it, so choose another {what}")
+    if options.folder is None:
+        options.folder = ingress.private_folder()
     say("starting Ray" if options.address is None else f"joining the Ray cluster at {options.address}")
     if options.address is None and options.ingress == "haproxy":
         # Ray Serve's HAProxy ingress: HAProxy in front of replicas that serve HTTP themselves,
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-        # Ray waits 30 s for HAProxy to answer on its admin socket, and on a busy 2-core machine
-        # (Ray's own processes starting beside other work) that start failed once in CI's tests
-        os.environ.setdefault("RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S", "120")
+        os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy()))
     if options.address is None:
+        # Ray's node on loopback when the server is: its own services then advertise no other address
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 _metrics_export_port=options.metrics_port)
+                 _metrics_export_port=options.metrics_port, **({"_node_ip_address": "127.0.0.1"} if local else {}))
     else:
         ray.init(address=options.address, logging_level="ERROR", log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -262,16 +321,18 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
                 ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
                 max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
                 max_queued_requests=options.max_queue,
-            ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads)
+            ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads,
+                   str(options.folder), options.body_timeout_s)
             serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
-        serve.run(Server.bind(list(names)), name="nimble", route_prefix="/v2")
+        serve.run(Server.bind(list(names), str(options.folder)), name="nimble", route_prefix="/v2")
     except NimbleError:
         raise
     except Exception as e:  # Ray's own failures (a task's error wraps its cause): one line, with what to try
         raise ExecutionError(start_failure(e, options)) from None
     return {"url": f"http://{options.host}:{options.port}/v2", "models": {n: batches[n] for n in names},
             "replicas": replicas, "device": device,
-            "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics"}
+            "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics",
+            "replicas_total": replicas * len(names)}
 
 
 def start_failure(e: BaseException, options: Options) -> str:
@@ -280,39 +341,62 @@ def start_failure(e: BaseException, options: Options) -> str:
     while getattr(e, "cause", None) is not None and e.cause is not e:
         e = e.cause
     text = first_line(e)[:300].strip()
+    alerts = [line.split("]", 1)[-1].strip() for log in sorted(Path(options.folder).glob("*.stderr.log"))
+              for line in log.read_text(errors="replace").splitlines() if "[ALERT]" in line] \
+        if options.folder is not None else []
+    if alerts:  # HAProxy's own words (a port in use, say), not its version banner
+        text = f"HAProxy: {alerts[-1][:300]}"
     advice = "serve with --ingress proxy (Ray Serve's own HTTP proxy), or try again" \
         if "haproxy" in f"{type(e).__name__} {e}".lower() and options.ingress == "haproxy" \
         else "check the Ray logs (/tmp/ray/session_latest/logs) and try again"
     return f"Ray Serve did not start the models ({type(e).__name__}: {text}); {advice}"
 
 
-def stop(paths: list[Path], joined: bool, grace_s: float = 20.0) -> None:
-    """Delete the applications `start` deployed, the server's routes first; each replica finishes
-    the requests it holds, for up to `grace_s`. Then shut Ray down unless this joined a cluster,
-    and end the HAProxy processes that Ray started under this one and left behind. (On Ray 2.60,
+def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -> None:
+    """Drain, then take everything down. First readiness goes false and new requests get 503 with
+    Retry-After, while the `replicas` replicas finish what they hold (up to `options.drain_s`);
+    then HAProxy stops listening, the applications are deleted, Ray shuts down unless this joined
+    a cluster, and the HAProxy processes Ray started under this one end. (On Ray 2.60,
     serve.shutdown waited 30 s for its controller on every stop, and a blocking serve.delete
     could wait forever under the HAProxy ingress.)"""
+    import shutil
+
     import ray
 
     names = ["nimble", *model_names(paths)]
+    folder = options.folder
     left = _haproxy_below(os.getpid())
     if ray.is_initialized():
+        if folder is not None and replicas:
+            (folder / ingress.DRAIN_FLAG).touch()
+            deadline = time.time() + options.drain_s
+            while time.time() < deadline and ingress.idle_count(folder) < replicas:
+                time.sleep(0.05)
+        left |= _haproxy_below(os.getpid())
+        for pid in left:  # soft stop: HAProxy closes its listeners and finishes what it holds
+            _signal(pid, signal.SIGUSR1)
         for name in names:
             try:
                 serve.delete(name, _blocking=False)
             except Exception:  # never deployed: the start failed before it
                 pass
-        deadline = time.time() + grace_s
+        deadline = time.time() + 20.0
         while time.time() < deadline and set(names) & set(serve.status().applications):
             time.sleep(0.2)
     if not joined:
         left |= _haproxy_below(os.getpid())
         ray.shutdown()
         for pid in left:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            _signal(pid, signal.SIGTERM)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _haproxy_below(root: int) -> set[int]:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -213,18 +214,146 @@ def test_overload_answers_503_and_every_request_gets_an_answer(server):
     assert set(codes) == {200, 503} and len(codes) == 64, codes
 
 
-def test_sigterm_stops_cleanly_after_the_requests_in_flight(server):
+def _listeners_of(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets that processes `pids` listen on (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                text = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6,
+                                        raw[::-1] if len(raw) == 4 else b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+                found.add((text, int(port, 16)))
+    return found
+
+
+def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(server):
+    from nimble.serve.app import _haproxy_below
+
+    proc, port, _ = server
+    haproxy = _haproxy_below(proc.pid)
+    assert haproxy
+    listening = _listeners_of(haproxy)
+    assert ("127.0.0.1", port) in listening and all(a == "127.0.0.1" for a, _ in listening), listening
+    assert not {8404, 9101} & {p for _, p in listening}  # no fixed ports a leftover could hold
+    folders = [p for p in Path(tempfile.gettempdir()).glob("nimble-serve-*") if p.stat().st_uid == os.getuid()]
+    assert folders and all(p.stat().st_mode & 0o077 == 0 for p in folders)
+
+
+def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
+    slow = []
+    for _ in range(3):  # bodies that declare 1 MB and send 3 bytes (the server holds 4 requests at once)
+        s = socket.create_connection(("127.0.0.1", server[1]))
+        s.sendall(b"POST /v2/models/resnet/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
+        slow.append(s)
+    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("linear_27")
+    assert good.shape == (1, 10)
+    start, answers = time.time(), []
+    for s in slow:  # cut at the body's deadline, which frees its slot
+        s.settimeout(60)
+        answers.append(s.recv(200)[:12])
+        s.close()
+    assert answers == [b"HTTP/1.1 408"] * 3, answers
+    assert time.time() - start < 30
+
+
+def test_an_output_named_twice_is_a_400(server):
+    body, headers = binary_request("x", [1, 3, 64, 64], "FP32", image(1).tobytes())
+    doc = json.loads(body[:int(headers["Inference-Header-Content-Length"])])
+    doc["outputs"] = [{"name": "linear_27"}] * 50
+    head = json.dumps(doc).encode()
+    code, answer = post(server, "/v2/models/resnet/infer", head + image(1).tobytes(),
+                        {"Inference-Header-Content-Length": str(len(head))})
+    assert code == 400 and "asked for twice" in answer["error"]
+
+
+def test_sigterm_drains_then_leaves_nothing_behind(server):
+    """Under load: every request gets 200, or 503 with Retry-After once the stop began, or (after
+    the ingress closed) a refused connection; never a 404, a reset or no answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nimble.serve.app import _haproxy_below
+
     proc, port, log = server
-    c = client(server, concurrency=2)
-    pending = [c.async_infer("resnet", [infer_input(image(1))]) for _ in range(2)]
-    time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGTERM)
-    for p in pending:
-        assert p.get_result().as_numpy("linear_27").shape == (1, 10)
-    assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    haproxy = _haproxy_below(proc.pid)
+    body, headers = binary_request("x", [1, 3, 64, 64], "FP32", image(1).tobytes())
+    seen, stop = [], []
+
+    def load(_):
+        while not stop:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/resnet/infer", data=body,
+                                             headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=120) as r:
+                    r.read()
+                    seen.append(r.status)
+            except urllib.error.HTTPError as e:
+                seen.append((e.code, e.headers.get("Retry-After")))
+            except urllib.error.URLError as e:
+                refused = isinstance(e.reason, ConnectionRefusedError)
+                seen.append("refused" if refused else repr(e.reason))
+                time.sleep(0.05)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(load, k) for k in range(4)]
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+        stop.append(True)
+        for f in futures:
+            f.result()
+    # nimble's 503s carry Retry-After; Ray's own, from a replica already shutting down, may not
+    assert set(seen) <= {200, (503, "1"), (503, None), "refused"} and 200 in seen and (503, "1") in seen, set(seen)
     text = log.read_text()
     assert "SIGTERM: shutting down" in text and text.rstrip().endswith("stopped")
     assert "Traceback" not in text
+    time.sleep(1)
+    assert not [pid for pid in haproxy if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_port_in_use_is_one_line_before_ray_starts(artifacts):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        done = nimble("serve", str(artifacts / "resnet.nimble"), "--port", str(s.getsockname()[1]), "--device", "cpu")
+    assert done.returncode == 2 and "cannot be opened on 127.0.0.1" in done.stderr
+    assert "starting Ray" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_artifact_whose_batch_sizes_mix_rows_is_never_served(tmp_path):
+    import torch
+
+    from nimble.formats import write_artifact
+    from nimble.formats.artifact import Artifact
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    from ..conftest import save_script
+
+    class Rolls(torch.nn.Module):
+        def forward(self, x):
+            return torch.roll(x, 1, 0) * 2
+
+    one, two = (compile_model(save_script(tmp_path, Rolls(), f"r{b}"), input_specs([f"{b}x5"]), device="cpu")
+                for b in (1, 2))
+    top = one.artifact()
+    write_artifact(tmp_path / "rolls.nimble", Artifact({**top.manifest, "batch_sizes": [1, 2]}, top.graph,
+                                                        top.schedule, top.memory, top.weights, top.sample_inputs,
+                                                        top.sample_outputs, {2: (two.graph, two.schedule, two.memory)}))
+    done = nimble("serve", str(tmp_path / "rolls.nimble"), "--device", "cpu", "--port", str(free_port()))
+    assert done.returncode == 1 and "holds the rows" in done.stderr and "Traceback" not in done.stderr
+    assert "starting Ray" not in done.stderr
 
 
 def test_a_failure_inside_ray_serve_s_start_is_one_line_with_its_innermost_cause():
