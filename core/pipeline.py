@@ -24,7 +24,7 @@ from .errors import ExecutionError, MismatchError, UnsupportedError, UsageError,
 from .fileio import sha256_file
 from .ir import WEIGHT, Graph, TensorSpec
 from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams, with_batch
-from .ops import arguments, rows, types
+from .ops import arguments, batches, rows, types
 from .runtime.device import resolve_device
 from .plan import capped
 from .plan.memory import MemoryPlan, plan
@@ -202,15 +202,16 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
     """One compilation per batch size (the first dimension of every input), smallest first, the
     larger ones in its `others`; `reference(*xs)` runs the model. The model must give each row's
     outputs from that row alone, because a call at a batch size between two compiled ones runs the
-    larger, padded with zero rows: each larger batch size is checked on the smallest one's sample
-    rows, repeated (as the artifact's stored samples for it are), and padded with zero rows. They
-    must read the same weights."""
+    larger, padded with zero rows, and a server packs clients' rows into one call: each larger
+    batch size is checked on rows that differ (`batches.distinct_rows`), each row against the
+    model run on that row alone, and on the smallest one's sample padded with zero rows; then
+    `batches.check_batches` proves it of the graphs. They must read the same weights."""
     first, *rest = batch_sizes
     progress = stages.progress
     main = compile_one(with_batch(inputs, first, model), None, stages)
     for b in rest:
         st = Stages(lambda stage, b=b: progress(f"batch {b}: {stage}"))
-        samples = [x.to(types.DTYPES[spec.dtype]) for x, spec in zip(rows.distinct_rows(main.sample_inputs, b), inputs)]
+        samples = [x.to(types.DTYPES[spec.dtype]) for x, spec in zip(batches.distinct_rows(main.sample_inputs, b), inputs)]
         other = compile_one(with_batch(inputs, b, model), samples, st)
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread():
             alone = [[y.cpu()[0] for y in arguments.flatten_result(reference(*[x[[r] * first] for x in samples]))]
@@ -234,7 +235,7 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
             main.seconds[key] = main.seconds.get(key, 0.0) + secs
         main.others.append(other)
     try:
-        rows.check_batches(main.graph, {first: main.graph, **{b: o.graph for b, o in zip(rest, main.others)}})
+        batches.check_batches(main.graph, {first: main.graph, **{b: o.graph for b, o in zip(rest, main.others)}})
     except rows.RowsError as e:
         raise UnsupportedError(f"{model}: {e}; compile one batch size per artifact") from None
     return main

@@ -45,6 +45,7 @@ from nimble.fileio import atomic_file
 from nimble.model_files import check_artifact_file
 from nimble.ir import WEIGHT, Graph
 from nimble.ops import fusion, rows
+from nimble.ops.batches import check_batches
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_plan
@@ -302,7 +303,7 @@ def _read_batches(manifest: dict, data: dict, top: Graph, name: str) -> dict:
         batches[b] = (graph, schedule, memory)
     try:  # one program at every batch size, each row computed from that row alone
         if batches:
-            rows.check_batches(top, {sizes[0]: top, **{b: graph for b, (graph, _, _) in batches.items()}})
+            check_batches(top, {sizes[0]: top, **{b: graph for b, (graph, _, _) in batches.items()}})
     except rows.RowsError as e:
         raise ArtifactError(f"{name}: {e}") from None
     return batches

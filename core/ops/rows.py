@@ -1,5 +1,5 @@
 """Proof that a graph computes each row of its batch from that row alone, by one function for every
-row, and that the graphs of a multi-batch artifact are one program at several batch sizes.
+row (`batches.py` then checks that the graphs of a multi-batch artifact are one program).
 
 `nimble serve` packs the rows of several clients into one call of a multi-batch artifact and hands
 row r of each output back to the client that sent row r. That is safe only if no op mixes rows, and
@@ -9,10 +9,7 @@ None for a value that no row reaches (weights and what is computed from them alo
 rule (by its aten name and the names of its schema's arguments) that says where its results hold
 the rows, or refuses it: an op that reduces, sorts, rolls, indexes or normalizes along the rows, a
 value shared by every row that is broadcast along them (row r would get its r-th slice), a write of
-rows into such a value, an op nimble has no rule for. `same_program(top, graph, ...)` then checks
-that a member graph is the top graph with the batch dimension substituted: the same ops with the
-same arguments (a size argument of a reshape, an expand or a new_* factory aside, which the
-preflight ties to the declared shapes), the same values, shapes equal but along the rows.
+rows into such a value, an op nimble has no rule for.
 
 A dimension may hold rows together with more: `Rows(axis, inner)` says that dimension `axis` has
 b * inner entries, row r owning [r * inner, (r + 1) * inner) (a flattened batch of heads, say).
@@ -126,7 +123,7 @@ class _Walk:
         return [d % max(ndim, 1) for d in dims]
 
     def not_along(self, op: Op, r: Rows, dims: list[int], what: str = "works") -> None:
-        if r.axis in dims:
+        if r.axis in dims:  # the op reads across these dimensions
             self.refuse(op, f"{what} along the dimension that holds the rows")
 
     def reshaped(self, op: Op, r: Rows, before, after) -> Rows:
@@ -143,8 +140,7 @@ class _Walk:
     # ------------------------------------------------------------------------ one op
     def op(self, op: Op) -> None:
         if op.target == fusion.FUSED:
-            out = self.fused(op)
-            self.rows[op.outputs[0]] = out
+            self.rows[op.outputs[0]] = self.fused(op)
             return
         name, a = name_of(op.target), arguments(op)
         if not any(self.rows[v] is not None for v in op.refs()):
@@ -186,9 +182,7 @@ class _Walk:
             self.not_along(op, r, self.dims(op, dims, len(shape)))
             return [r] * len(out)
         if name in REDUCTIONS:
-            if "dim" not in a:
-                self.refuse(op, "reduces over every dimension, the rows among them")
-            dims = self.dims(op, a["dim"], len(shape))
+            dims = self.dims(op, a.get("dim"), len(shape))
             if not dims:
                 self.refuse(op, "reduces over every dimension, the rows among them")
             self.not_along(op, r, dims, "reduces")
@@ -253,12 +247,11 @@ class _Walk:
         op's own rule reads it (`indexed`)."""
         if name in INDEXED:
             return
-        r = self.rows[first]
+        r, joins = self.rows[first], name in ("cat", "concat", "stack")
         for vid in tensors:
-            if self.rows[vid] is None and name in ("cat", "concat", "stack"):
-                self.refuse(op, f"joins value {vid}, which no row reaches, to the rows")
-            if vid != first and self.rows[vid] is not None and (name not in ("cat", "concat", "stack")
-                                                                or self.rows[vid] != r):
+            if joins and self.rows[vid] != r:
+                self.refuse(op, f"joins value {vid}, which holds the rows otherwise or not at all, to the rows")
+            if not joins and vid != first and self.rows[vid] is not None:
                 self.refuse(op, f"reads rows from value {vid} besides its input")
         if r is None:
             self.refuse(op, "reads rows only through an operand whose rows it cannot follow")
@@ -414,70 +407,3 @@ def batch_rows(graph: Graph, batch: int) -> dict[int, Rows | None]:
             raise RowsError(f"output {k} ('{graph.values[vid].name}') does not hold one row of the batch per entry of its "
                             "first dimension")
     return walk.rows
-
-
-def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_batch: int, batch: int) -> None:
-    """RowsError unless `graph` (batch `batch`, its `rows` from `batch_rows`) is `top` (batch
-    `top_batch`) with the batch substituted: the same values but for the size of the dimension
-    that holds the rows, and the same ops with the same arguments (a size argument that the
-    result's shape fixes aside)."""
-    if (len(top.values), len(top.ops), top.inputs, top.outputs) != \
-            (len(graph.values), len(graph.ops), graph.inputs, graph.outputs):
-        raise RowsError(f"its graph has other values, ops, inputs or outputs than batch {top_batch}'s")
-    # a reshape may be a view at one batch size and a copy at another; that matters only to writes
-    writes = any(op.mutates for g in (top, graph) for op in g.ops)
-    for mine, theirs in zip(graph.values, top.values):
-        r, want = rows[mine.id], list(mine.spec.shape)
-        if r is not None:
-            want[r.axis] = top_batch * r.inner
-        if (mine.kind, mine.name, mine.producer, mine.spec.dtype, tuple(want)) != \
-                (theirs.kind, theirs.name, theirs.producer, theirs.spec.dtype, theirs.spec.shape) or \
-                (writes and mine.alias_of != theirs.alias_of):
-            raise RowsError(f"value {mine.id} ('{mine.name[:60]}') is not batch {top_batch}'s with the batch "
-                            "substituted")
-    for mine, theirs in zip(graph.ops, top.ops):
-        if (mine.target, mine.outputs, mine.mutates, mine.after) != \
-                (theirs.target, theirs.outputs, theirs.mutates, theirs.after) or \
-                _fixed(mine, graph, rows) != _fixed(theirs, top, rows):
-            raise RowsError(f"op {mine.id} {mine.target} is not batch {top_batch}'s op with the batch substituted")
-
-
-def _fixed(op: Op, graph: Graph, rows: dict[int, Rows | None]):
-    """The op's arguments that must be the same at every batch size."""
-    if op.target == fusion.FUSED:
-        return op.args, op.kwargs
-    name, a = name_of(op.target), arguments(op)
-    a.pop(SIZE_ARGUMENTS.get(name), None)
-    x = a.get("self")
-    if name == "slice" and isinstance(x, Ref) and rows[x.id] is not None:
-        size = graph.values[x.id].spec.shape[rows[x.id].axis]
-        if a["dim"] % len(graph.values[x.id].spec.shape) == rows[x.id].axis and a["end"] is not None \
-                and a["end"] >= size:
-            a["end"] = None  # x[:] along the rows, whatever the end said
-    return a
-
-
-def check_batches(top: Graph, members: dict[int, Graph]) -> None:
-    """RowsError unless every graph of a multi-batch artifact keeps the rows of its batch apart, by
-    one function for every row, and each is the top graph (the smallest batch) with the batch
-    substituted. `members`: batch -> graph, the top one's included."""
-    sizes = sorted(members)
-    for b in sizes[1:] if sizes[0] == 1 else sizes:
-        try:
-            rows = batch_rows(members[b], b)
-            same_program(top, members[b], rows, sizes[0], b)
-        except RowsError as e:
-            raise RowsError(f"batch {b}: {e}") from None
-
-
-def distinct_rows(samples: list, batch: int) -> list:
-    """Inputs of `batch` rows that differ from one another, made of the rows of `samples` (whose
-    values, and so whose index ranges, they keep): row r is sample row r mod n, rolled r places
-    along its last dimension. A check on them sees a graph that moves or mixes rows."""
-    import torch
-
-    out = []
-    for x in samples:
-        picked = [x[r % x.shape[0]] for r in range(batch)]
-        out.append(torch.stack([p.roll(r, -1) if p.dim() else p for r, p in enumerate(picked)]))
-    return out

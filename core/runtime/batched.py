@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..errors import ExecutionError, MismatchError, ShapeError, UsageError
-from ..ops import rows, types
+from ..ops import batches, types
 from . import footprint
 from .compare import compare, default_tolerance
 from .executable import Executable, LoadStats, _mib, settle_footprint
@@ -154,14 +154,14 @@ class Batched:
         return result
 
     def check_rows(self, rtol: float | None = None, atol: float | None = None) -> None:
-        """MismatchError unless every batch size, on inputs whose rows differ (`rows.distinct_rows`
+        """MismatchError unless every batch size, on inputs whose rows differ (`batches.distinct_rows`
         of the stored sample), gives each row what the smallest batch size gives that row alone."""
         self._ensure_open()
         small = self._sizes[0]
         rt, at = default_tolerance(self.device.type)
         rt, at = rt if rtol is None else rtol, at if atol is None else atol
         for b in self._sizes[1:]:
-            xs = [x.to(self.device) for x in rows.distinct_rows(self.artifact.sample_inputs, b)]
+            xs = [x.to(self.device) for x in batches.distinct_rows(self.artifact.sample_inputs, b)]
             got = self._by_batch[b].run(*xs)
             alone = [self._by_batch[small].run(*[x[[r] * small] for x in xs]) for r in range(b)]
             result = compare(got, [torch.stack([one[k][0] for one in alone]) for k in range(len(got))], rt, at)
