@@ -6,6 +6,7 @@ detection models, and (`--groups samples`) the bundled sample models.
                              [--models resnet18 ...] [--frontends torchscript export]
                              [--timeout 300] [--require-ok] [--out benchmarks/results]
     python benchmarks/zoo.py --groups timm transformers --machine "the H100 box" --out DIR
+    python benchmarks/zoo.py --batch-sizes 1,2,4 --frontends torchscript --out DIR  # multi-batch artifacts
 
 The second form sweeps third-party models where those libraries are installed (the GPU box has
 them): timm models that compute "same" padding from the input size in Python, and timm's
@@ -265,12 +266,14 @@ class Detections(torch.nn.Module):
 
 
 def check_one(path: Path, shapes: list | None, timeout: float, tmp: Path, dtypes: list | None = None,
-              nimble: list | None = None) -> dict:
-    """compile (--json, for the op list) then run --check, each in a subprocess."""
+              nimble: list | None = None, batch_sizes: str | None = None) -> dict:
+    """compile (--json, for the op list; `--batch-sizes` where given) then run --check, each in a
+    subprocess."""
     row: dict = {}
     art = tmp / f"{path.name}.nimble"
     nimble = nimble or NIMBLE
     cmd = [*nimble, "compile", str(path), "--device", "cpu", "-o", str(art), "--json"]
+    cmd += ["--batch-sizes", batch_sizes] if batch_sizes else []
     for s in shapes or []:
         cmd += ["--shape", "x".join(map(str, s))]
     for d in (dtypes or []) if shapes else []:
@@ -329,7 +332,8 @@ def build_apart(group: str, name: str, frontends: list[str], tmp: Path, timeout:
     return {k: Path(v["path"]) if isinstance(v, dict) else v for k, v in built["files"].items()}, built["shapes"]
 
 
-def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout: float, tmp: Path) -> dict:
+def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout: float, tmp: Path,
+              batch_sizes: str | None = None) -> dict:
     row: dict = {"model": name, "group": group}
     if name in SKIP:
         row["status"] = "skipped (too large for a 2-core CPU)"
@@ -345,7 +349,7 @@ def sweep_one(torchvision, group: str, name: str, frontends: list[str], timeout:
             row[frontend] = {"status": path.split(":")[0], "message": path.split(": ", 1)[1]}
             continue
         row[frontend] = check_one(path, shapes if frontend == "torchscript" else None, timeout, tmp, files["dtypes"],
-                                  NIMBLE if group == "detection" else NIMBLE_ALONE)
+                                  NIMBLE if group == "detection" else NIMBLE_ALONE, batch_sizes)
         if frontend == "export":
             row[frontend]["export_seconds"] = files.get("export_seconds")
     done = [row[f] for f in frontends if "targets" in row[f]]
@@ -373,7 +377,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     zoo = ", ".join(f"{k} {v}" for k, v in meta.get("libraries", {}).items()) \
         or (f"torchvision {meta['torchvision']}" if meta["torchvision"] != "-" else "bundled sample")
     lines = [f"{zoo} models ({', '.join(meta['groups'])}) on {meta.get('machine', 'the CPU builder')}, "
-             f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. Batch 1, random weights; "
+             f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`. "
+             f"{'Batch sizes ' + meta['batch_sizes'] if meta.get('batch_sizes') else 'Batch 1'}, random weights; "
              "per frontend, compile --device cpu, then run --check --device cpu, each in a subprocess with a "
              f"{meta['timeout']:.0f} s timeout.", "", "Summary: " + "; ".join(summary) + ".", "",
              "| group | model | " + " | ".join(f"{LABEL[f]} | ops (lowered / fused) | compile wall s | pipeline s"
@@ -405,6 +410,8 @@ def main() -> int:
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
                         "with the same op kinds and counts in both (for CI)")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--batch-sizes", help="compile each model with --batch-sizes (e.g. 1,2,4): the multi-batch "
+                        "artifact's row-by-row proof and checks, model by model")
     parser.add_argument("--machine", default="the CPU builder", help="where this runs, for the table's header")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--build", nargs=3, metavar=("GROUP", "MODEL", "DIR"), help=argparse.SUPPRESS)
@@ -444,12 +451,12 @@ def main() -> int:
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__ if torchvision else "-",
             "libraries": libraries, "machine": args.machine,
             "date": str(datetime.date.today()), "timeout": args.timeout, "groups": args.groups,
-            "frontends": args.frontends,
+            "frontends": args.frontends, "batch_sizes": args.batch_sizes,
             "command": "python benchmarks/zoo.py " + shlex.join(sys.argv[1:])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for group, name in work:
-            rows.append(sweep_one(torchvision, group, name, args.frontends, args.timeout, Path(tmp)))
+            rows.append(sweep_one(torchvision, group, name, args.frontends, args.timeout, Path(tmp), args.batch_sizes))
             print(json.dumps(rows[-1]), flush=True)
             write(args.out, meta, rows)
             for p in Path(tmp).iterdir():

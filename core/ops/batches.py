@@ -36,16 +36,19 @@ def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_bat
             raise RowsError(f"value {mine.id} ('{mine.name[:60]}') is not batch {top_batch}'s with the batch "
                             "substituted")
     for mine, theirs in zip(graph.ops, top.ops):
-        if (mine.target, mine.outputs, mine.mutates, mine.after) != \
-                (theirs.target, theirs.outputs, theirs.mutates, theirs.after) or \
+        if (mine.outputs, mine.mutates, mine.after) != (theirs.outputs, theirs.mutates, theirs.after) or \
                 _fixed(mine, graph, rows) != _fixed(theirs, top, rows):
             raise RowsError(f"op {mine.id} {mine.target} is not batch {top_batch}'s op with the batch substituted")
 
 
 def _fixed(op: Op, graph: Graph, rows: dict[int, Rows | None]):
-    """The op's arguments that must be the same at every batch size."""
+    """The op's target and the arguments that must be the same at every batch size. A fused body
+    of one node is that node's op (a pass may fuse a lone broadcast op at one batch size only)."""
     if op.target == fusion.FUSED:
-        return op.args, op.kwargs
+        body = op.args[0]
+        if len(body) != 1:
+            return op.target, op.args, op.kwargs
+        op = Op(op.id, body[0][0], body[0][1], body[0][2], op.outputs)
     name, a = name_of(op.target), arguments(op)
     a.pop(SIZE_ARGUMENTS.get(name), None)
     x = a.get("self")
@@ -54,7 +57,7 @@ def _fixed(op: Op, graph: Graph, rows: dict[int, Rows | None]):
         if a["dim"] % len(graph.values[x.id].spec.shape) == rows[x.id].axis and a["end"] is not None \
                 and a["end"] >= size:
             a["end"] = None  # x[:] along the rows, whatever the end said
-    return a
+    return op.target, a
 
 
 def check_batches(top: Graph, members: dict[int, Graph]) -> None:
