@@ -35,7 +35,7 @@ from starlette.responses import Response
 
 from .. import __version__
 from ..errors import ExecutionError, NimbleError, first_line
-from . import ingress
+from . import ingress, reaper
 from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
@@ -101,7 +101,11 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-@serve.deployment
+# the drain (`stop`) already waited for the requests in flight: Ray's own wait after it need not be long
+SHUTDOWN = {"graceful_shutdown_timeout_s": 5.0, "graceful_shutdown_wait_loop_s": 0.2}
+
+
+@serve.deployment(**SHUTDOWN)
 class Model:
     """One artifact behind /v2/models/<name>."""
 
@@ -202,7 +206,7 @@ class Model:
         return Response(content, headers=headers)
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, **SHUTDOWN)
 class Server:
     """The server's own routes under /v2, and a JSON 404 for an unknown model."""
 
@@ -243,6 +247,7 @@ class Options:
     body_timeout_s: float = 5.0  # a body's deadline, plus BODY_SECONDS_PER_MIB per MiB
     drain_s: float = 30.0  # how long a stop waits for the requests in flight
     folder: Path | None = None  # the server's private folder (ingress.private_folder); start makes one
+    reaper: object = None  # the process that cleans up after a server killed outright (reaper.start)
 
 
 def model_names(paths: list[Path]) -> dict[str, Path]:
@@ -278,7 +283,6 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     for name, p in names.items():  # checked here, in one line, before any replica tries
         art = read_artifact(p)
         batches[name] = art.batch_sizes
-    local = options.host in ("127.0.0.1", "localhost", "::1")
     for what, port in (("--port", options.port), ("--metrics-port", options.metrics_port if options.address is None
                                                    else None)):
         why = None if port is None else ingress.port_in_use(options.host if what == "--port" else "127.0.0.1", port)
@@ -287,15 +291,21 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
                              f"({why}); another server may hold it, so choose another {what}")
     if options.folder is None:
         options.folder = ingress.private_folder()
+        options.reaper = reaper.start(options.folder)
     say("starting Ray" if options.address is None else f"joining the Ray cluster at {options.address}")
     if options.address is None and options.ingress == "haproxy":
         # Ray Serve's HAProxy ingress: HAProxy in front of replicas that serve HTTP themselves,
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
         os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy()))
-    if options.address is None:
-        # Ray's node on loopback when the server is: its own services then advertise no other address
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 _metrics_export_port=options.metrics_port, **({"_node_ip_address": "127.0.0.1"} if local else {}))
+    if options.address is None:  # (Ray takes no loopback node address: it resolves one to the network's)
+        # Ray's processes start ignoring SIGINT: a Ctrl-C reaches the terminal's whole process group,
+        # and they must outlive the drain it starts (nimble ends them after it)
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                     _metrics_export_port=options.metrics_port)
+        finally:
+            signal.signal(signal.SIGINT, before)
     else:
         ray.init(address=options.address, logging_level="ERROR", log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -355,10 +365,10 @@ def start_failure(e: BaseException, options: Options) -> str:
 def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -> None:
     """Drain, then take everything down. First readiness goes false and new requests get 503 with
     Retry-After, while the `replicas` replicas finish what they hold (up to `options.drain_s`);
-    then HAProxy stops listening, the applications are deleted, Ray shuts down unless this joined
-    a cluster, and the HAProxy processes Ray started under this one end. (On Ray 2.60,
-    serve.shutdown waited 30 s for its controller on every stop, and a blocking serve.delete
-    could wait forever under the HAProxy ingress.)"""
+    then HAProxy stops listening; on a cluster this joined, the applications are deleted; a local
+    Ray shuts down whole, and the HAProxy processes Ray started under this one end. (On Ray 2.60,
+    serve.shutdown waited 30 s for its controller on every stop, and deleting the applications of
+    a drained local server took 20 s, for nothing.)"""
     import shutil
 
     import ray
@@ -375,14 +385,15 @@ def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -
         left |= _haproxy_below(os.getpid())
         for pid in left:  # soft stop: HAProxy closes its listeners and finishes what it holds
             _signal(pid, signal.SIGUSR1)
-        for name in names:
-            try:
-                serve.delete(name, _blocking=False)
-            except Exception:  # never deployed: the start failed before it
-                pass
-        deadline = time.time() + 20.0
-        while time.time() < deadline and set(names) & set(serve.status().applications):
-            time.sleep(0.2)
+        if joined:  # the cluster stays: take the applications off it (a local Ray ends whole, below)
+            for name in names:
+                try:
+                    serve.delete(name, _blocking=False)
+                except Exception:  # never deployed: the start failed before it
+                    pass
+            deadline = time.time() + 20.0
+            while time.time() < deadline and set(names) & set(serve.status().applications):
+                time.sleep(0.2)
     if not joined:
         left |= _haproxy_below(os.getpid())
         ray.shutdown()
@@ -390,6 +401,8 @@ def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -
             _signal(pid, signal.SIGTERM)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+    if options.reaper is not None:  # it ends whatever of this server is left, now or if this dies first
+        options.reaper.stdin.close()
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -401,24 +414,7 @@ def _signal(pid: int, sig: int) -> None:
 
 def _haproxy_below(root: int) -> set[int]:
     """The HAProxy processes among `root`'s descendants (Linux /proc; empty elsewhere)."""
-    parent: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        parent[int(entry.name)], names[int(entry.name)] = int(rest[1]), name
-    found = set()
-    for pid, name in names.items():
-        if name == "haproxy":
-            p, seen = parent.get(pid), 0
-            while p and p != root and seen < 64:
-                p, seen = parent.get(p), seen + 1
-            if p == root:
-                found.add(pid)
-    return found
+    return {pid for pid, (name, _) in reaper.descendants(root).items() if name == "haproxy"}
 
 
 def wait_for_signal() -> str:

@@ -7,8 +7,9 @@
   itself, binding those on every interface with a world-writable admin socket; nimble points Ray at
   a small wrapper (`RAY_SERVE_HAPROXY_BINARY_PATH`) that edits the config Ray wrote before it
   execs the real binary.
-- Short timeouts where a client could hold a connection: the headers within `HEADER_TIMEOUT_S`,
-  an idle client cut after `CLIENT_TIMEOUT_S`.
+- Short timeouts where a client could hold a connection: the headers and the body's first 16 KiB
+  within `HEADER_TIMEOUT_S`, buffered by HAProxy before any replica sees the request (a body that
+  drips in never takes a replica's slot), an idle client cut after `CLIENT_TIMEOUT_S`.
 - The drain: a flag file in the folder that every replica reads (`draining`), and the file each
   replica keeps there while it holds no request (`idle_marker`).
 """
@@ -55,7 +56,9 @@ def haproxy_environment(folder: Path, real_binary: str) -> dict[str, str]:
     edits = [
         rf"s/^\(\s*stats socket \S*\) mode [0-7]* /\1 mode 600 /",
         rf"s/^\(\s*bind \)\*\{{0,1\}}:\({stats}\|{metrics}\)\s*$/\1127.0.0.1:\2/",
-        rf"s/^\(\s*\)timeout client \(.*\)$/&\n\1timeout http-request {HEADER_TIMEOUT_S}s/",
+        # the headers, and the body's first buffer (16 KiB), must arrive within HEADER_TIMEOUT_S before
+        # HAProxy hands the request to a replica: a slow body holds no replica's slot
+        rf"s/^\(\s*\)timeout client \(.*\)$/&\n\1timeout http-request {HEADER_TIMEOUT_S}s\n\1option http-buffer-request/",
     ]
     script = "\n".join([
         "#!/bin/sh",

@@ -253,18 +253,18 @@ def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(se
 
 def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
     slow = []
-    for _ in range(3):  # bodies that declare 1 MB and send 3 bytes (the server holds 4 requests at once)
+    for _ in range(12):  # bodies that declare 1 MB and send 3 bytes: more than the 4 held and 2 queued
         s = socket.create_connection(("127.0.0.1", server[1]))
         s.sendall(b"POST /v2/models/resnet/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
         slow.append(s)
     good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("linear_27")
     assert good.shape == (1, 10)
     start, answers = time.time(), []
-    for s in slow:  # cut at the body's deadline, which frees its slot
+    for s in slow:  # HAProxy holds them, never a replica, and cuts them at its deadline
         s.settimeout(60)
         answers.append(s.recv(200)[:12])
         s.close()
-    assert answers == [b"HTTP/1.1 408"] * 3, answers
+    assert answers == [b"HTTP/1.1 408"] * 12, answers
     assert time.time() - start < 30
 
 
@@ -320,6 +320,31 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
     assert "Traceback" not in text
     time.sleep(1)
     assert not [pid for pid in haproxy if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_server_killed_outright_leaves_nothing_behind(artifacts, tmp_path):
+    from nimble.serve import reaper
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([NIMBLE, "serve", str(artifacts / "resnet.nimble"), "--port", str(port),
+                                 "--metrics-port", str(free_port()), "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.time() + 240
+    while "ready at" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    started = reaper.descendants(proc.pid)
+    assert any(name == "haproxy" for name, _ in started.values()), started
+    proc.kill()  # SIGKILL: no handler, no atexit
+    proc.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(reaper._alive(pid, when) for pid, (_, when) in started.items()):
+        time.sleep(0.5)
+    assert not [name for pid, (name, when) in started.items() if reaper._alive(pid, when)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the port is free again
 
 
 def test_a_port_in_use_is_one_line_before_ray_starts(artifacts):
