@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from ..ir import Graph, Op, Ref
 from . import fusion
-from .rows import SIZE_ARGUMENTS, Rows, RowsError, arguments, batch_rows, name_of
+from .arguments import named as arguments
+from .rows import Rows, RowsError, batch_rows, name_of
+
+# size arguments that follow from the result's declared shape (the preflight checks that they give it)
+SIZE_ARGUMENTS = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
+                  "new_zeros": "size", "new_ones": "size", "new_full": "size", "unflatten": "sizes"}
 
 
 def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_batch: int, batch: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..errors import GraphError
 from ..ir import Graph, Op, Ref, refs_of
 from . import fusion
+from .arguments import named as arguments
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,12 @@ CONVOLUTIONS = frozenset({"_convolution", "convolution", "conv1d", "conv2d", "co
 # ops whose rule reads each operand's rows itself
 INDEXED = frozenset({"bmm", "baddbmm", "matmul", "addmm", "einsum", "scaled_dot_product_attention", "index_select",
                      "gather", "embedding", "index"})
-# size arguments that follow from the result's declared shape (the preflight checks that they give it)
-SIZE_ARGUMENTS = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
-                  "new_zeros": "size", "new_ones": "size", "new_full": "size", "unflatten": "sizes"}
 
 
 def name_of(target: str) -> str:
     """`aten::add_.Tensor` -> `add` (an in-place variant follows its functional op's rule)."""
     name = target.split("::", 1)[-1].split(".", 1)[0]
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-def arguments(op: Op) -> dict:
-    """The op's arguments by their schema names, defaults filled in."""
-    from .targets import resolve
-
-    schema = resolve(op.target)._schema
-    given = dict(zip([a.name for a in schema.arguments if not a.kwarg_only], op.args)) | dict(op.kwargs)
-    return {a.name: given[a.name] if a.name in given else (a.default_value if a.has_default_value() else None)
-            for a in schema.arguments}
 
 
 class _Walk:
@@ -216,7 +204,7 @@ class _Walk:
             if name == "batch_norm" and a["training"]:
                 self.refuse(op, "normalizes with the batch's own statistics")
             self.not_along(op, r, [1], "works per channel, which is")
-            return [r] * len(out)
+            return [r] + [None] * (len(out) - 1)  # a batch norm's saved statistics hold no rows
         if name in ("layer_norm", "native_layer_norm", "rms_norm"):
             self.not_along(op, r, list(range(len(shape) - len(a["normalized_shape"]), len(shape))), "normalizes")
             return [r] * len(out)
@@ -242,9 +230,8 @@ class _Walk:
         return None
 
     def only(self, op: Op, first: int, tensors: list[int], name: str) -> None:
-        """Ops past the pointwise ones take their rows from their first tensor; any other tensor
-        that holds rows must hold them as it does (cat, stack) or is refused, except where the
-        op's own rule reads it (`indexed`)."""
+        """Past the pointwise ops, the rows come from the first tensor; another that holds rows must
+        hold them alike (cat, stack) or is refused, unless the op's rule reads it (`indexed`)."""
         if name in INDEXED:
             return
         r, joins = self.rows[first], name in ("cat", "concat", "stack")
@@ -294,17 +281,14 @@ class _Walk:
                     any(rows[a[k].id] != q for k in ("key", "value")):
                 self.refuse(op, "attends across the rows")
             mask = [a["attn_mask"].id] if isinstance(a["attn_mask"], Ref) else []
-            out = self.broadcast(op, [a["query"].id, *mask], shapes(op.outputs[0]))
-            return out
+            return self.broadcast(op, [a["query"].id, *mask], shapes(op.outputs[0]))
         if name == "matmul":
             return self.matmul(op, a["self"].id, a["other"].id)
         if name == "addmm":
-            if rows[a["mat1"].id] != Rows(0, rows[a["mat1"].id].inner if rows[a["mat1"].id] else 1) \
-                    or rows[a["mat2"].id] is not None:
+            if getattr(rows[a["mat1"].id], "axis", None) != 0 or rows[a["mat2"].id] is not None:
                 self.refuse(op, "contracts along the rows")
             return self.broadcast(op, [a["mat1"].id, a["self"].id], shapes(op.outputs[0]))
-        # lookups: a table no row reaches, read at indices that hold the rows (or a batched input
-        # read along another dimension at shared indices)
+        # lookups: a table no row reaches read at indices that hold the rows, or the other way round
         if name == "embedding":
             if rows[a["weight"].id] is not None:
                 self.refuse(op, "looks up a table that holds the rows")
