@@ -112,12 +112,3 @@ def same_view(schema, args, results, used) -> int | None:
         return args[0].id
     return None
 
-
-def named(op) -> dict:
-    """An IR op's arguments by their schema's names, defaults filled in."""
-    from .targets import resolve
-
-    schema = resolve(op.target)._schema
-    given = dict(zip([a.name for a in schema.arguments if not a.kwarg_only], op.args)) | dict(op.kwargs)
-    return {a.name: given[a.name] if a.name in given else (a.default_value if a.has_default_value() else None)
-            for a in schema.arguments}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..ir import Graph, Op, Ref
 from . import fusion
-from .arguments import named as arguments
+from .targets import named_arguments as arguments
 from .rows import Rows, RowsError, batch_rows, name_of
 
 # size arguments that follow from the result's declared shape (the preflight checks that they give it)

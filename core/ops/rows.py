@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..errors import GraphError
 from ..ir import Graph, Op, Ref, refs_of
 from . import fusion
-from .arguments import named as arguments
+from .targets import named_arguments as arguments
 
 
 @dataclass(frozen=True)

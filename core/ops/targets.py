@@ -65,3 +65,11 @@ def schema_op(target: str) -> torch._ops.OpOverload:
 
 def target_of(schema: torch._C.FunctionSchema) -> str:
     return f"{schema.name}.{schema.overload_name or 'default'}"
+
+
+def named_arguments(op) -> dict:
+    """An IR op's arguments by its schema's names, defaults filled in."""
+    schema = resolve(op.target)._schema
+    given = dict(zip([a.name for a in schema.arguments if not a.kwarg_only], op.args)) | dict(op.kwargs)
+    return {a.name: given[a.name] if a.name in given else (a.default_value if a.has_default_value() else None)
+            for a in schema.arguments}
