@@ -272,6 +272,7 @@ def main() -> int:
     args = parser.parse_args()
     import ray
 
+    from nimble.serve import ingress
     from nimble.serve.app import Model
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -281,8 +282,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         doc["artifact"] = facts = build(args.model, sizes, Path(tmp))
         print(json.dumps(facts), flush=True)
+        folder = ingress.private_folder()
         if args.ingress == "haproxy":  # as nimble serve sets it: every variant behind the same ingress
-            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+            os.environ.update(ingress.haproxy_environment(folder, ingress.real_haproxy()))
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
@@ -292,7 +294,7 @@ def main() -> int:
                 app = Model.options(name="nimble", ray_actor_options={"num_gpus": 1, "num_cpus": 0},
                                     max_ongoing_requests=64).bind(
                     str(Path(tmp) / f"{args.model}.nimble"), variant, "cuda", "cached", args.delay_ms / 1e3,
-                    64 * 2**20, 0)
+                    64 * 2**20, 0, str(folder), 5.0)
             else:
                 app = TorchModel.bind(args.model, variant == "torch_compile", sizes, args.delay_ms / 1e3)
             try:

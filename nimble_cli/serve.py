@@ -76,7 +76,7 @@ def serve_command(
         if not (0 < body_timeout <= 600 and 0 <= drain_timeout <= 3600):
             raise UsageError("--body-timeout takes seconds from above 0 to 600, --drain-timeout from 0 to 3600")
         try:
-            from nimble.serve import app
+            from nimble.serve import lifecycle as app
         except ImportError as e:
             raise UsageError(f"nimble serve needs Ray Serve ({e.name or e} is not installed): "
                              "pip install 'nimble-gpu[serve]'") from None

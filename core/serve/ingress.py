@@ -54,7 +54,7 @@ def haproxy_environment(folder: Path, real_binary: str) -> dict[str, str]:
     stats, metrics = free_port(), free_port()
     wrapper = folder / "haproxy"
     edits = [
-        rf"s/^\(\s*stats socket \S*\) mode [0-7]* /\1 mode 600 /",
+        r"s/^\(\s*stats socket \S*\) mode [0-7]* /\1 mode 600 /",
         rf"s/^\(\s*bind \)\*\{{0,1\}}:\({stats}\|{metrics}\)\s*$/\1127.0.0.1:\2/",
         # the headers, and the body's first buffer (16 KiB), must arrive within HEADER_TIMEOUT_S before
         # HAProxy hands the request to a replica: a slow body holds no replica's slot

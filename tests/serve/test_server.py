@@ -239,7 +239,7 @@ def _listeners_of(pids: set[int]) -> set[tuple[str, int]]:
 
 
 def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(server):
-    from nimble.serve.app import _haproxy_below
+    from nimble.serve.lifecycle import _haproxy_below
 
     proc, port, _ = server
     haproxy = _haproxy_below(proc.pid)
@@ -283,7 +283,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
     the ingress closed) a refused connection; never a 404, a reset or no answer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from nimble.serve.app import _haproxy_below
+    from nimble.serve.lifecycle import _haproxy_below
 
     proc, port, log = server
     haproxy = _haproxy_below(proc.pid)
@@ -384,7 +384,7 @@ def test_an_artifact_whose_batch_sizes_mix_rows_is_never_served(tmp_path):
 def test_a_failure_inside_ray_serve_s_start_is_one_line_with_its_innermost_cause():
     """What Ray raises from a task (its error wrapping the task's own) becomes one line naming
     the cause; an HAProxy failure suggests Ray's own proxy."""
-    from nimble.serve.app import Options, start_failure
+    from nimble.serve.lifecycle import Options, start_failure
 
     class TaskError(Exception):  # the shape of ray.exceptions.RayTaskError: the task's error in .cause
         def __init__(self, cause):
