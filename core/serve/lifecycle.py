@@ -92,8 +92,9 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
         # and they must outlive the drain it starts (nimble ends them after it)
         before = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            # Ray's own folder (its sockets and logs) inside the private one: /tmp/ray is world-writable
             ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                     _metrics_export_port=options.metrics_port)
+                     _metrics_export_port=options.metrics_port, _temp_dir=str(options.folder / "ray"))
         finally:
             signal.signal(signal.SIGINT, before)
     else:
@@ -148,7 +149,7 @@ def start_failure(e: BaseException, options: Options) -> str:
         text = f"HAProxy: {alerts[-1][:300]}"
     advice = "serve with --ingress proxy (Ray Serve's own HTTP proxy), or try again" \
         if "haproxy" in f"{type(e).__name__} {e}".lower() and options.ingress == "haproxy" \
-        else "check the Ray logs (/tmp/ray/session_latest/logs) and try again"
+        else "run it again with --debug for Ray's traceback"
     return f"Ray Serve did not start the models ({type(e).__name__}: {text}); {advice}"
 
 

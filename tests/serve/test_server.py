@@ -142,6 +142,25 @@ def test_concurrent_requests_are_batched_together(server):
     assert stats["inference_count"] >= 12 and stats["execution_count"] < stats["inference_count"]
 
 
+def test_concurrent_clients_each_get_their_own_answer(server, artifacts):
+    """Different inputs from concurrent clients, batched together: each answer is what the
+    artifact gives that client's input alone (as nimble run would)."""
+    import torch
+
+    import nimble
+
+    exe = nimble.load(artifacts / "resnet.nimble", "cpu")
+    c = client(server, concurrency=8)
+    xs = [image(1, seed=100 + k) for k in range(16)]
+    pending = [c.async_infer("resnet", [infer_input(x)]) for x in xs]
+    got = [p.get_result().as_numpy("linear_27") for p in pending]
+    for x, y in zip(xs, got):
+        want = exe.run(torch.from_numpy(x))[0].numpy()
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    distinct = {tuple(np.round(y.ravel(), 3)) for y in got}
+    assert len(distinct) == len(xs)  # sixteen inputs, sixteen answers: none handed to another client
+
+
 def binary_request(name: str, shape: list, datatype: str, payload: bytes, size: int | None = None):
     head = json.dumps({"inputs": [{"name": name, "shape": shape, "datatype": datatype,
                                    "parameters": {"binary_data_size": len(payload) if size is None else size}}]})
@@ -249,6 +268,7 @@ def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(se
     assert not {8404, 9101} & {p for _, p in listening}  # no fixed ports a leftover could hold
     folders = [p for p in Path(tempfile.gettempdir()).glob("nimble-serve-*") if p.stat().st_uid == os.getuid()]
     assert folders and all(p.stat().st_mode & 0o077 == 0 for p in folders)
+    assert any((p / "ray").is_dir() for p in folders)  # Ray's sockets and logs inside, not in world-writable /tmp/ray
 
 
 def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
@@ -398,5 +418,5 @@ def test_a_failure_inside_ray_serve_s_start_is_one_line_with_its_innermost_cause
                     "socket within 30 seconds. stderr:); serve with --ingress proxy (Ray Serve's own HTTP proxy), "
                     "or try again")
     other = start_failure(TaskError(ValueError("bad config")), Options(ingress="proxy"))
-    assert other.startswith("Ray Serve did not start the models (ValueError: bad config); check the Ray logs")
+    assert other.startswith("Ray Serve did not start the models (ValueError: bad config); run it again with --debug")
     assert "\n" not in line + other
