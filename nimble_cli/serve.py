@@ -13,9 +13,9 @@ def serve_command(
     artifacts: list[Path] = typer.Argument(..., metavar="ARTIFACT...", help="One or more .nimble artifacts; each "
                                            "is served as the model named by its file name (resnet50.nimble: "
                                            "/v2/models/resnet50)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface). Nothing "
-                             "else listens beyond loopback: HAProxy's stats and metrics and Ray's metrics stay on "
-                             "127.0.0.1."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface). HAProxy's "
+                             "stats and metrics stay on 127.0.0.1; Ray's own services and its metrics port listen on "
+                             "every interface (Ray binds them so): firewall them on a shared network."),
     port: int = typer.Option(8000, "--port", help="HTTP port."),
     replicas: str = typer.Option("auto", "--replicas", metavar="N|auto", help="Replicas per model, each loading "
                                  "the artifact once and holding one GPU; auto: one per GPU the Ray cluster has, "
@@ -40,7 +40,8 @@ def serve_command(
                                 "about 17 ms per 600 KB request). A cluster (--address) uses what it was started "
                                 "with."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
-                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms)."),
+                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms), on "
+                                     "every interface."),
     body_timeout: float = typer.Option(5.0, "--body-timeout", metavar="SECONDS", help="How long a request body may "
                                        "take to arrive, plus 2 s per MiB it declares (60 s at most); a slower one "
                                        "is answered 408 and its slot freed."),
