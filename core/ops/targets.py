@@ -69,7 +69,13 @@ def target_of(schema: torch._C.FunctionSchema) -> str:
 
 def named_arguments(op) -> dict:
     """An IR op's arguments by its schema's names, defaults filled in."""
-    schema = resolve(op.target)._schema
-    given = dict(zip([a.name for a in schema.arguments if not a.kwarg_only], op.args)) | dict(op.kwargs)
-    return {a.name: given[a.name] if a.name in given else (a.default_value if a.has_default_value() else None)
-            for a in schema.arguments}
+    positional, defaults = _signature(op.target)
+    return defaults | dict(zip(positional, op.args)) | dict(op.kwargs)
+
+
+@functools.cache
+def _signature(target: str) -> tuple[tuple[str, ...], dict]:
+    """A target's positional argument names, and every argument's default (None where it has none)."""
+    arguments = resolve(target)._schema.arguments
+    return (tuple(a.name for a in arguments if not a.kwarg_only),
+            {a.name: a.default_value if a.has_default_value() else None for a in arguments})
