@@ -176,6 +176,9 @@ def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -
         left |= _haproxy_below(os.getpid())
         for pid in left:  # soft stop: HAProxy closes its listeners and finishes what it holds
             _signal(pid, signal.SIGUSR1)
+        deadline = time.time() + 5.0  # ... then exits: nothing it answers is cut by Ray's end
+        while time.time() < deadline and left & _haproxy_below(os.getpid()):
+            time.sleep(0.05)
         if joined:  # the cluster stays: take the applications off it (a local Ray ends whole, below)
             for name in names:
                 try:
