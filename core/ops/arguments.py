@@ -111,4 +111,3 @@ def same_view(schema, args, results, used) -> int | None:
     if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
         return args[0].id
     return None
-
