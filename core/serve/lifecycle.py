@@ -73,12 +73,12 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     for name, p in names.items():  # checked here, in one line, before any replica tries
         art = read_artifact(p)
         batches[name] = art.batch_sizes
-    for what, port in (("--port", options.port), ("--metrics-port", options.metrics_port if options.address is None
-                                                   else None)):
-        why = None if port is None else ingress.port_in_use(options.host if what == "--port" else "127.0.0.1", port)
-        if why:
-            raise UsageError(f"{what} {port}: it cannot be opened on {options.host if what == '--port' else '127.0.0.1'} "
-                             f"({why}); another server may hold it, so choose another {what}")
+    wanted = [("--port", options.host, options.port)]  # a local Ray's metrics bind every interface
+    wanted += [("--metrics-port", "0.0.0.0", options.metrics_port)] if options.address is None else []
+    for what, host, port in wanted:
+        if why := ingress.port_in_use(host, port):
+            raise UsageError(f"{what} {port}: it cannot be opened on {host} ({why}); another server may hold it, so "
+                             f"choose another {what}")
     if options.folder is None:
         options.folder = ingress.private_folder()
         options.reaper = reaper.start(options.folder)
