@@ -214,15 +214,14 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
         samples = [x.to(types.DTYPES[spec.dtype]) for x, spec in zip(batches.distinct_rows(main.sample_inputs, b), inputs)]
         other = compile_one(with_batch(inputs, b, model), samples, st)
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread():
-            alone = [[y.cpu()[0] for y in arguments.flatten_result(reference(*[x[[r] * first] for x in samples]))]
-                     for r in range(b)]  # each row by itself (repeated to the smallest batch size)
+            alone = batches.each_row_alone(lambda *xs: [y.cpu() for y in arguments.flatten_result(reference(*xs))],
+                                           samples, first)
             padded = [torch.cat([x, x.new_zeros((b - first, *x.shape[1:]))]) for x in main.sample_inputs]
             got_padded = [y.cpu()[:first] for y in arguments.flatten_result(reference(*padded))]
         for k, (got, got_pad, want) in enumerate(zip(other.sample_outputs, got_padded, main.sample_outputs)):
             # outputs stored in a reduced dtype are the model's rounded: one rounding step apart at most
             tolerance = default_tolerance("cpu") if want.dtype not in (torch.float16, torch.bfloat16) else (1e-2, 1e-2)
-            by_row = torch.stack([row[k] for row in alone])
-            result = compare([got.float(), got_pad.float()], [by_row.float(), want.float()], *tolerance)
+            result = compare([got.float(), got_pad.float()], [alone[k].float(), want.float()], *tolerance)
             if not result.passed:
                 raise MismatchError(f"{model}: at batch {b}, output {k} is not each row's output computed alone "
                                     f"({result.describe()}): the model mixes the rows of a batch, so a padded call "
@@ -235,7 +234,7 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
             main.seconds[key] = main.seconds.get(key, 0.0) + secs
         main.others.append(other)
     try:
-        batches.check_batches(main.graph, {first: main.graph, **{b: o.graph for b, o in zip(rest, main.others)}})
+        batches.check_batches({first: main.graph, **{b: o.graph for b, o in zip(rest, main.others)}})
     except rows.RowsError as e:
         raise UnsupportedError(f"{model}: {e}; compile one batch size per artifact") from None
     return main

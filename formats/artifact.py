@@ -44,8 +44,9 @@ from nimble.errors import ArtifactError, GraphError, NimbleError, first_line
 from nimble.fileio import atomic_file
 from nimble.model_files import check_artifact_file
 from nimble.ir import WEIGHT, Graph
-from nimble.ops import fusion, rows
+from nimble.ops import fusion
 from nimble.ops.batches import check_batches
+from nimble.ops.rows import RowsError
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_plan
@@ -301,11 +302,11 @@ def _read_batches(manifest: dict, data: dict, top: Graph, name: str) -> dict:
                 raise ArtifactError(f"{where}: its {key} are not those of batch {sizes[0]} with a first dimension "
                                     f"of {b}")
         batches[b] = (graph, schedule, memory)
-    try:  # one program at every batch size, each row computed from that row alone
-        if batches:
-            check_batches(top, {sizes[0]: top, **{b: graph for b, (graph, _, _) in batches.items()}})
-    except rows.RowsError as e:
-        raise ArtifactError(f"{name}: {e}") from None
+    if batches:  # one program at every batch size, each row computed from that row alone
+        try:
+            check_batches({sizes[0]: top, **{b: graph for b, (graph, _, _) in batches.items()}})
+        except RowsError as e:
+            raise ArtifactError(f"{name}: {e}") from None
     return batches
 
 

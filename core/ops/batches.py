@@ -21,9 +21,9 @@ SIZE_ARGUMENTS = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "e
                   "new_zeros": "size", "new_ones": "size", "new_full": "size", "unflatten": "sizes"}
 
 
-def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_batch: int, batch: int) -> None:
-    """RowsError unless `graph` (batch `batch`, its `rows` from `batch_rows`) is `top` (batch
-    `top_batch`) with the batch substituted: the same values but for the size of the dimension
+def same_program(top: Graph, graph: Graph, rows: dict[int, Rows | None], top_batch: int) -> None:
+    """RowsError unless `graph` (its `rows` from `batch_rows`) is `top` (batch `top_batch`) with
+    the batch substituted: the same values but for the size of the dimension
     that holds the rows, and the same ops with the same arguments (a size argument that the
     result's shape fixes aside)."""
     if (len(top.values), len(top.ops), top.inputs, top.outputs) != \
@@ -65,15 +65,15 @@ def _fixed(op: Op, graph: Graph, rows: dict[int, Rows | None]):
     return op.target, a
 
 
-def check_batches(top: Graph, members: dict[int, Graph]) -> None:
-    """RowsError unless every graph of a multi-batch artifact keeps the rows of its batch apart, by
-    one function for every row, and each is the top graph (the smallest batch) with the batch
-    substituted. `members`: batch -> graph, the top one's included."""
+def check_batches(members: dict[int, Graph]) -> None:
+    """RowsError unless every graph of a multi-batch artifact (`members`: batch -> graph) keeps the
+    rows of its batch apart, by one function for every row, and each is the top graph (the
+    smallest batch's) with the batch substituted."""
     sizes = sorted(members)
+    top = members[sizes[0]]
     for b in sizes[1:] if sizes[0] == 1 else sizes:
         try:
-            rows = batch_rows(members[b], b)
-            same_program(top, members[b], rows, sizes[0], b)
+            same_program(top, members[b], batch_rows(members[b], b), sizes[0])
         except RowsError as e:
             raise RowsError(f"batch {b}: {e}") from None
 
@@ -89,3 +89,12 @@ def distinct_rows(samples: list, batch: int) -> list:
         picked = [x[r % x.shape[0]] for r in range(batch)]
         out.append(torch.stack([p.roll(r, -1) if p.dim() else p for r, p in enumerate(picked)]))
     return out
+
+
+def each_row_alone(run, xs: list, small: int) -> list:
+    """The outputs that `run` (a batch of `small` rows in, a list of outputs out) gives each row of
+    `xs` by itself, that row repeated to `small` rows; stacked, one tensor an output."""
+    import torch
+
+    alone = [run(*[x[[r] * small] for x in xs]) for r in range(xs[0].shape[0])]
+    return [torch.stack([one[k][0] for one in alone]) for k in range(len(alone[0]))]

@@ -162,9 +162,8 @@ class Batched:
         rt, at = rt if rtol is None else rtol, at if atol is None else atol
         for b in self._sizes[1:]:
             xs = [x.to(self.device) for x in batches.distinct_rows(self.artifact.sample_inputs, b)]
-            got = self._by_batch[b].run(*xs)
-            alone = [self._by_batch[small].run(*[x[[r] * small] for x in xs]) for r in range(b)]
-            result = compare(got, [torch.stack([one[k][0] for one in alone]) for k in range(len(got))], rt, at)
+            result = compare(self._by_batch[b].run(*xs), batches.each_row_alone(self._by_batch[small].run, xs, small),
+                             rt, at)
             if not result.passed:
                 raise MismatchError(f"{self._name}: at batch {b}, on rows that differ, the outputs are not batch "
                                     f"{small}'s for each row alone ({result.describe()}); the artifact's batch sizes "
