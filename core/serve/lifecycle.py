@@ -197,6 +197,7 @@ def stop(paths: list[Path], joined: bool, options: Options, replicas: int = 0) -
         shutil.rmtree(folder, ignore_errors=True)
     if options.reaper is not None:  # it ends whatever of this server is left, now or if this dies first
         options.reaper.stdin.close()
+        os.environ.pop(reaper.MARK, None)
 
 
 def _signal(pid: int, sig: int) -> None:

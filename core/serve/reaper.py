@@ -2,7 +2,10 @@
 processes and HAProxy, still listening. A small process started before Ray, in a session of its
 own, notes the server's descendants twice a second; when the server is gone (its end of a pipe
 closes, however it ended), it ends those that are left (SIGTERM, then SIGKILL) and removes the
-server's private folder. A stop that went well leaves it nothing to do. Linux (/proc) only;
+server's private folder. Those it ends are the descendants it saw, their descendants now, and every
+process of this user whose environment carries the server's mark (`MARK`, set before Ray starts and
+inherited by all it starts): a process started after the last look, or left to init when its parent
+went, is found all the same. A zombie counts as gone: it holds no port and runs nothing. A stop that went well leaves it nothing to do. Linux (/proc) only;
 elsewhere it only removes the folder. Standard library only: it starts in a few milliseconds.
 
     python -m nimble.serve.reaper SERVER_PID FOLDER    (stdin: the server's end of the pipe)
@@ -20,21 +23,43 @@ import time
 from pathlib import Path
 
 
+MARK = "NIMBLE_SERVE_FOLDER"  # in the environment of the server's processes: its private folder
+
+
 def start(folder: Path) -> subprocess.Popen:
-    """The reaper of this process and `folder`; closing its stdin (or this process ending) sets it off."""
-    return subprocess.Popen([sys.executable, "-m", "nimble.serve.reaper", str(os.getpid()), str(folder)],
+    """The reaper of this process and `folder`; closing its stdin (or this process ending) sets it off.
+    Marks this process's environment, so that whatever it starts from now on carries the mark."""
+    proc = subprocess.Popen([sys.executable, "-m", "nimble.serve.reaper", str(os.getpid()), str(folder)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    os.environ[MARK] = str(folder)
+    return proc
 
 
 def _entry(pid: int) -> tuple[int, str, str] | None:
-    """(parent pid, name, start time) of a process, None if it is gone."""
+    """(parent pid, name, start time) of a live process, None if it is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     rest = stat[stat.rindex(")") + 2:].split()
+    if rest[0] in ("Z", "X"):
+        return None
     return int(rest[1]), stat[stat.index("(") + 1:stat.rindex(")")], rest[19]
+
+
+def marked(folder: str) -> dict[int, str]:
+    """pid -> start time of every live process (of those this user may read) marked with `folder`."""
+    mark = f"{MARK}={folder}".encode()
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if mark in environ.split(b"\0") and (e := _entry(int(entry.name))) is not None:
+            found[int(entry.name)] = e[2]
+    return found
 
 
 def processes() -> dict[int, tuple[int, str, str]]:
@@ -73,7 +98,14 @@ def main(server: int, folder: str) -> None:
         if ready and not os.read(0, 4096):
             break  # the server is gone, or it closed the pipe after its own stop
         seen.update((pid, started) for pid, (_, started) in descendants(server).items() if pid != os.getpid())
-    left = {pid: started for pid, started in seen.items() if _alive(pid, started)}
+    table = processes()
+    for pid in list(seen):
+        seen.update((p, started) for p, (_, started) in descendants(pid, table).items())
+    seen.update(marked(folder))
+    mine = _entry(os.getpid())
+    server_entry = _entry(server)
+    spared = {(os.getpid(), mine and mine[2]), (server, server_entry and server_entry[2])}
+    left = {pid: started for pid, started in seen.items() if _alive(pid, started) and (pid, started) not in spared}
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
         for pid in left:
             try:
