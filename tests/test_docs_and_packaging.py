@@ -98,3 +98,13 @@ def test_the_gpu_test_runner_runs_every_gpu_test_file_once():
         assert len(listed) == processes
         files = [f for line in listed for f in line.split()]
         assert sorted(files) == marked
+
+
+def test_import_nimble_works_beside_a_clone_named_nimble(tmp_path):
+    """Python started in the folder that holds a clone named `nimble` (no __init__.py at its top)
+    imports the installed nimble, not the clone's folder as an empty namespace package."""
+    for folder in ("core", "formats", "nimble_cli", "tests"):
+        (tmp_path / "nimble" / folder).mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", "import nimble; print(nimble.Nimble.__name__, nimble.__version__)"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[0] == "Nimble", done.stderr[-2000:]
