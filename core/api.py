@@ -35,6 +35,7 @@ import torch
 
 from . import frontend
 from .errors import MismatchError, ModelError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
+from .frontend.quiet import quiet_torch
 from .ir import TensorSpec
 from .specs import check_precision
 from .ops import arguments, types
@@ -133,7 +134,7 @@ class Nimble:
         fallback = None
         if not isinstance(self.module, torch.jit.ScriptModule):
             try:
-                with warnings.catch_warnings(), torch.no_grad():
+                with warnings.catch_warnings(), torch.no_grad(), quiet_torch():
                     warnings.simplefilter("ignore")
                     program = torch.export.export(self.module, tuple(xs))
                 return (compile_program(program, self._specs, name, f"{name} (in memory)", _program_digest(program),
@@ -145,7 +146,7 @@ class Nimble:
             except Exception as e:  # data-dependent control flow, untraceable Python...
                 fallback = f"torch.export failed ({first_line(e)})"
             warnings.warn(f"{name}: {fallback}; nimble traces it instead and checks the trace against the module "
-                          f"on the example and {len(_VARIANTS)} other inputs", NimbleWarning, stacklevel=4)
+                          f"on the example and {len(_VARIANTS)} other inputs", NimbleWarning, stacklevel=3)
         script = self._script(xs)
         compiled = compile_script(script, self._specs, name, f"{name} (in memory)", _digest(script), options)
         return compiled, self._script_kind(), fallback
@@ -163,7 +164,7 @@ class Nimble:
         rng = [xs[0].device] if xs[0].device.type == "cuda" else []
         try:
             with frontend.quiet_torchscript(), warnings.catch_warnings(record=True) as caught, torch.no_grad(), \
-                    torch.random.fork_rng(devices=rng):
+                    torch.random.fork_rng(devices=rng), quiet_torch():
                 warnings.simplefilter("always", torch.jit.TracerWarning)
                 traced = torch.jit.trace(self.module, tuple(xs), check_trace=False)
         except Exception as e:

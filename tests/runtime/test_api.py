@@ -126,6 +126,20 @@ def test_a_trace_that_depends_on_values_is_refused_naming_the_line():
             nimble.Nimble(_ItemBranch()).prepare(torch.ones(2, 3))
 
 
+def test_a_failed_export_prints_nothing_of_torch(capfd, monkeypatch):
+    """torch.export's refusal wrote its partial graph (dozens of lines) and a log line to stderr
+    before nimble's one line; only the warning and the error say anything now, unless NIMBLE_DEBUG."""
+    monkeypatch.delenv("NIMBLE_DEBUG", raising=False)
+    with pytest.warns(nimble.NimbleWarning), pytest.raises(nimble.UnsupportedError):
+        nimble.Nimble(_ItemBranch()).prepare(torch.ones(2, 3))
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out + err)[:2000]
+    monkeypatch.setenv("NIMBLE_DEBUG", "1")
+    with pytest.warns(nimble.NimbleWarning), pytest.raises(nimble.UnsupportedError):
+        nimble.Nimble(_ItemBranch()).prepare(torch.ones(2, 3))
+    assert "def forward" in capfd.readouterr().err
+
+
 def test_strict_false_still_checks_the_trace_on_other_inputs():
     """The issue's case: prepare() used to succeed and return 0.75-off results for inputs that take
     the other branch."""
