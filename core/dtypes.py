@@ -39,6 +39,18 @@ UNSTORABLE: dict[str, str] = {
 }
 
 
+# torch's other names for the same dtypes (torch.float is torch.float32)
+ALIASES: dict[str, str] = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
+                           "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
+                           "chalf": "complex32"}
+
+
+def canonical(name: str) -> str:
+    """torch's own name for a dtype written as `float32`, `torch.float32` or an alias (`float`)."""
+    name = name.strip().removeprefix("torch.")
+    return ALIASES.get(name, name)
+
+
 def refusal(name: str) -> str:
     """Why a dtype cannot be used, in one line naming the ones that can."""
     why = UNSTORABLE.get(name, "it is not a torch dtype")

@@ -3,7 +3,7 @@ options a command checks before it imports torch. No torch."""
 
 from __future__ import annotations
 
-from .dtypes import refusal
+from .dtypes import canonical, refusal
 from .errors import UsageError
 from .ir import ITEMSIZE, TensorSpec
 
@@ -49,7 +49,7 @@ def input_specs(shapes: list[str], dtypes: list[str] | None = None) -> list[Tens
                          "--dtype for all inputs or one per input")
     specs = []
     for shape, dtype in zip(shapes, dtypes):
-        dtype = dtype.removeprefix("torch.")
+        dtype = canonical(dtype)
         if dtype not in ITEMSIZE:
             raise UsageError(f"--dtype {dtype!r}: {refusal(dtype).removeprefix(f'dtype {dtype} ')}")
         spec = TensorSpec(parse_shape(shape), dtype)

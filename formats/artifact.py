@@ -216,6 +216,9 @@ def _read(path: Path) -> Artifact:
         if len(names) != len(set(names)):
             raise ArtifactError(f"{name} has duplicate members")
         if MANIFEST not in names:
+            if any(n.rsplit("/", 1)[-1] in ("data.pkl", "archive_format") or "/code/" in n for n in names):
+                raise ArtifactError(f"{name} is a PyTorch model, not a .nimble artifact; compile it first: nimble "
+                                    f"compile {name} --shape ... -o model.nimble, then give model.nimble")
             raise ArtifactError(f"{name} has no {MANIFEST}; it is not a .nimble artifact")
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:

@@ -151,7 +151,9 @@ def writable(path, option: str, inputs: dict | None = None):
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise UsageError(f"{option} {path}: nothing can be written in folder {folder} ({e.strerror or e})") from None
+        raise UsageError(f"{option} {path}: new files cannot be created in folder {folder} (the system says: "
+                         f"{e.strerror or e}; /proc, /sys and read-only or full disks do this); choose a folder on a "
+                         "writable disk") from None
     for label, others in (inputs or {}).items():
         for other in others if isinstance(others, list) else [others]:
             if other is not None and same_file(path, other):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -99,19 +100,49 @@ def compile_command(
                                      precision=precision, io_dtype=io_dtype, tolerance=tolerance,
                                      batch_sizes=batches)
             update(f"{model.name}: writing {target.name}")
-            from nimble.formats import write_artifact
-
             t = time.perf_counter()
-            size = write_artifact(target, compiled.artifact())
+            size, interrupted = _write(target, compiled.artifact())
             compiled.seconds["write"] = time.perf_counter() - t
-        if dot is not None:
-            write_dot(dot, compiled.graph, compiled.schedule, model.name)
-        if json_out:
-            print_json(compile_document(compiled, target, size))
-        _summary(compiled)
-        console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
-        if dot is not None:
-            console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
+        try:  # the artifact is complete: an interrupt from here on keeps it
+            if interrupted:
+                raise KeyboardInterrupt
+            if dot is not None:
+                write_dot(dot, compiled.graph, compiled.schedule, model.name)
+            if json_out:
+                print_json(compile_document(compiled, target, size))
+            _summary(compiled)
+            console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
+            if dot is not None:
+                console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {literal(target)} was written ({human_bytes(size)}); it is complete "
+                          "and valid, and kept")
+
+
+def _write(target: Path, art) -> tuple[int, bool]:
+    """Write the artifact: (its bytes, whether an interrupt came). An interrupt that lands once the
+    artifact is in place (renamed over the target, the last step) keeps it, after reading it back
+    whole; one that lands before leaves nothing, as always."""
+    from nimble.formats import read_artifact, write_artifact
+
+    def identity():
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    before = identity()
+    try:
+        return write_artifact(target, art), False
+    except KeyboardInterrupt:
+        if identity() in (None, before):
+            raise
+        try:
+            read_artifact(target)
+        except Exception:
+            raise KeyboardInterrupt from None
+        return target.stat().st_size, True
 
 
 def compile_document(compiled, target: Path, size: int) -> dict:

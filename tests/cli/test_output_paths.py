@@ -76,3 +76,45 @@ def test_inputs_that_are_not_files_or_given_twice_get_one_line(artifact, tmp_pat
         assert result.exit_code == 1 and "not a regular file" in result.output, result.output
     refused(["run", str(artifact), "--input", f"features={x}", "--input", f"features={x}"], "given twice")
     refused(["run", str(artifact), "--check", "--rtol", "inf"], "finite")
+
+
+def test_small_messages_say_what_is_true_and_what_to_do(artifact, tmp_path):
+    from ..conftest import SAMPLES
+
+    out = tmp_path / "r.nimble"
+    result = runner.invoke(app, ["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "--dtype", "float",
+                                 "--device", "cpu", "-o", str(out)])
+    assert result.exit_code == 0 and out.exists(), result.output  # torch's alias of float32
+    if os.path.isdir("/proc/self"):
+        refused(["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "-o", "/proc/out.nimble"],
+                "new files cannot be created in folder /proc", "writable disk")
+    for command in ("run", "inspect", "serve"):
+        args = [command, str(SAMPLES / "resnet.pt")] + (["--device", "cpu"] if command == "run" else [])
+        result = runner.invoke(app, args)
+        assert result.exit_code != 0 and "compile it first" in result.output, (command, result.output)
+
+
+def test_an_interrupt_after_the_artifact_is_complete_keeps_it(tmp_path, monkeypatch):
+    import nimble.formats
+    from nimble.formats import read_artifact
+
+    from ..conftest import SAMPLES
+
+    real = nimble.formats.write_artifact
+
+    def written_then_interrupted(path, art):
+        real(path, art)
+        raise KeyboardInterrupt
+
+    def interrupted_before(path, art):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "r.nimble"
+    args = ["compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "--device", "cpu", "-o", str(out)]
+    monkeypatch.setattr(nimble.formats, "write_artifact", interrupted_before)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130 and not out.exists(), result.output
+    monkeypatch.setattr(nimble.formats, "write_artifact", written_then_interrupted)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0 and "complete and valid" in result.output, result.output
+    read_artifact(out)
