@@ -29,10 +29,12 @@ def bench_command(
     warmup_ms: float = typer.Option(200, "--warmup", "--warmup-ms", metavar="MS",
                                     help="Warm-up time before measuring, per variant, in ms (trtexec's --warmUp)."),
     duration_s: float = typer.Option(3.0, "--duration", "--duration-s", metavar="S",
-                                     help="Measure for at least S seconds per variant (trtexec's --duration); 0 "
-                                     "leaves --iterations alone to decide."),
+                                     help="Measure for about S seconds in all: nimble half of it, the baselines "
+                                     "the other half, each batch size of a sweep a share; the timing ends within "
+                                     "2 x S, however slow the machine. 0 leaves --iterations alone to decide."),
     iterations: int = typer.Option(10, "--iterations", "-n", help="Measure at least N inferences per variant "
-                                   "(trtexec's --iterations); with --duration 0, exactly N."),
+                                   "(trtexec's --iterations) where --duration allows it; with --duration 0, "
+                                   "exactly N."),
     percentiles: str = typer.Option("90,95,99", "--percentiles", help="Latency percentiles to report."),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the eager op list and "
                                    "PyTorch-pool CUDA graphs in the same process."),
@@ -128,19 +130,26 @@ def bench_command(
                     if baseline.pool_bytes is not None:
                         memory[f"{name}_pool_bytes"] = baseline.pool_bytes
             results = {}
+            swept = sizes if len(sizes) > 1 else []
+            shares = time_shares(duration_s, list(runners), len(swept))
             for name, replay in runners.items():
                 update(f"timing {name}")
-                results[name] = measure(replay, cuda=cuda, warmup_ms=warmup_ms, duration_s=duration_s,
-                                        iterations=iterations)
+                results[name] = measure(replay, cuda=cuda, warmup_ms=warmup_ms, duration_s=shares[name],
+                                        iterations=iterations,
+                                        until=time.perf_counter() + 2 * shares[name] if duration_s else None)
             per_batch = []
-            for b in sizes if len(sizes) > 1 else []:
+            for b in swept:
                 update(f"timing batch {b}")
-                timed = measure(loaded.executable(b).replay, cuda=cuda, warmup_ms=warmup_ms,
-                                duration_s=min(duration_s, 1.0), iterations=iterations).summary(pcts)
+                timed = measure(loaded.executable(b).replay, cuda=cuda, warmup_ms=min(warmup_ms, 50),
+                                duration_s=shares["batch"], iterations=iterations,
+                                until=time.perf_counter() + 2 * shares["batch"] if duration_s else None
+                                ).summary(pcts)
                 per_batch.append({"batch": b, "median_ms": timed["median_ms"],
                                   "inferences_per_s": timed["throughput_per_s"],
                                   "rows_per_s": timed["throughput_per_s"] * b})
         summaries = {k: t.summary(pcts) for k, t in results.items()}
+        withheld = {k: unsteady(summaries["nimble"], s) for k, s in summaries.items()
+                    if k != "nimble" and unsteady(summaries["nimble"], s)}
         report = {
             "schema_version": BENCH_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
             "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
@@ -161,7 +170,8 @@ def bench_command(
                          "iterations": iterations, "percentiles": list(pcts)},
             "results": summaries,
             "speedup_vs": {k: s["mean_ms"] / summaries["nimble"]["mean_ms"] for k, s in summaries.items()
-                           if k != "nimble"},
+                           if k != "nimble" and k not in withheld},
+            "speedup_withheld": withheld,
         }
         if export_times is not None:
             from nimble.fileio import write_atomic
@@ -223,6 +233,31 @@ def _write_trace(exe, path: Path) -> dict:
             "op_list_ms": other["op list ms"], "replay_median_ms": replays[len(replays) // 2] if replays else None}
 
 
+CV_LIMIT = 2.5  # percent: over it, a timed run is too unsteady to compare
+
+
+def unsteady(nimble: dict, other: dict) -> str | None:
+    """Why a speedup of nimble over `other` would not be backed by the numbers, or None."""
+    worst = max(nimble["cv_percent"], other["cv_percent"])
+    if worst <= CV_LIMIT:
+        return None
+    return (f"the coefficient of variation is {worst:.1f}%, over {CV_LIMIT}%, so a ratio of means says little; rerun "
+            "on an idle machine, or with a longer --duration")
+
+
+def time_shares(duration_s: float, variants: list[str], batches: int) -> dict[str, float]:
+    """Each timed run's share of --duration: nimble half (all of it where it runs alone), the
+    baselines the other half between them, and each batch size of the sweep an eighth of
+    --duration between them, taken from both. Each run ends within twice its share, so the timing
+    ends within twice --duration."""
+    sweep = duration_s / 8 if batches else 0.0
+    rest = duration_s - sweep
+    others = [v for v in variants if v != "nimble"]
+    shares = {"nimble": rest / 2 if others else rest, **{v: rest / 2 / len(others) for v in others}}
+    shares["batch"] = sweep / batches if batches else 0.0
+    return shares
+
+
 def _print(r: dict, pcts) -> None:
     console.print(f"[bold]{literal(Path(r['artifact']).name)}[/] on {r['gpu'] or r['device']} (torch {r['torch']}): "
                   f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
@@ -257,7 +292,8 @@ def _print(r: dict, pcts) -> None:
     table.add_row("back to back /s (no sync)", *(f"{r['results'][n]['back_to_back_per_s']:.0f}" for n in names))
     table.add_row("CV %", *(f"{r['results'][n]['cv_percent']:.1f}" for n in names))
     if len(names) > 1:
-        table.add_row("nimble speedup", *("-" if n == "nimble" else f"{r['speedup_vs'][n]:.2f}x" for n in names))
+        table.add_row("nimble speedup", *(f"{r['speedup_vs'][n]:.2f}x" if n in r["speedup_vs"] else "-"
+                                          for n in names))
     console.print(table)
     for name in names:
         what = VARIANTS[name] if r["gpu"] or name != "nimble" else "the placed op list in its arena, serially"
@@ -284,9 +320,12 @@ def _print(r: dict, pcts) -> None:
 
     more = "raise --duration or --iterations"
     for name, s in r["results"].items():
-        if s["cv_percent"] > 2.5:
+        if s["cv_percent"] > CV_LIMIT:
             console.print(f"[yellow]warning:[/] {name}: coefficient of variation {s['cv_percent']:.1f}% is above "
-                          f"2.5%; the machine may be busy, or {more}")
+                          f"{CV_LIMIT}%; the machine may be busy, or {more}")
+    if r["speedup_withheld"]:
+        console.print(f"no speedup printed over {', '.join(SHORT[n] for n in r['speedup_withheld'])}: "
+                      f"{next(iter(r['speedup_withheld'].values()))}")
     n = min(s["iterations"] for s in r["results"].values())
     thin = [f"p{p:g}" for p in pcts if samples_behind(p, n) < 1]
     if thin:

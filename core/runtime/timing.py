@@ -58,11 +58,16 @@ def samples_behind(p: float, n: int) -> int:
     return n - 1 - min(n - 1, max(0, math.ceil(p / 100 * n) - 1))
 
 
-def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0, iterations: int = 10) -> Timing:
+def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3.0, iterations: int = 10,
+            until: float | None = None) -> Timing:
     """Time `replay()` as trtexec does: warm up for warmup_ms, then run for at least duration_s
-    and at least `iterations` times (duration_s 0: exactly `iterations` times)."""
+    and at least `iterations` times (duration_s 0: exactly `iterations` times). `until` (a
+    `time.perf_counter()` value) ends it all sooner, warm-up and back-to-back run included, once
+    two inferences are timed: on a slow or busy machine the bench keeps to its time."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     end = time.perf_counter() + warmup_ms / 1000
+    if until is not None:
+        end = min(end, until - duration_s)
     while True:
         replay()
         sync()
@@ -74,6 +79,8 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
     began = time.perf_counter()
     deadline = began + duration_s
     while len(timing.latency_ms) < iterations or time.perf_counter() < deadline:
+        if until is not None and len(timing.latency_ms) >= 2 and time.perf_counter() >= until:
+            break
         t0 = time.perf_counter()
         if cuda:
             start_ev.record()
@@ -90,6 +97,9 @@ def measure(replay, *, cuda: bool, warmup_ms: float = 200, duration_s: float = 3
     timing.throughput = len(timing.latency_ms) / (time.perf_counter() - began)
     # the back-to-back rate: at most a tenth of the timed run's length, and at most 1000 launches
     n = max(1, min(len(timing.latency_ms) // 10, 1000))
+    if until is not None:  # and within what is left of `until`
+        left_s = until - time.perf_counter()
+        n = max(1, min(n, int(left_s * 1000 / max(statistics.median(timing.latency_ms), 1e-6))))
     t0 = time.perf_counter()
     for _ in range(n):
         replay()

@@ -121,3 +121,39 @@ def test_bench_needs_no_temporary_folder(tmp_path, monkeypatch):
     assert not Path(dump).parent.exists()
     with _graph_dump(False) as dump:
         assert dump is None
+
+
+def test_a_run_keeps_to_its_time_on_a_slow_machine():
+    """`until` ends a timed run (warm-up and back-to-back run included) once two inferences are
+    timed, though --iterations asked for more: the bench ends within twice --duration."""
+    import time
+
+    from nimble.runtime.timing import measure
+    from nimble.cli.bench import time_shares
+
+    calls = []
+    t = measure(lambda: (calls.append(1), time.sleep(0.05)), cuda=False, warmup_ms=1000, duration_s=0.1,
+                iterations=50, until=time.perf_counter() + 0.2)
+    assert 2 <= len(t.latency_ms) < 50 and len(calls) < 50
+    shares = time_shares(4.0, ["nimble", "eager", "pytorch_graph"], 3)
+    assert abs(shares["nimble"] + shares["eager"] + shares["pytorch_graph"] + 3 * shares["batch"] - 4.0) < 1e-9
+    assert shares["nimble"] == 2 * (shares["eager"] + shares["pytorch_graph"]) / 2 and time_shares(1.0, ["nimble"], 0) == \
+        {"nimble": 1.0, "batch": 0.0}
+
+
+def test_no_speedup_is_printed_where_the_runs_were_unsteady(tmp_path, monkeypatch):
+    import json
+
+    import nimble.cli.bench
+
+    out = tmp_path / "r.nimble"
+    assert invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out).exit_code == 0
+    monkeypatch.setattr(nimble.cli.bench, "CV_LIMIT", -1.0)  # every run over the limit
+    result = invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["speedup_vs"] == {} and set(doc["speedup_withheld"]) == {"eager"}
+    text = " ".join(result.stderr.replace("│", " ").split())
+    assert "nimble speedup - -" in text and "no speedup printed over eager: the coefficient of variation" in text
+    monkeypatch.setattr(nimble.cli.bench, "CV_LIMIT", 1e9)
+    doc = json.loads(invoke("bench", out, "--device", "cpu", "-n", "5", "--duration", "0", "--json").stdout)
+    assert set(doc["speedup_vs"]) == {"eager"} and doc["speedup_withheld"] == {}
