@@ -126,6 +126,8 @@ class CompileOptions:
     io_dtype: str = "model"  # reduced precision: inputs and outputs keep float32 ("model") or not ("reduced")
     tolerance: float | None = None  # reduced precision: search for the float32 ops this relative L2 error needs
     fold_constants: bool = True  # off for a multi-batch artifact: its batch sizes share one set of weights
+    input_names: tuple[str, ...] | None = None  # what clients call the inputs (--input-names); None: the model's
+    output_names: tuple[str, ...] | None = None  # and the outputs (--output-names); None: the model's (`name_io`)
 
     def __post_init__(self):
         check_precision(self.precision, self.io_dtype, self.tolerance)
@@ -162,19 +164,22 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
 def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
                   streams: str | int = "auto", check: bool = True, progress: Callable[[str], None] = lambda stage: None,
                   fuse: bool = True, precision: str = "fp32", io_dtype: str = "model",
-                  tolerance: float | None = None, batch_sizes: list[int] | None = None) -> Compiled:
+                  tolerance: float | None = None, batch_sizes: list[int] | None = None,
+                  input_names: tuple[str, ...] | None = None, output_names: tuple[str, ...] | None = None) -> Compiled:
     """Load a TorchScript model or a torch.export `.pt2` program, lower it for `inputs` (None: a
     program's own input specs), check the op list against the model, and schedule it on
     `streams` ("auto", 1, or a cap). `batch_sizes` compiles it once for each, as the first
     dimension of every input (`compile_batches`).
 
+    `input_names` and `output_names` are what clients call them (default: the model's own names).
     `progress(stage)` is called as each stage starts. `fuse` runs the FUSION passes; without it
     every op stays a single aten op. The check runs the op list on `device`
     and compares it with the model run on the CPU; a mismatch raises MismatchError.
     `precision`, `io_dtype` and `tolerance` as `CompileOptions` says.
     """
     path = Path(path)
-    options = CompileOptions(device, streams, check, fuse, precision, io_dtype, tolerance)
+    options = CompileOptions(device, streams, check, fuse, precision, io_dtype, tolerance,
+                             input_names=input_names, output_names=output_names)
     stages = Stages(progress)
     with stages.stage("load", "loading"):
         frontend.check_model_file(path)
@@ -252,7 +257,8 @@ def compile_program(program, inputs: list[TensorSpec] | None, name: str, model: 
     _check_weight_dtypes({**program.state_dict, **program.constants}, model)
     specs = frontend.export.input_specs_for(program, inputs, model)
     return run_stages(lambda: frontend.lower_program(program, specs, model), specs,
-                      Source(name, model, digest, "torch.export"), options, stages, samples)
+                      Source(name, model, digest, "torch.export"), options, stages, samples,
+                      frontend.export.output_names(program))
 
 
 def compile_script(module: torch.jit.ScriptModule, inputs: list[TensorSpec], name: str, model: str,
@@ -275,9 +281,11 @@ def _check_weight_dtypes(state: dict, model: str) -> None:
 
 
 def run_stages(lower, inputs: list[TensorSpec], source: Source, options: CompileOptions,
-               stages: Stages | None = None, samples: list[torch.Tensor] | None = None) -> Compiled:
+               stages: Stages | None = None, samples: list[torch.Tensor] | None = None,
+               model_outputs: list[str] | None = None) -> Compiled:
     """The stages after loading, shared by both frontends, in order: the frontend (`lower()`), the
-    PASSES, the check against the model, the schedule and the memory plan."""
+    PASSES, the names clients see (`model_outputs`: the model's own; None: `output`, or `output_k`
+    for several), the check against the model, the schedule and the memory plan."""
     stages = stages or Stages()
     device = resolve_device(options.device)[0].type
     streams = parse_streams(options.streams)
@@ -285,6 +293,7 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
         lowered = lower()
     order = REWRITES if options.fold_constants else tuple(p for p in REWRITES if p is not passes.fold_constants)
     lowered = rewrite(lowered, order, stages)
+    lowered = dataclasses.replace(lowered, graph=_named(lowered.graph, options, model_outputs, source.model))
     record = None
     if options.precision != "fp32":  # the search converts the graph; its last conversion is the pass's result
         with stages.stage("precision", f"choosing the {options.precision} ops"):
@@ -310,6 +319,25 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     return Compiled(source.name, source.model, source.digest, graph, weights, _as_dtypes(graph, graph.inputs, xs),
                     [e.contiguous() for e in expected], result, device, schedule, memory, manifest_options,
                     dict(stages.seconds), list(stages.passes), record)
+
+
+def _named(graph: Graph, options: CompileOptions, model_outputs: list[str] | None, model: str) -> Graph:
+    """The graph with the input and output names clients see: those asked for, else the model's."""
+    for option, given, ids in (("--input-names", options.input_names, graph.inputs),
+                               ("--output-names", options.output_names, graph.outputs)):
+        if given is not None and len(given) != len(ids):
+            now = ", ".join(graph.values[i].name for i in ids)
+            raise UsageError(f"{option} gives {len(given)} name(s) but {model} has {len(ids)} "
+                             f"{option[2:].split('-')[0]}(s) ({now}); give one name for each")
+    outputs = list(options.output_names) if options.output_names is not None else model_outputs
+    if outputs is None or len(outputs) != len(graph.outputs):
+        outputs = ["output"] if len(graph.outputs) == 1 else [f"output_{k}" for k in range(len(graph.outputs))]
+    named, problems = passes.name_io(graph, options.input_names and list(options.input_names), outputs)
+    chosen = [p for p in problems if (p.startswith("input") and options.input_names is not None)
+              or (p.startswith("output") and options.output_names is not None)]
+    if chosen:
+        raise UsageError(f"{model}: {chosen[0]}; choose other names")
+    return named
 
 
 def _as_dtypes(graph: Graph, ids, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -133,6 +133,27 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
+NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}"  # a client's name for an input or output: 1 to 64 characters
+
+
+def parse_names(text: str | None, option: str) -> tuple[str, ...] | None:
+    """'input_ids,attention_mask' -> ('input_ids', 'attention_mask'); None or '' -> None."""
+    import re
+
+    if text is None or not str(text).strip():
+        return None
+    names = tuple(p.strip() for p in str(text).split(","))
+    bad = next((n for n in names if not re.fullmatch(NAME_PATTERN, n)), None)
+    if bad is not None:
+        raise UsageError(f"{option} {bad[:80]!r}: a name starts with a letter or _, and holds up to 64 letters, "
+                         "digits, _, . and -; join names with commas, e.g. {option} logits,hidden".replace(
+                             "{option}", option))
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise UsageError(f"{option}: {twice!r} is given twice; each input or output needs its own name")
+    return names
+
+
 def with_batch(specs: list[TensorSpec], batch: int, model: str = "the model") -> list[TensorSpec]:
     """`specs` with the first dimension of every input set to `batch`."""
     for k, s in enumerate(specs):

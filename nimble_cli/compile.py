@@ -51,6 +51,13 @@ def compile_command(
                                               "of float32 on the sample input, e.g. 1e-2. Without it, a compile "
                                               "whose outputs are further off names the op that first loses "
                                               "accuracy."),
+    input_names: Optional[str] = typer.Option(None, "--input-names", metavar="N1,N2,...",
+                                              help="What clients call the inputs, in order (default: the "
+                                              "model's argument names)."),
+    output_names: Optional[str] = typer.Option(None, "--output-names", metavar="N1,N2,...",
+                                               help="What clients call the outputs, in order (default: the "
+                                               "model's own: a returned dict's keys, else output or output_0, "
+                                               "output_1...)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", metavar="B1,B2,...",
                                               help="Compile one graph, schedule and memory plan for each batch "
                                               "size, as the first dimension of every input, into one artifact "
@@ -88,6 +95,9 @@ def compile_command(
         from nimble.specs import parse_batch_sizes
 
         batches = parse_batch_sizes(batch_sizes)
+        from nimble.specs import parse_names
+
+        names = parse_names(input_names, "--input-names"), parse_names(output_names, "--output-names")
         check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
@@ -98,7 +108,7 @@ def compile_command(
             compiled = compile_model(model, specs, device=device, streams=streams,
                                      progress=lambda stage: update(f"{model.name}: {stage}"), fuse=fuse,
                                      precision=precision, io_dtype=io_dtype, tolerance=tolerance,
-                                     batch_sizes=batches)
+                                     batch_sizes=batches, input_names=names[0], output_names=names[1])
             update(f"{model.name}: writing {target.name}")
             t = time.perf_counter()
             size, interrupted = _write(target, compiled.artifact())

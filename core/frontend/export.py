@@ -83,6 +83,32 @@ def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec
     return Lowered(graph, weights, reference_of(program))
 
 
+def output_names(program: torch.export.ExportedProgram) -> list[str]:
+    """The names the model gives its outputs, from the structure its forward returns: a dict's
+    keys (a Hugging Face output's fields), joined by dots where nested (`hidden.0`); `output` for
+    a lone tensor, `output_0`, `output_1`... for a tuple. Where that structure cannot be read,
+    `output_k` for each."""
+    from torch.utils import _pytree as pytree
+
+    count = sum(1 for s in program.graph_signature.output_specs
+                if s.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT)
+    try:
+        spec = program.call_spec.out_spec
+        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        paths = [path for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+    except Exception:  # a structure of a type this process cannot import
+        paths = None
+    if paths is None or len(paths) != count:
+        return [f"output_{k}" for k in range(count)]
+    if paths == [()]:
+        return ["output"]
+    names = []
+    for path in paths:
+        parts = [str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path]
+        names.append("_".join(["output", *parts]) if hasattr(path[0], "idx") else ".".join(parts))
+    return names
+
+
 def reference_of(program: torch.export.ExportedProgram):
     """The program as a function of its user inputs, for reference outputs: its graph module with
     the lifted parameters, buffers and constants passed in (`ExportedProgram.module()` can fail to

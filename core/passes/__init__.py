@@ -32,7 +32,7 @@ from .generate_broadcast_ops import generate_broadcast_ops
 from .match_attention import match_attention
 from .match_multi_head_attention import match_multi_head_attention
 from .merge_sibling_convolutions import merge_sibling_convolutions
-from .name_values import name_values
+from .name_values import name_io, name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 from .precompute_attention_masks import precompute_attention_masks
@@ -48,6 +48,6 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bi
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
-           "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_values",
+           "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",
            "order_canonically", "precompute_attention_masks"]
