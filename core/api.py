@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from . import frontend
+from . import frontend, watch
 from .errors import MismatchError, ModelError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
 from .frontend.quiet import quiet_torch
 from .ir import TensorSpec
@@ -119,7 +119,10 @@ class Nimble:
             self._runner = Executable(self._compiled.artifact(), device.type)
             if self.frontend == "torchscript (traced)":
                 self._check_trace(xs)
-        self._guard = _Guard(self.module, versions=not self._training)
+        if getattr(self, "_guard", None) is not None:
+            self._guard.release()
+        self._guard = _Watched(self.module) if not self._training and watch.watchable(self.module) else \
+            _Guard(self.module, versions=not self._training)
         return self
 
     def _compile_inference(self, xs: list[torch.Tensor]):
@@ -267,6 +270,7 @@ class Nimble:
             raise UsageError("call prepare(example_inputs) before save()")
         compiled = self._compiled
         if compiled is None or not self._guard.unchanged():
+            self._guard.release()  # torch.export reads the module as it is, unwatched; the model stays stale
             was_training = self.module.training
             self.module.eval()
             try:
@@ -277,8 +281,28 @@ class Nimble:
         write_artifact(path, compiled.artifact())
 
 
+class _Watched:
+    """The guard of a model prepared for inference: `watch.py` notes any change to the module's
+    tensors as it happens, so a call only asks whether one was noted."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._watch = watch.watch(module)
+
+    def check(self) -> None:
+        if self._watch.changed is not None:
+            raise ModelError(f"the module changed after prepare(): {self._watch.changed}, so the prepared copy "
+                             "would be stale; call prepare() again")
+
+    def unchanged(self) -> bool:
+        return self._watch.changed is None
+
+    def release(self) -> None:
+        self._watch.release()
+
+
 class _Guard:
-    """Notices a module changed after `prepare`: a parameter or buffer replaced or given new
+    """The guard of a model prepared for training, or of a module `watch` cannot watch (a
+    TorchScript module): notices a parameter or buffer replaced or given new
     storage, or, where the prepared copy is frozen (inference), written in place. A call checks
     all of that with three passes over flat lists, each a `map` that runs in C: the tables' `get`
     (a plain module's parameters and buffers are dicts), `Tensor.data_ptr` and `_version` (about
@@ -300,6 +324,9 @@ class _Guard:
         plain = all(isinstance(t, dict) for t in self._tables)  # else TorchScript's wrappers: getattr
         self._now = (lambda: map(dict.get, self._tables, self._names)) if plain else \
             (lambda: (getattr(m, name, None) for m, name, *_ in self.entries))
+
+    def release(self) -> None:
+        pass
 
     def check(self) -> None:
         problem = self._problem() if self._maybe_changed() else None

@@ -242,6 +242,95 @@ def test_new_storage_and_replaced_buffers_are_refused_and_an_untouched_module_is
         assert word in _one_line(e)
 
 
+class _ConvBn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def _changes():
+    """Every way a user changes a weight after prepare(): (what it does, the tensor it names)."""
+    def kept_data_alias(m):
+        alias = m.conv.weight.data
+        yield  # a call between taking the alias and writing through it
+        alias.mul_(2)
+
+    def once(change):
+        def gen(m):
+            yield
+            change(m)
+        return gen
+
+    def no_grad(change):
+        def run(m):
+            with torch.no_grad():
+                change(m)
+        return run
+
+    return [
+        ("data_mul", once(lambda m: m.conv.weight.data.mul_(2)), "conv.weight"),  # the issue's case
+        ("kept_data_alias", kept_data_alias, "conv.weight"),
+        ("detach_zero", once(lambda m: m.conv.weight.detach().zero_()), "conv.weight"),
+        ("view_write", once(lambda m: m.conv.weight.data.view(-1)[:3].fill_(0)), "conv.weight"),
+        ("copy_no_grad", once(no_grad(lambda m: m.conv.bias.copy_(torch.ones(4)))), "conv.bias"),
+        ("set_", once(no_grad(lambda m: m.conv.bias.set_(torch.ones(4)))), "conv.bias"),
+        ("setitem_buffer", once(lambda m: m.bn.running_mean.__setitem__(0, 5.0)), "bn.running_mean"),
+        ("in_place_operator", once(no_grad(lambda m: m.bn.weight.__imul__(3))), "bn.weight"),
+        ("init", once(lambda m: nn.init.zeros_(m.bn.bias)), "bn.bias"),
+        ("foreach", once(no_grad(lambda m: torch._foreach_add_([m.bn.bias], [torch.ones(4)]))), "bn.bias"),
+        ("out", once(lambda m: torch.add(torch.ones(4), 1, out=m.bn.running_var)), "bn.running_var"),
+        ("load_state_dict", once(lambda m: m.load_state_dict(_ConvBn().state_dict())), "conv.weight"),
+        ("assign", once(lambda m: m.load_state_dict(_ConvBn().state_dict(), assign=True)), "conv.weight"),
+        ("to_double", once(lambda m: m.to(torch.float64)), "conv.weight"),
+        ("del_and_set", once(lambda m: m.bn._buffers.pop("running_var")), "bn.running_var"),
+        ("new_submodule", once(lambda m: setattr(m, "conv", nn.Conv2d(3, 4, 3))), "conv"),
+    ]
+
+
+@pytest.mark.parametrize("label,change,tensor", _changes(), ids=[c[0] for c in _changes()])
+def test_no_change_to_the_module_gives_a_stale_answer(label, change, tensor):
+    """Issue 62: `conv.weight.data.mul_(2)` on a conv + batch norm model changed nothing (off by 2.06,
+    no error). Each change is refused at the next call, naming the tensor and what to do."""
+    torch.manual_seed(0)
+    module = _ConvBn().eval()
+    x = torch.randn(1, 3, 8, 8)
+    model = nimble.Nimble(module).prepare(x)
+    steps = change(module)
+    next(steps)
+    model(x)  # nothing changed yet
+    next(steps, None)
+    with pytest.raises(ModelError) as e:
+        model(x)
+    line = _one_line(e)
+    assert f"'{tensor}" in line and "prepare() again" in line, line
+
+
+def test_reading_the_module_is_no_change_and_its_classes_come_back():
+    import copy
+    import gc
+    import io
+
+    module = _ConvBn().eval()
+    x = torch.randn(1, 3, 8, 8)
+    model = nimble.Nimble(module).prepare(x)
+    module.conv.weight.data.sum(), module.state_dict(), copy.deepcopy(module), repr(module.conv.weight)
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.conv.weight) is nn.Parameter and type(loaded.bn.running_mean) is torch.Tensor
+    with torch.no_grad():
+        want = module(x)  # eager, beside the prepared model
+    assert torch.allclose(model(x), want, atol=1e-5)
+    del model
+    gc.collect()
+    assert type(module.conv.weight) is nn.Parameter and type(module.bn.running_mean) is torch.Tensor
+    assert type(module.conv._parameters) is dict
+
+
 def test_a_torchscript_module_changed_after_prepare_is_refused():
     """A TorchScript module's parameters sit behind wrappers, not dicts: read through getattr."""
     module = torch.jit.script(build_module("resnet").eval())
