@@ -126,6 +126,8 @@ class CompileOptions:
     io_dtype: str = "model"  # reduced precision: inputs and outputs keep float32 ("model") or not ("reduced")
     tolerance: float | None = None  # reduced precision: search for the float32 ops this relative L2 error needs
     fold_constants: bool = True  # off for a multi-batch artifact: its batch sizes share one set of weights
+    batch: int | None = None  # a multi-batch artifact's member: its batch size
+    batch_rows: frozenset[str] = frozenset()  # its weights made one row expanded to it (`passes.batch_constants`)
     input_names: tuple[str, ...] | None = None  # what clients call the inputs (--input-names); None: the model's
     output_names: tuple[str, ...] | None = None  # and the outputs (--output-names); None: the model's (`name_io`)
 
@@ -195,8 +197,10 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
                                  types.dtype_name(dtype)) for _, shape, dtype in frontend.export.program_inputs(module)]
         # a folded value may be shaped by the batch (positions expanded to it): the batch sizes share weights
         shared = dataclasses.replace(options, fold_constants=False)
-        return compile_batches(lambda specs, samples, st: compile_one(module, specs, path.stem, path.name, digest,
-                                                                        shared, st, samples),
+        return compile_batches(lambda specs, samples, st, batch_rows: compile_one(
+                                   module, specs, path.stem, path.name, digest,
+                                   dataclasses.replace(shared, batch=specs[0].shape[0], batch_rows=batch_rows),
+                                   st, samples),
                                inputs, batch_sizes, path.name, stages,
                                frontend.export.reference_of(module) if program else module)
     return compile_one(module, inputs, path.stem, path.name, digest, options, stages)
@@ -210,14 +214,39 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
     larger, padded with zero rows, and a server packs clients' rows into one call: each larger
     batch size is checked on rows that differ (`batches.distinct_rows`), each row against the
     model run on that row alone, and on the smallest one's sample padded with zero rows; then
-    `batches.check_batches` proves it of the graphs. They must read the same weights."""
+    `batches.check_batches` proves it of the graphs. They must read the same weights: where they
+    differ only by constants shaped by the batch (one row repeated), it compiles them all again
+    with those as one row expanded (`passes.batch_constants`); `compile_one(specs, samples,
+    stages, batch_rows)` compiles one."""
+    batch_rows: frozenset[str] = frozenset()
+    while True:
+        try:
+            return _compile_members(compile_one, inputs, batch_sizes, model, stages, reference, batch_rows)
+        except _BatchShaped as e:
+            if e.names <= batch_rows:  # made rows already, and still shaped by the batch: a bug, said plainly
+                raise UnsupportedError(f"{model}: weights {sorted(e.names)[:3]} stay shaped by the batch; compile "
+                                       "one batch size per artifact") from None
+            batch_rows |= e.names
+            stages.passes.clear()  # the passes the artifact records are those of the compile that is kept
+            stages.progress(f"constants shaped by the batch ({', '.join(sorted(e.names)[:3])}): compiling again "
+                            "with each as one row")
+
+
+class _BatchShaped(Exception):
+    def __init__(self, names: frozenset[str]):
+        super().__init__(", ".join(sorted(names)))
+        self.names = names
+
+
+def _compile_members(compile_one, inputs: list[TensorSpec], batch_sizes: list[int], model: str, stages: Stages,
+                     reference, batch_rows: frozenset[str]) -> Compiled:
     first, *rest = batch_sizes
     progress = stages.progress
-    main = compile_one(with_batch(inputs, first, model), None, stages)
+    main = compile_one(with_batch(inputs, first, model), None, stages, batch_rows)
     for b in rest:
         st = Stages(lambda stage, b=b: progress(f"batch {b}: {stage}"))
         samples = [x.to(types.DTYPES[spec.dtype]) for x, spec in zip(batches.distinct_rows(main.sample_inputs, b), inputs)]
-        other = compile_one(with_batch(inputs, b, model), samples, st)
+        other = compile_one(with_batch(inputs, b, model), samples, st, batch_rows)
         with frontend.quiet_torchscript(), torch.no_grad(), one_thread():
             alone = batches.each_row_alone(lambda *xs: [y.cpu() for y in arguments.flatten_result(reference(*xs))],
                                            samples, first)
@@ -231,10 +260,11 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
                 raise MismatchError(f"{model}: at batch {b}, output {k} is not each row's output computed alone "
                                     f"({result.describe()}): the model mixes the rows of a batch, so a padded call "
                                     "would change its results; compile one batch size per artifact")
-        if _weight_specs(other) != _weight_specs(main) or any(
-                not torch.equal(other.weights[n], main.weights[n]) for n in main.weights):
+        if shaped := _batch_shaped(main, other, first, b):
+            raise _BatchShaped(shaped)
+        if why := _other_weights(main, other):
             raise UnsupportedError(f"{model}: at batch {b} the compiled graph reads other weights than at batch "
-                                   f"{first}; compile one batch size per artifact")
+                                   f"{first} ({why}); compile one batch size per artifact")
         for key, secs in st.seconds.items():
             main.seconds[key] = main.seconds.get(key, 0.0) + secs
         main.others.append(other)
@@ -245,8 +275,43 @@ def compile_batches(compile_one, inputs: list[TensorSpec], batch_sizes: list[int
     return main
 
 
-def _weight_specs(c: Compiled) -> list:
-    return sorted((n, str(t.dtype), tuple(t.shape)) for n, t in c.weights.items())
+def _batch_shaped(main: Compiled, other: Compiled, first: int, b: int) -> frozenset[str]:
+    """The weights that differ between two batch sizes only as one row repeated to each (a
+    constant shaped by the batch), where every weight that differs is one; else empty."""
+    shaped, differ = set(), False
+    for name in set(main.weights) | set(other.weights):
+        x, y = main.weights.get(name), other.weights.get(name)
+        if x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y):
+            continue
+        differ = True
+        if x is None or y is None or x.dim() == 0 or x.dtype != y.dtype or x.shape[0] != first or y.shape[0] != b \
+                or x.shape[1:] != y.shape[1:] or not torch.equal(x, x[:1].expand_as(x)) \
+                or not torch.equal(y, x[:1].expand_as(y)):
+            return frozenset()
+        shaped.add(name)
+    return frozenset(shaped) if differ else frozenset()
+
+
+def _other_weights(main: Compiled, other: Compiled) -> str | None:
+    """How `other`'s weights differ from `main`'s, naming the first weight and the op that reads
+    it (with its source line); None where they are the same."""
+    def reader(c: Compiled, name: str) -> str:
+        g = c.graph
+        vid = next(v.id for v in g.values if v.name == name)
+        op = next((o for o in g.ops if vid in set(o.refs())), None)
+        return "" if op is None else f", read by {op.target} at {op.source}"
+
+    for name in sorted(set(main.weights) | set(other.weights)):
+        a, b = main.weights.get(name), other.weights.get(name)
+        if a is None or b is None:
+            c, where = (other, "only at the larger") if a is None else (main, "only at the smaller")
+            t = c.weights[name]
+            return f"weight '{name}' ({types.dtype_name(t.dtype)}{list(t.shape)}) is {where} batch size{reader(c, name)}"
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            return (f"weight '{name}' is {types.dtype_name(a.dtype)}{list(a.shape)} at one and "
+                    f"{types.dtype_name(b.dtype)}{list(b.shape)} at the other, or holds other values"
+                    f"{reader(other, name)}")
+    return None
 
 
 def compile_program(program, inputs: list[TensorSpec] | None, name: str, model: str, digest: str,
@@ -291,6 +356,9 @@ def run_stages(lower, inputs: list[TensorSpec], source: Source, options: Compile
     streams = parse_streams(options.streams)
     with stages.stage("lower", "lowering"):
         lowered = lower()
+    if options.batch_rows:  # the batch sizes share weights: a batch-shaped constant is one row expanded
+        graph, weights = passes.batch_constants(lowered.graph, lowered.weights, options.batch, options.batch_rows)
+        lowered = dataclasses.replace(lowered, graph=graph, weights=weights)
     order = REWRITES if options.fold_constants else tuple(p for p in REWRITES if p is not passes.fold_constants)
     lowered = rewrite(lowered, order, stages)
     lowered = dataclasses.replace(lowered, graph=_named(lowered.graph, options, model_outputs, source.model))

@@ -12,6 +12,7 @@ specs are needed only for dimensions the program left dynamic. Reading the archi
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -177,6 +178,12 @@ class _Lowering:
     def _call(self, node):
         if node.target is operator.getitem:
             return self._value(node.args[0])[node.args[1]]
+        if node.target in _SIZE_ARITHMETIC:  # export's arithmetic on sizes: plain numbers here
+            args = [self._value(a) for a in node.args]
+            if not all(isinstance(a, (int, float, bool)) for a in args):
+                raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at "
+                                       f"{_source(node)} computes on a tensor's values, not on sizes")
+            return node.target(*args)
         if not isinstance(node.target, torch._ops.OpOverload):
             raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)} "
                                    "is not an aten op; nimble needs a program whose graph holds aten ops only")
@@ -190,6 +197,10 @@ class _Lowering:
             if dtype is not None and actual is not None and actual != dtype:
                 raise ShapeError(f"{self.name}: at {_source(node)} the program expects {dtype}, not {actual}")
             return None
+        if schema.name in _SIZES:  # a dimension of a tensor of known shape: a number
+            return _SIZES[schema.name](self.builder.tensor_of(ins[0]), *ins[1:])
+        if schema.name in _SIZE_CHECKS:  # export's guards on sizes: decided here, for these shapes
+            return self._size_check(schema.name, ins, node)
         if schema.name in IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             return ins[0]
         self.builder.check_reads(schema, target, ins, _source(node))
@@ -201,6 +212,20 @@ class _Lowering:
         if len(schema.returns) == 1 and not _returns_list(schema):
             return result[0]
         return result if len(schema.returns) == 1 else tuple(result)
+
+    def _size_check(self, name: str, ins: list, node) -> None:
+        if name == "aten::_assert_scalar":
+            if not isinstance(ins[0], (bool, int)):
+                raise UnsupportedError(f"{self.name}: the program asserts on a tensor's value at {_source(node)}")
+            if not ins[0]:
+                raise ShapeError(f"{self.name}: these input shapes fail the program's own check at {_source(node)} "
+                                 f"({str(ins[1])[:200]}); export it for these sizes")
+            return None
+        value, low, high = ins[0], ins[1], ins[2]  # sym_constrain_range(_for_size)
+        if isinstance(value, int) and ((low is not None and value < low) or (high is not None and value > high)):
+            raise ShapeError(f"{self.name}: a size of {value} is outside the range {low} to {high} the program was "
+                             f"exported for, at {_source(node)}")
+        return None
 
     def _outputs(self, node) -> list[int]:
         kinds = [s.kind for s in self.program.graph_signature.output_specs]
@@ -216,6 +241,21 @@ class _Lowering:
                                        "that return tensors")
             out.append(obj.id)
         return out
+
+# export's shape guards, evaluated on the shapes being compiled (a graph exported with a dynamic
+# dimension asks for its size, computes on it, and asserts on it)
+_SIZES = {
+    "aten::sym_size": lambda t, dim: int(t.shape[dim]),
+    "aten::sym_numel": lambda t: int(t.numel()),
+    "aten::sym_stride": lambda t, dim: int(t.stride()[dim]),
+    "aten::sym_storage_offset": lambda t: 0,
+}
+_SIZE_CHECKS = {"aten::_assert_scalar", "aten::sym_constrain_range", "aten::sym_constrain_range_for_size"}
+_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod,
+                    operator.pow, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+                    operator.ge, operator.and_, operator.or_, operator.not_, torch.sym_int, torch.sym_float,
+                    torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite, math.ceil, math.floor, math.trunc}
+
 
 def _returns_list(schema) -> bool:
     """The op returns Tensor[] (split, chunk, unbind), whatever its alias annotation."""

@@ -11,6 +11,7 @@ between the rewrites and the layout passes where a compile asks for fp16 or bf16
 
 from .affine_batch_norm import affine_batch_norm
 from .align_attention_masks import align_attention_masks
+from .batch_constants import batch_constants
 from .bias_into_broadcast import bias_into_broadcast
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
@@ -42,7 +43,7 @@ REWRITES_WEIGHTS = frozenset({fold_constants, index_as_view, fold_batch_norm, af
                               inline_scalar_constants, align_attention_masks, drop_precision_casts,
                               bias_into_broadcast, merge_sibling_convolutions})
 
-__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "bias_into_broadcast",
+__all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "batch_constants", "bias_into_broadcast",
            "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",

@@ -124,7 +124,7 @@ def test_outputs_equal_nimble_run_for_the_same_inputs(server, artifacts, tmp_pat
     c = client(server)
     for binary in (True, False):
         got = c.infer("resnet", [infer_input(x, binary=binary)],
-                      outputs=[th.InferRequestedOutput("linear_27", binary_data=binary)]).as_numpy("linear_27")
+                      outputs=[th.InferRequestedOutput("output", binary_data=binary)]).as_numpy("output")
         assert got.shape == (3, 10)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -134,7 +134,7 @@ def test_concurrent_requests_are_batched_together(server):
     x = image(1, seed=2)
     for _ in range(3):
         pending = [c.async_infer("resnet", [infer_input(x)]) for _ in range(4)]
-        results = [p.get_result().as_numpy("linear_27") for p in pending]
+        results = [p.get_result().as_numpy("output") for p in pending]
         for r in results:  # batched with others or alone: the CPU's kernels round differently by batch size
             np.testing.assert_allclose(r, results[0], rtol=1e-5, atol=1e-6)
     stats = c.get_inference_statistics("resnet")["model_stats"][0]
@@ -153,7 +153,7 @@ def test_concurrent_clients_each_get_their_own_answer(server, artifacts):
     c = client(server, concurrency=8)
     xs = [image(1, seed=100 + k) for k in range(16)]
     pending = [c.async_infer("resnet", [infer_input(x)]) for x in xs]
-    got = [p.get_result().as_numpy("linear_27") for p in pending]
+    got = [p.get_result().as_numpy("output") for p in pending]
     for x, y in zip(xs, got):
         want = exe.run(torch.from_numpy(x))[0].numpy()
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
@@ -209,7 +209,7 @@ def test_bad_input_gets_a_4xx_json_error_and_nothing_else_is_affected(server, ca
         path = "/v2/models/bert/infer"
     code, doc = post(server, path, body, headers)
     assert code == status and says in doc["error"], (code, doc)
-    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("linear_27")  # still serving
+    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("output")  # still serving
     assert good.shape == (1, 10)
 
 
@@ -277,7 +277,7 @@ def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
         s = socket.create_connection(("127.0.0.1", server[1]))
         s.sendall(b"POST /v2/models/resnet/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
         slow.append(s)
-    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("linear_27")
+    good = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("output")
     assert good.shape == (1, 10)
     start, answers = time.time(), []
     for s in slow:  # HAProxy holds them, never a replica, and cuts them at its deadline
@@ -291,7 +291,7 @@ def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
 def test_an_output_named_twice_is_a_400(server):
     body, headers = binary_request("x", [1, 3, 64, 64], "FP32", image(1).tobytes())
     doc = json.loads(body[:int(headers["Inference-Header-Content-Length"])])
-    doc["outputs"] = [{"name": "linear_27"}] * 50
+    doc["outputs"] = [{"name": "output"}] * 50
     head = json.dumps(doc).encode()
     code, answer = post(server, "/v2/models/resnet/infer", head + image(1).tobytes(),
                         {"Inference-Header-Content-Length": str(len(head))})

@@ -1,0 +1,62 @@
+"""A multi-batch artifact's members: a constant shaped by the batch becomes one row, expanded.
+
+A model may compute a value from its weights and the batch size alone. BERT looks its token-type
+embedding up for a buffer of zeros expanded to [batch, seq]; nimble folds that on the host into a
+constant of [batch, seq, hidden], one row repeated. Each batch size would then hold a copy of its
+own, and an artifact's batch sizes must share their weights (a server swaps between them). Here a
+weight whose first dimension is the batch and whose rows all equal the first becomes that row, a
+weight of [1, ...] that every batch size shares, read through an `expand` to the batch: a view,
+with no copy and no kernel. `pipeline.compile_batches` finds which weights those are, by
+comparing two batch sizes' weights, and compiles every batch size again with them named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
+from .substitute import rebuild
+
+EXPAND = "aten::expand.default"
+
+
+def batch_constants(graph: Graph, weights: dict[str, torch.Tensor], batch: int,
+                    names: frozenset[str]) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """Each weight of `names` that holds `batch` identical rows as one row expanded to the batch
+    (at batch 1 too, so that every batch size has the same ops)."""
+    first_reader: dict[int, int] = {}
+    for op in graph.ops:
+        for r in op.refs():
+            first_reader.setdefault(r, op.id)
+    values, weights = list(graph.values), dict(weights)
+    added: dict[int, list[Value]] = {}
+    before: dict[int, list[Op]] = {}
+    next_value, next_op = len(values), len(graph.ops)
+    for v in graph.values:
+        if v.name not in names or not _repeated_rows(v, weights, batch) or v.id not in first_reader \
+                or v.id in graph.outputs:
+            continue
+        t = weights[v.name]
+        weights[v.name] = t[:1].contiguous()
+        row = Value(next_value, WEIGHT, TensorSpec((1, *v.spec.shape[1:]), v.spec.dtype,
+                                                   tuple(weights[v.name].stride())), v.name)
+        expanded = TensorSpec(v.spec.shape, v.spec.dtype, (0, *row.spec.strides[1:]), 0)
+        values[v.id] = dataclasses.replace(v, kind=ACTIVATION, spec=expanded, name=f"{v.name}_rows",
+                                           producer=next_op, alias_of=row.id)
+        added[v.id] = [row]
+        before.setdefault(first_reader[v.id], []).append(
+            Op(next_op, EXPAND, (Ref(row.id), tuple(v.spec.shape)), (), (v.id,), (), (), ""))
+        next_value, next_op = next_value + 1, next_op + 1
+    if not added:
+        return graph, weights
+    ops = [new for op in graph.ops for new in (*before.get(op.id, ()), op)]
+    return rebuild(graph, ops, values=values, added=added), weights
+
+
+def _repeated_rows(v: Value, weights: dict[str, torch.Tensor], batch: int) -> bool:
+    if v.kind != WEIGHT or len(v.spec.shape) < 1 or v.spec.shape[0] != batch or v.name not in weights:
+        return False
+    t = weights[v.name]
+    return tuple(t.shape) == tuple(v.spec.shape) and torch.equal(t, t[:1].expand_as(t))
