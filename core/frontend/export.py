@@ -60,8 +60,14 @@ def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpe
     if len(given) != len(inputs):
         raise UsageError(f"{name} takes {len(inputs)} input(s) ({', '.join(n for n, _, _ in inputs)}) but "
                          f"{len(given)} shape(s) were given; pass one --shape per input, or none")
+    ranges = _dynamic_ranges(program)
     specs = []
-    for (n, shape, dtype), spec in zip(inputs, given):
+    for k, ((n, shape, dtype), spec) in enumerate(zip(inputs, given)):
+        for dim, size in enumerate(spec.shape):
+            low, high = ranges.get((k, dim), (None, None))
+            if (low is not None and size < low) or (high is not None and size > high):
+                raise ShapeError(f"{name}: dimension {dim} of input '{n}' was exported for sizes {low} to {high}, "
+                                 f"not {size}; export it again with a wider torch.export.Dim (max={size} or more)")
         fixed = len(spec.shape) == len(shape) and all(d is None or d == g for d, g in zip(shape, spec.shape))
         if not fixed:
             want = "x".join("?" if d is None else str(d) for d in shape) or "scalar"
@@ -73,6 +79,26 @@ def input_specs_for(program: torch.export.ExportedProgram, given: list[TensorSpe
             raise ShapeError(f"{name}: input '{n}' is {program_dtype} in the program, not {spec.dtype}")
         specs.append(TensorSpec(spec.shape, program_dtype))
     return specs
+
+
+def _dynamic_ranges(program: torch.export.ExportedProgram) -> dict[tuple[int, int], tuple[int | None, int | None]]:
+    """(user input, dimension) -> the (low, high) sizes the program was exported for, for each
+    dynamic dimension whose range the program records (None: unbounded)."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user = [s for s in program.graph_signature.input_specs
+            if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    found = {}
+    for k, spec in enumerate(user):
+        val = nodes[spec.arg.name].meta.get("val")
+        for dim, d in enumerate(getattr(val, "shape", ())):
+            expr = getattr(getattr(d, "node", None), "expr", None)
+            bound = program.range_constraints.get(expr) if expr is not None else None
+            if bound is None:
+                continue
+            low, high = bound.lower, bound.upper
+            found[(k, dim)] = (int(low) if getattr(low, "is_finite", True) and low is not None else None,
+                               int(high) if getattr(high, "is_finite", False) else None)
+    return found
 
 
 def lower_program(program: torch.export.ExportedProgram, inputs: list[TensorSpec] | None,

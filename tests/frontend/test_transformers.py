@@ -75,3 +75,48 @@ def test_exported_multi_head_attention_lowers_as_the_fast_path_and_other_forms_o
         assert c.check.passed, (kwargs, c.check.describe())
         kinds = {op.target.split("::")[1].split(".")[0] for op in c.graph.ops}
         assert ("split" in kinds and "contiguous" not in kinds and "unflatten" not in kinds) == whole, (kwargs, kinds)
+
+
+class _HuggingFaceLike(torch.nn.Module):
+    """What Hugging Face's BERT and GPT-2 do that stopped `--batch-sizes` (issue 62): the batch size
+    read from the input (`sym_size` in a dynamic export) and used in views; a buffer of zeros
+    expanded to [batch, seq] and looked up in an embedding (a constant shaped by the batch once
+    folded); constant positions diffed and summed (GPT-2 without a mask); outputs in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.words, self.types, self.positions = (torch.nn.Embedding(50, 8), torch.nn.Embedding(2, 8),
+                                                  torch.nn.Embedding(16, 8))
+        self.register_buffer("token_type_ids", torch.zeros(1, 16, dtype=torch.long), persistent=False)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        batch, seq = ids.shape
+        positions = torch.arange(seq).unsqueeze(0)
+        packed = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        types = self.token_type_ids[:, :seq].expand(batch, seq)
+        h = self.words(ids) + self.types(types) + self.positions(positions + packed)
+        heads = self.proj(h).view(batch, seq, 2, 4).transpose(1, 2)  # sizes from the input
+        return {"hidden": h, "heads": heads.reshape(batch, 2, seq * 4)}
+
+
+def test_a_dynamic_batch_export_and_a_trace_compile_at_several_batch_sizes(tmp_path):
+    torch.manual_seed(0)
+    model = _HuggingFaceLike().eval()
+    ids = torch.randint(0, 50, (2, 16))
+    exported = tmp_path / "dynamic.pt2"
+    batch = torch.export.Dim("batch", min=1, max=32)
+    torch.export.save(torch.export.export(model, (ids,), dynamic_shapes=({0: batch},)), str(exported))
+    traced = tmp_path / "traced.pt"
+    with torch.no_grad():
+        torch.jit.save(torch.jit.trace(model, (ids,), strict=False), str(traced))
+    for path, shape in ((exported, []), (traced, ["-s", "1x16", "--dtype", "int64"])):
+        out = tmp_path / f"{path.stem}.nimble"
+        result = invoke("compile", path, *shape, "--batch-sizes", "1,2,4,8", "--device", "cpu", "-o", out)
+        assert result.exit_code == 0, result.stderr
+        result = invoke("run", out, "--check", "--device", "cpu")  # every batch size, on rows that differ
+        assert result.exit_code == 0 and "check: ok" in result.stderr, result.stderr
+        if path == exported:  # the names a client sees are the model's own
+            assert "hidden: float32[1, 16, 8]" in result.stderr and "heads: float32[1, 2, 64]" in result.stderr
+    result = invoke("compile", exported, "--batch-sizes", "1,64", "--device", "cpu", "-o", tmp_path / "x.nimble")
+    assert result.exit_code != 0 and "64" in result.stderr and "1 to 32" in result.stderr, result.stderr
