@@ -13,13 +13,10 @@ them): timm models that compute "same" padding from the input size in Python, an
 transformers; Hugging Face BERT, DistilBERT, GPT-2 and ViT from small random configs.
 
 torchvision on a CPU-only machine: the registry's wheels are CUDA builds, and pairing one with a
-CPU torch fails at import on its C++ op registrations. Install the version that pairs with your
-torch without dependencies, so pip keeps your torch (torch 2.13 pairs with torchvision 0.28):
-
-    pip install --no-deps torchvision==0.28.0 pillow
-
-This script then declares the operators that torchvision could not load before importing it:
-nms and roi_align with their real schemas and Python CPU implementations (detection models call
+CPU torch fails at import on its C++ op registrations. Install the CPU build that pairs with your
+torch, keeping your torch (torch 2.13 pairs with torchvision 0.28): `python tools/model_libraries.py`.
+Where a CUDA build is installed anyway, this script declares the operators that torchvision could
+not load before importing it: nms and roi_align with their real schemas and Python CPU implementations (detection models call
 them), the others as placeholders that no model here calls. The nimble subprocesses do the same.
 
 Per model (random weights, eval mode, batch 1, 224x224 images, 8x112x112 clips for video, larger
