@@ -1,7 +1,8 @@
 """The in-process call path: `nimble.Nimble(module)(x)` against `nimble.load(path)(x)` for the
 same model, in one process on CUDA. Nimble's call also checks that the module has not changed
-since `prepare` (`api._Guard`: every parameter and buffer, replaced, given new storage or written
-in place); this measures what that costs.
+since `prepare`: `core/watch.py` notes changes as they happen, so a call checks one flag; the
+older check of every parameter and buffer (`api._Guard`: replaced, given new storage or written
+in place, still used for TorchScript modules) is timed beside it. This measures what each costs.
 
     python benchmarks/call_path.py [--model resnet50] [--batch 1]
 
@@ -49,13 +50,17 @@ def main() -> int:
         "Nimble(module)(x, copy=False)": median_ms(lambda: wrapped(x_host.cuda(non_blocking=True), copy=False)),
         "load(path)(x, copy=False)": median_ms(lambda: loaded(x_host.cuda(non_blocking=True), copy=False)),
     }
-    guard = wrapped._guard
-    t = time.perf_counter()
-    for _ in range(1000):
-        guard.check()
-    rows["guard check alone"] = (time.perf_counter() - t)
+    from nimble.api import _Guard
+
+    tensors = len(list(module.parameters())) + len(list(module.buffers()))
+    for label, guard in (("watch check alone (this call's guard)", wrapped._guard),
+                         ("every-tensor check alone (the older guard)", _Guard(module, versions=True))):
+        t = time.perf_counter()
+        for _ in range(10000):
+            guard.check()
+        rows[label] = (time.perf_counter() - t) / 10  # ms per call
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model} batch {args.batch}, fp32; "
-          f"{len(guard.entries)} parameters and buffers; latency medians of 200 calls, ms")
+          f"{tensors} parameters and buffers; latency medians of 200 calls, ms")
     for name, ms in rows.items():
         print(f"  {name}: {ms:.4f}")
     print(f"  difference, fresh outputs: {rows['Nimble(module)(x)'] - rows['load(path)(x)']:.4f}; "
