@@ -6,7 +6,7 @@ constant of [batch, seq, hidden], one row repeated. Each batch size would then h
 own, and an artifact's batch sizes must share their weights (a server swaps between them). Here a
 weight whose first dimension is the batch and whose rows all equal the first becomes that row, a
 weight of [1, ...] that every batch size shares, read through an `expand` to the batch: a view,
-with no copy and no kernel. `pipeline.compile_batches` finds which weights those are, by
+with no copy and no kernel. `multibatch.compile_batches` finds which weights those are, by
 comparing two batch sizes' weights, and compiles every batch size again with them named.
 """
 

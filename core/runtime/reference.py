@@ -5,6 +5,8 @@ This is the ground truth every faster runtime is compared against, and the CPU f
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import ExecutionError, ShapeError, first_line
@@ -66,3 +68,15 @@ def bind(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tens
         if v.kind == WEIGHT:
             tensors[v.id] = weights[v.name].to(device)
     return tensors
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one CPU thread: reductions then add up in one order, so the sample outputs
+    stored in an artifact, and so its bytes, do not depend on the machine's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
