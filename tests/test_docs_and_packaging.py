@@ -1,4 +1,4 @@
-"""The README, --help and the installed package agree with the code."""
+"""The README, docs/, --help and the installed package agree with the code."""
 
 import re
 import subprocess
@@ -10,10 +10,14 @@ from nimble.ops.allowlist import SUPPORTED, TRAINING_ONLY
 from .conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
-def test_readme_lists_every_supported_op_and_nothing_else():
-    section = README.split("## Supported ops", 1)[1]
+def test_the_supported_ops_page_lists_every_supported_op_and_nothing_else():
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_docs.py"), "--check"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr  # generated from the allowlist, and up to date
+    section = (DOCS / "supported-ops.md").read_text()
     for group, names in SUPPORTED.items():
         line = next(line for line in section.splitlines() if line.startswith(f"- **{group}**"))
         assert re.findall(r"`([^`]+)`", line) == list(names), group
@@ -37,7 +41,7 @@ def test_readme_documents_the_plan_document_fields():
     from nimble.ir import Graph
 
     doc = plan_document(Graph((), (), (), ()), model="m")
-    table = README.split("## The plan document", 1)[1].split("\n## ", 1)[0]
+    table = (DOCS / "plan-document.md").read_text()
     for key in doc:
         assert f"`{key}`" in table, key
     assert f"| `schema_version` | {SCHEMA_VERSION} |" in table
@@ -47,8 +51,8 @@ def test_readme_documents_the_plan_document_fields():
         assert key in table
 
 
-def test_readme_layout_table_matches_the_folders():
-    table = README.split("## Layout", 1)[1].split("\n\n", 2)[1]
+def test_the_layout_table_matches_the_folders():
+    table = (DOCS / "layout.md").read_text().split("\n\n", 2)[1]
     rows = dict(re.findall(r"^\| `(core/[\w/]*)` \| [^|]+ \| (.+) \|$", table, re.M))
     core = ROOT / "core"
     folders = {f"core/{p.parent.relative_to(core)}/".replace("core/./", "core/") for p in core.rglob("__init__.py")}
@@ -57,6 +61,18 @@ def test_readme_layout_table_matches_the_folders():
         listed = set(re.findall(r"`(\w+\.py)`", text))
         present = {p.name for p in (ROOT / folder).glob("*.py")} - {"__init__.py"}
         assert listed == present, folder
+
+
+def test_the_readme_is_short_and_every_link_resolves():
+    assert len(README.encode()) < 30_000
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which is missing"
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)\)", README))
+    assert linked == {f"docs/{p.name}" for p in DOCS.glob("*.md")}  # every page is reachable from the README
 
 
 def test_installed_package_has_no_generic_top_level_modules(tmp_path):

@@ -159,7 +159,7 @@ class GraphBuilder:
         if self.strict_folding and not targets.is_allowed(target) and \
                 (short not in HOST_FOLDABLE or "out" in overload or "names" in overload):
             raise UnsupportedError(f"{self.name}: {target} at {source} is not an op nimble runs, so it was not "
-                                   "run; see the README's list of supported ops")
+                                   "run; see docs/supported-ops.md")
         self._size_fold(schema, target, ins, source)
         result = call_schema(schema, target, ins)
         if short in _UNINITIALIZED and result.numel():
@@ -221,7 +221,7 @@ class GraphBuilder:
                                    "input shapes alone (run such steps, detection post-processing say, in PyTorch)")
         if not targets.is_allowed(target, self.training):
             raise UnsupportedError(f"{self.name}: op {target} at {source} is not supported; "
-                                   "see the README's list of supported ops")
+                                   "see docs/supported-ops.md")
         args, kwargs = arguments.by_schema(schema, [self.as_ref(obj) for obj in ins])
         fn = targets.resolve(target, self.training)
         refs = refs_in(args + [v for _, v in kwargs])

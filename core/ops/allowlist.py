@@ -1,4 +1,4 @@
-"""The aten operators nimble lowers to device tasks, grouped as the README lists them.
+"""The aten operators nimble lowers to device tasks, grouped as docs/supported-ops.md lists them (generated from here by tools/gen_docs.py).
 
 An op outside this list is rejected at compile time with its name and the model's source line,
 and an artifact naming one is rejected at load time. What an artifact may name is narrower still:

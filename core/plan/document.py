@@ -1,7 +1,7 @@
 """The plan document: one JSON object describing a compiled model, its ops and their outputs.
 
 `nimble compile --json` prints it; outside tools check schedules and memory plans against it.
-The README documents every field. Bump SCHEMA_VERSION on any incompatible change.
+docs/plan-document.md documents every field. Bump SCHEMA_VERSION on any incompatible change.
 """
 
 from __future__ import annotations
