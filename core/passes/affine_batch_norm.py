@@ -11,9 +11,10 @@ import dataclasses
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
+from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec
 from ..ops import types
-from .substitute import binary_spec, free_name, read_weights, rebuild
+from .edit import Edit
+from .substitute import binary_spec, free_name, read_weights
 
 _META = torch.device("meta")
 
@@ -23,15 +24,14 @@ def affine_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[G
     mean and variance are weights and whose input has a channel dimension becomes mul then add."""
     weights = dict(weights)
     ops: list[Op] = []
-    values = list(graph.values)
-    added: dict[int, list[Value]] = {}
-    next_value, next_op = len(graph.values), len(graph.ops)
+    edit = Edit(graph)
     for op in graph.ops:
         stats = _affine(graph, op, weights)
         if stats is None:
             ops.append(op)
             continue
         x = graph.values[op.args[0].id]
+        out = graph.values[op.outputs[0]]
         scale, shift = stats
         shape = (1, x.spec.shape[1], *[1] * (len(x.spec.shape) - 2))
         base = _base_name(graph, op)
@@ -40,22 +40,16 @@ def affine_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[G
             tensor = tensor.to(types.DTYPES[x.spec.dtype]).reshape(shape).contiguous()
             name = free_name(f"{base}.{suffix}", weights)
             weights[name] = tensor
-            new.append(Value(next_value, WEIGHT, TensorSpec(shape, x.spec.dtype), name))
-            next_value += 1
+            new.append(edit.value(WEIGHT, TensorSpec(shape, x.spec.dtype), name, before=out.id))
         mul = binary_spec("aten::mul.Tensor", x.spec, new[0].spec)
-        product = Value(next_value, ACTIVATION, mul, f"{graph.values[op.outputs[0]].name}_scaled", next_op)
-        next_value += 1
-        added[op.outputs[0]] = [*new, product]
-        ops.append(Op(next_op, "aten::mul.Tensor", (op.args[0], Ref(new[0].id)), (), (product.id,), (), (),
-                      op.source))
-        next_op += 1
+        product = edit.value(ACTIVATION, mul, f"{out.name}_scaled", before=out.id)
+        ops.append(edit.op("aten::mul.Tensor", (op.args[0], Ref(new[0].id)), (), (product,), op.source))
         ops.append(dataclasses.replace(op, target="aten::add.Tensor", args=(Ref(product.id), Ref(new[1].id)),
                                        kwargs=(("alpha", 1),)))
-        out = graph.values[op.outputs[0]]
-        values[out.id] = dataclasses.replace(out, spec=binary_spec("aten::add.Tensor", mul, new[1].spec))
-    if not added:
+        edit.change(dataclasses.replace(out, spec=binary_spec("aten::add.Tensor", mul, new[1].spec)))
+    if not edit.changed:
         return graph, weights
-    result = rebuild(graph, ops, values=values, added=added)
+    result = edit.finish(ops)
     return read_weights(result, weights)
 
 

@@ -16,8 +16,8 @@ import dataclasses
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
-from .substitute import rebuild
+from ..ir import ACTIVATION, WEIGHT, Graph, Ref, TensorSpec, Value
+from .edit import Edit
 
 EXPAND = "aten::expand.default"
 
@@ -30,29 +30,22 @@ def batch_constants(graph: Graph, weights: dict[str, torch.Tensor], batch: int,
     for op in graph.ops:
         for r in op.refs():
             first_reader.setdefault(r, op.id)
-    values, weights = list(graph.values), dict(weights)
-    added: dict[int, list[Value]] = {}
-    before: dict[int, list[Op]] = {}
-    next_value, next_op = len(values), len(graph.ops)
+    weights = dict(weights)
+    edit = Edit(graph)
     for v in graph.values:
         if v.name not in names or not _repeated_rows(v, weights, batch) or v.id not in first_reader \
                 or v.id in graph.outputs:
             continue
         t = weights[v.name]
         weights[v.name] = t[:1].contiguous()
-        row = Value(next_value, WEIGHT, TensorSpec((1, *v.spec.shape[1:]), v.spec.dtype,
-                                                   tuple(weights[v.name].stride())), v.name)
+        row = edit.value(WEIGHT, TensorSpec((1, *v.spec.shape[1:]), v.spec.dtype, tuple(weights[v.name].stride())),
+                         v.name, before=v.id)
+        expand = edit.op(EXPAND, (Ref(row.id), tuple(v.spec.shape)), (), (v.id,))
+        edit.insert_before(first_reader[v.id], expand)
         expanded = TensorSpec(v.spec.shape, v.spec.dtype, (0, *row.spec.strides[1:]), 0)
-        values[v.id] = dataclasses.replace(v, kind=ACTIVATION, spec=expanded, name=f"{v.name}_rows",
-                                           producer=next_op, alias_of=row.id)
-        added[v.id] = [row]
-        before.setdefault(first_reader[v.id], []).append(
-            Op(next_op, EXPAND, (Ref(row.id), tuple(v.spec.shape)), (), (v.id,), (), (), ""))
-        next_value, next_op = next_value + 1, next_op + 1
-    if not added:
-        return graph, weights
-    ops = [new for op in graph.ops for new in (*before.get(op.id, ()), op)]
-    return rebuild(graph, ops, values=values, added=added), weights
+        edit.change(dataclasses.replace(v, kind=ACTIVATION, spec=expanded, name=f"{v.name}_rows",
+                                        producer=expand.id, alias_of=row.id))
+    return edit.finish(), weights
 
 
 def _repeated_rows(v: Value, weights: dict[str, torch.Tensor], batch: int) -> bool:

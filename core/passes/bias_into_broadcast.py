@@ -18,14 +18,13 @@ The sum is the same: a generated epilogue added the bias after the convolution t
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value
 from ..ops import fusion
 from .fuse_conv import _leader
 from .fuse_pointwise import elementwise
 from .rewrite import Facts
-from .substitute import free_name, read_weights, rebuild
+from .edit import Edit
+from .substitute import free_name, read_weights
 
 ADD = "aten::add.Tensor"
 
@@ -37,9 +36,7 @@ def bias_into_broadcast(graph: Graph, weights: dict) -> tuple[Graph, dict]:
     facts = Facts(graph)
     weights = dict(weights)
     ops: list[Op] = []
-    values = list(graph.values)
-    added: dict[int, list[Value]] = {}
-    next_value, next_op = len(graph.values), len(graph.ops)
+    edit = Edit(graph)
     for op in graph.ops:
         bias = _movable_bias(graph, facts, op)
         if bias is None:
@@ -50,15 +47,13 @@ def bias_into_broadcast(graph: Graph, weights: dict) -> tuple[Graph, dict]:
         shape = (1, channels, 1, 1)
         name = free_name(f"{bias.name}.broadcast", weights)
         weights[name] = weights[bias.name].reshape(shape).contiguous()
-        moved = Value(next_value, WEIGHT, TensorSpec(shape, bias.spec.dtype), name)
-        bare = Value(next_value + 1, ACTIVATION, out.spec, f"{out.name}_unbiased", next_op)
-        added[out.id] = [moved, bare]
-        ops.append(dataclasses.replace(op, id=next_op, args=(*op.args[:2], None, *op.args[3:]), outputs=(bare.id,)))
-        ops.append(Op(op.id, ADD, (Ref(bare.id), Ref(moved.id)), (("alpha", 1),), (out.id,), (), (), op.source))
-        next_value, next_op = next_value + 2, next_op + 1
-    if not added:
+        moved = edit.value(WEIGHT, TensorSpec(shape, bias.spec.dtype), name, before=out.id)
+        bare = edit.value(ACTIVATION, out.spec, f"{out.name}_unbiased", before=out.id)
+        ops.append(edit.renumbered(op, args=(*op.args[:2], None, *op.args[3:]), outputs=(bare.id,)))
+        ops.append(edit.op(ADD, (Ref(bare.id), Ref(moved.id)), (("alpha", 1),), (out.id,), op.source, op_id=op.id))
+    if not edit.changed:
         return graph, weights
-    result = rebuild(graph, ops, values=values, added=added)
+    result = edit.finish(ops)
     return read_weights(result, weights)
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, Value
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
 from ..ops import fusion
+from .edit import Edit
 from .rewrite import Facts
-from .substitute import rebuild
 
 ADD = "aten::add.Tensor"
 VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default", "aten::unsqueeze.default"})
@@ -36,9 +36,7 @@ def bias_into_epilogue(graph: Graph) -> Graph:
     an add before that reader."""
     facts = Facts(graph)
     ops: list[Op] = list(graph.ops)
-    added: dict[int, list[Value]] = {}
-    inserted: dict[int, list[Op]] = {}  # reader op id -> the adds to issue just before it
-    next_value, next_op = len(graph.values), len(graph.ops)
+    edit = Edit(graph)
     for op in graph.ops:
         split = _split(graph, facts, op)
         if split is None:
@@ -46,23 +44,16 @@ def bias_into_epilogue(graph: Graph) -> Graph:
         plain, bias, last, readers = split
         # the bias (the last dimension's size, the result's dtype) broadcasts without changing either
         spec = graph.values[last].spec
-        total = Value(next_value, ACTIVATION, TensorSpec(spec.shape, spec.dtype), f"{graph.values[last].name}_bias",
-                      next_op)
-        ops[op.id] = plain
         first = readers[0]
-        inserted.setdefault(first.id, []).append(Op(next_op, ADD, (Ref(last), bias), (("alpha", 1),), (total.id,),
-                                                    (), (), op.source))
+        total = edit.value(ACTIVATION, TensorSpec(spec.shape, spec.dtype), f"{graph.values[last].name}_bias",
+                           before=first.outputs[0])
+        ops[op.id] = plain
+        edit.insert_before(first.id, edit.op(ADD, (Ref(last), bias), (("alpha", 1),), (total,), op.source))
         for reader in readers:
             ops[reader.id] = _reading(ops[reader.id], last, total.id)
-        added.setdefault(first.outputs[0], []).append(total)
-        next_value, next_op = next_value + 1, next_op + 1
-    if not inserted:
+    if not edit.changed:
         return graph
-    ordered = []
-    for op in ops:
-        ordered.extend(inserted.get(op.id, ()))
-        ordered.append(op)
-    return rebuild(graph, ordered, added=added)
+    return edit.finish(ops)
 
 
 def _split(graph: Graph, facts: Facts, op: Op):

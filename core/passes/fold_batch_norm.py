@@ -10,8 +10,9 @@ import dataclasses
 import torch
 
 from ..ir import WEIGHT, Graph, Ref
+from .edit import Edit
 from .rewrite import Facts
-from .substitute import new_weight, read_weights, rebuild
+from .substitute import read_weights
 
 _CONVOLUTIONS = {"aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution"}
 
@@ -22,8 +23,7 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
     facts = Facts(graph)
     weights = dict(weights)
     ops = list(graph.ops)
-    same, added, dropped = {}, {}, set()
-    next_id = len(graph.values)
+    edit, dropped = Edit(graph), set()
     for bn in graph.ops:
         found = _foldable(graph, bn, facts, weights)
         if found is None:
@@ -35,17 +35,15 @@ def fold_batch_norm(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Gra
         bias = bias * scale + (beta if beta is not None else 0)
         weight = (w * scale.reshape(-1, *[1] * (w.dim() - 1))).to(w.dtype)
         base = graph.values[conv.args[1].id].name.removesuffix(".weight")
-        new = [new_weight(weights, f"{base}.weight_fused_bn", weight, next_id),
-               new_weight(weights, f"{base}.bias_fused_bn", bias.to(w.dtype), next_id + 1)]
-        next_id += 2
-        added[conv.outputs[0]] = new
+        new = [edit.weight(weights, f"{base}.weight_fused_bn", weight, before=conv.outputs[0]),
+               edit.weight(weights, f"{base}.bias_fused_bn", bias.to(w.dtype), before=conv.outputs[0])]
         args = (*conv.args[:1], Ref(new[0].id), Ref(new[1].id), *conv.args[3:])
         ops[conv.id] = dataclasses.replace(conv, args=args)
-        same[bn.outputs[0]] = conv.outputs[0]
+        edit.replace_uses(bn.outputs[0], conv.outputs[0])
         dropped.add(bn.id)
-    if not same:
+    if not edit.changed:
         return graph, weights
-    folded = rebuild(graph, [op for op in ops if op.id not in dropped], same, added=added)
+    folded = edit.finish([op for op in ops if op.id not in dropped])
     return read_weights(folded, weights)
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import STORABLE
-from ..ir import WEIGHT, Graph, TensorSpec, Value
+from ..ir import WEIGHT, Graph, TensorSpec
 from ..ops import arguments, targets, types
-from .substitute import free_name, read_weights, rebuild
+from .edit import Edit
+from .substitute import free_name, read_weights
 
 FOLD_BYTES = 16 * 2**20  # the most one folded value may hold
 # ops that read only the dtype, device (and for the _like ones, the shape) of their first argument
@@ -54,8 +55,7 @@ def fold_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Grap
     if tensors is None:
         return graph, weights
     weights = dict(weights)
-    same, added = {}, {}
-    next_value = len(graph.values)
+    edit = Edit(graph)
     storable = {d.name for d in STORABLE}
     kept_constant: set[int] = set()  # constant values left to their ops (see the module docstring)
     for v in boundary:
@@ -69,14 +69,12 @@ def fold_constants(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Grap
             continue
         name = free_name(f"{graph.values[v].name}_folded", weights)
         weights[name] = t.detach().clone().contiguous()
-        added[v] = [Value(next_value, WEIGHT, TensorSpec(tuple(t.shape), dtype), name)]
-        same[v] = next_value
-        next_value += 1
-    if not same:
+        edit.replace_uses(v, edit.value(WEIGHT, TensorSpec(tuple(t.shape), dtype), name, before=v).id)
+    if not edit.changed:
         return graph, weights
     needed = _producers_of(graph, constant, kept_constant)
     ops = [op for op in graph.ops if op.id not in constant or op.id in needed]
-    return read_weights(rebuild(graph, ops, same=same, added=added), weights)
+    return read_weights(edit.finish(ops), weights)
 
 
 def _constant_ops(graph: Graph) -> set[int]:

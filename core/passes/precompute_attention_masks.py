@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, Value
-from .substitute import rebuild
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
+from .edit import Edit
 
 ATTENTION = "aten::scaled_dot_product_attention.default"
 CONVERT = "aten::where.Scalar"
@@ -28,9 +28,8 @@ _MASK = 3  # attn_mask's position in scaled_dot_product_attention's schema
 def precompute_attention_masks(graph: Graph) -> Graph:
     """Each boolean mask that float32 attention reads is converted to an additive mask once."""
     ops: list[Op] = []
-    added: dict[int, list[Value]] = {}
+    edit = Edit(graph)
     converted: dict[int, int] = {}  # boolean mask value -> its float mask value
-    next_value, next_op = len(graph.values), len(graph.ops)
     for op in graph.ops:
         mask = _boolean_mask(graph, op)
         if mask is None:
@@ -39,18 +38,15 @@ def precompute_attention_masks(graph: Graph) -> Graph:
         if mask not in converted:
             spec = graph.values[mask].spec
             name = f"{graph.values[mask].name}_additive"
-            float_mask = Value(next_value, ACTIVATION, TensorSpec(spec.shape, "float32"), name, next_op)
-            added.setdefault(op.outputs[0], []).append(float_mask)
-            ops.append(Op(next_op, CONVERT, (Ref(mask), 0.0, float("-inf")), (), (float_mask.id,), (), (),
-                          op.source))
-            converted[mask] = next_value
-            next_value, next_op = next_value + 1, next_op + 1
+            float_mask = edit.value(ACTIVATION, TensorSpec(spec.shape, "float32"), name, before=op.outputs[0])
+            ops.append(edit.op(CONVERT, (Ref(mask), 0.0, float("-inf")), (), (float_mask,), op.source))
+            converted[mask] = float_mask.id
         args = list(op.args)
         args[_MASK] = Ref(converted[mask])
         ops.append(dataclasses.replace(op, args=tuple(args)))
     if not converted:
         return graph
-    return rebuild(graph, ops, added=added)
+    return edit.finish(ops)
 
 
 def _boolean_mask(graph: Graph, op: Op) -> int | None:
