@@ -35,7 +35,7 @@ def main() -> int:
     from peers import TORCHVISION, make_model
     from zoo import import_torchvision
 
-    import_torchvision()  # on a CPU-only machine, with its C++ ops declared first (DESIGN.md)
+    import_torchvision()  # on a CPU-only machine, with its C++ ops declared first (docs/troubleshooting.md)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(TORCHVISION))

@@ -75,6 +75,16 @@ def test_the_readme_is_short_and_every_link_resolves():
     assert linked == {f"docs/{p.name}" for p in DOCS.glob("*.md")}  # every page is reachable from the README
 
 
+def test_every_design_citation_in_the_code_names_a_section_of_design_md():
+    sections = set(re.findall(r"^## (.+)$", (ROOT / "DESIGN.md").read_text(), re.M))
+    cited = {}
+    for folder in ("core", "formats", "nimble_cli", "tests", "benchmarks", "tools"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in re.findall(r'DESIGN\.md, "([^"]+)"', path.read_text()):
+                cited[name] = path.relative_to(ROOT)
+    assert cited and all(name in sections for name in cited), {n: str(p) for n, p in cited.items() if n not in sections}
+
+
 def test_installed_package_has_no_generic_top_level_modules(tmp_path):
     code = ("import importlib.util as u, nimble, nimble.formats, nimble.cli; "
             "print(u.find_spec('core'), u.find_spec('formats'), u.find_spec('nimble_cli'))")
