@@ -40,17 +40,39 @@ _DATA_GET = torch._C.TensorBase.data.__get__
 _DATA_SET = torch._C.TensorBase.data.__set__
 
 
+_MISSING = object()
+
+
 class Watch:
     """What a prepared model watches; `changed` is None until a change is noted, then one line
-    saying which tensor and how."""
+    saying which tensor and how. A module's table written (a parameter, buffer or submodule set)
+    is a suspect until the next look: torch.export, say, swaps a module's parameters for its own
+    while it traces and puts them back, so only one that is not the original then is a change."""
 
     def __init__(self):
-        self.changed: str | None = None
+        self._changed: str | None = None
+        self._suspects: list[tuple] = []  # (weakref module, table attribute, name, what to say)
+        self._originals: dict[tuple[int, str, str], object] = {}  # (id(module), table, name) -> what it held
         self._release = lambda: None
 
+    @property
+    def changed(self) -> str | None:
+        if self._changed is None and self._suspects:
+            suspects, self._suspects = self._suspects, []
+            for mref, table, name, what in suspects:
+                m = mref()
+                if m is not None and getattr(m, table).get(name, _MISSING) is not \
+                        self._originals.get((id(m), table, name), _MISSING):
+                    self._changed = what
+                    break
+        return self._changed
+
     def note(self, what: str) -> None:
-        if self.changed is None:
-            self.changed = what
+        if self._changed is None:
+            self._changed = what
+
+    def suspect(self, module, table: str, name: str, what: str) -> None:
+        self._suspects.append((weakref.ref(module), table, name, what))
 
     def release(self) -> None:
         """Stop watching now (the tensors get their classes back); what was noted stays."""
@@ -165,11 +187,14 @@ _MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [
 _hooks_installed = False
 
 
+_TABLES = {"a parameter": "_parameters", "a buffer": "_buffers", "a submodule": "_modules"}
+
+
 def _replaced(module, name, value, kind):
     for ref, prefix in _MODULES.get(module, ()):
         watch = ref()
         if watch is not None:
-            watch.note(f"'{prefix}{name}' was replaced ({kind} set anew)")
+            watch.suspect(module, _TABLES[kind], name, f"'{prefix}{name}' was replaced or removed ({kind})")
     return None
 
 
@@ -254,6 +279,9 @@ def watch(module: torch.nn.Module) -> Watch:
     for prefix, m in module.named_modules(remove_duplicate=False):
         prefix = f"{prefix}." if prefix else ""
         _MODULES.setdefault(m, []).append((ref, prefix))
+        for table in _TABLES.values():
+            for name, held in getattr(m, table).items():
+                w._originals[(id(m), table, name)] = held
         for attr, kind in (("_parameters", "a parameter"), ("_buffers", "a buffer")):
             table = getattr(m, attr)
             if type(table) is dict:

@@ -308,6 +308,23 @@ def test_no_change_to_the_module_gives_a_stale_answer(label, change, tensor):
     assert f"'{tensor}" in line and "prepare() again" in line, line
 
 
+def test_two_shapes_of_one_module_prepared_side_by_side_stay_valid():
+    """A second Nimble (another shape) exports the same module, and torch.export swaps its
+    parameters out and back while it traces: that is no change to the first."""
+    module = _ConvBn().eval()
+    small, large = torch.randn(1, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    first = nimble.Nimble(module).prepare(small)
+    second = nimble.Nimble(module).prepare(large)
+    first.prepare(small)  # and again, on a watched module
+    with torch.no_grad():
+        assert torch.allclose(first(small), module(small), atol=1e-5)
+        assert torch.allclose(second(large), module(large), atol=1e-5)
+    module.conv.weight.data.mul_(2)
+    for model, x in ((first, small), (second, large)):
+        with pytest.raises(ModelError, match="'conv.weight' was written in place"):
+            model(x)
+
+
 def test_reading_the_module_is_no_change_and_its_classes_come_back():
     import copy
     import gc
