@@ -1,7 +1,7 @@
 """The in-process call path: `nimble.Nimble(module)(x)` against `nimble.load(path)(x)` for the
 same model, in one process on CUDA. Nimble's call also checks that the module has not changed
 since `prepare`: `core/watch.py` notes changes as they happen, so a call checks one flag; the
-older check of every parameter and buffer (`api._Guard`: replaced, given new storage or written
+older check of every parameter and buffer (`guards.EveryTensor`: replaced, given new storage or written
 in place, still used for TorchScript modules) is timed beside it. This measures what each costs.
 
     python benchmarks/call_path.py [--model resnet50] [--batch 1]
@@ -52,11 +52,11 @@ def main() -> int:
         "Nimble(module)(x, copy=False)": median_ms(lambda: wrapped(x_host.cuda(non_blocking=True), copy=False)),
         "load(path)(x, copy=False)": median_ms(lambda: loaded(x_host.cuda(non_blocking=True), copy=False)),
     }
-    from nimble.api import _Guard
+    from nimble.guards import EveryTensor
 
     tensors = len(list(module.parameters())) + len(list(module.buffers()))
     for label, guard in (("watch check alone (this call's guard)", wrapped._guard),
-                         ("every-tensor check alone (the older guard)", _Guard(plain, versions=True))):
+                         ("every-tensor check alone (the older guard)", EveryTensor(plain, versions=True))):
         t = time.perf_counter()
         for _ in range(10000):
             guard.check()

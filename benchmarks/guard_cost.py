@@ -1,6 +1,6 @@
 """What the Python API's stale-weight guard costs a call, on any machine (the CPU too): a
 ResNet-50 prepared with `nimble.Nimble`, then the guard's check alone, timed over many calls,
-for the watch (`core/watch.py`: one flag) and the older every-tensor check (`api._Guard`) on an
+for the watch (`core/watch.py`: one flag) and the older every-tensor check (`guards.EveryTensor`) on an
 unwatched copy of the same module, in one process.
 
     python benchmarks/guard_cost.py [--device cpu|cuda] [--calls 100000]
@@ -38,7 +38,7 @@ def main() -> int:
     import torch
 
     import nimble
-    from nimble.api import _Guard
+    from nimble.guards import EveryTensor
 
     torch.manual_seed(0)
     module, label = resnet50()
@@ -51,7 +51,7 @@ def main() -> int:
     print(f"{label}, {tensors} parameters and buffers; {args.device} ({where}), torch {torch.__version__}, "
           f"Python {platform.python_version()}; command: python benchmarks/guard_cost.py {' '.join(sys.argv[1:])}")
     for name, check in (("watch (a call's guard now)", model._guard.check),
-                        ("every-tensor check (the older guard)", _Guard(plain, versions=True).check)):
+                        ("every-tensor check (the older guard)", EveryTensor(plain, versions=True).check)):
         runs = []
         for _ in range(5):
             t = time.perf_counter()

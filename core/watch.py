@@ -19,7 +19,7 @@ was: ops on them give plain tensors, `repr`, `copy.deepcopy` and pickling see th
 and `unwatch` (run when the prepared model is dropped or prepared again) puts the class back.
 Writes that bypass torch (through NumPy's view of a CPU tensor, DLPack or a raw storage) are not
 seen; TorchScript modules, whose tensors are not Python objects of their own, are checked the
-old way (`api._Guard`).
+old way (`guards.EveryTensor`).
 """
 
 from __future__ import annotations
