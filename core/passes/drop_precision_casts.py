@@ -26,11 +26,12 @@ import dataclasses
 
 import torch
 
-from ..ir import WEIGHT, Graph, Op, Ref, Special, TensorSpec, Value
+from ..ir import WEIGHT, Graph, Op, Ref, Special, TensorSpec
 from ..ops import fusion, types
+from .edit import Edit
 from .reduce_precision import CAST, SHORT
 from .rewrite import Facts
-from .substitute import free_name, read_weights, rebuild
+from .substitute import free_name, read_weights
 
 LAYER_NORM = "aten::layer_norm.default"
 REDUCED = ("float16", "bfloat16")
@@ -41,10 +42,8 @@ def drop_precision_casts(graph: Graph, weights: dict[str, torch.Tensor]) -> tupl
     """Each float32 op between a cast up and casts down computes in the reduced dtype instead."""
     facts = Facts(graph)
     ops = {op.id: op for op in graph.ops}
-    values = list(graph.values)
     weights = dict(weights)
-    same: dict[int, int] = {}
-    added: dict[int, list[Value]] = {}
+    edit = Edit(graph)
     stored: dict[tuple[int, str], int] = {}  # (float32 weight, reduced dtype) -> its reduced copy
     for op in graph.ops:
         found = _between_casts(graph, facts, op)
@@ -60,20 +59,18 @@ def drop_precision_casts(graph: Graph, weights: dict[str, torch.Tensor]) -> tupl
                 if (w.id, low) not in stored:
                     name = free_name(f"{w.name}_{SHORT[low]}", weights)
                     weights[name] = weights[w.name].to(types.DTYPES[low])
-                    stored[w.id, low] = len(graph.values) + len(stored)  # one new value each
-                    added.setdefault(w.id, []).append(Value(stored[w.id, low], WEIGHT,
-                                                            TensorSpec(w.spec.shape, low), name))
+                    stored[w.id, low] = edit.value(WEIGHT, TensorSpec(w.spec.shape, low), name, before=w.id).id
                 args[k] = Ref(stored[w.id, low])
         ops[op.id] = dataclasses.replace(op, args=tuple(args))
-        result = values[op.outputs[0]]
-        values[result.id] = dataclasses.replace(result, spec=dataclasses.replace(result.spec, dtype=low))
+        result = edit.values[op.outputs[0]]
+        edit.change(dataclasses.replace(result, spec=dataclasses.replace(result.spec, dtype=low)))
         del ops[up.id]
         for down in downs:
             del ops[down.id]
-            same[down.outputs[0]] = result.id
-    if not same:
+            edit.replace_uses(down.outputs[0], result.id)
+    if not edit.changed:
         return graph, weights
-    return read_weights(rebuild(graph, list(ops.values()), same=same, values=values, added=added), weights)
+    return read_weights(edit.finish(list(ops.values())), weights)
 
 
 def _between_casts(graph: Graph, facts: Facts, op: Op) -> tuple[Op, list[Op], int] | None:

@@ -25,8 +25,9 @@ import torch
 
 from ..ir import WEIGHT, Graph, Ref, TensorSpec, contiguous_strides
 from ..ops import fusion
+from .edit import Edit
 from .rewrite import Facts
-from .substitute import new_weight, read_weights, rebuild
+from .substitute import read_weights
 
 _CAT = "aten::cat.default"
 _CONVOLUTION = "aten::convolution.default"
@@ -54,9 +55,7 @@ def merge_sibling_convolutions(graph: Graph, weights: dict[str, torch.Tensor]) -
     facts = Facts(graph)
     weights = dict(weights)
     ops = {op.id: op for op in graph.ops}
-    values = list(graph.values)
-    same, added, dropped = {}, {}, set()
-    next_id = len(graph.values)
+    edit, dropped = Edit(graph), set()
     for cat in graph.ops:
         if not _joins_channels(graph, cat):
             continue
@@ -65,34 +64,31 @@ def merge_sibling_convolutions(graph: Graph, weights: dict[str, torch.Tensor]) -
             for depth, level in enumerate(zip(*run)):
                 weight, bias, padding = _merged(level, depth)
                 base = graph.values[level[0].conv.args[1].id].name.removesuffix(".weight")
-                new = [new_weight(weights, f"{base}.weight_merged", weight, next_id)]
-                if bias is not None:
-                    new.append(new_weight(weights, f"{base}.bias_merged", bias, next_id + 1))
-                next_id += len(new)
                 first = level[0]
-                added[first.conv.outputs[0]] = new
+                new = [edit.weight(weights, f"{base}.weight_merged", weight, before=first.conv.outputs[0])]
+                if bias is not None:
+                    new.append(edit.weight(weights, f"{base}.bias_merged", bias, before=first.conv.outputs[0]))
                 args = list(first.conv.args)
                 args[1], args[2], args[4] = Ref(new[0].id), Ref(new[1].id) if bias is not None else None, padding
                 ops[first.conv.id] = dataclasses.replace(first.conv, args=tuple(args))
                 for op in (first.conv, *first.chain):  # the first tower's values now hold every tower's channels
-                    v = values[op.outputs[0]]
+                    v = edit.values[op.outputs[0]]
                     shape = (v.spec.shape[0], int(weight.shape[0]), *v.spec.shape[2:])
                     strides = contiguous_strides(shape) if v.spec.strides else ()
-                    values[v.id] = dataclasses.replace(v, spec=TensorSpec(shape, v.spec.dtype, strides))
+                    edit.change(dataclasses.replace(v, spec=TensorSpec(shape, v.spec.dtype, strides)))
                 for other in level[1:]:
                     dropped.update(op.id for op in (other.conv, *other.chain))
             parts[start:start + len(run)] = [Ref(run[0][-1].result)]
         if not runs:
             continue
         if len(parts) == 1:
-            same[cat.outputs[0]] = parts[0].id
+            edit.replace_uses(cat.outputs[0], parts[0].id)
             dropped.add(cat.id)
         else:
             ops[cat.id] = dataclasses.replace(cat, args=(tuple(parts), *cat.args[1:]))
     if not dropped:
         return graph, weights
-    merged = rebuild(graph, [ops[op.id] for op in graph.ops if op.id not in dropped], same, values=values,
-                     added=added)
+    merged = edit.finish([ops[op.id] for op in graph.ops if op.id not in dropped])
     return read_weights(merged, weights)
 
 
