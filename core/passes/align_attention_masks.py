@@ -22,9 +22,10 @@ import torch
 
 from ..ir import ACTIVATION, WEIGHT, Graph, Op, Ref, TensorSpec, Value, contiguous_strides
 from ..ops.attention import ATTENTION
+from .edit import Edit
 from .match_attention import REPEAT
 from .rewrite import Facts
-from .substitute import free_name, in_order, read_weights, rebuild
+from .substitute import free_name, read_weights
 
 SLICE = "aten::slice.Tensor"
 ALIGN = 16  # elements: PyTorch asks for 8; 16 also meets the older rule
@@ -35,19 +36,16 @@ _FLOATS = ("float32", "float16", "bfloat16")
 def align_attention_masks(graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Each unaligned weight mask of an attention op is stored padded and read through a slice."""
     facts = Facts(graph)
-    ops, values = list(graph.ops), list(graph.values)
-    before: dict[int, list[Op]] = {}
-    added: dict[int, list[Value]] = {}
+    ops = list(graph.ops)
+    edit = Edit(graph)
     weights = dict(weights)
     sliced: dict[int, int] = {}  # a mask weight's id -> the slice attention reads in its place
-    next_value, next_op = len(values), len(ops)
     for op in graph.ops:
         found = _unaligned_mask(graph, facts, op)
         if found is None:
             continue
         weight, repeat = found
         mask = op.args[_MASK].id
-        new_values, new_ops = [], []
         if repeat is None and weight.id in sliced:
             read = sliced[weight.id]
         else:
@@ -56,35 +54,29 @@ def align_attention_masks(graph: Graph, weights: dict[str, torch.Tensor]) -> tup
             padded = torch.nn.functional.pad(tensor, (0, -keys % ALIGN)).contiguous()
             name = free_name(f"{weight.name}_aligned", weights)
             weights[name] = padded
-            stored = Value(next_value, WEIGHT, TensorSpec(tuple(padded.shape), weight.spec.dtype), name)
-            new_values.append(stored)
+            stored = edit.value(WEIGHT, TensorSpec(tuple(padded.shape), weight.spec.dtype), name,
+                                before=op.outputs[0])
             base = stored
             if repeat is not None:  # the repeat now repeats the padded weight
                 reps = repeat.args[1]
                 shape = tuple(n * r for n, r in zip(padded.shape, reps))
-                base = dataclasses.replace(values[mask], spec=TensorSpec(shape, weight.spec.dtype))
-                values[mask] = base
+                base = dataclasses.replace(edit.values[mask], spec=TensorSpec(shape, weight.spec.dtype))
+                edit.change(base)
                 ops[repeat.id] = dataclasses.replace(repeat, args=(Ref(stored.id), *repeat.args[1:]))
             view_shape = (*base.spec.shape[:-1], keys)
-            view = Value(next_value + 1, ACTIVATION,
-                         TensorSpec(view_shape, weight.spec.dtype, contiguous_strides(base.spec.shape)),
-                         f"{name}_keys", next_op, base.id)
-            new_values.append(view)
-            new_ops.append(Op(next_op, SLICE, (Ref(base.id), len(view_shape) - 1, 0, keys, 1), (), (view.id,),
-                              (), (), op.source))
-            next_value, next_op = next_value + 2, next_op + 1
+            view = edit.value(ACTIVATION, TensorSpec(view_shape, weight.spec.dtype, contiguous_strides(base.spec.shape)),
+                              f"{name}_keys", before=op.outputs[0], alias_of=base.id)
+            edit.insert_before(op.id, edit.op(SLICE, (Ref(base.id), len(view_shape) - 1, 0, keys, 1), (), (view,),
+                                              op.source))
             read = view.id
             if repeat is None:
                 sliced[weight.id] = read
         args = list(op.args)
         args[_MASK] = Ref(read)
         ops[op.id] = dataclasses.replace(op, args=tuple(args))
-        if new_values:
-            added.setdefault(op.outputs[0], []).extend(new_values)
-            before.setdefault(op.id, []).extend(new_ops)
-    if not before:
+    if not edit.changed:
         return graph, weights
-    return read_weights(rebuild(graph, in_order(ops, before), values=values, added=added), weights)
+    return read_weights(edit.finish(ops), weights)
 
 
 def _unaligned_mask(graph: Graph, facts: Facts, op: Op) -> tuple[Value, Op | None] | None:
