@@ -40,21 +40,19 @@ from pathlib import Path
 import torch
 
 from nimble import __version__
-from nimble.errors import ArtifactError, GraphError, NimbleError, first_line
+from nimble.errors import ArtifactError, NimbleError, first_line
 from nimble.fileio import atomic_file
 from nimble.model_files import check_artifact_file
 from nimble.ir import WEIGHT, Graph
-from nimble.ops import fusion
 from nimble.ops.batches import check_batches
 from nimble.ops.rows import RowsError
 from nimble.plan.memory import MemoryPlan
 from nimble.plan.schedule import Schedule
 from nimble.plan.verify import check_plan
 
-from . import codec, tensors
-from .spec import (BATCH_MEMBER, FORMAT_VERSION, GRAPH, MANIFEST, MAX_BATCH_SIZES, MAX_MANIFEST_BYTES, MAX_STRING,
-                   MEMBERS, MEMORY, ONE_BATCH_VERSION, SAMPLE_INPUT_KEY, SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS,
-                   SCHEDULE, WEIGHTS, ZIP_DATE, batch_members, limit)
+from . import checks, codec, tensors
+from .spec import (BATCH_MEMBER, FORMAT_VERSION, GRAPH, MANIFEST, MEMBERS, MEMORY, ONE_BATCH_VERSION, SAMPLE_INPUT_KEY,
+                   SAMPLE_INPUTS, SAMPLE_OUTPUT_KEY, SAMPLE_OUTPUTS, SCHEDULE, WEIGHTS, ZIP_DATE, batch_members)
 
 
 @dataclass
@@ -223,8 +221,8 @@ def _read(path: Path) -> Artifact:
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:
                 raise ArtifactError(f"{name}: member {info.filename} is compressed or larger than the file")
-        manifest = _load_json(z, MANIFEST, name)
-        _check_manifest(manifest, name)
+        manifest = checks.load_json(z, MANIFEST, name)
+        checks.check_manifest(manifest, name)
         expected = [*MEMBERS, *batch_members(manifest.get("batch_sizes", []))]
         extra = sorted(set(names) - set(expected))
         missing = [m for m in expected if m not in names]
@@ -234,7 +232,7 @@ def _read(path: Path) -> Artifact:
         for member in expected[1:]:
             want = manifest["members"][member]
             if member.endswith(".json"):
-                _check_json_size(z, member, name)
+                checks.check_json_size(z, member, name)
             if z.getinfo(member).file_size != want["size"]:
                 raise ArtifactError(f"{name}: {member} is {z.getinfo(member).file_size} bytes, "
                                     f"the manifest says {want['size']}")
@@ -242,14 +240,14 @@ def _read(path: Path) -> Artifact:
             if hashlib.sha256(data[member]).hexdigest() != want["sha256"]:
                 raise ArtifactError(f"{name}: {member} does not match its sha256 in the manifest")
     try:  # the decoders name the field; the message gets the file's name too
-        graph = codec.decode_graph(_parse_json(data[GRAPH], GRAPH, name))
-        schedule = codec.decode_schedule(_parse_json(data[SCHEDULE], SCHEDULE, name), len(graph.ops))
-        memory = codec.decode_memory(_parse_json(data[MEMORY], MEMORY, name), len(graph.values))
+        graph = codec.decode_graph(checks.parse_json(data[GRAPH], GRAPH, name))
+        schedule = codec.decode_schedule(checks.parse_json(data[SCHEDULE], SCHEDULE, name), len(graph.ops))
+        memory = codec.decode_memory(checks.parse_json(data[MEMORY], MEMORY, name), len(graph.values))
     except ArtifactError as e:
         if str(e).startswith(f"{name}:"):
             raise
         raise ArtifactError(f"{name}: {e}") from None
-    _check_ops(graph, name)
+    checks.check_ops(graph, name)
     try:
         check_plan(graph, schedule, memory)
     except ValueError as e:
@@ -281,14 +279,14 @@ def _read_batches(manifest: dict, data: dict, top: Graph, name: str) -> dict:
     for b in sizes[1:]:
         where = f"{name}: batch {b}"
         try:
-            graph = codec.decode_graph(_parse_json(data[BATCH_MEMBER.format(b, GRAPH)], GRAPH, where))
-            schedule = codec.decode_schedule(_parse_json(data[BATCH_MEMBER.format(b, SCHEDULE)], SCHEDULE, where),
+            graph = codec.decode_graph(checks.parse_json(data[BATCH_MEMBER.format(b, GRAPH)], GRAPH, where))
+            schedule = codec.decode_schedule(checks.parse_json(data[BATCH_MEMBER.format(b, SCHEDULE)], SCHEDULE, where),
                                              len(graph.ops))
-            memory = codec.decode_memory(_parse_json(data[BATCH_MEMBER.format(b, MEMORY)], MEMORY, where),
+            memory = codec.decode_memory(checks.parse_json(data[BATCH_MEMBER.format(b, MEMORY)], MEMORY, where),
                                          len(graph.values))
         except ArtifactError as e:
             raise ArtifactError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
-        _check_ops(graph, where)
+        checks.check_ops(graph, where)
         try:
             check_plan(graph, schedule, memory)
         except ValueError as e:
@@ -311,133 +309,6 @@ def _read_batches(manifest: dict, data: dict, top: Graph, name: str) -> dict:
         except RowsError as e:
             raise ArtifactError(f"{name}: {e}") from None
     return batches
-
-
-def _load_json(z: zipfile.ZipFile, member: str, name: str):
-    _check_json_size(z, member, name)
-    return _parse_json(z.read(member), member, name)
-
-
-def _check_json_size(z: zipfile.ZipFile, member: str, name: str) -> None:
-    cap = MAX_MANIFEST_BYTES if member == MANIFEST else limit("MAX_JSON_BYTES")
-    if z.getinfo(member).file_size > cap:
-        raise ArtifactError(f"{name}: {member} is larger than {cap} bytes"
-                            + ("" if member == MANIFEST else " (raise the cap with NIMBLE_MAX_JSON_BYTES)"))
-
-
-def _parse_json(data: bytes, member: str, name: str):
-    """Strict JSON: duplicate keys, NaN and Infinity are refused, not silently resolved."""
-    def unique(pairs):
-        obj = dict(pairs)
-        if len(obj) != len(pairs):
-            keys = [k for k, _ in pairs]
-            raise _Refused(f"a duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
-        return obj
-
-    def constant(text):
-        raise _Refused(f"a bare {text}")
-
-    try:
-        doc = json.loads(data, object_pairs_hook=unique, parse_constant=constant)
-    except _Refused as e:
-        raise ArtifactError(f"{name}: {member} holds {str(e)[:80]}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
-        raise ArtifactError(f"{name}: {member} is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise ArtifactError(f"{name}: {member} is not a JSON object")
-    return doc
-
-
-class _Refused(Exception):
-    pass
-
-
-def _check_manifest(m: dict, name: str) -> None:
-    version = m.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ArtifactError(f"{name}: manifest has no valid format_version")
-    if version > FORMAT_VERSION:
-        writer = m.get("nimble_version") if isinstance(m.get("nimble_version"), str) else "?"
-        raise ArtifactError(f"{name} has format version {version}, newer than the {FORMAT_VERSION} this nimble "
-                            f"({__version__}) reads; it was written by nimble {writer[:40]}: upgrade nimble to that "
-                            "build or later, or compile the model again with this one")
-    for key, kind in (("nimble_version", str), ("torch_version", str), ("model", str), ("source_sha256", str),
-                      ("options", dict), ("inputs", list), ("outputs", list), ("members", dict)):
-        if not isinstance(m.get(key), kind):
-            raise ArtifactError(f"{name}: manifest field '{key}' is missing or malformed")
-    if _longest_string(m) > MAX_STRING:
-        raise ArtifactError(f"{name}: the manifest holds a string longer than {MAX_STRING} characters")
-    passes = m.get("passes", [])  # optional: artifacts before nimble recorded the passes have none
-    if not (isinstance(passes, list) and len(passes) <= 1000 and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] >= 0
-            for p in passes)):
-        raise ArtifactError(f"{name}: manifest field 'passes' is malformed")
-    if "precision" in m:
-        _check_precision(m["precision"], name)
-    sizes = m.get("batch_sizes", [])
-    if not (isinstance(sizes, list) and len(sizes) <= MAX_BATCH_SIZES and all(type(b) is int and 1 <= b <= 2**16
-                                                                              for b in sizes)
-            and sizes == sorted(set(sizes)) and len(sizes) != 1):
-        raise ArtifactError(f"{name}: manifest field 'batch_sizes' is malformed")
-    for member in [*MEMBERS[1:], *batch_members(sizes)]:
-        entry = m["members"].get(member)
-        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
-                and isinstance(entry.get("size"), int) and entry["size"] >= 0):
-            raise ArtifactError(f"{name}: manifest lists no valid sha256 and size for {member}")
-
-
-def _check_precision(p, name: str) -> None:
-    """A reduced-precision record (`pipeline._choose_precision`), field by field."""
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    def count(x) -> bool:
-        return type(x) is int and 0 <= x <= 10**7
-
-    op_keys = {"op", "target", "source", "why"}
-    fine = (isinstance(p, dict) and set(p) == {"dtype", "io", "tolerance", "searched", "fp32_ops", "floating_ops",
-                                                "errors", "tries"}
-            and p["dtype"] in ("float16", "bfloat16") and p["io"] in ("model", "reduced")
-            and number(p["tolerance"]) and 0 < p["tolerance"] < 1 and isinstance(p["searched"], bool)
-            and count(p["floating_ops"]) and count(p["tries"])
-            and isinstance(p["errors"], list) and len(p["errors"]) <= 10**4 and all(number(e) for e in p["errors"])
-            and isinstance(p["fp32_ops"], list) and len(p["fp32_ops"]) <= 10**6
-            and all(isinstance(o, dict) and set(o) == op_keys and all(isinstance(o[k], str) for k in op_keys)
-                    and o["why"] in ("policy", "kept") for o in p["fp32_ops"]))
-    if not fine:
-        raise ArtifactError(f"{name}: manifest field 'precision' is malformed")
-
-
-def _longest_string(doc) -> int:
-    if isinstance(doc, str):
-        return len(doc)
-    if isinstance(doc, dict):
-        return max((max(len(k), _longest_string(v)) for k, v in doc.items()), default=0)
-    if isinstance(doc, list):
-        return max((_longest_string(v) for v in doc), default=0)
-    return 0
-
-
-def _check_ops(graph: Graph, name: str) -> None:
-    from nimble.ops.targets import device_ops
-
-    table = device_ops()
-    for op in graph.ops:
-        if op.target == fusion.FUSED:
-            try:
-                fusion.check(op)
-            except GraphError as e:
-                raise ArtifactError(f"{name}: {e}") from None
-            missing = next((node[0] for node in fusion.body_of(op) if node[0] not in table), None)
-            if missing is not None:
-                raise ArtifactError(f"{name}: fused op {op.id} holds {missing!r}, which is not an allowlisted "
-                                    f"overload in torch {torch.__version__}; recompile the model with this nimble "
-                                    "and torch")
-            continue
-        if op.target not in table:
-            raise ArtifactError(f"{name}: op {op.id} has target {op.target!r}, which is not an allowlisted overload "
-                                f"in torch {torch.__version__} (out= overloads never are); recompile the model "
-                                "with this nimble and torch")
 
 
 def _check_io(manifest: dict, graph: Graph, name: str) -> None:
