@@ -95,9 +95,12 @@ def _dynamic_ranges(program: torch.export.ExportedProgram) -> dict[tuple[int, in
             bound = program.range_constraints.get(expr) if expr is not None else None
             if bound is None:
                 continue
-            low, high = bound.lower, bound.upper
-            found[(k, dim)] = (int(low) if getattr(low, "is_finite", True) and low is not None else None,
-                               int(high) if getattr(high, "is_finite", False) else None)
+            try:
+                low, high = bound.lower, bound.upper
+                found[(k, dim)] = (int(low) if getattr(low, "is_finite", True) and low is not None else None,
+                                   int(high) if getattr(high, "is_finite", False) else None)
+            except (TypeError, ValueError, OverflowError):  # a range that is no pair of sizes: none kept
+                continue
     return found
 
 
@@ -205,11 +208,8 @@ class _Lowering:
         if node.target is operator.getitem:
             return self._value(node.args[0])[node.args[1]]
         if node.target in _SIZE_ARITHMETIC:  # export's arithmetic on sizes: plain numbers here
-            args = [self._value(a) for a in node.args]
-            if not all(isinstance(a, (int, float, bool)) for a in args):
-                raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at "
-                                       f"{_source(node)} computes on a tensor's values, not on sizes")
-            return node.target(*args)
+            return size_arithmetic(node.target, [self._value(a) for a in node.args],
+                                   f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)}")
         if not isinstance(node.target, torch._ops.OpOverload):
             raise UnsupportedError(f"{self.name}: {getattr(node.target, '__name__', node.target)} at {_source(node)} "
                                    "is not an aten op; nimble needs a program whose graph holds aten ops only")
@@ -281,6 +281,20 @@ _SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv,
                     operator.pow, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
                     operator.ge, operator.and_, operator.or_, operator.not_, torch.sym_int, torch.sym_float,
                     torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite, math.ceil, math.floor, math.trunc}
+
+
+SIZE_LIMIT = 2**62  # a size computation beyond this comes from a crafted program, not a model
+
+
+def size_arithmetic(target, args: list, where: str):
+    """`target(*args)` on plain numbers, refused in one line where an argument is a tensor or the
+    work or its result would be out of any size's range (a crafted program's `2 ** 10**9`)."""
+    if not all(isinstance(a, (int, float, bool)) for a in args):
+        raise UnsupportedError(f"{where} computes on a tensor's values, not on sizes")
+    if any(abs(a) > SIZE_LIMIT for a in args) or (target is operator.pow and len(args) == 2 and abs(args[1]) > 64):
+        raise UnsupportedError(f"{where} computes a number out of any size's range; the program is not one torch.export "
+                               "wrote for a model")
+    return target(*args)
 
 
 def _returns_list(schema) -> bool:

@@ -234,3 +234,17 @@ def test_only_modules_that_define_outputs_are_imported(tmp_path, monkeypatch):
     frontend_export._import_output_library(tmp_path / "m.pt2", "transformers.modeling_outputs.BaseModelOutput")
     frontend_export._import_output_library(tmp_path / "m.pt2", "transformers.models.bert.modeling_bert.Out")
     assert imported == ["transformers.modeling_outputs", "transformers.models.bert.modeling_bert"]
+
+
+def test_size_arithmetic_out_of_any_size_range_is_refused_before_it_runs():
+    """A crafted program's size arithmetic (`2 ** 10**9`, a product of huge numbers) would tie up
+    the compiler; it is refused in one line, and a tensor among the numbers is too."""
+    import operator
+
+    from nimble.frontend.export import size_arithmetic
+
+    assert size_arithmetic(operator.mul, [8, 16], "m: mul") == 128
+    for target, args in ((operator.pow, [2, 10**9]), (operator.mul, [2**70, 3]), (operator.add, [torch.ones(1), 1])):
+        with pytest.raises(UnsupportedError) as e:
+            size_arithmetic(target, args, "m: op")
+        assert "\n" not in str(e.value) and str(e.value).startswith("m: op")
