@@ -28,19 +28,9 @@ from pathlib import Path
 
 import torch
 
+from hf_trust import ByName  # the model called on (ids, mask) by name
+
 NIMBLE = [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
-
-
-class HuggingFace(torch.nn.Module):
-    """A Hugging Face model called on its inputs by name; returning its ModelOutput (export) or
-    tuples (a trace takes no ModelOutput)."""
-
-    def __init__(self, model, tuples: bool):
-        super().__init__()
-        self.model, self.tuples = model, tuples
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=not self.tuples)
 
 
 def build(name: str):
@@ -68,7 +58,7 @@ def write_models(name: str, frontends: list[str], seq: int, folder: Path) -> dic
     if "export" in frontends:
         batch = torch.export.Dim("batch", min=1, max=1024)
         try:
-            program = torch.export.export(HuggingFace(model, False).eval(), xs,
+            program = torch.export.export(ByName(model, False).eval(), xs,
                                           dynamic_shapes=({0: batch}, {0: batch}))
             torch.export.save(program, str(folder / f"{name}.pt2"))
             files["export"] = folder / f"{name}.pt2"
@@ -76,7 +66,7 @@ def write_models(name: str, frontends: list[str], seq: int, folder: Path) -> dic
             files["export"] = f"not exportable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if "trace" in frontends:
         with torch.no_grad():
-            traced = torch.jit.trace(HuggingFace(model, True).eval(), xs, strict=False, check_trace=False)
+            traced = torch.jit.trace(ByName(model, True).eval(), xs, strict=False, check_trace=False)
         torch.jit.save(traced, str(folder / f"{name}.pt"))
         files["trace"] = folder / f"{name}.pt"
     return files

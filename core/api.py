@@ -53,6 +53,7 @@ class Nimble:
         self.module = module
         self._runner = None
         self._compiled = None
+        self._guard = None  # a guards.Watched or guards.EveryTensor once prepared
         self._training = False
         self._specs: list[TensorSpec] = []
         self._device = torch.device("cpu")
@@ -118,7 +119,7 @@ class Nimble:
             self._runner = Executable(self._compiled.artifact(), device.type)
             if self.frontend == "torchscript (traced)":
                 self._check_trace(xs)
-        if getattr(self, "_guard", None) is not None:
+        if self._guard is not None:
             self._guard.release()
         self._guard = guards.Watched(self.module) if not self._training and watch.watchable(self.module) else \
             guards.EveryTensor(self.module, versions=not self._training)

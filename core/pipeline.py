@@ -281,8 +281,8 @@ def _named(graph: Graph, options: CompileOptions, model_outputs: list[str] | Non
     if outputs is None or len(outputs) != len(graph.outputs):
         outputs = ["output"] if len(graph.outputs) == 1 else [f"output_{k}" for k in range(len(graph.outputs))]
     named, problems = passes.name_io(graph, options.input_names and list(options.input_names), outputs)
-    chosen = [p for p in problems if (p.startswith("input") and options.input_names is not None)
-              or (p.startswith("output") and options.output_names is not None)]
+    chosen = [line for side, line in problems
+              if (options.input_names if side == "inputs" else options.output_names) is not None]
     if chosen:
         raise UsageError(f"{model}: {chosen[0]}; choose other names")
     return named

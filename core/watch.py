@@ -217,7 +217,9 @@ class _Table(dict):
     __slots__ = ("owner", "kind")
 
     def _changed(self, name):
-        _replaced(self.owner(), name, None, self.kind) if self.owner() is not None else None
+        owner = self.owner()
+        if owner is not None:
+            _replaced(owner, name, None, self.kind)
 
     def __setitem__(self, name, value):
         if self.get(name) is not value:

@@ -148,8 +148,8 @@ def bench_command(
                                   "inferences_per_s": timed["throughput_per_s"],
                                   "rows_per_s": timed["throughput_per_s"] * b})
         summaries = {k: t.summary(pcts) for k, t in results.items()}
-        withheld = {k: unsteady(summaries["nimble"], s) for k, s in summaries.items()
-                    if k != "nimble" and unsteady(summaries["nimble"], s)}
+        why = {k: unsteady(summaries["nimble"], s) for k, s in summaries.items() if k != "nimble"}
+        withheld = {k: w for k, w in why.items() if w}
         report = {
             "schema_version": BENCH_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
             "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,

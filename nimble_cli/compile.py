@@ -114,19 +114,25 @@ def compile_command(
             size, interrupted = _write(target, compiled.artifact())
             compiled.seconds["write"] = time.perf_counter() - t
         try:  # the artifact is complete: an interrupt from here on keeps it
-            if interrupted:
-                raise KeyboardInterrupt
-            if dot is not None:
-                write_dot(dot, compiled.graph, compiled.schedule, model.name)
-            if json_out:
-                print_json(compile_document(compiled, target, size))
-            _summary(compiled)
-            console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
-            if dot is not None:
-                console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
+            if not interrupted:
+                _report(compiled, target, size, dot, model.name, json_out)
+                return
         except KeyboardInterrupt:
-            console.print(f"interrupted after {literal(target)} was written ({human_bytes(size)}); it is complete "
-                          "and valid, and kept")
+            pass
+        console.print(f"interrupted after {literal(target)} was written ({human_bytes(size)}); it is complete "
+                      "and valid, and kept")
+
+
+def _report(compiled, target: Path, size: int, dot: Path | None, name: str, json_out: bool) -> None:
+    """What compile says once the artifact is written: the picture, the JSON document, the summary."""
+    if dot is not None:
+        write_dot(dot, compiled.graph, compiled.schedule, name)
+    if json_out:
+        print_json(compile_document(compiled, target, size))
+    _summary(compiled)
+    console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
+    if dot is not None:
+        console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
 
 
 def _write(target: Path, art) -> tuple[int, bool]:

@@ -29,58 +29,61 @@ class Edit:
         self._same: dict[int, int] = {}
         self._before: dict[int, list[Op]] = {}
         self._next_value, self._next_op = len(graph.values), len(graph.ops)
+        self._values_changed = False
 
     @property
     def changed(self) -> bool:
-        return bool(self._added or self._same or self._before) or self.values != list(self.graph.values)
+        return bool(self._added or self._same or self._before or self._values_changed)
 
     def value(self, kind: str, spec, name: str, before: int, alias_of: int | None = None) -> Value:
         """A new value, placed just before value `before` (after the new values placed there
         already); `op` sets its producer."""
-        v = Value(self._next_value, kind, spec, name, None, alias_of)
-        self._next_value += 1
-        placed = self._added.setdefault(before, [])
-        self._where[v.id] = (before, len(placed))
-        placed.append(v)
-        return v
+        return self._place(Value(self._new_value_id(), kind, spec, name, None, alias_of), before)
 
     def weight(self, weights: dict, name: str, tensor, before: int) -> Value:
         """A new weight value reading `tensor`, stored (contiguous) in `weights` under `name` or the
         first free name after it (`substitute.new_weight`), placed just before value `before`."""
-        v = new_weight(weights, name, tensor, self._next_value)
-        self._next_value += 1
-        placed = self._added.setdefault(before, [])
-        self._where[v.id] = (before, len(placed))
-        placed.append(v)
-        return v
+        return self._place(new_weight(weights, name, tensor, self._new_value_id()), before)
 
     def op(self, target: str, args: tuple, kwargs: tuple, outputs, source: str = "", mutates: tuple = (),
            op_id: int | None = None) -> Op:
         """A new op writing `outputs` (values or ids), with the next free id unless `op_id` gives
         one; each new value among its outputs gets it as its producer."""
-        if op_id is None:
-            op_id, self._next_op = self._next_op, self._next_op + 1
-        ids = tuple(o.id if isinstance(o, Value) else o for o in outputs)
-        for i in ids:
-            if i in self._where:
-                key, k = self._where[i]
-                self._added[key][k] = dataclasses.replace(self._added[key][k], producer=op_id)
-        return Op(op_id, target, args, kwargs, ids, mutates, (), source)
+        op = Op(self._new_op_id() if op_id is None else op_id, target, args, kwargs,
+                tuple(o.id if isinstance(o, Value) else o for o in outputs), mutates, (), source)
+        return self._producing(op)
 
     def renumbered(self, op: Op, **changes) -> Op:
         """`op` (changed as `changes` say) under the next free id, as a new op; its new outputs
         get that id as their producer."""
-        new = dataclasses.replace(op, id=self._next_op, **changes)
+        return self._producing(dataclasses.replace(op, id=self._new_op_id(), **changes))
+
+    def _new_value_id(self) -> int:
+        self._next_value += 1
+        return self._next_value - 1
+
+    def _new_op_id(self) -> int:
         self._next_op += 1
-        for i in new.outputs:
+        return self._next_op - 1
+
+    def _place(self, v: Value, before: int) -> Value:
+        placed = self._added.setdefault(before, [])
+        self._where[v.id] = (before, len(placed))
+        placed.append(v)
+        return v
+
+    def _producing(self, op: Op) -> Op:
+        """`op`, with each new value among its outputs recorded as produced by it."""
+        for i in op.outputs:
             if i in self._where:
                 key, k = self._where[i]
-                self._added[key][k] = dataclasses.replace(self._added[key][k], producer=new.id)
-        return new
+                self._added[key][k] = dataclasses.replace(self._added[key][k], producer=op.id)
+        return op
 
     def change(self, value: Value) -> None:
         """An existing value replaced (a new spec, a new kind)."""
         self.values[value.id] = value
+        self._values_changed = True
 
     def replace_uses(self, old: int, new: int) -> None:
         self._same[old] = new

@@ -19,25 +19,27 @@ def name_values(graph: Graph) -> Graph:
     return dataclasses.replace(graph, values=tuple(values))
 
 
-def name_io(graph: Graph, inputs: list[str] | None, outputs: list[str] | None) -> tuple[Graph, list[str]]:
+def name_io(graph: Graph, inputs: list[str] | None,
+            outputs: list[str] | None) -> tuple[Graph, list[tuple[str, str]]]:
     """The graph's inputs and outputs given the names a client sees (the model's own, or those a
     user asked for), in their order; None leaves that side as it is. An activation that held a
     name wanted takes another (`<name>_`). A name another input, output or weight holds, or an
     output that is an input or repeats an earlier output, keeps the graph's name: those are
-    returned as lines saying why (the caller refuses them where the user chose the names)."""
+    returned as (side, line saying why), side "inputs" or "outputs" (the caller refuses them where
+    the user chose that side's names)."""
     values = list(graph.values)
     holder = {v.name: v.id for v in values}
     fixed = set(graph.inputs) | {v.id for v in values if v.kind == WEIGHT}
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []
 
-    def rename(vid: int, name: str, what: str) -> None:
+    def rename(vid: int, name: str, what: str, side: str) -> None:
         current = values[vid].name
         if name == current:
             fixed.add(vid)
             return
         other = holder.get(name)
         if other is not None and other in fixed:
-            problems.append(f"{what} cannot be named {name!r}: {_kind(values[other], graph)} has that name")
+            problems.append((side, f"{what} cannot be named {name!r}: {_kind(values[other], graph)} has that name"))
             return
         if other is not None:  # an activation: it takes another name
             free = name + "_"
@@ -51,17 +53,17 @@ def name_io(graph: Graph, inputs: list[str] | None, outputs: list[str] | None) -
         fixed.add(vid)
 
     for k, name in enumerate(inputs or []):
-        rename(graph.inputs[k], name, f"input {k}")
+        rename(graph.inputs[k], name, f"input {k}", "inputs")
     done: set[int] = set()
     for k, name in enumerate(outputs or []):
         vid = graph.outputs[k]
         if vid in done or vid in graph.inputs:
             if values[vid].name != name:
-                problems.append(f"output {k} is {'input' if vid in graph.inputs else 'an earlier output'} "
-                                f"{values[vid].name!r} itself, so it cannot be named {name!r}")
+                problems.append(("outputs", f"output {k} is {'input' if vid in graph.inputs else 'an earlier output'} "
+                                            f"{values[vid].name!r} itself, so it cannot be named {name!r}"))
             continue
         done.add(vid)
-        rename(vid, name, f"output {k}")
+        rename(vid, name, f"output {k}", "outputs")
     return dataclasses.replace(graph, values=tuple(values)), problems
 
 

@@ -48,17 +48,17 @@ def _entry(pid: int) -> tuple[int, str, str] | None:
     return int(rest[1]), stat[stat.index("(") + 1:stat.rindex(")")], rest[19]
 
 
-def marked(folder: str) -> dict[int, str]:
+def marked(folder: str, table: dict | None = None) -> dict[int, str]:
     """pid -> start time of every live process (of those this user may read) marked with `folder`."""
     mark = f"{MARK}={folder}".encode()
     found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
+    for pid, (_, _, started) in (processes() if table is None else table).items():
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if mark in environ.split(b"\0") and (e := _entry(int(entry.name))) is not None:
-            found[int(entry.name)] = e[2]
+        if mark in environ.split(b"\0"):
+            found[pid] = started
     return found
 
 
@@ -101,7 +101,7 @@ def main(server: int, folder: str) -> None:
     table = processes()
     for pid in list(seen):
         seen.update((p, started) for p, (_, started) in descendants(pid, table).items())
-    seen.update(marked(folder))
+    seen.update(marked(folder, table))
     mine = _entry(os.getpid())
     server_entry = _entry(server)
     spared = {(os.getpid(), mine and mine[2]), (server, server_entry and server_entry[2])}
