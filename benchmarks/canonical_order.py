@@ -48,9 +48,9 @@ def bench(name: str, batch: int, tmp: Path) -> list[dict]:
 
     from nimble import pipeline
     from nimble.frontend import quiet_torchscript
-    from nimble.runtime.compare import compare
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.timing import gpu_ms
+    from nimble.runtime.base.timing import gpu_ms
     from nimble.specs import input_specs
 
     model, xs = make(name, batch)

@@ -25,8 +25,9 @@ def main() -> int:
 
     import nimble
     from nimble.plan import capped
-    from nimble.runtime import placement, regions, streams
-    from nimble.runtime.timing import gpu_ms
+    from nimble.runtime.placed import placement
+    from nimble.runtime.base import regions, streams
+    from nimble.runtime.base.timing import gpu_ms
 
     folded, release, pack, pool = capped.fold, streams.release_plan, regions.pack, placement.SUBSTITUTES.copy()
 

@@ -25,7 +25,9 @@ SHAPES = ((768, 768), (768, 2304), (768, 3072), (3072, 768))  # (K, N)
 def measure(rows: int, k: int, n: int) -> dict:
     import torch
 
-    from nimble.runtime import gemm, kernels, timing
+    from nimble.runtime.kernels import gemm
+    from nimble.runtime.kernels import generated
+    from nimble.runtime.base import timing
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", generator=g)
@@ -46,7 +48,7 @@ def measure(rows: int, k: int, n: int) -> dict:
     theirs_error = error()
     tiles = {}
     for tile in gemm.TILES:
-        launch = gemm.launcher(kernels.define(gemm.source(x, b, bias, out, tile=tile)), tile)
+        launch = gemm.launcher(generated.define(gemm.source(x, b, bias, out, tile=tile)), tile)
         launch(x, b, bias, out)
         tiles[tile] = (timing.graph_us(lambda: launch(x, b, bias, out), out.device), error())
     best = min(tiles, key=lambda t: tiles[t][0])

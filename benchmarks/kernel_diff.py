@@ -229,7 +229,7 @@ def diff_one(name: str, batch: int, precision: str, tmp: Path, force: str | None
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
-    from nimble.runtime.tuning import choice_of
+    from nimble.runtime.tune.choices import choice_of
     from peers import make_inputs
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
@@ -378,7 +378,7 @@ def main() -> int:
                                          "'channels_last,planned,heuristic,cudnn-fused,epilogue,in depthwise')")
     args = parser.parse_args()
     if args.choice:  # refused before minutes of compiling, not run under a name it does not have
-        from nimble.runtime.tuning import choice_of
+        from nimble.runtime.tune.choices import choice_of
 
         if choice_of(args.choice) is None:
             parser.error(f"--choice {args.choice!r} is no load-time choice; see --help for the fields")

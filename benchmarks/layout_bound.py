@@ -70,7 +70,7 @@ def bound_one(name: str, batch: int, tmp: Path, settings: str) -> dict:
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
     from nimble.runtime.trace import op_label
-    from nimble.runtime.tuning import LAYOUTS, choice_of
+    from nimble.runtime.tune.choices import LAYOUTS, choice_of
     from nimble.specs import input_specs
     from peers import gpu_bound_ms, make_inputs
 
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     args = parser.parse_args()
-    from nimble.runtime.tuning import LAYOUTS, choice_of
+    from nimble.runtime.tune.choices import LAYOUTS, choice_of
 
     if choice_of(f"{LAYOUTS[0]},{args.settings}") is None:
         parser.error(f"--settings {args.settings!r} are no load-time choice's fields; see --help")

@@ -31,7 +31,7 @@ from nimble import frontend  # noqa: E402
 from nimble.errors import NimbleError  # noqa: E402
 from nimble.formats import read_artifact, write_artifact  # noqa: E402
 from nimble.pipeline import compile_model  # noqa: E402
-from nimble.runtime.compare import compare, default_tolerance  # noqa: E402
+from nimble.runtime.base.compare import compare, default_tolerance  # noqa: E402
 from nimble.runtime.executable import Executable  # noqa: E402
 from nimble.specs import input_specs  # noqa: E402
 

@@ -29,8 +29,8 @@ def check(name: str, batch: int, tmp: Path) -> dict:
     from nimble.formats import read_artifact, write_artifact
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
-    from nimble.runtime import tuning
-    from nimble.runtime.compare import compare
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 

@@ -88,7 +88,7 @@ def make_inputs(name: str, batch: int):
 def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
     import torch
 
-    from nimble.runtime.timing import gpu_ms
+    from nimble.runtime.base.timing import gpu_ms
 
     return gpu_ms(call, torch.device("cuda"), calls, repeats, warmup=10)
 
@@ -112,7 +112,7 @@ def torch_compile(module, xs, row: dict, record):
 
 def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     dump = tmp / "graph.dot"
     Executable(art, "cuda", choice=choice, graph_dump=str(dump), **kwargs)
@@ -208,8 +208,8 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), s
     from nimble.formats import read_artifact, write_artifact
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
-    from nimble.runtime import tuning
-    from nimble.runtime.compare import compare
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 
@@ -289,7 +289,7 @@ def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_in
     from nimble.formats import read_artifact, write_artifact
     from nimble.frontend import quiet_torchscript
     from nimble.pipeline import compile_model
-    from nimble.runtime.compare import relative_l2
+    from nimble.runtime.base.compare import relative_l2
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 

@@ -26,7 +26,7 @@ def census(path: str, tune: str, top: int) -> None:
     import torch
 
     import nimble
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     mib = 2**20
     exe = nimble.load(path, device="cuda", tune=tune)

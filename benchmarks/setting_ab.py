@@ -34,7 +34,7 @@ def bench(name: str, batch: int, settings: list, rounds: int, tmp: Path) -> dict
     import torch
 
     from nimble.formats import read_artifact
-    from nimble.runtime.compare import compare
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
 
     path = compile_artifact(name, batch, tmp)

@@ -30,7 +30,7 @@ from nimble.formats.artifact import Artifact  # noqa: E402
 from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value  # noqa: E402
 from nimble.plan.memory import ALIGNMENT, MemoryPlan  # noqa: E402
 from nimble.plan.schedule import Schedule  # noqa: E402
-from nimble.runtime.preflight import preflight  # noqa: E402
+from nimble.runtime.placed.preflight import preflight  # noqa: E402
 
 
 def relu_chains(n_ops: int, chains: int) -> Artifact:

@@ -206,7 +206,7 @@ class Nimble:
     def _check_trace(self, xs: list[torch.Tensor]) -> None:
         """Compare the prepared model with the module on the example and on _VARIANTS of it: a trace
         that kept one path of value-dependent control flow shows up as a mismatch."""
-        from .runtime.compare import compare, default_tolerance
+        from .runtime.base.compare import compare, default_tolerance
 
         rtol, atol = default_tolerance(self._device.type)
         l2 = self._compiled.precision["tolerance"] if self._compiled.precision else None

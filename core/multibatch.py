@@ -12,8 +12,8 @@ from . import frontend
 from .errors import MismatchError, UnsupportedError
 from .ir import TensorSpec
 from .ops import arguments, batches, rows, types
-from .runtime.compare import compare, default_tolerance
-from .runtime.reference import one_thread
+from .runtime.base.compare import compare, default_tolerance
+from .runtime.placed.reference import one_thread
 from .specs import with_batch
 from .stages import Stages
 

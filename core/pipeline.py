@@ -24,15 +24,15 @@ from .fileio import sha256_file
 from .ir import WEIGHT, Graph, TensorSpec
 from .specs import NEED_SHAPES, PRECISIONS, check_precision, parse_streams
 from .ops import arguments, types
-from .runtime.device import resolve_device
+from .runtime.base.device import resolve_device
 from .plan import capped
 from .plan.memory import MemoryPlan, plan
 from .plan.schedule import Schedule, assign_streams
 from .plan.verify import check_plan
-from .runtime import reference
-from .runtime.reference import one_thread
+from .runtime.placed import reference
+from .runtime.placed.reference import one_thread
 from .passes.reduce_precision import Precision
-from .runtime.compare import L2_TOLERANCE, Comparison, compare, default_tolerance
+from .runtime.base.compare import L2_TOLERANCE, Comparison, compare, default_tolerance
 from .stages import Stages
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/). The frontends emit

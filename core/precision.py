@@ -24,7 +24,7 @@ import torch
 
 from .ir import ACTIVATION, Graph
 from .passes.reduce_precision import Converted, Precision, convert, short_target
-from .runtime.compare import relative_l2
+from .runtime.base.compare import relative_l2
 
 PRUNE_TRIES = 8  # kept ops tried back in the reduced dtype one by one, at most
 

@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, footprint_line, human_bytes, literal,
-                     print_json, user_errors, writable)
+from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption,
+                     console, early_checks, footprint_line, human_bytes, literal, print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
 VARIANTS = {
@@ -77,7 +77,7 @@ def bench_command(
         from nimble.errors import UsageError
         from nimble.runtime.baselines import baselines as build_baselines
         from nimble.runtime.executable import load
-        from nimble.runtime.timing import measure
+        from nimble.runtime.base.timing import measure
 
         try:
             pcts = tuple(float(p) for p in percentiles.split(",") if p.strip())
@@ -96,7 +96,7 @@ def bench_command(
             raise UsageError("--duration and --warmup must not be negative")
 
         with progress(f"loading {artifact.name}") as update:
-            from nimble.runtime.streams import count_kernels
+            from nimble.runtime.base.streams import count_kernels
 
             t0 = time.perf_counter()
             with _graph_dump(torch.cuda.is_available() and device != "cpu") as dump:
@@ -316,7 +316,7 @@ def _print(r: dict, pcts) -> None:
         ours = m["arena_bytes"] + m["scratch_bytes"]
         console.print(f"PyTorch's graph pool for the same multi-stream capture: {human_bytes(pool)}; nimble's arena "
                       f"plus scratch is {ours / max(pool, 1):.2f}x of it")
-    from nimble.runtime.timing import samples_behind
+    from nimble.runtime.base.timing import samples_behind
 
     more = "raise --duration or --iterations"
     for name, s in r["results"].items():

@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (describe_batches, describe_precision, progress, DebugOption, DeviceOption, JsonOption, console, early_checks, human_bytes, literal, print_json,
-                     user_errors, writable)
+from .common import (describe_batches, describe_precision, progress, DebugOption, DeviceOption, JsonOption, console,
+                     early_checks, human_bytes, literal, print_json, user_errors, writable)
 
 
 def compile_command(

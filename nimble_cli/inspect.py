@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (DebugOption, describe_batches, describe_precision, JsonOption, TuneOption, early_checks, footprint_line, human_bytes, literal,
-                     print_json, user_errors, writable)
+from .common import (DebugOption, describe_batches, describe_precision, JsonOption, TuneOption, early_checks,
+                     footprint_line, human_bytes, literal, print_json, user_errors, writable)
 from .compile import describe_passes
 
 

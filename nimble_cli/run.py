@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console, early_checks, literal, print_json,
-                     user_errors, writable)
+from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console,
+                     early_checks, literal, print_json, user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
 
@@ -49,7 +49,7 @@ def run_command(
 
         budget = early_checks(device=device, tune=tune, max_memory=max_memory)
         check_artifact_file(artifact)
-        from nimble.runtime.compare import MismatchError, compare, default_tolerance, l2_tolerance
+        from nimble.runtime.base.compare import MismatchError, compare, default_tolerance, l2_tolerance
         from nimble.runtime.executable import load
 
         given = {"the artifact": artifact, **{f"--input {item}": item.partition("=")[2] or item for item in inputs or []}}

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from .placed import reference
 from .executable import Executable
 
 

@@ -18,8 +18,8 @@ import torch
 
 from ..errors import ExecutionError, MismatchError, ShapeError, UsageError
 from ..ops import batches, types
-from . import footprint
-from .compare import compare, default_tolerance
+from .base import footprint
+from .base.compare import compare, default_tolerance
 from .executable import Executable, LoadStats, _mib, settle_footprint
 
 

@@ -41,13 +41,18 @@ from ..plan.schedule import Schedule
 from ..plan.verify import check_plan
 from ..specs import check_tune_mode
 from ..stages import Stages
-from . import binaries, cudnn_graph, footprint, gemm, indices, kernels, pairs, regions, streams, timing, tuning
-from .compare import compare, default_tolerance, l2_tolerance
-from .device import resolve_device
-from .gemm import Gemm
-from .placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare
-from .pooled_conv import SmallLinear
-from .preflight import preflight
+from .kernels import binaries, cudnn_graph, gemm
+from .base import footprint, regions, streams, timing
+from .placed import indices
+from . import pairs
+from .kernels import fused, generated
+from .tune import choices as tuning
+from .base.compare import compare, default_tolerance, l2_tolerance
+from .base.device import resolve_device
+from .kernels.gemm import Gemm
+from .placed.placement import BiasedGemm, PlacedOp, PlacedRun, arena_views, prepare
+from .kernels.pooled_conv import SmallLinear
+from .placed.preflight import preflight
 
 
 # ops that multiply matrices through cuBLAS (by the name of the aten op)
@@ -143,17 +148,17 @@ class Executable:
             self._check_budget(max_memory, self._planned_bytes())
             self._allocate()
         if self.device.type == "cuda":
-            built, hits, seconds, fallbacks, recalled = (kernels.STATS.generated, kernels.STATS.source_hits,
-                                                         kernels.STATS.seconds, len(kernels.STATS.fallbacks),
+            built, hits, seconds, fallbacks, recalled = (generated.STATS.generated, generated.STATS.source_hits,
+                                                         generated.STATS.seconds, len(generated.STATS.fallbacks),
                                                          binaries.STATS.recalled)
             self._choose(tune, choice, graph_dump)
             self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
             self._channels_last_weights = {}
-            self.stats.kernels_generated = kernels.STATS.generated - built
-            self.stats.kernel_source_hits = kernels.STATS.source_hits - hits
+            self.stats.kernels_generated = generated.STATS.generated - built
+            self.stats.kernel_source_hits = generated.STATS.source_hits - hits
             self.stats.kernel_binaries_recalled = binaries.STATS.recalled - recalled
-            stages.move("warmup", "kernels", kernels.STATS.seconds - seconds)  # kernels build on first run
-            self.stats.kernel_fallbacks = kernels.STATS.fallbacks[fallbacks:]
+            stages.move("warmup", "kernels", generated.STATS.seconds - seconds)  # kernels build on first run
+            self.stats.kernel_fallbacks = generated.STATS.fallbacks[fallbacks:]
             settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
         if group is not None:
             group._join(self)
@@ -222,7 +227,7 @@ class Executable:
         # same multi-batch artifact) has them: the fused kernels held them too, and kept them after close
         self._cudnn_workspaces = cudnn_graph.Workspaces()
         for p in self._placed:
-            if isinstance(p.substitute, kernels.FusedKernel):
+            if isinstance(p.substitute, fused.FusedKernel):
                 p.substitute.workspaces = self._cudnn_workspaces
                 p.substitute.forget_calls()
         self.arena = None
@@ -335,7 +340,7 @@ class Executable:
         if self._share is None and self._group is None:  # sized anew for this choice's plans (no graph is left)
             self._cudnn_workspaces = cudnn_graph.Workspaces()
         for p in self._placed:
-            if isinstance(p.substitute, kernels.FusedKernel):
+            if isinstance(p.substitute, fused.FusedKernel):
                 p.substitute.cudnn_fusion = choice.convolutions == "cudnn-fused"
                 p.substitute.workspaces = self._cudnn_workspaces
                 p.substitute.bare, p.substitute.after_bare = False, None

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ExecutionError, UsageError
-from . import cudnn_graph
-from .device import resolve_device
+from .kernels import cudnn_graph
+from .base.device import resolve_device
 from .executable import Executable
 
 

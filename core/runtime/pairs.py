@@ -32,9 +32,9 @@ from typing import Sequence
 from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
 from ..plan.memory import read_later
-from .gemm import Gemm
-from .kernels import FusedKernel
-from .placement import RESHAPES, PlacedOp, height_and_width
+from .kernels.gemm import Gemm
+from .kernels.fused import FusedKernel
+from .placed.placement import RESHAPES, PlacedOp, height_and_width
 
 MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
 PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own

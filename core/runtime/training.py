@@ -26,7 +26,7 @@ from ..ir import WEIGHT, Graph
 from ..ops import arguments, targets, types
 from ..ops.execute import Executor, run_ops
 from ..plan.schedule import Schedule
-from . import streams
+from .base import streams
 
 _WARMUP_STEPS = 2
 

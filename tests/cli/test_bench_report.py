@@ -4,7 +4,7 @@ when a percentile rests on too few inferences to differ from the max."""
 
 from pathlib import Path
 
-from nimble.runtime.timing import Timing, percentile, samples_behind
+from nimble.runtime.base.timing import Timing, percentile, samples_behind
 
 from ..conftest import SAMPLES
 from .test_cli import invoke
@@ -128,7 +128,7 @@ def test_a_run_keeps_to_its_time_on_a_slow_machine():
     timed, though --iterations asked for more: the bench ends within twice --duration."""
     import time
 
-    from nimble.runtime.timing import measure
+    from nimble.runtime.base.timing import measure
     from nimble.cli.bench import time_shares
 
     calls = []

@@ -209,7 +209,7 @@ def test_negative_tolerances_are_refused(artifact, flag):
 
 
 def test_running_out_of_memory_in_the_check_is_one_line(tmp_path, monkeypatch):
-    from nimble.runtime import reference
+    from nimble.runtime.placed import reference
 
     def exhausted(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
@@ -266,7 +266,7 @@ def test_complex_inputs_get_sample_data(tmp_path):
     result = invoke("compile", path, "--shape", "3x4", "--dtype", "complex64", "--device", "cpu", "-o", tmp_path / "d.nimble")
     assert result.exit_code == 0, result.stderr
     assert invoke("run", tmp_path / "d.nimble", "--check", "--device", "cpu").exit_code == 0
-    from nimble.runtime.compare import compare
+    from nimble.runtime.base.compare import compare
 
     z = torch.ones(3, dtype=torch.complex64)
     assert not compare([z * 1j], [z], 1e-4, 1e-5).passed  # imaginary parts count

@@ -5,8 +5,8 @@ import torch
 
 from nimble import frontend
 from nimble.frontend import builder
-from nimble.runtime import reference
-from nimble.runtime.compare import compare
+from nimble.runtime.placed import reference
+from nimble.runtime.base.compare import compare
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
 from nimble.ir import TensorSpec
 from nimble.ops.targets import is_allowed

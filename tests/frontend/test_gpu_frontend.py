@@ -8,8 +8,8 @@ import torch
 
 from nimble import frontend
 from nimble.ops import arguments
-from nimble.runtime import reference
-from nimble.runtime.compare import compare
+from nimble.runtime.placed import reference
+from nimble.runtime.base.compare import compare
 from nimble.ir import TensorSpec
 from nimble.pipeline import rewrite, sample_inputs
 

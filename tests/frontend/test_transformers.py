@@ -17,7 +17,7 @@ def test_bert_compiles_with_int64_ids_and_a_mask_and_matches_the_module():
     assert [c.graph.values[i].spec.dtype for i in c.graph.inputs] == ["int64", "int64"]
     module = build_module("bert")
     ids, mask = example_inputs("bert", seed=3)
-    from nimble.runtime import reference
+    from nimble.runtime.placed import reference
 
     got = reference.run(c.graph, c.weights, [ids, mask], "cpu")
     with torch.no_grad():

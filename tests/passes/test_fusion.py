@@ -20,8 +20,8 @@ from nimble.frontend import quiet_torchscript
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion
 from nimble.pipeline import CompileOptions, compile_model, compile_script
-from nimble.runtime import reference
-from nimble.runtime.codegen import _expr, elementwise_source, strided_offset
+from nimble.runtime.placed import reference
+from nimble.runtime.kernels.codegen import _expr, elementwise_source, strided_offset
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES

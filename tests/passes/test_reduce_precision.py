@@ -16,8 +16,8 @@ from nimble.ir import ACTIVATION, WEIGHT, TensorSpec
 from nimble.ops import targets
 from nimble.passes.reduce_precision import FP32_OPS, Precision, _follows, convert, short_target
 from nimble.pipeline import compile_model, rewrite, sample_inputs
-from nimble.runtime import reference
-from nimble.runtime.compare import relative_l2
+from nimble.runtime.placed import reference
+from nimble.runtime.base.compare import relative_l2
 from nimble.specs import input_specs
 
 from ..conftest import save_script

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from nimble import frontend, passes
 from nimble.ir import WEIGHT, TensorSpec
 from nimble.pipeline import PASSES, REWRITES, rewrite, sample_inputs
-from nimble.runtime import reference
+from nimble.runtime.placed import reference
 from nimble.runtime.trace import op_label
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 
 from ..conftest import save_script
 

@@ -151,7 +151,7 @@ def test_a_load_capped_at_two_streams_issues_the_stored_candidate(sample_artifac
     import torch
 
     import nimble
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     def regroup(doc):
         stream, cuda = doc["stream"], doc["capped"][0]["stream"]

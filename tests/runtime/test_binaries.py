@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from nimble.runtime import binaries
+from nimble.runtime.kernels import binaries
 
 
 def valid(tmp_path):
@@ -161,10 +161,10 @@ def test_what_the_static_launcher_cannot_run_is_not_recorded(triton_cache, case)
 
 
 def test_a_generated_kernel_asks_for_a_binary_once_per_signature_and_records_what_triton_built(monkeypatch):
-    """`kernels.Generated`: a recalled binary runs without Triton; a miss goes to Triton once
+    """`generated.Generated`: a recalled binary runs without Triton; a miss goes to Triton once
     per signature, which builds it without launching it; the build is recorded and launched from
     its record, or by Triton where it cannot be recorded."""
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import generated
 
     asked, recorded, ran = [], [], []
 
@@ -195,7 +195,7 @@ def test_a_generated_kernel_asks_for_a_binary_once_per_signature_and_records_wha
 
     monkeypatch.setattr(binaries, "recall", recall)
     monkeypatch.setattr(binaries, "remember", remember)
-    kernel = kernels.Generated("source", "d" * 32)
+    kernel = generated.Generated("source", "d" * 32)
     monkeypatch.setattr(kernel, "jit", lambda: Jit())
     x = torch.empty(8)
     for s in (0.25, 0.25, 0.5, 0.5, 0.75, 0.75):

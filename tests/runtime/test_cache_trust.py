@@ -12,7 +12,10 @@ import types
 import pytest
 import torch
 
-from nimble.runtime import cache, codegen, kernels, tuning
+from nimble.runtime.base import cache
+from nimble.runtime.kernels import codegen
+from nimble.runtime.kernels import fused as kernels, generated
+from nimble.runtime.tune import choices as tuning
 
 
 @pytest.fixture
@@ -120,10 +123,10 @@ def test_a_planted_pyc_beside_a_matching_source_never_runs(root, tmp_path, fake_
     py_compile.compile(str(path), invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
     path.write_text(source)  # the source the cache expects, with the planted .pyc's size and time
     os.utime(path, (1_000_000_000, 1_000_000_000))
-    hits = kernels.STATS.source_hits
+    hits = generated.STATS.source_hits
     kernels._compile(source)
     assert not mark.exists()
-    assert kernels.STATS.source_hits == hits + 1  # the text matched; it was compiled from memory
+    assert generated.STATS.source_hits == hits + 1  # the text matched; it was compiled from memory
 
 
 @pytest.mark.parametrize("gemm_bias", ["evil", 1, None, ["separate"]])
@@ -143,7 +146,7 @@ def test_a_crafted_gemm_bias_in_the_tuning_cache_is_a_miss(root, gemm_bias):
 def test_a_crafted_cudnn_plan_table_is_empty_and_replaced(root, content):
     """cudnn_plans.json is read through the same check as tuning.json before any entry is used
     (its entries are then rebuilt and checked on the GPU: tests/runtime/test_gpu_cudnn_graph.py)."""
-    from nimble.runtime import cudnn_graph
+    from nimble.runtime.kernels import cudnn_graph
 
     root.mkdir(mode=0o700)
     path = cudnn_graph._table_path()
@@ -154,7 +157,7 @@ def test_a_crafted_cudnn_plan_table_is_empty_and_replaced(root, content):
 
 
 def test_a_cudnn_plan_table_behind_a_symlink_is_not_read(root, tmp_path):
-    from nimble.runtime import cudnn_graph
+    from nimble.runtime.kernels import cudnn_graph
 
     root.mkdir(mode=0o700)
     planted = tmp_path / "planted.json"

@@ -3,7 +3,7 @@
 
 import torch
 
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 
 from ..cli.test_cli import invoke
 from ..conftest import save_script

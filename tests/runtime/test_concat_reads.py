@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
-from nimble.runtime import codegen, kernels
+from nimble.runtime.kernels import codegen
+from nimble.runtime.kernels import fused as kernels
+from nimble.runtime.kernels import generated as machinery
 
 from .. import triton_shim
 from ..models import DenseBlock
@@ -137,10 +139,10 @@ def test_the_compiled_kernel_agrees_with_eager_and_writes_its_buffer(channels_la
                                 ("aten::add.Tensor", (Local(1), Ref(n + 1)), ()),
                                 ("aten::relu.default", (Local(2),), ()))),), (), (n + 2,), (), (), "test")
     fusion.check(op)
-    fallbacks = len(kernels.STATS.fallbacks)
+    fallbacks = len(machinery.STATS.fallbacks)
     out = layout(torch.empty(3, channels, 7, 9, device="cuda"), channels_last)
     got = kernels.FusedKernel(op)([body], out)
-    assert got is out and len(kernels.STATS.fallbacks) == fallbacks, kernels.STATS.fallbacks[fallbacks:]
+    assert got is out and len(machinery.STATS.fallbacks) == fallbacks, machinery.STATS.fallbacks[fallbacks:]
     torch.testing.assert_close(out, torch.relu(torch.cat(pieces, 1) * scale + shift), rtol=1e-6, atol=1e-6)
 
 
@@ -149,9 +151,9 @@ def test_a_dense_block_runs_without_copying_its_cats(tmp_path, monkeypatch):
     """End to end: the loaded block agrees with eager in both layouts, and its graph holds one
     cat kernel (the cat read twice) where it held five."""
     import nimble
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -161,7 +163,7 @@ def test_a_dense_block_runs_without_copying_its_cats(tmp_path, monkeypatch):
         want = [t.cuda() for t in module(x)]
     artifact = nimble.Nimble(module.cuda()).prepare(x.cuda())._runner.artifact
     assert sum(op.target == "aten::cat.default" for op in artifact.graph.ops) == 1
-    fallbacks = len(kernels.STATS.fallbacks)
+    fallbacks = len(machinery.STATS.fallbacks)
     for channels_last in (False, True):
         dump = tmp_path / f"graph{channels_last}.dot"
         choice = tuning.Choice(layout="channels_last" if channels_last else "contiguous", streams="serial")
@@ -170,4 +172,4 @@ def test_a_dense_block_runs_without_copying_its_cats(tmp_path, monkeypatch):
             torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5)
         blocks = dump.read_text(errors="replace").split("KERNEL")[1:]
         assert sum("CatArrayBatchedCopy" in b for b in blocks) == 1, count_kernels(dump)  # `twice`
-    assert len(kernels.STATS.fallbacks) == fallbacks, kernels.STATS.fallbacks[fallbacks:]
+    assert len(machinery.STATS.fallbacks) == fallbacks, machinery.STATS.fallbacks[fallbacks:]

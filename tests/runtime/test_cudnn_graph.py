@@ -4,7 +4,7 @@ cuDNN has, each reading the one before and at most one tensor that broadcasts to
 import torch
 
 from nimble.ir import Local
-from nimble.runtime import cudnn_graph
+from nimble.runtime.kernels import cudnn_graph
 
 CONV = ("aten::conv2d.default", (torch.zeros(1, 4, 6, 6), torch.zeros(8, 4, 3, 3), torch.zeros(8)), ())
 OUT = torch.zeros(2, 8, 4, 4)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from nimble.ir import Local, Op
 from nimble.ops.interpret import run_fused
-from nimble.runtime import depthwise_conv, tuning
+from nimble.runtime.kernels import depthwise_conv
+from nimble.runtime.tune import choices as tuning
 
 from .. import triton_shim
 from .test_pooled_conv import with_and_without
@@ -166,10 +167,10 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime import kernels
-    from nimble.runtime.compare import compare
+    from nimble.runtime.kernels import fused as kernels, generated
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
     from nimble.specs import input_specs
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
@@ -186,9 +187,9 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
     for paired in (True, False):
         choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split",
                                prologues=tuning.PROLOGUES[paired])
-        before = len(kernels.STATS.fallbacks)
+        before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{paired}.dot"))
-        assert bool(exe._pairs.prologues) is paired and kernels.STATS.fallbacks[before:] == []
+        assert bool(exe._pairs.prologues) is paired and generated.STATS.fallbacks[before:] == []
         outputs[paired] = exe.run(*x)
         result = compare(outputs[paired], art.sample_outputs, rtol=1e-3, atol=1e-4)
         assert result.passed, result.describe()
@@ -206,7 +207,7 @@ def test_an_input_viewed_across_more_than_2_to_the_31_elements_gets_64_bit_indic
 
 
 class ShimKernel:
-    """`kernels.define` on the CPU: the generated text run through `triton_shim`."""
+    """`generated.define` on the CPU: the generated text run through `triton_shim`."""
 
     def __init__(self, source):
         self.source = source
@@ -217,7 +218,7 @@ class ShimKernel:
 
 def fused_kernel(op_id, body):
     from nimble.ops import fusion
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels
 
     return kernels.FusedKernel(Op(op_id, fusion.FUSED, (tuple(body),), (), (op_id,), (), (), "test"))
 
@@ -248,10 +249,10 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     whole from then on. Either way the result is eager's."""
     import contextlib
 
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels, generated
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
-    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    monkeypatch.setattr(generated, "STATS", generated.KernelStats())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(kernels.timing, "on_stream", lambda device: contextlib.nullcontext())
     times = iter([2.0, 1.0] if kernel == "generated, timed slower" else [1.0, 2.0])  # the pair's, then whole
@@ -259,11 +260,11 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # the producer run whole: as before, untimed
     if kernel != "fails to build":
-        monkeypatch.setattr(kernels, "define", ShimKernel)
+        monkeypatch.setattr(generated, "define", ShimKernel)
     else:
         def refuse(source):
             raise RuntimeError("no Triton here")
-        monkeypatch.setattr(kernels, "define", refuse)
+        monkeypatch.setattr(generated, "define", refuse)
     x0, w0, expand, mid, depthwise, out, want = expansion_then_depthwise(torch.Generator().manual_seed(2), 24,
                                                                          (10, 9), 2)
     producer, consumer = fused_kernel(1, expand), fused_kernel(2, depthwise)
@@ -276,8 +277,8 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     out.fill_(7.0)
     assert producer([expand], mid) is not None and consumer([depthwise], out) is out  # again: the same call
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    interpreted = [f for f in kernels.STATS.fallbacks if "its input's epilogue interpreted" in f]
-    assert len(interpreted) == (kernel == "fails to build"), kernels.STATS.fallbacks
+    interpreted = [f for f in generated.STATS.fallbacks if "its input's epilogue interpreted" in f]
+    assert len(interpreted) == (kernel == "fails to build"), generated.STATS.fallbacks
     # where the producer did not write bare (its body broadcasts past its convolution: it ran
     # whole), its reader applies nothing (None: the runtime interprets the body, as it would)
     producer.wrote_bare = None
@@ -314,7 +315,7 @@ def test_a_depthwise_op_is_paired_with_its_producer_only_where_the_epilogue_can_
     in another pair is left alone."""
     from nimble.pipeline import compile_model
     from nimble.runtime import pairs
-    from nimble.runtime.placement import prepare
+    from nimble.runtime.placed.placement import prepare
     from nimble.specs import input_specs
 
     from ..conftest import save_script

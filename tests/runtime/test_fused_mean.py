@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from nimble.ir import Local
-from nimble.runtime import depthwise_conv, fused_mean, kernels, pairs, placement, pooled_conv, reductions, tuning
+from nimble.runtime.kernels import depthwise_conv, fused_mean, pooled_conv, reductions
+from nimble.runtime.kernels import fused as kernels
+from nimble.runtime import pairs
+from nimble.runtime.placed import placement
+from nimble.runtime.tune import choices as tuning
 
 from .. import triton_shim
 from ..conftest import save_script
@@ -101,7 +105,7 @@ def test_the_cpu_and_what_does_not_fit_run_apart():
     """Nothing runs where the pair cannot: `run` declines before it touches a tensor."""
     from nimble.ir import Op
     from nimble.ops import fusion
-    from nimble.runtime.kernels import FusedKernel
+    from nimble.runtime.kernels.fused import FusedKernel
 
     kernel = FusedKernel(Op(0, fusion.FUSED, (((SILU[0], (Local(0),), ()),),), (), (1,), (), (), "test"))
     x = torch.randn(2, 3, 4, 5)
@@ -207,9 +211,9 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
-    from nimble.runtime.compare import compare
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(depthwise_conv, "ENABLED", False)  # apart, its depthwise body would be one kernel too
@@ -249,9 +253,9 @@ def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_
         pytest.skip("no CUDA device")
     from nimble import pipeline
     from nimble.formats import read_artifact, write_artifact
-    from nimble.runtime.compare import compare
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(pooled_conv, "ENABLED", False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nimble.runtime import gemm
+from nimble.runtime.kernels import gemm
 
 from .. import triton_shim
 from ..models import FeedForward
@@ -39,7 +39,7 @@ def test_the_elementwise_op_after_the_product_runs_in_its_kernel():
     """bias, GELU and a residual add on the product's tiles, stored in the op's buffer: the
     product's own buffer is never written."""
     from nimble.ir import Local
-    from nimble.runtime.kernels import _operands
+    from nimble.runtime.kernels.fused import _operands
 
     g = torch.Generator().manual_seed(2)
     x, b = torch.randn(2, 35, 40, generator=g), torch.randn(40, 70, generator=g)
@@ -94,7 +94,7 @@ def test_strided_operands_and_a_result_inside_a_larger_buffer():
 
 
 def test_buffers_that_share_bytes_are_seen_to_overlap():
-    from nimble.runtime.codegen import overlaps
+    from nimble.runtime.kernels.codegen import overlaps
 
     arena = torch.zeros(1000)
     a, b, c = arena[:400].view(20, 20), arena[300:700].view(20, 20), arena[700:].view(20, 15)
@@ -166,7 +166,7 @@ class Products(torch.nn.Module):
 
 def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_path, monkeypatch):
     from nimble.pipeline import compile_model
-    from nimble.runtime import regions
+    from nimble.runtime.base import regions
     from nimble.specs import input_specs
 
     path = tmp_path / "products.pt"
@@ -234,7 +234,7 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
     reading the addmm's and the matmul's weights as the executable stored them (K-major)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     from .test_pooled_conv import with_and_without
 
@@ -286,19 +286,21 @@ def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_p
     """{True: kernels of `art`'s graph loaded with the pairs `switch` (a `pairs` flag) turns on,
     False: without}: each load makes `pairs_made` pairs of `kind` (or none), interprets nothing,
     and matches the sample outputs."""
-    from nimble.runtime import kernels, pairs, tuning
-    from nimble.runtime.compare import compare
+    from nimble.runtime.kernels import generated
+    from nimble.runtime import pairs
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     x = [t.cuda() for t in art.sample_inputs]
     counts = {}
     for paired in (True, False):
         monkeypatch.setattr(pairs, switch, paired)
-        before = len(kernels.STATS.fallbacks)
+        before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
                          graph_dump=str(tmp_path / f"{paired}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
+        assert generated.STATS.fallbacks[before:] == []
         assert len(getattr(exe._pairs, kind)) == (pairs_made if paired else 0)
         result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
         assert result.passed, result.describe()

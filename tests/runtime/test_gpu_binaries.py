@@ -17,13 +17,14 @@ pytestmark = pytest.mark.gpu
 LAUNCH = """
 import json, sys
 import torch
-from nimble.runtime import binaries, kernels
+from nimble.runtime.kernels import fused as kernels, generated
+from nimble.runtime import binaries
 x = torch.linspace(-3, 3, 4099, device="cuda")
 y = torch.linspace(1, 2, 4099, device="cuda")
 out = torch.full_like(x, float("nan"))
 offset = int(sys.argv[1])
 xs, ys, outs = x[offset:], y[offset:], out[offset:]
-kernel = kernels.define(sys.argv[2])
+kernel = generated.define(sys.argv[2])
 kernel[(-(-xs.numel() // 1024),)](outs, xs, ys, N=xs.numel(), BLOCK=1024)
 torch.cuda.synchronize()
 ok = bool(torch.equal(outs, torch.maximum(xs * ys, torch.zeros_like(xs))))

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from nimble.formats import read_artifact
-from nimble.runtime import cudnn_graph, kernels, tuning
-from nimble.runtime.compare import compare
+from nimble.runtime.kernels import cudnn_graph
+from nimble.runtime.kernels import fused as kernels
+from nimble.runtime.tune import choices as tuning
+from nimble.runtime.base.compare import compare
 from nimble.runtime.executable import Executable
 
 pytestmark = pytest.mark.gpu
@@ -190,7 +192,7 @@ def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
     to cuDNN (it has precompiled engines for some layouts and chains, not others); whatever runs
     as a graph, the whole agrees with the interpreter."""
     import nimble
-    from nimble.runtime import reference
+    from nimble.runtime.placed import reference
 
     from .test_gpu_kernels import Pointwise
 
@@ -238,7 +240,7 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
     convolution then an add; without the package it runs as eager PyTorch does. Both agree with
     eager in either layout."""
     from nimble.ops import fusion
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     x, want, artifact = _prepared(Projections, (3, 12, 9, 11))
@@ -316,7 +318,7 @@ def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch
     """Where the whole body has no plan, its convolution alone still runs as a cuDNN graph (where
     cuDNN has a plan for it) into the planned buffer (its workspace the stream's), and the generated kernel adds the bias and
     the rest: as many kernels as with PyTorch's convolution, the same results as eager."""
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
     monkeypatch.setattr(cudnn_graph, "epilogue", lambda body, out: None)  # no plan for any whole body

@@ -6,7 +6,7 @@ import torch
 
 import nimble
 from nimble.formats import read_artifact
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 
 pytestmark = pytest.mark.gpu
 

@@ -10,11 +10,14 @@ import torch.nn.functional as F
 import nimble
 from nimble.formats import read_artifact
 from nimble.ops import fusion
-from nimble.runtime import cudnn_graph, pairs, reference, tuning
-from nimble.runtime.compare import compare
+from nimble.runtime.kernels import cudnn_graph
+from nimble.runtime import pairs
+from nimble.runtime.placed import reference
+from nimble.runtime.tune import choices as tuning
+from nimble.runtime.base.compare import compare
 from nimble.runtime.executable import Executable
 from nimble.plan.capped import fold
-from nimble.runtime.streams import count_kernels
+from nimble.runtime.base.streams import count_kernels
 
 from ..conftest import MODELS
 
@@ -120,7 +123,7 @@ def test_a_residual_sum_and_its_layer_norm_run_as_one_kernel(sample_artifacts, n
     (`FusedKernel.with_norm`), and each attention result is copied once, through the head
     transpose, into the buffer of the copy after it (`copy_pairs`): the model's outputs are
     unchanged, and the pairs' kernels were built."""
-    from nimble.runtime.kernels import FusedKernel
+    from nimble.runtime.kernels.fused import FusedKernel
 
     art = read_artifact(sample_artifacts[name])
     exe = Executable(art, "cuda", choice=tuning.Choice(streams="serial"))
@@ -155,7 +158,7 @@ def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_
     padded one's captured graph has fewer kernels (PyTorch pads an unaligned mask on every call).
     PyTorch's attention runs: the generated one (`small_attention`) reads either mask as it is."""
     from nimble import pipeline
-    from nimble.runtime import small_attention
+    from nimble.runtime.kernels import small_attention
 
     monkeypatch.setattr(small_attention, "ENABLED", False)
 
@@ -188,7 +191,7 @@ def test_a_cast_writes_its_planned_buffer_in_one_kernel(tmp_path, monkeypatch):
     out= overloads convert into a temporary and copy that in: a memcpy node more per cast."""
     import re
 
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     x = torch.randn(4, 64, device="cuda")
     artifact = nimble.Nimble(Casts().eval()).prepare(x)._runner.artifact
@@ -233,7 +236,7 @@ class Projection(nn.Module):
 def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, precision):
     """`placement._linear`: addmm with cuBLASLt's bias epilogue into the planned buffer, one
     kernel in half precision; linear's out= overload runs a GEMM and then an add of the bias."""
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     torch.manual_seed(0)
     module = Projection().eval().cuda()
@@ -260,14 +263,14 @@ def test_a_generated_kernel_reads_a_broadcast_scale_even_a_0d_one(layout, scale_
     scale, and a 0-d one (every stride 0: its offsets are a block of zeros, as Triton's load
     needs), compiled, not interpreted, in either layout and at odd sizes."""
     from nimble.ir import Op, Ref
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels, generated
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 7, 9, device="cuda").to(memory_format=layout)
     scale = torch.randn(scale_shape, device="cuda")
     op = Op(0, fusion.FUSED, ((("aten::mul.Tensor", (Ref(0), Ref(1)), ()),),), (), (2,), (), (), "test")
-    fallbacks = len(kernels.STATS.fallbacks)
+    fallbacks = len(generated.STATS.fallbacks)
     out = torch.empty_like(x)
     got = kernels.FusedKernel(op)([(("aten::mul.Tensor", (x, scale), ()),)], out)
-    assert got is out and len(kernels.STATS.fallbacks) == fallbacks, kernels.STATS.fallbacks[fallbacks:]
+    assert got is out and len(generated.STATS.fallbacks) == fallbacks, generated.STATS.fallbacks[fallbacks:]
     torch.testing.assert_close(out, x * scale, rtol=0, atol=0)

@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 import nimble
 from nimble.ops import fusion
-from nimble.runtime import reference, regions
+from nimble.runtime.placed import reference
+from nimble.runtime.base import regions
 from nimble.cli.main import app
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 from nimble.formats import read_artifact, write_artifact
 from nimble.pipeline import compile_model
 from nimble.runtime.executable import Executable
@@ -260,7 +261,7 @@ def test_reduced_precision_artifacts_run_under_every_choice_on_cuda(tmp_path, na
     """An fp16 or bf16 artifact (compiled on the CPU) loads on CUDA with its weights in that dtype,
     and every layout, algorithm and stream choice (fused cuDNN convolutions, generated kernels)
     meets its tolerance against the float32 model: relative L2 per output."""
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     from sample_models.build import TOKEN_MODELS
 

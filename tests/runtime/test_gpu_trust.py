@@ -15,7 +15,8 @@ from torch import nn
 
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
-from nimble.runtime import codegen, kernels
+from nimble.runtime.kernels import codegen
+from nimble.runtime.kernels import fused as kernels
 
 from ..conftest import ROOT, SAMPLES, save_script
 

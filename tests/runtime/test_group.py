@@ -9,7 +9,7 @@ import nimble
 from nimble.errors import UsageError
 from nimble.formats import read_artifact, write_artifact
 from nimble.pipeline import compile_model
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES

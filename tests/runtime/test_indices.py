@@ -11,7 +11,7 @@ import nimble
 from nimble.errors import ArtifactError, MismatchError, ShapeError
 from nimble.pipeline import compile_model
 from nimble.runtime.executable import Executable
-from nimble.runtime.indices import plan_indices
+from nimble.runtime.placed.indices import plan_indices
 from nimble.specs import input_specs
 
 from ..conftest import SAMPLES, save_script

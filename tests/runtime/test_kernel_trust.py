@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from nimble.errors import GraphError
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
-from nimble.runtime import codegen, kernels
+from nimble.runtime.kernels import codegen
+from nimble.runtime.kernels import fused as kernels
+from nimble.runtime.kernels import generated as machinery
 
 from .. import triton_shim
 

@@ -5,7 +5,7 @@ one kernel and allocates nothing."""
 import pytest
 import torch
 
-from nimble.runtime import movement
+from nimble.runtime.kernels import movement
 
 from .. import triton_shim
 

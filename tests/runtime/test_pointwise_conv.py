@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from nimble.ir import Local
 from nimble.ops import fusion
-from nimble.runtime import kernels, pointwise_conv
+from nimble.runtime.kernels import fused as kernels, generated
+from nimble.runtime.kernels import pointwise_conv
 
 from .. import triton_shim
 from .test_depthwise_conv import ShimKernel, fused_kernel
@@ -218,7 +219,7 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
     fails to build or was timed slower, runs the elementwise op into its buffer first. Either way
     the result is eager's."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
-    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    monkeypatch.setattr(generated, "STATS", generated.KernelStats())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
     one_choice = [1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5]
@@ -227,9 +228,9 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
     if kernel == "fails to build":
         def refuse(source):
             raise RuntimeError("no Triton here")
-        monkeypatch.setattr(kernels, "define", refuse)
+        monkeypatch.setattr(generated, "define", refuse)
     else:
-        monkeypatch.setattr(kernels, "define", ShimKernel)
+        monkeypatch.setattr(generated, "define", ShimKernel)
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
     g = torch.Generator().manual_seed(2)
     before_body, pieces, x_want = densenet_input(g, 2, (32, 8), (4, 5))
@@ -248,7 +249,7 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
         torch.testing.assert_close(out, F.relu(F.conv2d(x_want, w, b)), rtol=1e-4, atol=1e-4)
     wrote_input = not bool((x == 7.0).all())
     assert wrote_input is (kernel != "generated")
-    assert (kernels.STATS.fallbacks != []) is (kernel == "fails to build")
+    assert (generated.STATS.fallbacks != []) is (kernel == "fails to build")
 
 
 @pytest.mark.parametrize("kernel", ["generated", "fails to build", "slower"])
@@ -276,14 +277,14 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
         return split
     monkeypatch.setattr(kernels.timing, "kernels_in", kernels_in)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(kernels, "STATS", kernels.KernelStats())
+    monkeypatch.setattr(generated, "STATS", generated.KernelStats())
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", enabled)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
     one_choice = [1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5]
     times = iter(one_choice * 2)
     monkeypatch.setattr(pointwise_conv.timing, "graph_us", lambda fn, device: next(times))
-    monkeypatch.setattr(kernels, "define", ShimKernel)
+    monkeypatch.setattr(generated, "define", ShimKernel)
     if kernel == "fails to build":
         def refuse(source, tile):
             raise RuntimeError("no Triton here")
@@ -309,9 +310,9 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
         assert (chosen != []) is candidate
     # only the residual body's way counted, once, on its first call, and only on a small map
     assert len(counted) == (enabled and residual_kernels != "large map")
-    uncounted = [f for f in kernels.STATS.fallbacks if "kernels not counted" in f]
+    uncounted = [f for f in generated.STATS.fallbacks if "kernels not counted" in f]
     assert len(uncounted) == (enabled and residual_kernels == "no temporary folder")
-    assert (len(kernels.STATS.fallbacks) > len(uncounted)) is (kernel == "fails to build" and enabled)
+    assert (len(generated.STATS.fallbacks) > len(uncounted)) is (kernel == "fails to build" and enabled)
 
 
 class Dense(torch.nn.Module):
@@ -412,10 +413,10 @@ def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, p
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.runtime import pairs as pairing
-    from nimble.runtime import tuning
-    from nimble.runtime.compare import compare
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
@@ -425,11 +426,11 @@ def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, p
     outputs = {}
     for paired in (True, False):
         monkeypatch.setattr(pairing, "INPUT_PAIRS", paired)
-        before = len(kernels.STATS.fallbacks)
+        before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
                          graph_dump=str(tmp_path / f"{paired}.dot"))
         assert len(exe._pairs.inputs) == (pairs if paired else 0)
-        assert kernels.STATS.fallbacks[before:] == []
+        assert generated.STATS.fallbacks[before:] == []
         outputs[paired] = exe.run(*x)
         result = compare(outputs[paired], art.sample_outputs, rtol=1e-2, atol=1e-3)
         assert result.passed, result.describe()
@@ -460,10 +461,10 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
-    from nimble.runtime import tuning
-    from nimble.runtime.compare import compare
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
@@ -473,10 +474,10 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
     x = [t.cuda() for t in art.sample_inputs]
     for alone in (True, False):
         monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", alone)
-        before = len(kernels.STATS.fallbacks)
+        before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
                          graph_dump=str(tmp_path / f"{alone}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
+        assert generated.STATS.fallbacks[before:] == []
         result = compare(exe.run(*x), art.sample_outputs, rtol=1e-2, atol=1e-3)
         assert result.passed, result.describe()
         exe.close()
@@ -488,7 +489,7 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
 def test_on_the_gpu_a_call_s_kernels_are_counted_from_its_capture():
     """`timing.kernels_in`, which decides whether a conv -> relu that cuDNN runs whole is a
     candidate: the kernel nodes of one captured call, which does not run the call."""
-    from nimble.runtime import timing
+    from nimble.runtime.base import timing
 
     x = torch.zeros(64, device="cuda")
     with warnings.catch_warnings(record=True) as caught:
@@ -519,7 +520,7 @@ def test_on_the_gpu_rounded_tf32_operands_err_less_than_truncated_ones_and_no_mo
         for rounded in (True, False):
             pointwise_conv.ROUND_TF32 = rounded
             out = torch.empty_like(exact, dtype=torch.float32).contiguous(memory_format=CL)
-            run = pointwise_conv.launcher(kernels.define(pointwise_conv.source(
+            run = pointwise_conv.launcher(generated.define(pointwise_conv.source(
                 body, out, w, [], False, pointwise_conv.Before.alone(x), pointwise_conv.TILES[1])),
                 pointwise_conv.TILES[1])
             run(out, w, [], pointwise_conv.Before.alone(x))

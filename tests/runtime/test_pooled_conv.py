@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from nimble.ir import Local
-from nimble.runtime import pooled_conv, tuning
+from nimble.runtime.kernels import pooled_conv
+from nimble.runtime.tune import choices as tuning
 
 from .. import triton_shim
 from .test_fused_mean import se_graph
@@ -108,7 +109,7 @@ def test_a_linear_of_few_rows_is_what_torch_computes(m, k, n, with_bias):
 
 def test_which_linears_run_generated_is_known_from_the_graph(tmp_path, monkeypatch):
     from nimble.pipeline import compile_model
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
     from nimble.specs import input_specs
 
     class Heads(torch.nn.Module):
@@ -160,10 +161,10 @@ def test_a_squeeze_and_excitation_block_agrees_with_eager_with_its_convolutions_
 def with_and_without(module, art, choice, tmp_path, monkeypatch) -> tuple[int, int]:
     """`art` loaded and run with `module.ENABLED` on, then off: each run falls back nowhere and
     matches the stored eager outputs, and the two match each other. Returns each run's kernels."""
-    from nimble.runtime import kernels
-    from nimble.runtime.compare import compare
+    from nimble.runtime.kernels import fused as kernels, generated
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
-    from nimble.runtime.streams import count_kernels
+    from nimble.runtime.base.streams import count_kernels
 
     x = [t.cuda() for t in art.sample_inputs]
     # a 1x1 convolution's generated matrix product is timed at each load: these counts and tolerances are not its
@@ -171,9 +172,9 @@ def with_and_without(module, art, choice, tmp_path, monkeypatch) -> tuple[int, i
     outputs = {}
     for enabled in (True, False):
         monkeypatch.setattr(module, "ENABLED", enabled)
-        before = len(kernels.STATS.fallbacks)
+        before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{enabled}.dot"))
-        assert kernels.STATS.fallbacks[before:] == []
+        assert generated.STATS.fallbacks[before:] == []
         outputs[enabled] = exe.run(*x)
         result = compare(outputs[enabled], art.sample_outputs, rtol=1e-3, atol=1e-4)
         assert result.passed, result.describe()
@@ -188,7 +189,7 @@ def test_the_kernel_in_reduced_precision_agrees_with_torch(dtype):
         pytest.skip("no CUDA device")
     from nimble.ir import Op
     from nimble.ops import fusion
-    from nimble.runtime.kernels import FusedKernel
+    from nimble.runtime.kernels.fused import FusedKernel
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 1152, 1, 1, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
@@ -209,8 +210,8 @@ def test_a_classifier_runs_generated_and_no_stream_makes_a_cublas_workspace(tmp_
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime import kernels
-    from nimble.runtime.compare import compare
+    from nimble.runtime.kernels import generated
+    from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.specs import input_specs
 
@@ -228,10 +229,10 @@ def test_a_classifier_runs_generated_and_no_stream_makes_a_cublas_workspace(tmp_
     torch.jit.save(torch.jit.trace(Classifier().eval(), torch.randn(batch, 3, 16, 16)), str(path))
     write_artifact(tmp_path / "c.nimble", compile_model(path, input_specs([f"{batch}x3x16x16"]), device="cpu").artifact())
     art = read_artifact(tmp_path / "c.nimble")
-    before = len(kernels.STATS.fallbacks)
+    before = len(generated.STATS.fallbacks)
     exe = Executable(art, "cuda")
     small = [p.substitute for p in exe._placed if isinstance(p.substitute, pooled_conv.SmallLinear)]
-    assert len(small) == 1 and not small[0].calls_cublas and kernels.STATS.fallbacks[before:] == []
+    assert len(small) == 1 and not small[0].calls_cublas and generated.STATS.fallbacks[before:] == []
     assert not exe._blas_ready
     result = compare(exe.run(*[t.cuda() for t in art.sample_inputs]), art.sample_outputs, rtol=1e-3, atol=1e-4)
     assert result.passed, result.describe()

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from nimble.runtime import pointwise_conv, recall
+from nimble.runtime.kernels import pointwise_conv, recall
 
 MACHINE = ("H-test", 9, 0, "torch", "triton", "code")
 
@@ -112,7 +112,7 @@ def test_a_kept_tile_that_disagrees_or_is_unknown_is_timed_again(cache_folder, m
 def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_folder, monkeypatch, faster):
     """`FusedKernel._after_bare`: the first load times the pair against the two ops run whole and
     keeps the answer; a later load (new kernels) takes it untimed, with eager's result either way."""
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels, generated
 
     from .test_depthwise_conv import ShimKernel, expansion_then_depthwise, fused_kernel
 
@@ -121,7 +121,7 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
     monkeypatch.setattr(kernels.timing, "on_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)
     monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)
-    monkeypatch.setattr(kernels, "define", ShimKernel)
+    monkeypatch.setattr(generated, "define", ShimKernel)
     _, _, expand, mid, depthwise, out, want = expansion_then_depthwise(torch.Generator().manual_seed(3), 16,
                                                                         (6, 5), 1)
     timed = []
@@ -144,10 +144,10 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
 def stand_in(monkeypatch, module, launcher, times):
     """`module`'s kernels made by `launcher` (no source is built), none built yet, and its timing
     taking each function's time from `times` on no stream: the functions timed."""
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import generated
 
     monkeypatch.setattr(module, "launcher", launcher)
-    monkeypatch.setattr(kernels, "define", lambda source: source)
+    monkeypatch.setattr(generated, "define", lambda source: source)
     monkeypatch.setattr(module, "_built", {})
     timed = []
 
@@ -163,7 +163,7 @@ def stand_in(monkeypatch, module, launcher, times):
 def choose_product(monkeypatch, times, wrong=()):
     """`gemm.Gemm._choose` for one call, its kernel a stand-in that computes the product (off by
     one on `wrong` tiles): (the choice, the tiles built, the functions timed)."""
-    from nimble.runtime import gemm
+    from nimble.runtime.kernels import gemm
 
     built = []
 
@@ -183,7 +183,7 @@ def choose_product(monkeypatch, times, wrong=()):
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_later_load_takes_the_kept_float32_product_without_timing(cache_folder, monkeypatch, faster):
-    from nimble.runtime import gemm
+    from nimble.runtime.kernels import gemm
 
     got, built, timed = choose_product(monkeypatch, iter([2.0, 1.0, 100.0 if faster else 0.5]))
     assert got == (gemm.TILES[1] if faster else None) and built == list(gemm.TILES) and len(timed) == 3
@@ -198,7 +198,7 @@ def choose_attention(monkeypatch, times, wrong=()):
     """`small_attention.Attention._choose` for one call, its kernel a stand-in computing PyTorch's
     attention (off by one on `wrong` tiles): (whether it runs, the launcher kept, the tiles made
     into launchers, the functions timed)."""
-    from nimble.runtime import small_attention
+    from nimble.runtime.kernels import small_attention
 
     made = []
 
@@ -219,7 +219,7 @@ def choose_attention(monkeypatch, times, wrong=()):
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_later_load_takes_the_kept_attention_choice_without_timing(cache_folder, monkeypatch, faster):
-    from nimble.runtime import small_attention
+    from nimble.runtime.kernels import small_attention
 
     tiles = small_attention.tiles(*(torch.empty(1, 2, 49, 16),) * 2)
     others = [t for t in tiles if small_attention.grid(*(torch.empty(1, 2, 49, 16),) * 2, t)
@@ -242,7 +242,7 @@ def test_a_crafted_product_or_attention_entry_is_timed_again_not_trusted(cache_f
     """A `kernel_choices.json` entry for a float32 product or attention in any other shape than
     the one written (a known tile in integers, a boolean) is passed over: the call is timed as
     on a first load, and the entry written again."""
-    from nimble.runtime import gemm, small_attention
+    from nimble.runtime.kernels import gemm, small_attention
 
     choose_product(monkeypatch, iter([2.0, 1.0, 100.0]))
     choose_attention(monkeypatch, iter([5.0] + [6.0] * 8 + [100.0]))

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 import pytest
 import torch
 
-from nimble.runtime import codegen, kernels, reductions
+from nimble.runtime.kernels import codegen, reductions
+from nimble.runtime.kernels import generated
 
 from .. import triton_shim
 
@@ -15,7 +16,7 @@ from .. import triton_shim
 def shim_layer_norm(x, weight, bias, eps=1e-5):
     n = weight.numel() if weight is not None else x.shape[-1]
     out = torch.empty_like(x)
-    block = kernels.triton_block(n)
+    block = generated.triton_block(n)
     triton_shim.run_grid(reductions.LAYER_NORM, x.numel() // n, x, x if weight is None else weight,
                          x if bias is None else bias, out, eps, N=n, HAS_W=weight is not None,
                          HAS_B=bias is not None, WIDE=False, BLOCK=block)
@@ -248,7 +249,7 @@ def test_the_average_pool_kernel_matches_eager_and_allocates_nothing_on_the_gpu(
 
 def shim_norm_after(body, x, operands, norm):
     source = codegen.norm_source(body, x, operands, norm)
-    block = kernels.triton_block(norm.n)
+    block = generated.triton_block(norm.n)
     triton_shim.run_grid(source, x.numel() // norm.n, x, norm.out, x if norm.weight is None else norm.weight,
                          x if norm.bias is None else norm.bias, *operands, norm.eps, N=norm.n, BLOCK=block)
 
@@ -259,7 +260,7 @@ def test_a_fused_sum_and_the_layer_norm_after_it_compute_what_torch_does_in_one_
     """GPT-2's residual stream: (matmul + bias) + residual, then the next layer norm, as one row
     kernel (`kernels.with_norm`): the sum stored where others read it, the norm of it."""
     from nimble.ir import Local
-    from nimble.runtime.kernels import NormAfter
+    from nimble.runtime.kernels.generated import NormAfter
 
     g = torch.Generator().manual_seed(1)
     n = shape[-1]
@@ -331,7 +332,7 @@ def test_the_spatial_mean_declines_what_it_does_not_cover():
 
 
 def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     mean = placement.SUBSTITUTES["aten::mean.dim"]
     x = torch.randn(2, 3, 4, 5)
@@ -349,7 +350,7 @@ def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
 def test_the_spatial_mean_kernel_matches_eager_on_the_gpu(dtype, channels_last, shape):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = (torch.randn(*shape, device="cuda") * 2 + 1).to(dtype).contiguous(memory_format=fmt)

@@ -2,7 +2,7 @@
 
 import torch
 
-from nimble.runtime import regions
+from nimble.runtime.base import regions
 
 CPU = torch.device("cpu")
 

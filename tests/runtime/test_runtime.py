@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 import nimble
-from nimble.runtime import reference
+from nimble.runtime.placed import reference
 from nimble.cli.main import app
 from nimble.errors import ShapeError
 from nimble.formats import read_artifact
@@ -228,7 +228,8 @@ def test_channels_last_re_strides_every_plain_four_d_buffer(artifacts):
     """The frontends record contiguous strides explicitly; channels_last must still take those
     buffers (it once took none, so a channels_last choice changed only the weights)."""
     from nimble.ir import ACTIVATION
-    from nimble.runtime import placement, tuning
+    from nimble.runtime.placed import placement
+    from nimble.runtime.tune import choices as tuning
 
     _, art = artifacts["resnet"]
     g = art.graph
@@ -246,7 +247,8 @@ def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bia
     """Tuning times the GEMM bias apart from cuBLASLt's epilogue only where some float32 addmm or
     linear has a bias (the transformer's projections), after the other settings; on the CPU the
     substitute declines, and the op runs its own out= overload."""
-    from nimble.runtime import placement, tuning
+    from nimble.runtime.placed import placement
+    from nimble.runtime.tune import choices as tuning
 
     with_bias = artifacts["transformer"][1].graph
     gemms = [op for op in with_bias.ops if placement.BiasedGemm.applies(with_bias, op)]
@@ -271,7 +273,7 @@ def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bia
 def test_split_convolutions_are_timed_only_without_cudnn_graphs():
     """The split stage times the best fused candidate split; where cuDNN graphs run, each conv-led
     body was already timed against the split way, and the stage is empty."""
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     options = tuning.every_choice()
     best = tuning.Choice(layout="channels_last", algorithms="benchmark")
@@ -281,7 +283,7 @@ def test_split_convolutions_are_timed_only_without_cudnn_graphs():
 
 
 def test_a_choice_is_named_by_its_fields_in_order_and_nothing_else_names_one():
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     assert tuning.choice_of("channels_last,serial") == tuning.Choice(layout="channels_last", streams="serial")
     assert tuning.choice_of("contiguous,planned,heuristic,cudnn-fused,epilogue,in depthwise") == \
@@ -294,7 +296,7 @@ def test_a_choice_is_named_by_its_fields_in_order_and_nothing_else_names_one():
 def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(artifacts):
     """One CUDA stream: only the plan; two: the plan or serial; more: also at most `CAP`. The
     stream settings are timed together, after the best of the planned streams."""
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
 
     g = artifacts["transformer"][1].graph
     assert [{c.streams for c in tuning.candidates(g, n)} for n in (1, 2, 3)] == \
@@ -311,7 +313,8 @@ def test_depthwise_prologues_are_a_channels_last_candidate_timed_last_and_kept_i
     """Where prologue pairs exist, each channels_last candidate also comes with depthwise
     prologues; the first stage times none, the last times the best so far with them (nothing
     for a contiguous best), and the choice survives the tuning cache."""
-    from nimble.runtime import pairs, tuning
+    from nimble.runtime import pairs
+    from nimble.runtime.tune import choices as tuning
     from nimble.runtime.executable import Executable
 
     g = artifacts["mobilenet"][1].graph
@@ -336,7 +339,7 @@ def test_depthwise_prologues_are_a_channels_last_candidate_timed_last_and_kept_i
 def test_a_copying_reshape_or_contiguous_writes_its_buffer_in_one_copy():
     """A reshape the plan gave a buffer (its input allows no view) copies the input's elements
     once, in row-major order, into the buffer seen in the input's shape; contiguous copies in."""
-    from nimble.runtime import placement
+    from nimble.runtime.placed import placement
 
     x = torch.randn(2, 3, 4, 5).permute(0, 2, 1, 3)  # (2, 4, 3, 5), no view to (8, 15)
     out = torch.empty(8, 15)
@@ -357,7 +360,8 @@ def test_a_layer_norm_pairs_with_the_fused_op_before_it_only_where_it_is_issued_
     it is the next op on the same stream and waits for nothing; the pair says whether anything
     else reads the fused result."""
     from nimble.ops import fusion
-    from nimble.runtime import pairs as pairing, placement
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime.placed import placement
 
     g = artifacts["transformer"][1].graph
     placed = placement.prepare(g)
@@ -385,7 +389,9 @@ def test_a_product_pairs_with_the_elementwise_op_after_it_unless_that_op_takes_a
     """`product_pairs`: a float32 product whose one reader is an elementwise op of its shape,
     issued next on its stream and waiting for nothing, pairs with it, except where that op
     already pairs with the layer norm after it."""
-    from nimble.runtime import gemm, pairs as pairing, placement
+    from nimble.runtime.kernels import gemm
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime.placed import placement
 
     g = artifacts["transformer"][1].graph
     placed = placement.prepare(g)
@@ -414,7 +420,8 @@ def test_a_product_pairs_with_the_op_after_the_reshape_of_its_rows(tmp_path):
     of the product's result, or a reshape that waits for another stream, leaves them apart."""
     from nimble.ir import Ref
     from nimble.pipeline import compile_model
-    from nimble.runtime import pairs as pairing, placement
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime.placed import placement
     from nimble.specs import input_specs
 
     path = tmp_path / "ff.pt"
@@ -443,7 +450,8 @@ def test_a_product_read_through_views_by_a_copy_pairs_with_the_copy(tmp_path):
     copied by a reshape) pairs the product with the copy; a wait before the copy, or a second
     reader of a view, leaves them apart."""
     from nimble.pipeline import compile_model
-    from nimble.runtime import pairs as pairing, placement
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime.placed import placement
     from nimble.specs import input_specs
 
     from ..models import WindowMerge
@@ -476,7 +484,7 @@ def test_a_copy_s_buffer_seen_back_through_the_views_takes_the_product_in_row_ma
     """What the product's kernel stores at element i of the tensor `_seen_back` gives, in
     row-major order, is what the copy of the product's views holds: the copy made by storing."""
     from nimble.ir import Op
-    from nimble.runtime.placement import _seen_back, _viewed
+    from nimble.runtime.placed.placement import _seen_back, _viewed
 
     out = torch.randn(shape)
     chain = [Op(k, target, (None, *args), (), (k,), (), (), "") for k, (target, args) in enumerate(views)]
@@ -495,7 +503,8 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
     """`copy_pairs`: an op with no out= kernel (attention) whose one reader is a view (the head
     transpose) whose one reader copies it (contiguous or reshape) pairs with both, where the view
     and the copy are the next ops on its stream and wait for nothing."""
-    from nimble.runtime import pairs as pairing, placement
+    from nimble.runtime import pairs as pairing
+    from nimble.runtime.placed import placement
 
     art = artifacts["vit"][1]
     g = art.graph
@@ -518,7 +527,7 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
 
 
 def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
-    from nimble.runtime.tuning import MEMORY_SLACK, MEMORY_WORTH, Choice, pick
+    from nimble.runtime.tune.choices import MEMORY_SLACK, MEMORY_WORTH, Choice, pick
 
     fast, lean, leaner = Choice(), Choice(algorithms="benchmark"), Choice(layout="channels_last")
     options = [fast, lean, leaner]
@@ -537,7 +546,7 @@ def test_a_convolution_into_a_buffer_that_is_not_dense_is_computed_and_copied(mo
     result copied in. The backend is faked as cuDNN; the out= overload must not be reached."""
     import torch.nn.functional as F
 
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels
 
     calls = []
     monkeypatch.setattr(torch._C, "_select_conv_backend", lambda *a: torch._C._ConvBackend.Cudnn)
@@ -557,7 +566,7 @@ def test_a_convolution_into_a_buffer_that_is_not_dense_is_computed_and_copied(mo
 
 def test_a_forced_choice_that_is_no_load_time_choice_is_refused_in_one_line(artifacts):
     from nimble.errors import UsageError
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
     from nimble.runtime.executable import Executable
 
     art = artifacts["resnet"][1]
@@ -571,7 +580,7 @@ def test_close_drops_the_calls_that_bare_and_deferred_kernels_keep(artifacts):
     its reader; close drops them, so a closed executable that is still referenced holds no arena."""
     import weakref
 
-    from nimble.runtime import kernels
+    from nimble.runtime.kernels import fused as kernels
     exe = nimble.load(artifacts["mobilenet"][0], device="cpu")
     fused = [p.substitute for p in exe._placed if isinstance(p.substitute, kernels.FusedKernel)]
     assert fused
@@ -592,7 +601,7 @@ def test_a_body_signature_leaves_no_reference_cycle_holding_its_operands():
     import gc
     import weakref
 
-    from nimble.runtime.codegen import body_signature
+    from nimble.runtime.kernels.codegen import body_signature
     x = torch.ones(4)
     gone = weakref.ref(x)
     gc.disable()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nimble.runtime import small_attention
+from nimble.runtime.kernels import small_attention
 
 from .. import triton_shim
 
@@ -181,7 +181,7 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, 
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime import tuning
+    from nimble.runtime.tune import choices as tuning
     from nimble.specs import input_specs
 
     from .test_pooled_conv import with_and_without
@@ -222,7 +222,7 @@ def test_a_head_merge_s_buffer_is_seen_back_in_the_attention_s_shape():
     """Attention paired with its head merge (transpose, then a copy) writes the copy's buffer
     through the inverse of the view (`placement._unviewed`); any other view is left alone."""
     from nimble.ir import Op, Ref
-    from nimble.runtime.placement import _unviewed
+    from nimble.runtime.placed.placement import _unviewed
 
     out = torch.empty(2, 3, 5, 4)
     merged = torch.arange(2 * 5 * 12, dtype=torch.float32).reshape(2, 5, 12)  # reshape(b, n, heads * row)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ArtifactError, first_line
-from ..ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
-from ..ops import arguments, shapes, targets, types
-from ..ops.execute import Executor, run_ops
-from ..plan.memory import MemoryPlan
+from ...errors import ArtifactError, first_line
+from ...ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
+from ...ops import arguments, shapes, targets, types
+from ...ops.execute import Executor, run_ops
+from ...plan.memory import MemoryPlan
 
 _META = torch.device("meta")
 

@@ -7,8 +7,8 @@ import torch
 
 def resolve_device(device: str) -> tuple[torch.device, str | None]:
     """(device, notice) for --device: auto picks CUDA when present, else the CPU with a notice."""
-    from ..errors import UsageError
-    from ..specs import check_device_name
+    from ...errors import UsageError
+    from ...specs import check_device_name
 
     if device == "auto":
         if torch.cuda.is_available():

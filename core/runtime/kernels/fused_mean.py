@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, kernels, reductions
+from . import codegen, generated, reductions
+from .fused import FusedKernel
 
 
 @dataclass
@@ -46,12 +47,12 @@ class MeanAfter:
     done: bool = False
 
 
-def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -> torch.Tensor | None:
+def run(kernel: FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -> torch.Tensor | None:
     """The fused op (`kernel`, its `body` as the runtime passes it) into `out`, with the mean of
     its result into `mean.out` where one kernel can do both (then `mean.done`). Returns the
     tensor that holds the op's result (where `mean.store`); None, with nothing written, where the
     op is to run as it would alone."""
-    if not (out.is_cuda and mean.out.is_cuda and out.dim() == 4 and out.dtype in kernels.FLOAT_KINDS):
+    if not (out.is_cuda and mean.out.is_cuda and out.dim() == 4 and out.dtype in generated.FLOAT_KINDS):
         return None
     whole = kernel.whole_on_cudnn(body, out)  # nothing runs where it returns None
     if whole is not None:
@@ -81,10 +82,10 @@ def run(kernel: kernels.FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -
 
 
 def _launcher(text: str):
-    generated = kernels.define(text)
+    kernel = generated.define(text)
 
     def launch(grid: tuple, args: tuple, operands: list[torch.Tensor], constants: dict) -> None:
-        generated[grid](*args, *operands, **constants)
+        kernel[grid](*args, *operands, **constants)
 
     return launch
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ArtifactError, ShapeError
-from ..ir import INPUT, WEIGHT, Graph, Ref
+from ...errors import ArtifactError, ShapeError
+from ...ir import INPUT, WEIGHT, Graph, Ref
 
 # target -> (position of the indexed tensor, position of its dim argument or None for dim 0,
 # position of the index argument, negative indices allowed)

@@ -20,19 +20,20 @@ from typing import Callable
 
 import torch
 
-from ..errors import ExecutionError, first_line
-from ..ops import arguments, fusion, interpret, targets, types
-from ..ops.attention import ATTENTION
-from ..ops.execute import Executor
-from ..ir import ACTIVATION, Graph, Op, Ref, contiguous_strides, refs_of
-from ..plan.memory import MemoryPlan
-from . import fused_mean, gemm, pooled_conv
+from ...errors import ExecutionError, first_line
+from ...ops import arguments, fusion, interpret, targets, types
+from ...ops.attention import ATTENTION
+from ...ops.execute import Executor
+from ...ir import ACTIVATION, Graph, Op, Ref, contiguous_strides, refs_of
+from ...plan.memory import MemoryPlan
+from ..kernels import fused_mean, gemm, pooled_conv
 from .indices import clamped
-from .kernels import FusedKernel, NormAfter, conv_into
-from .movement import roll
-from .pooled_conv import SmallLinear
-from .reductions import avg_pool2d, layer_norm, max_pool2d, spatial_mean
-from .small_attention import Attention
+from ..kernels.fused import FusedKernel, conv_into
+from ..kernels.generated import NormAfter
+from ..kernels.movement import roll
+from ..kernels.pooled_conv import SmallLinear
+from ..kernels.reductions import avg_pool2d, layer_norm, max_pool2d, spatial_mean
+from ..kernels.small_attention import Attention
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,10 +65,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import first_line
-from . import cache, regions
+from ...errors import first_line
+from ..base import cache, regions
 from .codegen import overlaps
-from .timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
+from ..base.timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 
 PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
 COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
@@ -121,7 +121,7 @@ def epilogue(body, out: torch.Tensor) -> tuple[tuple, list[torch.Tensor]] | None
     not a chain cuDNN can take: each node reads the one before it (`Local(k - 1)`) and at most one
     tensor of the result's dtype that broadcasts to it. Steps are (operation, keyword arguments);
     "add" and "mul" read the next of the returned tensors, each viewed as 4-D."""
-    from ..ir import Local
+    from ...ir import Local
 
     steps, tensors = [], []
     for k, (target, args, kwargs) in enumerate(body[1:], start=1):

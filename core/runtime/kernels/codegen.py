@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from ..ir import Local, contiguous_strides
-from ..ops import fusion
+from ...ir import Local, contiguous_strides
+from ...ops import fusion
 
 BLOCK = 1024  # elements of one program of an elementwise kernel
 INT32_LIMIT = 2**31 - 1

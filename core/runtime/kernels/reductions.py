@@ -9,9 +9,9 @@ writes the normalised, scaled and shifted row straight into the planned buffer.
 
 It runs where the input and the buffer are dense in row-major order, and the weight and bias
 (where given) dense over the normalised shape; anything else returns None and the op is computed
-and copied as before. Rows longer than `kernels.MAX_NORM_ROW` are left to PyTorch too (a row lives in registers).
-The source is fixed text compiled through `kernels.define` (cached and counted as every generated
-kernel is); if Triton is missing or the kernel cannot be built, `kernels.STATS` records why and
+and copied as before. Rows longer than `generated.MAX_NORM_ROW` are left to PyTorch too (a row lives in registers).
+The source is fixed text compiled through `generated.define` (cached and counted as every generated
+kernel is); if Triton is missing or the kernel cannot be built, `generated.STATS` records why and
 PyTorch computes the op.
 
 `max_pool2d(args, out)` is the substitute for `aten::max_pool2d`. On CUDA, PyTorch computes it
@@ -54,8 +54,9 @@ import time
 
 import torch
 
-from ..errors import first_line
-from . import codegen, kernels
+from ...errors import first_line
+from . import codegen
+from . import generated
 
 
 LAYER_NORM = '''import triton
@@ -178,8 +179,8 @@ FUSED_MEAN_STEPS = 2
 
 
 class FixedKernel:
-    """A kernel of fixed source, built on its first launch through `kernels.define` (cached and
-    counted as every generated kernel is). Where that first launch fails, `kernels.STATS` records
+    """A kernel of fixed source, built on its first launch through `generated.define` (cached and
+    counted as every generated kernel is). Where that first launch fails, `generated.STATS` records
     why and every launch declines from then on, so PyTorch computes the op."""
 
     def __init__(self, source: str, what: str):
@@ -193,17 +194,17 @@ class FixedKernel:
         t = time.perf_counter()
         try:
             if first:
-                self.kernel = kernels.define(self.source)
+                self.kernel = generated.define(self.source)
             self.kernel[grid](*args, **constants)
         except Exception as e:
             if not first:
                 raise
-            kernels.STATS.fallbacks.append(f"{self.what}: {type(e).__name__}: {first_line(e)}")
+            generated.STATS.fallbacks.append(f"{self.what}: {type(e).__name__}: {first_line(e)}")
             self.failed = True
             return False
         finally:
             if first:
-                kernels.STATS.seconds += time.perf_counter() - t
+                generated.STATS.seconds += time.perf_counter() - t
         return True
 
 
@@ -218,17 +219,17 @@ def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
     if len(args) < 5:
         return None
     x, shape, weight, bias, eps = args[:5]
-    norm = kernels.NormAfter(tuple(shape), weight, bias, eps, out, store=False)
+    norm = generated.NormAfter(tuple(shape), weight, bias, eps, out, store=False)
     if not norm.fits(x) or _layer_norm.failed:
         return None
     rows = x.numel() // norm.n
     if not rows:
         return out
-    block = kernels.triton_block(norm.n)
+    block = generated.triton_block(norm.n)
     done = _layer_norm.launch((rows,), x, x if weight is None else weight, x if bias is None else bias, out,
                               float(eps), N=norm.n, HAS_W=weight is not None, HAS_B=bias is not None,
                               WIDE=x.numel() + block > codegen.INT32_LIMIT, BLOCK=block,
-                              num_warps=kernels.row_warps(block))
+                              num_warps=generated.row_warps(block))
     return out if done else None
 
 
@@ -275,7 +276,7 @@ def _pooled(x, out: torch.Tensor, params, average: tuple[bool, int] | None = Non
     """`x` pooled into `out` by POOL, or None where it does not apply: not 4-D floating CUDA tensors
     of one dtype with the same images and channels, or the kernel cannot be built."""
     if params is None or _pool.failed or not (isinstance(x, torch.Tensor) and x.is_cuda and out.is_cuda
-                                              and x.dim() == 4 and out.dim() == 4 and x.dtype in kernels.FLOAT_KINDS
+                                              and x.dim() == 4 and out.dim() == 4 and x.dtype in generated.FLOAT_KINDS
                                               and out.dtype == x.dtype and x.shape[:2] == out.shape[:2]):
         return None
     if not out.numel():
@@ -324,7 +325,7 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
     does not apply. Two launches where the positions are split into parts (see the module
     docstring), none shorter than `steps` tiles: the first into a float32 scratch tensor that the
     second reads."""
-    if not (x.dim() == 4 and x.dtype in kernels.FLOAT_KINDS and out.dtype == x.dtype
+    if not (x.dim() == 4 and x.dtype in generated.FLOAT_KINDS and out.dtype == x.dtype
             and tuple(out.shape) in ((*x.shape[:2], 1, 1), tuple(x.shape[:2]))):
         return None
     n, c, h, w = x.shape
@@ -338,8 +339,8 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
     if not out.numel() or not positions:
         return None if out.numel() else []  # the mean of nothing is NaN: PyTorch's to give
     son, soc = out.stride(0), out.stride(1)
-    block_c = min(64, kernels.triton_block(c)) if x.stride(1) == 1 and c > 1 else min(16, kernels.triton_block(c))
-    block_s = max(1, min(MEAN_TILE // block_c, kernels.triton_block(positions)))
+    block_c = min(64, generated.triton_block(c)) if x.stride(1) == 1 and c > 1 else min(16, generated.triton_block(c))
+    block_s = max(1, min(MEAN_TILE // block_c, generated.triton_block(positions)))
     tiles = -(-c // block_c)
     # two programs per multiprocessor, but no part shorter than `steps` steps: a second launch
     # costs more than a short sum
@@ -354,8 +355,8 @@ def mean_launches(x: torch.Tensor, out: torch.Tensor, sms: int,
         return [((n, tiles, 1), (x, out, c, positions, rows, x.stride(0), x.stride(1), sxs, son, soc, 0,
                                  1.0 / positions), first)]
     partial = torch.empty((parts, n, c), dtype=torch.float32, device=x.device)
-    block_c = min(64, kernels.triton_block(c))  # the parts' sums: channels dense, parts n * c apart
-    second = dict(WIDE=wide, BLOCK_C=block_c, BLOCK_S=max(1, min(MEAN_TILE // block_c, kernels.triton_block(parts))),
+    block_c = min(64, generated.triton_block(c))  # the parts' sums: channels dense, parts n * c apart
+    second = dict(WIDE=wide, BLOCK_C=block_c, BLOCK_S=max(1, min(MEAN_TILE // block_c, generated.triton_block(parts))),
                   num_warps=4)
     return [((n, tiles, parts), (x, partial, c, positions, rows, x.stride(0), x.stride(1), sxs, c, 1, n * c,
                                  1.0 / positions), first),

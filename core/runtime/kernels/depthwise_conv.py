@@ -142,7 +142,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
 
 
 def launcher(kernel):
-    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    """A launcher for `source`'s kernel (as `generated.define` returns it)."""
     def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor]) -> None:
         block_p, block_c = blocks(out.shape[1])
         positions = out.shape[0] * out.shape[2] * out.shape[3]

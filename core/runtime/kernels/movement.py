@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from . import codegen, kernels
+from . import codegen
+from . import generated
 from .reductions import FixedKernel
 
 ROLL = '''import triton
@@ -76,7 +77,7 @@ def roll_launch(x: torch.Tensor, out: torch.Tensor, shifts, dims) -> tuple[tuple
 def roll(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """aten::roll(input, shifts, dims) into `out`, or None where this kernel does not apply."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or not (x.is_cuda and out.is_cuda and x.dtype in kernels.FLOAT_KINDS
+    if not isinstance(x, torch.Tensor) or not (x.is_cuda and out.is_cuda and x.dtype in generated.FLOAT_KINDS
                                                and out.dtype == x.dtype and tuple(x.shape) == tuple(out.shape)):
         return None
     launch = roll_launch(x, out, args[1] if len(args) > 1 else None, args[2] if len(args) > 2 else ())

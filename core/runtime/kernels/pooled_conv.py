@@ -95,7 +95,7 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
 
 
 def launcher(kernel):
-    """A launcher for `source`'s kernel (as `kernels.define` returns it)."""
+    """A launcher for `source`'s kernel (as `generated.define` returns it)."""
     def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor]) -> None:
         block, block_ci = blocks(out, x.shape[1])
         kernel[(out.shape[0], -(-out.shape[1] // block))](out, x, w, *operands, BLOCK=block, BLOCK_CI=block_ci)
@@ -110,20 +110,20 @@ class SmallLinear:
     """linear(x, w, bias) as `source`'s kernel where it fits (`linear_fits`), else as `fallback`
     (the substitute it would have had; None: PyTorch's op). `product` is M x N x K, from the
     graph, so the executable knows before any op runs that this op will call no cuBLAS. A kernel
-    that fails to build falls back from then on, and `kernels.STATS` records why."""
+    that fails to build falls back from then on, and `generated.STATS` records why."""
 
     def __init__(self, op_id: int, fallback, product: int):
         self.op_id, self.fallback, self.product = op_id, fallback, product
         self._launch: dict[tuple, object] = {}  # call signature -> launcher, or None: fall back
 
     def __call__(self, args: list, out: torch.Tensor):
-        from . import kernels
+        from . import generated
 
         x, w, bias = (list(args) + [None])[:3]
         if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and linear_fits(x, w, bias, out):
             operands = [] if bias is None else [bias]
             key = layouts(out, x, w, *operands)
-            if kernels.launch_once(self._launch, key, lambda: launcher(kernels.define(source(
+            if generated.launch_once(self._launch, key, lambda: launcher(generated.define(source(
                     [LINEAR], out, x, w, operands, bias is not None))), (out, x, w, operands),
                     f"op {self.op_id} as a small linear"):
                 return out

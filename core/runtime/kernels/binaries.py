@@ -4,7 +4,7 @@ The first launch of a Triton kernel in a process costs about 0.8 s on the H100 b
 kernel runs: importing Triton, then Triton's cache key, which hashes Triton's own library, then
 its launcher. A load whose kernels were all built before needs none of that:
 
-- After Triton compiles a generated kernel (`kernels.Generated`, through Triton's `warmup`, which
+- After Triton compiles a generated kernel (`generated.Generated`, through Triton's `warmup`, which
   launches nothing), `remember` writes a record to the cache folder (`binaries/`, one small JSON
   file per kernel and call signature). It names the binary Triton keeps in its own cache folder
   (path, size and sha256), the kernel's entry point, warps and shared memory, and which of the
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache
+from ..base import cache
 
 ENABLED = True  # False: every generated kernel is launched through Triton (for comparisons)
 RECORD_LIMIT = 16 * 1024  # bytes of one record

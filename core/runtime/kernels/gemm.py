@@ -30,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import WEIGHT, Graph, Op, Ref, refs_of
-from ..plan.memory import PRODUCTS
-from . import kernels, recall, timing
+from ...ir import WEIGHT, Graph, Op, Ref, refs_of
+from ...plan.memory import PRODUCTS
+from . import generated
+from . import recall
+from ..base import timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
                       span, strided_offset)
 
@@ -193,7 +195,7 @@ def grid(x: torch.Tensor, b: torch.Tensor, tile: tuple = TILES[0]) -> tuple[int,
 
 
 def launcher(kernel, tile: tuple = TILES[0]):
-    """A launcher for `source`'s kernel with this tile (as `kernels.define` returns it)."""
+    """A launcher for `source`'s kernel with this tile (as `generated.define` returns it)."""
     def launch(x, b, bias, out, epilogue: Epilogue | None = None) -> None:
         g, constants = grid(x, b, tile)
         into, operands = (out, []) if epilogue is None else (epilogue.out, epilogue.operands)
@@ -263,8 +265,8 @@ class Gemm:
         x, b, bias, matrix, key, tile = planned
         epilogue = Epilogue(body, operands, at[0], into)
         whole = key + (_signature(into, *operands), at[0])
-        return kernels.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(kernels.define(source(x, b, bias, matrix, epilogue, tile)), tile),
+        return generated.launch_once(self._with_epilogues, whole,
+                                   lambda: launcher(generated.define(source(x, b, bias, matrix, epilogue, tile)), tile),
                                    (x, b, bias, matrix, epilogue), f"op {self.op_id} with the elementwise op after it")
 
     def through(self, args: list, out: torch.Tensor, into: torch.Tensor) -> bool:
@@ -280,8 +282,8 @@ class Gemm:
             return False
         x, b, bias, matrix, key, tile = planned
         whole = key + ("through",) + _signature(into)
-        return kernels.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(kernels.define(source(x, b, bias, matrix, tile=tile, scatter=into)),
+        return generated.launch_once(self._with_epilogues, whole,
+                                   lambda: launcher(generated.define(source(x, b, bias, matrix, tile=tile, scatter=into)),
                                                     tile),
                                    (x, b, bias, into), f"op {self.op_id} into the copy of its views")
 
@@ -322,12 +324,12 @@ class Gemm:
             return None  # nothing to check the kernel against
 
         def agrees(tile) -> bool:
-            if not kernels.launch_once(_built, (key, tile),
-                                       lambda: launcher(kernels.define(source(x, b, bias, out, tile=tile)), tile),
+            if not generated.launch_once(_built, (key, tile),
+                                       lambda: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
                                        (x, b, bias, out), f"op {self.op_id} as a float32 product"):
                 return False
             if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
-                kernels.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
+                generated.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
                 return False
             return True
         if kept and agrees(kept):

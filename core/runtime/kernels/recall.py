@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache
+from ..base import cache
 from .binaries import triton_version
 
 MAX_TABLE_BYTES = 4 * 2**20  # a few thousand entries; the older half goes past it (`cache.write_entry`)

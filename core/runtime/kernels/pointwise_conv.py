@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import recall, timing
+from . import recall
+from ..base import timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
                       overlaps, program_id, span)
 
@@ -248,7 +249,7 @@ def _stored(lines: list[str], body: list, out: torch.Tensor, operands: list[torc
 
 
 def launcher(kernel, tile: tuple = TILES[0]):
-    """A launcher for `source`'s kernel with this tile (as `kernels.define` returns it)."""
+    """A launcher for `source`'s kernel with this tile (as `generated.define` returns it)."""
     block_m, block_n, block_k, warps, stages = tile
 
     def launch(out: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor], before: Before) -> None:

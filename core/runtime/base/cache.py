@@ -24,7 +24,7 @@ import stat
 import sys
 from pathlib import Path
 
-from ..fileio import write_atomic
+from ...fileio import write_atomic
 
 _WARNED: set[str] = set()
 

@@ -49,46 +49,22 @@ offset can pass 2**31 - 1 (`codegen.needs_wide`).
 
 from __future__ import annotations
 
-import hashlib
-import linecache
-import math
-import time
-from dataclasses import dataclass, field
-
 import torch
 
-from ..errors import first_line
-from ..ir import Local
-from ..ops import fusion
-from ..ops.interpret import run_fused
-from . import binaries, cache, cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, recall, timing
+from ...errors import first_line
+from ...ir import Local
+from ...ops import fusion
+from ...ops.interpret import run_fused
+from ..base import timing
+from . import cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, recall
 from .codegen import (BLOCK, ConcatTiles, body_signature, concat_source, elementwise_source, layouts, norm_source,
                       overlaps)
+from . import generated
+from .generated import FLOAT_KINDS, NormAfter, row_warps, triton_block
 
-MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
-FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
 BARE_CONVOLUTION_GRAPHS = True  # False: a generated body's convolution is always PyTorch's (for comparisons)
 
 
-def triton_block(n: int) -> int:
-    """The power of two at least `n` (and at least 16) that a row's program spans."""
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def row_warps(block: int) -> int:
-    """The warps of a program that keeps a row of `block` elements in registers."""
-    return min(16, max(1, block // 256))
-
-
-@dataclass
-class KernelStats:
-    generated: int = 0  # kernels built in this process
-    source_hits: int = 0  # of which the source was already in the cache folder
-    fallbacks: list[str] = field(default_factory=list)  # bodies interpreted instead, and why
-    seconds: float = 0.0
-
-
-STATS = KernelStats()
 # a 1x1 convolution whose body cuDNN does not fuse whole may run as one generated matrix product
 # (`FusedKernel._pointwise`), chosen per call by measurement
 STANDALONE_POINTWISE = True
@@ -202,7 +178,7 @@ class FusedKernel:
             try:
                 self._split_counts[key] = timing.kernels_in(lambda: self._split(body, out), out.device)
             except OSError as e:
-                STATS.fallbacks.append(f"op {self.op.id}: kernels not counted: {first_line(e)}")
+                generated.STATS.fallbacks.append(f"op {self.op.id}: kernels not counted: {first_line(e)}")
                 self._split_counts[key] = 1
         return self._split_counts[key] > 1
 
@@ -215,12 +191,12 @@ class FusedKernel:
                torch.backends.cudnn.allow_tf32)
 
         def fused(tile) -> bool:
-            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(define(pointwise_conv.source(
+            return self.launch(key + (tile,), lambda: pointwise_conv.launcher(generated.define(pointwise_conv.source(
                 body, out, w, operands, bias, before, tile)), tile), (out, w, operands, before),
                 f" as a 1x1 convolution{what}")
 
         def note(why: str) -> None:
-            STATS.fallbacks.append(f"op {self.op.id}: {why}")
+            generated.STATS.fallbacks.append(f"op {self.op.id}: {why}")
         tile = self._tiles.tile(key, out, otherwise, fused, note)
         return tile is not None and fused(tile)
 
@@ -309,7 +285,7 @@ class FusedKernel:
         tiles = ConcatTiles(out, pieces, dim)
         if not tiles.fits:
             self._built[key] = None
-            STATS.fallbacks.append(f"op {self.op.id}: a cat's parts or result are not dense in one order of dims")
+            generated.STATS.fallbacks.append(f"op {self.op.id}: a cat's parts or result are not dense in one order of dims")
             return None
         built = self.launch(key, lambda: _compile_concat(concat_source(body, out, pieces, tiles, operands), tiles),
                             (out, pieces, operands), " as a cat's reader")
@@ -327,10 +303,10 @@ class FusedKernel:
             return None
         x, w, bias = conv["input"], conv["weight"], conv["bias"] is not None
         if before is None and pooled_conv.fits(conv, out):
-            kind, build = "pooled", lambda: pooled_conv.launcher(define(pooled_conv.source(body, out, x, w, operands,
+            kind, build = "pooled", lambda: pooled_conv.launcher(generated.define(pooled_conv.source(body, out, x, w, operands,
                                                                                              bias)))
         elif depthwise_conv.fits(conv, out) and (before is None or depthwise_conv.prologue_fits(before, x)):
-            kind, build = "depthwise", lambda: depthwise_conv.launcher(define(depthwise_conv.source(
+            kind, build = "depthwise", lambda: depthwise_conv.launcher(generated.define(depthwise_conv.source(
                 body, out, x, w, operands, bias, conv, before)))
         else:
             return None
@@ -357,7 +333,7 @@ class FusedKernel:
         """This depthwise body over its input as `producer` left it (its bare convolution): as one
         kernel that applies the producer's epilogue to each tap it loads
         (`depthwise_conv.Prologue`, `_direct`); where that kernel does not fit or build, the
-        epilogue interpreted into a buffer of its own first (counted once in `STATS.fallbacks`),
+        epilogue interpreted into a buffer of its own first (counted once in `generated.STATS.fallbacks`),
         then this body as it runs otherwise."""
         before_operands, before_conv = producer.operands(producer.wrote_bare)
         before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
@@ -373,7 +349,7 @@ class FusedKernel:
             return out
         if not self._interpreted_before:
             self._interpreted_before = True
-            STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
+            generated.STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
         bare = body[0][1][0]
         first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \
             else ("aten::alias.default", (bare,), ())
@@ -495,7 +471,7 @@ class FusedKernel:
 
     def launch(self, key: tuple, build, args: tuple, what: str = "") -> bool:
         """`launch_once` for this op (`what` says in what form it ran)."""
-        return launch_once(self._built, key, build, args, f"op {self.op.id}{what}")
+        return generated.launch_once(self._built, key, build, args, f"op {self.op.id}{what}")
 
     def _convolution(self, p: dict, out: torch.Tensor) -> None:
         """The convolution that leads a generated body, without its bias (the kernel adds it),
@@ -532,61 +508,6 @@ class FusedKernel:
                layouts(*operands))
         return self.launch(key, lambda: _compile_norm(norm_source(body, out, operands, norm)), (out, operands, norm),
                            " with its layer norm")
-
-
-@dataclass
-class NormAfter:
-    """The layer norm (aten::layer_norm over each row's last dims, `shape`) that reads a fused op's
-    result, run in that op's kernel: `out` its planned buffer, `store` whether anything else reads
-    the fused result (GPT-2's residual stream: yes; BERT's post-norm sum: no)."""
-
-    shape: tuple
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    eps: float
-    out: torch.Tensor
-    store: bool
-
-    @property
-    def n(self) -> int:
-        return math.prod(self.shape)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        """Row-major input and output of one floating dtype, normalised over its last dims, rows of
-        at most MAX_NORM_ROW elements, and a weight and bias dense over a row."""
-        if not (x.is_cuda and self.out.is_cuda and x.dtype in FLOAT_KINDS and self.out.dtype == x.dtype
-                and 0 < self.n <= MAX_NORM_ROW
-                and tuple(self.out.shape) == tuple(x.shape) and x.dim() >= len(self.shape)
-                and tuple(x.shape[x.dim() - len(self.shape):]) == tuple(self.shape)
-                and x.is_contiguous() and self.out.is_contiguous()):
-            return False
-        return all(t is None or (t.is_cuda and t.dtype in FLOAT_KINDS and t.numel() == self.n and t.is_contiguous())
-                   for t in (self.weight, self.bias))
-
-
-_UNBUILT = object()
-
-
-def launch_once(built: dict, key: tuple, build, args: tuple, who: str) -> bool:
-    """Run the launcher for `key` (a call signature) in `built` on `args`, built by `build()` on
-    its first use; False where that first build or launch fails (no Triton, or a body it cannot
-    compile): `STATS` records why under `who`, and `built[key]` is None from then on."""
-    launch = built.get(key, _UNBUILT)
-    if launch is None:
-        return False
-    if launch is not _UNBUILT:
-        launch(*args)
-        return True
-    t = time.perf_counter()
-    try:  # the first launch compiles: a failure there falls back too
-        launch = build()
-        launch(*args)
-    except Exception as e:
-        STATS.fallbacks.append(f"{who}: {type(e).__name__}: {first_line(e)}")
-        launch = None
-    STATS.seconds += time.perf_counter() - t
-    built[key] = launch
-    return launch is not None
 
 
 def conv_shape(p: dict) -> tuple[int, ...]:
@@ -658,7 +579,7 @@ def _operands(body, skip_first: bool) -> list[torch.Tensor]:
 
 def _compile_norm(source: str):
     """A launcher for `norm_source`'s kernel: one program per row."""
-    kernel = define(source)
+    kernel = generated.define(source)
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:
         block = triton_block(norm.n)
@@ -669,75 +590,9 @@ def _compile_norm(source: str):
     return launch
 
 
-def define(source: str) -> Generated:
-    """The `kernel` that generated `source` defines, launched as a Triton kernel is
-    (`kernel[grid](*args, **constants)`, see `Generated`); a copy of the text goes to the cache
-    folder for reading, never to be imported."""
-    digest = hashlib.sha256(f"{source}triton {binaries.triton_version()}".encode()).hexdigest()[:32]
-    folder = cache.cache_dir("kernels")
-    if folder is not None:
-        path = folder / f"k{digest}.py"
-        if cache.read_small(path, len(source.encode())) == source.encode():
-            STATS.source_hits += 1
-        else:
-            cache.write(path, source.encode())
-    STATS.generated += 1
-    return Generated(source, digest)
-
-
-class Generated:
-    """A generated kernel. A launch whose call signature met a binary before runs it without
-    Triton (`binaries.recall`). For any other Triton compiles the text (Triton reads a kernel's
-    source through `inspect`, so the text is registered with `linecache` under a name no file
-    has); its binary is recorded for later loads (`binaries.remember`) and launched as a recalled
-    one is. Where it cannot be recorded or loaded, Triton launches it."""
-
-    def __init__(self, source: str, digest: str):
-        self.source, self.digest = source, digest
-        self._jit = None
-        self._binaries: dict[str, binaries.Binary | None] = {}  # call signature -> recorded binary, or None
-        self._recorded: set[str] = set()  # signatures Triton built and `remember` saw in this process
-
-    def __getitem__(self, grid: tuple):
-        return lambda *args, **constants: self.launch(tuple(grid), args, constants)
-
-    def launch(self, grid: tuple, args: tuple, constants: dict) -> None:
-        signature = binaries.specialisation(args, constants)
-        if signature not in self._binaries:
-            self._binaries[signature] = binaries.recall(self.digest, signature, args, constants)
-        binary = self._binaries[signature]
-        if binary is not None:
-            binary.run(grid, args, constants)
-            return
-        jit = self.jit()
-        if signature not in self._recorded:
-            # Triton builds it and launches nothing (`warmup`); the binary runs through the static
-            # launcher, so Triton's own launcher (a C module per signature) is never compiled
-            self._recorded.add(signature)
-            compiled = jit.warmup(*args, grid=grid, **constants)
-            binary = binaries.remember(self.digest, signature, compiled, args, constants, list(jit.arg_names))
-            self._binaries[signature] = binary
-            if binary is not None:
-                binary.run(grid, args, constants)
-                return
-        jit[grid](*args, **constants)
-
-    def jit(self):
-        """The Triton kernel, compiled from this text on first use."""
-        if self._jit is None:
-            import triton  # noqa: F401 - fails here, where Triton is missing, and the caller falls back
-
-            filename = f"<nimble kernel k{self.digest}>"
-            linecache.cache[filename] = (len(self.source), None, self.source.splitlines(keepends=True), filename)
-            namespace = {"__name__": f"nimble_kernel_{self.digest}"}
-            exec(compile(self.source, filename, "exec"), namespace)  # noqa: S102 - text generated in this process
-            self._jit = namespace["kernel"]
-        return self._jit
-
-
 def _compile_concat(source: str, tiles: ConcatTiles):
     """A launcher for `concat_source`'s kernel: one program per tile."""
-    kernel = define(source)
+    kernel = generated.define(source)
 
     def launch(out: torch.Tensor, pieces: list[torch.Tensor], operands: list[torch.Tensor]) -> None:
         kernel[(tiles.programs,)](out, *pieces, *operands)
@@ -747,7 +602,7 @@ def _compile_concat(source: str, tiles: ConcatTiles):
 
 def _compile(source: str):
     """A launcher for the generated elementwise source (`define`)."""
-    kernel = define(source)
+    kernel = generated.define(source)
 
     def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:
         numel = out.numel()

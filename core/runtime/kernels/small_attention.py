@@ -34,7 +34,9 @@ import math
 
 import torch
 
-from . import kernels, recall, timing
+from . import generated
+from . import recall
+from ..base import timing
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
 
 ENABLED = True
@@ -210,7 +212,7 @@ def tiles(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def launcher(kernel, tile: tuple[int, int, int] | None = None):
-    """A launcher for `source`'s kernel (as `kernels.define` returns it), on `tile` (see `grid`)."""
+    """A launcher for `source`'s kernel (as `generated.define` returns it), on `tile` (see `grid`)."""
     def launch(q, k, v, mask, out) -> None:
         g, constants = grid(q, k, tile)
         kernel[g](q, k, v, out, out if mask is None else mask, **constants)
@@ -261,8 +263,8 @@ class Attention:
         ref = pytorch()
         if not bool(torch.isfinite(ref).all()):
             return False  # nothing to check the kernel against
-        generated = kernels.define(source(q, k, v, mask, out, causal, scale))
-        if not kernels.launch_once(_built, key, lambda: launcher(generated), (q, k, v, mask, out),
+        kernel = generated.define(source(q, k, v, mask, out, causal, scale))
+        if not generated.launch_once(_built, key, lambda: launcher(kernel), (q, k, v, mask, out),
                                    f"op {self.op_id} as generated attention"):
             return False
         tolerance = TOLERANCE if q.dtype == torch.float32 else HALF_TOLERANCE
@@ -270,17 +272,17 @@ class Attention:
         def agrees() -> bool:
             return float((out.float() - ref.float()).abs().max()) <= tolerance * max(float(ref.abs().max()), 1e-6)
         if not agrees():
-            kernels.STATS.fallbacks.append(f"op {self.op_id}: generated attention disagrees with PyTorch's")
+            generated.STATS.fallbacks.append(f"op {self.op_id}: generated attention disagrees with PyTorch's")
             return False
         if kept.get("runs") is True and (kept.get("tile") is None or recall.known_tile(kept["tile"], tiles(q, k))):
-            launch = _built[key] if kept.get("tile") is None else _tried(generated, tuple(kept["tile"]),
+            launch = _built[key] if kept.get("tile") is None else _tried(kernel, tuple(kept["tile"]),
                                                                          (q, k, v, mask, out), agrees)
             if launch is not None:
                 _built[key] = launch
                 return True
         ours, best = timing.graph_us(lambda: _built[key](q, k, v, mask, out), out.device), None
         for tile in tiles(q, k):  # each checked; one this GPU cannot hold (shared memory) is passed over
-            launch = None if grid(q, k, tile) == grid(q, k) else _tried(generated, tile, (q, k, v, mask, out), agrees)
+            launch = None if grid(q, k, tile) == grid(q, k) else _tried(kernel, tile, (q, k, v, mask, out), agrees)
             if launch is None:
                 continue
             us = timing.graph_us(lambda: launch(q, k, v, mask, out), out.device)
@@ -291,9 +293,9 @@ class Attention:
         return runs
 
 
-def _tried(generated, tile: tuple, args: tuple, agrees):
+def _tried(kernel, tile: tuple, args: tuple, agrees):
     """The kernel's launcher on `tile`, where it ran this call and its result agrees; else None."""
-    launch = launcher(generated, tile)
+    launch = launcher(kernel, tile)
     try:
         launch(*args)
     except Exception:

@@ -60,11 +60,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
-from ..ops import fusion
-from ..plan.capped import CAPS
-from . import cache
-from .placement import BiasedGemm, small_product
+from ...ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
+from ...ops import fusion
+from ...plan.capped import CAPS
+from ..base import cache
+from ..placed.placement import BiasedGemm, small_product
 
 LAYOUTS = ("contiguous", "channels_last")
 CAP = CAPS[0]  # the CUDA streams of the capped stream candidate, which the artifact stores

@@ -9,10 +9,10 @@ import contextlib
 
 import torch
 
-from ..errors import ExecutionError, ShapeError, first_line
-from ..ir import WEIGHT, Graph
-from ..ops import arguments, targets, types
-from ..ops.execute import Executor, run_ops
+from ...errors import ExecutionError, ShapeError, first_line
+from ...ir import WEIGHT, Graph
+from ...ops import arguments, targets, types
+from ...ops.execute import Executor, run_ops
 
 
 def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],

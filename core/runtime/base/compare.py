@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import MismatchError  # noqa: F401  (raised by callers of compare)
+from ...errors import MismatchError  # noqa: F401  (raised by callers of compare)
 
 
 CPU_TOLERANCE = (1e-4, 1e-5)  # (rtol, atol) for fp32 numerics

@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import CaptureError, ExecutionError, first_line
-from ..ir import Graph
+from ...errors import CaptureError, ExecutionError, first_line
+from ...ir import Graph
 
 
 @contextlib.contextmanager
