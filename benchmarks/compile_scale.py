@@ -62,7 +62,7 @@ if mode == "build":
 
 from nimble.formats import read_artifact, write_artifact
 from nimble.pipeline import compile_model
-from nimble.runtime.compare import compare
+from nimble.runtime.base.compare import compare
 from nimble.runtime.executable import Executable
 from nimble.specs import input_specs
 

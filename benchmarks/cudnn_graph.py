@@ -32,8 +32,8 @@ CHILD = """
 import json, os, sys, time, torch
 import nimble
 from nimble.formats import read_artifact
-from nimble.runtime import cudnn_graph
-from nimble.runtime.timing import gpu_ms
+from nimble.runtime.base.timing import gpu_ms
+from nimble.runtime.kernels import cudnn_graph
 sys.path.insert(0, sys.argv[2])
 import report
 torch.cuda.init()

@@ -2,7 +2,7 @@
 with Python's profiler over the load and first call.
 
     python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm unkept] [--top 30] [--no-profile]
-                                      [--set MODULE.NAME=VALUE] [--out DIR]
+                                      [--set NAME=VALUE] [--out DIR]
 
 A `unkept` run is a warm one without the per-call kernel choices the loads before kept
 (`kernel_choices.json`, `runtime/recall.py`): it times them again, on warm kernel caches, as
@@ -14,8 +14,8 @@ is installed, and the `--top` functions by cumulative time, then by time spent i
 caches (nimble's and Triton's) are a temporary folder shared by the runs, so a cold run empties
 them and the runs after it are warm. `--no-profile` times the same runs without the profiler,
 which adds to every figure: those are the seconds to quote. Each row also says whether the load
-imported Triton. `--set` changes a constant of a `nimble.runtime` module in every run (as
-`peers.py --set` does), to compare a change with the load before it.
+imported Triton. `--set` loads under a runtime setting in every run (`nimble/runtime/base/
+settings.py`, as `peers.py --set` does), to compare a change with the load before it.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from peers import setting
 PROBE = """
 import cProfile, importlib, io, json, pstats, sys, time
 import torch
-for module, constant, value in json.loads(sys.argv[3]):
-    setattr(importlib.import_module(f"nimble.runtime.{module}"), constant, value)
+from nimble.runtime.base.settings import Settings
+settings = Settings(**json.loads(sys.argv[3]))
 from nimble.runtime.executable import load
-from nimble.runtime import cudnn_graph
+from nimble.runtime.kernels import cudnn_graph
 torch.cuda.init()
 profile = cProfile.Profile() if sys.argv[2] != "0" else None
 t = time.perf_counter()
 if profile is not None:
     profile.enable()
-exe = load(sys.argv[1], "cuda")
+exe = load(sys.argv[1], "cuda", settings=settings)
 x = [t.to("cuda") for t in exe.artifact.sample_inputs]  # token ids within the vocabulary, for the language models
 exe(*x)
 torch.cuda.synchronize()
@@ -65,12 +65,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"], choices=["cold", "warm", "unkept"])
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-profile", action="store_true", help="time the runs without Python's profiler")
-    parser.add_argument("--set", default=None, metavar="MODULE.NAME=VALUE",
-                        help="a constant of a nimble.runtime module, changed in every run")
+    parser.add_argument("--set", default=None, metavar="NAME=VALUE",
+                        help="a runtime setting (nimble/runtime/base/settings.py), changed in every run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
-    settings = [setting(args.set)] if args.set else []
+    settings = setting(args.set).changed() if args.set else {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, NIMBLE_CACHE_DIR=f"{tmp}/nimble", TRITON_CACHE_DIR=f"{tmp}/triton",

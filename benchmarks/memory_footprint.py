@@ -1,14 +1,14 @@
 """What a loaded artifact holds on the GPU, by kind, beside torch.compile(mode="reduce-overhead").
 
     python benchmarks/memory_footprint.py --out DIR [--models inception_v3 resnet50 ...] [--batches 1 8]
-                                          [--no-peer] [--set cudnn_graph.SLOWER_OUTSIDE=1.03 ...]
+                                          [--no-peer] [--set cudnn_slower_outside=1.03 ...]
 
 Each measurement runs in a fresh process, so that nothing else sits in the caching allocator:
 
 - nimble: `torch.cuda.memory_reserved()` before `nimble.load` (default tuning, empty tuning
   cache) and after one call, and the footprint by kind the load reports (`runtime/footprint.py`);
-  then `close()` and what is still reserved; with `--set MODULE.NAME=VALUE`, again for each such
-  setting of a constant of a `nimble.runtime` module (a row of its own, an empty cache of its own);
+  then `close()` and what is still reserved; with `--set NAME=VALUE`, again loaded under each
+  such runtime setting (`nimble/runtime/base/settings.py`; a row of its own, an empty cache of its own);
 - torch.compile(mode="reduce-overhead"): reserved after moving the model to the GPU and three
   calls, less before (weights included, as for nimble).
 """
@@ -34,16 +34,16 @@ MODELS = ["resnet50", "inception_v3", "googlenet", "mobilenet_v2", "efficientnet
           "densenet121", "inception", "nasnet", "resnet", "mobilenet", "transformer"]
 
 NIMBLE = """
-import importlib, json, sys, torch
+import json, sys, torch
 import nimble
-for module, constant, value in json.loads(sys.argv[2]) if len(sys.argv) > 2 else []:  # from peers.setting
-    setattr(importlib.import_module("nimble.runtime." + module), constant, value)
+from nimble.runtime.base.settings import Settings
+settings = Settings(**json.loads(sys.argv[2])) if len(sys.argv) > 2 else None  # what peers.setting changes
 from nimble.formats import read_artifact
 torch.cuda.init()
 x = [t.cuda() for t in read_artifact(sys.argv[1]).sample_inputs]
 torch.cuda.synchronize()
 before = torch.cuda.memory_reserved()
-exe = nimble.load(sys.argv[1], device="cuda")
+exe = nimble.load(sys.argv[1], device="cuda", settings=settings)
 exe(*x, copy=False)
 torch.cuda.synchronize()
 after = torch.cuda.memory_reserved()
@@ -108,9 +108,9 @@ def main() -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--no-peer", action="store_true", help="Leave torch.compile out (it compiles for minutes).")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="also measure nimble with this constant of a nimble.runtime module set, as "
-                             "cudnn_graph.SLOWER_OUTSIDE=1.03 (a row each)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="also measure nimble loaded under this runtime setting, as cudnn_slower_outside=1.03 "
+                             "(a row each)")
     args = parser.parse_args()
     from peers import setting
 
@@ -132,7 +132,7 @@ def main() -> int:
                 for k, text in enumerate(args.set):
                     cache = str(Path(tmp) / f"cache_{name}_{batch}_{k}")
                     rows.append({"model": f"{name} ({text})", "batch": batch, "setting": text,
-                                 "nimble": child(NIMBLE, str(path), json.dumps([setting(text)]), cache=cache),
+                                 "nimble": child(NIMBLE, str(path), json.dumps(setting(text).changed()), cache=cache),
                                  "torch_compile": peer})
                     print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),

@@ -170,39 +170,22 @@ def without_pass(name: str):
         yield
 
 
-def setting(text: str) -> tuple[str, str, object]:
-    """`--set MODULE.NAME=VALUE`: (module, name, value) of a constant of a `nimble.runtime` module."""
-    import ast
-    import importlib
+def setting(text: str):
+    """`--set NAME=VALUE` (a runtime setting, `nimble/runtime/base/settings.py`): the Settings it
+    names on top of the defaults. Its measured choices are cached under a key of their own."""
+    from nimble.errors import UsageError
+    from nimble.runtime.base.settings import Settings
 
-    target, _, value = text.partition("=")
-    module, _, constant = target.rpartition(".")
     try:
-        parsed = ast.literal_eval(value)
-        found = hasattr(importlib.import_module(f"nimble.runtime.{module}"), constant)
-    except Exception:  # a value literal_eval refuses, or a module name import refuses
-        found = False
-    if not found or not module:
-        raise SystemExit(f"--set {text}: expected MODULE.NAME=VALUE naming a constant of a nimble.runtime module "
-                         "and a Python literal, as cudnn_graph.SLOWER_OUTSIDE=1.03")
-    return module, constant, parsed
-
-
-@contextlib.contextmanager
-def with_setting(module: str, constant: str, value, cache: Path):
-    """nimble.runtime.`module`.`constant` set to `value`, with a tuning and plan cache of its own."""
-    import importlib
-    from unittest import mock
-
-    with mock.patch.object(importlib.import_module(f"nimble.runtime.{module}"), constant, value), \
-            mock.patch.dict(os.environ, {"NIMBLE_CACHE_DIR": str(cache)}):
-        yield
+        return Settings.parse([text])
+    except UsageError as e:
+        raise SystemExit(f"--set {e}") from None
 
 
 def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), settings: tuple = ()) -> dict:
     """One model at fp32, every variant in this process. Also, compiled and tuned as `nimble`:
-    `without` each pass named (the variant `nimble_without_<pass>`), and under each of `settings`
-    ((module, constant, value) of `nimble.runtime`: the variant `nimble_set_<module>.<constant>=<value>`)."""
+    `without` each pass named (the variant `nimble_without_<pass>`), and loaded under each of
+    `settings` (`Settings`, from `setting`: the variant `nimble_set_<what it changes>`)."""
     import torch
 
     from nimble.formats import read_artifact, write_artifact
@@ -238,24 +221,23 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), s
 
     specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu],
                         [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
-    variants = [("nimble_unfused", False, None), ("nimble", True, None),
-                *((f"nimble_without_{p}", True, lambda p=p: without_pass(p)) for p in without),
-                *((f"nimble_set_{m}.{k}={v!r}", True, lambda m=m, k=k, v=v: with_setting(m, k, v, tmp / f"cache_{m}_{k}"))
-                  for m, k, v in settings)]
-    for variant, fuse, context in variants:
+    variants = [("nimble_unfused", False, None, None), ("nimble", True, None, None),
+                *((f"nimble_without_{p}", True, lambda p=p: without_pass(p), None) for p in without),
+                *((f"nimble_set_{s.describe()}", True, None, s) for s in settings)]
+    for variant, fuse, context, chosen in variants:
         extra = variant != "nimble" and fuse
         with context() if context else contextlib.nullcontext():
             c = compile_model(pt, specs, device="cpu", streams="auto", fuse=fuse)
             path = tmp / f"{name}_{batch}_{variant}.nimble"
             write_artifact(path, c.artifact())
             art = read_artifact(path)
-            exe = Executable(art, "cuda", tune="off" if not fuse else "full")
+            exe = Executable(art, "cuda", tune="off" if not fuse else "full", settings=chosen)
             row["check"][variant] = compare(exe.run(*xs), ref, 1e-2, 1e-3).max_rel
             record(variant, exe.replay, lambda: exe(*xs, copy=False))
             row.setdefault("ops", {})[variant] = len(c.graph.ops)
             row.setdefault("compile_s", {})[variant] = sum(c.seconds.values())
             choice = exe.choice if fuse else tuning.Choice()
-            row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp)
+            row.setdefault("kernels", {})[variant] = kernels_per_inference(art, choice, tmp, settings=chosen)
             row.setdefault("load_s", {})[variant] = exe.stats.seconds.get("total")  # in this process, after the others
             if extra:
                 row.setdefault("choice_of", {})[variant] = exe.stats.choice
@@ -441,9 +423,9 @@ def main() -> int:
     parser.add_argument("--without", nargs="*", default=[], metavar="PASS",
                         help="fp32: also time nimble compiled without each named pass (a pipeline pass's "
                              "function name), in the same process, as the variant nimble_without_PASS")
-    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="fp32: also time nimble loaded with a constant of a nimble.runtime module set (as "
-                             "cudnn_graph.SLOWER_OUTSIDE=1.03), in the same process, with a cache of its own")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="fp32: also time nimble loaded under this runtime setting (nimble/runtime/base/"
+                             "settings.py; as cudnn_slower_outside=1.03), in the same process, a variant each")
     args = parser.parse_args()
     args.without = [known_pass(p) for p in args.without]
     args.set = [setting(t) for t in args.set]

@@ -1,13 +1,13 @@
 """nimble alone under settings of its runtime, side by side in one process: an A/B check of a
-runtime constant on models where torch.compile's minutes of compiling are not needed.
+runtime setting on models where torch.compile's minutes of compiling are not needed.
 
-    python benchmarks/setting_ab.py --set pairs.MEAN_PAIRS=False [...] [--models mobilenet_v2 densenet121]
+    python benchmarks/setting_ab.py --set mean_pairs=False [...] [--models mobilenet_v2 densenet121]
                                     [--batches 8 1] [--rounds 2] [--out DIR]
 
 Per model and batch, one artifact (compiled from TorchScript on the CPU, as `memory_footprint.py`
-does) is loaded once as it is and once under each `--set MODULE.NAME=VALUE` (a constant of a
-`nimble.runtime` module, as in `peers.py`; each with a tuning and plan cache of its own, default
-tuning). The variants are then timed in turn, `--rounds` times, as `peers.py` times them:
+does) is loaded once as it is and once under each `--set NAME=VALUE` (a runtime setting,
+`nimble/runtime/base/settings.py`, as in `peers.py`; each with a tuning and plan cache of its own,
+full tuning). The variants are then timed in turn, `--rounds` times, as `peers.py` times them:
 GPU-bound (50 back-to-back replays between CUDA events, median of 15) and latency (copy in, run,
 synchronize; median of 200); kernels per inference from the captured graph. Every output is
 checked against eager PyTorch.
@@ -24,7 +24,7 @@ from unittest import mock
 
 import report
 from memory_footprint import compile_artifact
-from peers import gpu_bound_ms, kernels_per_inference, make_inputs, setting, with_setting
+from peers import gpu_bound_ms, kernels_per_inference, make_inputs, setting
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,11 +47,11 @@ def bench(name: str, batch: int, settings: list, rounds: int, tmp: Path) -> dict
     row = {"model": name, "batch": batch, "gpu_bound_ms": {}, "latency_ms": {}, "kernels": {}, "choice": {},
            "check": {}}
     loaded = {}
-    for label, m, k, v in [("as is", None, None, None), *((f"{m}.{k}={v!r}", m, k, v) for m, k, v in settings)]:
+    for label, chosen in [("as is", None), *((s.describe(), s) for s in settings)]:
         cache = tmp / f"cache_{len(loaded)}"
-        with with_setting(m, k, v, cache) if m else mock.patch.dict(os.environ, {"NIMBLE_CACHE_DIR": str(cache)}):
-            exe = Executable(art, "cuda", tune="full")
-            row["kernels"][label] = kernels_per_inference(art, exe.choice, tmp)
+        with mock.patch.dict(os.environ, {"NIMBLE_CACHE_DIR": str(cache)}):
+            exe = Executable(art, "cuda", tune="full", settings=chosen)
+            row["kernels"][label] = kernels_per_inference(art, exe.choice, tmp, settings=chosen)
         row["choice"][label] = exe.choice.describe()
         row["check"][label] = compare(exe.run(*xs), wants, 1e-2, 1e-3).max_rel
         loaded[label] = exe
@@ -64,7 +64,7 @@ def bench(name: str, batch: int, settings: list, rounds: int, tmp: Path) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", nargs="+", required=True, metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--set", nargs="+", required=True, metavar="NAME=VALUE")
     parser.add_argument("--models", nargs="*", default=["mobilenet_v2", "densenet121"])
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 1])
     parser.add_argument("--rounds", type=int, default=2)

@@ -51,3 +51,21 @@ def save_script(tmp_path: Path, module: torch.nn.Module, name: str) -> Path:
     path = tmp_path / f"{name}.pt"
     torch.jit.save(torch.jit.script(module), str(path))
     return path
+
+
+@pytest.fixture
+def use_settings():
+    """`use_settings(gemm_kernel=False, ...)`: those runtime settings (`runtime/base/settings.py`)
+    current for the rest of the test, on top of what is current; the test's end restores them."""
+    import dataclasses
+
+    from nimble.runtime.base import settings
+
+    tokens = []
+
+    def use(**changes):
+        tokens.append(settings._current.set(dataclasses.replace(settings.current(), **changes)))
+
+    yield use
+    for token in reversed(tokens):
+        settings._current.reset(token)

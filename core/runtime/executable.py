@@ -45,6 +45,8 @@ from .kernels import binaries, cudnn_graph, gemm
 from .base import footprint, regions, streams, timing
 from .placed import indices
 from . import pairs
+from .base.settings import Settings, using
+from .base.settings import current as current_settings
 from .kernels import fused, generated
 from .tune import choices as tuning
 from .base.compare import compare, default_tolerance, l2_tolerance
@@ -95,7 +97,8 @@ class Executable:
     def __init__(self, artifact, device: str = "auto", *, arena: bool = True, single_stream: bool = False,
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
                  choice: tuning.Choice | None = None, max_memory: int | None = None,
-                 share: Executable | None = None, arena_bytes: int | None = None, group=None):
+                 share: Executable | None = None, arena_bytes: int | None = None, group=None,
+                 settings: Settings | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
@@ -108,7 +111,16 @@ class Executable:
         instead of allocating them, for the batch sizes of one artifact (`batched.py`); the arena
         must be large enough: `arena_bytes` sizes the lender's above its own plan. `group` (a
         `group.Group`, whose `load` passes it) lends its arena, streams and workspaces instead, to
-        artifacts of different weights, and makes every call wait its turn (`group.py`)."""
+        artifacts of different weights, and makes every call wait its turn (`group.py`).
+        `settings` (`base/settings.py`; by default the current ones) say which of nimble's kernels
+        and pairs it may use and the thresholds of its measured choices."""
+        self.settings = settings if settings is not None else current_settings()
+        with using(self.settings):
+            self._load(artifact, device, arena, single_stream, graph_dump, name, tune, choice, max_memory, share,
+                       arena_bytes, group)
+
+    def _load(self, artifact, device, arena, single_stream, graph_dump, name, tune, choice, max_memory, share,
+              arena_bytes, group) -> None:
         t0 = time.perf_counter()
         check_tune_mode(tune)
         if choice is not None and choice not in tuning.every_choice():
@@ -251,7 +263,7 @@ class Executable:
         folded = capped.streams_under(self.schedule, None)
         # a candidate only where a pair survives the other pairs of the planned order, which `_set_order`
         # found (efficientnet's depthwise ops are all in mean pairs: the candidate would run the same kernels)
-        prologues = pairs.PROLOGUE_PAIRS and self._with_arena and bool(
+        prologues = self.settings.prologue_pairs and self._with_arena and bool(
             pairs.prologue_pairs(self.graph, self._placed, pairs.taken(self._pairs)))
         options = tuning.candidates(self.graph, max(folded, default=0) + 1, prologues)
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
@@ -263,7 +275,7 @@ class Executable:
         elif len(options) == 1 or tune == "off":
             best, how = options[0], "off" if tune == "off" and len(options) > 1 else "only one candidate"
         else:
-            key = tuning.cache_key(self.artifact, self.device)  # hashing: only where the cache is used
+            key = tuning.cache_key(self.artifact, self.device, self.settings)  # hashing: only where the cache is used
             best = tuning.cached(key) if tune == "cached" else None
             how = "cache hit"
             if best is None or best not in options:
@@ -275,7 +287,7 @@ class Executable:
                             timed[c.describe()] = timing.gpu_ms(self._cuda_graph.replay, self.device)
                             held[c.describe()] = footprint.pool_segments(self.device, self.pools())[0]
                             last = c
-                        best = tuning.pick([c for c in options if c.describe() in timed], timed, held)
+                        best = tuning.pick([c for c in options if c.describe() in timed], timed, held, self.settings)
                     tuning.store(key, best, timed)
                 how = "timed"
                 if best == last and not graph_dump:
@@ -444,7 +456,8 @@ class Executable:
         self.arena = arena
         self._env_after = None
         if self.device.type == "cuda" and not self._closed:
-            self._build(self.choice)  # which lays out the views too
+            with using(self.settings):
+                self._build(self.choice)  # which lays out the views too
         elif self._with_arena:
             self._views = arena_views(self.graph, self.memory, arena)
 
@@ -495,9 +508,10 @@ class Executable:
         run = PlacedRun(env, self._views, self.device, name_failures=validate,
                         release=streams.release_plan(self.graph, self._order, self._stream_of) if cuda else None,
                         kept=self._own_storages() if cuda else frozenset(), pairs=self._pairs)
-        run_ops(self._placed, run, self._order,
-                lambda order, step: streams.issue(order, step if around is None else around(step), self.device,
-                                                  self._streams, self._stream_of, self._waits))
+        with using(self.settings):  # the kernels build and choose under this load's settings
+            run_ops(self._placed, run, self._order,
+                    lambda order, step: streams.issue(order, step if around is None else around(step), self.device,
+                                                      self._streams, self._stream_of, self._waits))
         self._env_after = None if cuda else env
         return env
 
@@ -643,7 +657,7 @@ def _mib(n: int) -> str:
 def open_artifact(artifact, device: str = "auto", **options) -> Executable:
     """An artifact read into memory, loaded: an `Executable`, or for an artifact of several batch
     sizes a `batched.Batched`, which is called the same way. `options` as `Executable` takes
-    them (name, tune, graph_dump, max_memory)."""
+    them (name, tune, graph_dump, max_memory, settings)."""
     if artifact.batches:
         from .batched import Batched
 
@@ -652,7 +666,7 @@ def open_artifact(artifact, device: str = "auto", **options) -> Executable:
 
 
 def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None,
-         verify: bool = False, max_memory: int | None = None) -> Executable:
+         verify: bool = False, max_memory: int | None = None, settings: Settings | None = None) -> Executable:
     """Read and validate an artifact, then prepare it for execution on `device`, choosing its
     layout, streams and convolution algorithms as `tune` says (off, cached or full; see
     `tuning.py`). `graph_dump` writes the captured CUDA graph as Graphviz DOT. `verify` runs the
@@ -662,13 +676,14 @@ def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dum
     weights, arena and inputs; on CUDA also against the footprint once loaded (which is then freed).
     `exe.close()`, or `with nimble.load(path) as exe:`, gives the memory back. An artifact of
     several batch sizes loads as a `Batched`: one CUDA graph per batch size on shared weights and
-    arena, called with any batch up to the largest."""
+    arena, called with any batch up to the largest. `settings` (`base/settings.py`) as `Executable` takes them."""
     from nimble.formats import read_artifact
 
     t = time.perf_counter()
     art = read_artifact(path)
     read_s = time.perf_counter() - t
-    exe = open_artifact(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory)
+    exe = open_artifact(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory,
+                        settings=settings)
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     if verify:
         exe.verify()

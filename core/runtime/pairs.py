@@ -9,7 +9,7 @@ product through views, whose elements the product's kernel stores where the copy
 (`scatter_pairs`, run by `gemm.Gemm.through`). `find` finds all five;
 `placement.PlacedRun` runs each pair, and runs the two ops apart where the tensors do not fit.
 Where the load's choice asks for depthwise prologues (`tuning.Choice.prologues`, a candidate
-while `PROLOGUE_PAIRS`), it also finds the depthwise convolutions that apply their producer's
+while the `prologue_pairs` setting is on), it also finds the depthwise convolutions that apply their producer's
 epilogue as they load (`prologue_pairs`): there both ops still run, each as its own kernel, but
 the producer's epilogue moves from its kernel into its reader's. And it finds the elementwise ops
 whose result a 1x1 convolution alone reads (`input_pairs`): the first op writes nothing, and the
@@ -33,15 +33,10 @@ from ..ir import ACTIVATION, Graph, Op, Ref
 from ..ops import fusion
 from ..plan.memory import read_later
 from .kernels.gemm import Gemm
+from .base import settings
 from .kernels.fused import FusedKernel
 from .placed.placement import RESHAPES, PlacedOp, height_and_width
 
-MEAN_PAIRS = True  # False: every spatial mean runs apart from the op before it (for comparisons)
-PRODUCT_PAIRS = True  # False: every elementwise op after a product runs in a kernel of its own
-SCATTER_PAIRS = True  # False: a copy of a product's permuted view copies (for comparisons)
-PROLOGUE_PAIRS = True  # False: no load times depthwise convolutions that apply their producer's epilogue
-INPUT_PAIRS = True  # False: every elementwise op a 1x1 convolution reads runs in a kernel of its own
-MAX_VIEWS = 4  # views between a product and the copy that `scatter_pairs` pairs it with
 
 
 @dataclass
@@ -62,11 +57,12 @@ def find(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int], stream_
     """The pairs of this issue order, on CUDA streams `stream_of` with `waits`; the prologue pairs
     too with `prologues`."""
     norms = norm_pairs(graph, placed, order, stream_of, waits)
-    found = Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if MEAN_PAIRS else {},
+    now = settings.current()
+    found = Pairs(norms, mean_pairs(graph, placed, order, stream_of, waits) if now.mean_pairs else {},
                   copy_pairs(graph, placed, order, stream_of, waits),
-                  product_pairs(graph, placed, order, stream_of, waits, set(norms)) if PRODUCT_PAIRS else {},
-                  scatter_pairs(graph, placed, order, stream_of, waits) if SCATTER_PAIRS else {})
-    if INPUT_PAIRS:
+                  product_pairs(graph, placed, order, stream_of, waits, set(norms)) if now.product_pairs else {},
+                  scatter_pairs(graph, placed, order, stream_of, waits) if now.scatter_pairs else {})
+    if now.input_pairs:
         found.inputs = input_pairs(graph, placed, order, stream_of, waits, taken(found))
     if prologues:
         found.prologues = prologue_pairs(graph, placed, taken(found))
@@ -381,7 +377,7 @@ def scatter_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
                   waits: Sequence) -> dict[int, tuple[list[PlacedOp], PlacedOp]]:
     """product op -> (the views of its result, in issue order, the copy that reads the last) for
     each float32 product (`gemm.applies`; not a small linear) whose result is read only through a
-    chain of 1 to MAX_VIEWS views (reshapes, permutations, transposes), each view the only reader
+    chain of 1 to `max_views` views (reshapes, permutations, transposes), each view the only reader
     and only view of the one before, ending in one copying op (`COPYING_READERS`) into a buffer of
     its own, where the views and the copy are the next ops on the product's stream and wait for
     nothing. Swin's window merge is this: the projection's rows [windows, 49, C] viewed as [B,
@@ -399,7 +395,7 @@ def scatter_pairs(graph: Graph, placed: Sequence[PlacedOp], order: Sequence[int]
         value, at = root, p.op.id
         while True:
             nxt = following.get(at)
-            if nxt is None or waits[nxt] or len(chain) > MAX_VIEWS:
+            if nxt is None or waits[nxt] or len(chain) > settings.current().max_views:
                 break
             op = graph.ops[nxt]
             if op.mutates or len(op.outputs) != 1 or not op.args or op.args[0] != Ref(value):

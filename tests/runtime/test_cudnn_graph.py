@@ -4,6 +4,7 @@ cuDNN has, each reading the one before and at most one tensor that broadcasts to
 import torch
 
 from nimble.ir import Local
+from nimble.runtime.base.settings import Settings
 from nimble.runtime.kernels import cudnn_graph
 
 CONV = ("aten::conv2d.default", (torch.zeros(1, 4, 6, 6), torch.zeros(8, 4, 3, 3), torch.zeros(8)), ())
@@ -53,7 +54,7 @@ def test_without_the_package_there_is_no_frontend(monkeypatch):
     assert cudnn_graph.frontend() is None
 
 
-def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
+def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch, use_settings):
     """Timing a plan runs it 41 more times; one whose checked run alone is far past the limit
     (some depthwise plans take seconds) is passed over, and a fast one is still chosen."""
     import time
@@ -70,7 +71,7 @@ def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
             out.copy_(ref)
 
     slow, fast = Plan(0.05), Plan(0.0)
-    monkeypatch.setattr(cudnn_graph, "TOO_SLOW_S", 0.01)
+    use_settings(cudnn_too_slow_s=0.01)
     monkeypatch.setattr(cudnn_graph, "_ranked", lambda *args: [slow, fast])
 
     def gpu_us(fn, device):
@@ -84,10 +85,12 @@ def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch):
 
 
 def test_a_plan_may_be_slower_the_more_memory_its_reference_leaves_outside_the_arena():
-    """The reference's result in the arena: SLOWER. Outside it, a small block: SLOWER_OUTSIDE. A
-    large one (a pool segment of its own): SLOWER_LARGE_OUTSIDE. Never less for more memory."""
-    small, large = cudnn_graph.LARGE_BLOCK - 1, cudnn_graph.LARGE_BLOCK
-    assert cudnn_graph._limit(False, large) == cudnn_graph.SLOWER
-    assert cudnn_graph._limit(True, small) == cudnn_graph.SLOWER_OUTSIDE
-    assert cudnn_graph._limit(True, large) == cudnn_graph.SLOWER_LARGE_OUTSIDE
+    """The reference's result in the arena: `cudnn_slower`. Outside it, a small block:
+    `cudnn_slower_outside`. A large one (a pool segment of its own): `cudnn_slower_large_outside`.
+    Never less for more memory."""
+    s = Settings()
+    small, large = s.cudnn_large_block - 1, s.cudnn_large_block
+    assert cudnn_graph._limit(False, large) == s.cudnn_slower
+    assert cudnn_graph._limit(True, small) == s.cudnn_slower_outside
+    assert cudnn_graph._limit(True, large) == s.cudnn_slower_large_outside
     assert cudnn_graph._limit(False, large) <= cudnn_graph._limit(True, small) <= cudnn_graph._limit(True, large)

@@ -104,7 +104,7 @@ def test_an_epilogue_that_reads_more_than_a_value_per_channel_is_not_applied_on_
         assert depthwise_conv.prologue_fits(depthwise_conv.Prologue(body, (t,), False), bare) is fits, t.shape
 
 
-def test_only_depthwise_convolutions_into_channels_last_results_qualify(monkeypatch):
+def test_only_depthwise_convolutions_into_channels_last_results_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(8, 1, 3, 3), torch.randn(8)
@@ -115,7 +115,7 @@ def test_only_depthwise_convolutions_into_channels_last_results_qualify(monkeypa
     assert not depthwise_conv.fits(params(x, torch.randn(8, 1, 9, 9), b, padding=(4, 4)), out)  # past MAX_TAPS
     assert not depthwise_conv.fits(params(x, w, b, stride=(2, 2)), out)  # not the shape it computes
     assert not depthwise_conv.fits(params(x.double(), w.double(), b.double()), out.double())
-    monkeypatch.setattr(depthwise_conv, "ENABLED", False)
+    use_settings(depthwise_kernel=False)
     assert not depthwise_conv.fits(params(x, w, b), out)
 
 
@@ -152,14 +152,14 @@ def test_mobilenet_v2_s_block_agrees_with_eager_in_fewer_kernels(tmp_path, monke
     torch.jit.save(torch.jit.trace(Block().eval(), torch.randn(batch, 16, 28, 28)), str(path))
     write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x16x28x28"]), device="cpu").artifact())
     choice = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
-    kernels_with, kernels_without = with_and_without(depthwise_conv, read_artifact(tmp_path / "b.nimble"), choice,
-                                                     tmp_path, monkeypatch)
+    kernels_with, kernels_without = with_and_without("depthwise_kernel", read_artifact(tmp_path / "b.nimble"), choice,
+                                                     tmp_path)
     assert kernels_with <= kernels_without - 2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8])
-def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kernel(tmp_path, monkeypatch, batch):
+def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kernel(tmp_path, monkeypatch, batch, use_settings):
     """Depthwise prologues on a mobilenet_v2 block: the expansion writes its convolution alone,
     the depthwise kernel applies its bias and relu6 as it loads; the outputs agree with eager and
     with the run without pairs, in one kernel fewer (the expansion's epilogue)."""
@@ -174,8 +174,8 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
     from nimble.specs import input_specs
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(depthwise_conv, "PROLOGUE_SLOWER", 100.0)  # kept wherever it builds: this test counts kernels
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # the expansion alone: one kernel or two, as timed
+    use_settings(prologue_slower=100.0)  # kept wherever it builds: this test counts kernels
+    use_settings(standalone_pointwise=False)  # the expansion alone: one kernel or two, as timed
     torch.manual_seed(0)
     path = tmp_path / "block.pt"
     torch.jit.save(torch.jit.trace(Inverted().eval(), torch.randn(batch, 8, 28, 28)), str(path))
@@ -241,7 +241,7 @@ def expansion_then_depthwise(g, c: int, size: tuple, stride: int):
 
 
 @pytest.mark.parametrize("kernel", ["generated", "generated, timed slower", "fails to build"])
-def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, monkeypatch):
+def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, monkeypatch, use_settings):
     """The runtime's side of `pairs.prologue_pairs`: the producer writes its convolution alone;
     the depthwise op applies the producer's bias and relu6 as it loads (its generated kernel,
     here through the shim), or, where that kernel fails to build, interprets them into a buffer
@@ -258,7 +258,7 @@ def test_a_bare_producer_and_its_depthwise_reader_give_what_eager_does(kernel, m
     times = iter([2.0, 1.0] if kernel == "generated, timed slower" else [1.0, 2.0])  # the pair's, then whole
     monkeypatch.setattr(kernels.timing, "graph_us", lambda fn, device: (fn(), next(times))[1])
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)  # no cuDNN here
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # the producer run whole: as before, untimed
+    use_settings(standalone_pointwise=False)  # the producer run whole: as before, untimed
     if kernel != "fails to build":
         monkeypatch.setattr(generated, "define", ShimKernel)
     else:

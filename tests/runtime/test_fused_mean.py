@@ -140,7 +140,7 @@ def se_graph(tmp_path, shape=(2, 16, 12, 12)):
     return compile_model(path, input_specs(["x".join(map(str, shape))]), device="cpu").artifact()
 
 
-def test_each_mean_pairs_with_the_fused_op_before_it_only_where_it_is_issued_next(tmp_path, monkeypatch):
+def test_each_mean_pairs_with_the_fused_op_before_it_only_where_it_is_issued_next(tmp_path, monkeypatch, use_settings):
     a = se_graph(tmp_path)
     g, order = a.graph, list(a.schedule.order)
     n = len(g.ops)
@@ -159,7 +159,7 @@ def test_each_mean_pairs_with_the_fused_op_before_it_only_where_it_is_issued_nex
     assert mean not in {p.op.id for p, *_ in pairs.mean_pairs(g, placed, order, [0] * n, waits).values()}
     assert pairs.mean_pairs(g, placed, order, [k % 2 for k in range(n)], [()] * n) == {}  # on other streams
     assert pairs.find(g, placed, order, [0] * n, [()] * n).means == found
-    monkeypatch.setattr(pairs, "MEAN_PAIRS", False)
+    use_settings(mean_pairs=False)
     assert pairs.find(g, placed, order, [0] * n, [()] * n).means == {}
 
 
@@ -203,7 +203,7 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 16, 12, 12), (1, 24, 56, 56), (3, 40, 7, 5)])
 def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_agrees_with_eager(
-        tmp_path, monkeypatch, layout, shape):
+        tmp_path, monkeypatch, layout, shape, use_settings):
     """With the convolutions split from their epilogues (no cuDNN graph takes a whole body), both
     pairs run as one generated kernel each: two launches fewer than apart, and the outputs match
     the stored eager ones and those of the ops run apart. With the default choice (cuDNN may take
@@ -216,10 +216,10 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(depthwise_conv, "ENABLED", False)  # apart, its depthwise body would be one kernel too
+    use_settings(depthwise_kernel=False)  # apart, its depthwise body would be one kernel too
     # the scale and the projection: one kernel or two, as timed at each load (this test compares two loads exactly)
-    monkeypatch.setattr(pairs, "INPUT_PAIRS", False)
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # likewise a 1x1 convolution alone
+    use_settings(input_pairs=False)
+    use_settings(standalone_pointwise=False)  # likewise a 1x1 convolution alone
     write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, shape))
     art = read_artifact(tmp_path / "se.nimble")
     x = [t.cuda() for t in art.sample_inputs]
@@ -234,7 +234,7 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
     default = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"))
     result = compare(default.run(*x), art.sample_outputs, rtol=1e-3, atol=1e-4)
     assert result.passed, result.describe()
-    monkeypatch.setattr(pairs, "MEAN_PAIRS", False)
+    use_settings(mean_pairs=False)
     apart = Executable(art, "cuda", choice=split, graph_dump=str(tmp_path / "apart.dot"))
     assert not apart._pairs.means
     torch.testing.assert_close(exe.run(*x)[0], apart.run(*x)[0], rtol=1e-5, atol=1e-6)
@@ -244,7 +244,7 @@ def test_a_squeeze_and_excitation_block_runs_its_means_in_its_silu_kernels_and_a
 @gpu
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_kernel_fewer(
-        tmp_path, monkeypatch, layout):
+        tmp_path, monkeypatch, layout, use_settings):
     """`bias_into_broadcast`: the excitation's convolution runs alone without its bias, and its
     bias and sigmoid run in the multiply's kernel. The block matches the stored eager outputs, and
     the same block compiled without the pass, in one kernel fewer (the excitation's convolutions
@@ -258,8 +258,8 @@ def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_
     from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pooled_conv, "ENABLED", False)
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # nor as a timed matrix product: the test counts
+    use_settings(pooled_kernel=False)
+    use_settings(standalone_pointwise=False)  # nor as a timed matrix product: the test counts
     write_artifact(tmp_path / "moved.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
     monkeypatch.setattr(pipeline, "FUSION", tuple(p for p in pipeline.FUSION if p.__name__ != "bias_into_broadcast"))
     write_artifact(tmp_path / "kept.nimble", se_graph(tmp_path, (3, 40, 7, 5)))

@@ -112,7 +112,7 @@ def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
         assert "tl.program_id(0).to(tl.int64)" in text and "tl.arange(0, BLOCK_K).to(tl.int64)" in text
 
 
-def test_which_calls_qualify(monkeypatch):
+def test_which_calls_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     x, w, bias = torch.randn(2, 5, 8), torch.randn(3, 8), torch.randn(3)
     out = torch.empty(2, 5, 3)
@@ -128,7 +128,7 @@ def test_which_calls_qualify(monkeypatch):
     assert gemm.operands_of("aten::matmul.default", [x[0], w.t()], out[0]) is not None
     assert gemm.operands_of("aten::matmul.default", [x, w.t()], out) is None  # batched: not a matrix product
     assert gemm.operands_of("aten::addmm.default", [torch.randn(5, 3), x[0], w.t()], out[0]) is None  # a 2-D bias
-    monkeypatch.setattr(gemm, "ENABLED", False)
+    use_settings(gemm_kernel=False)
     assert gemm.operands_of("aten::mm.default", [x[0], w.t()], out[0]) is None
 
 
@@ -164,7 +164,7 @@ class Products(torch.nn.Module):
         return torch.addmm(self.b, flat, self.w), flat.t() @ flat, flat @ self.m
 
 
-def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_path, monkeypatch):
+def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_path, monkeypatch, use_settings):
     from nimble.pipeline import compile_model
     from nimble.runtime.base import regions
     from nimble.specs import input_specs
@@ -173,7 +173,7 @@ def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_p
     torch.jit.save(torch.jit.trace(Products().eval(), torch.randn(4, 33, 96)), str(path))
     graph = compile_model(path, input_specs(["4x33x96"]), device="cpu", check=False).graph
     assert {graph.values[k].name for k in gemm.k_major_weights(graph)} == {"w", "m"}  # not the linears' weights
-    monkeypatch.setattr(gemm, "ENABLED", False)
+    use_settings(gemm_kernel=False)
     assert gemm.k_major_weights(graph) == set()
     w = torch.randn(96, 40)
     packed = regions.pack({"w": w, "other": w}, torch.device("cpu"), strides={"w": (1, 96)})
@@ -183,7 +183,7 @@ def test_weights_read_only_as_a_product_s_right_operand_are_stored_k_major(tmp_p
 gpu = pytest.mark.gpu
 
 
-def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch, shape=(4, 33, 96)):
+def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch, use_settings, shape=(4, 33, 96)):
     """`module` traced on an input of `shape`, compiled on the CPU and read back, with the kernel
     chosen however fast it is and no choice left from another test."""
     from nimble.formats import read_artifact, write_artifact
@@ -191,7 +191,7 @@ def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch, shape=(4, 33
     from nimble.specs import input_specs
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    use_settings(gemm_slower=float("inf"))
     monkeypatch.setattr(gemm, "_chosen", {})
     torch.manual_seed(0)
     path = tmp_path / "model.pt"
@@ -202,7 +202,7 @@ def loaded_artifact(module: torch.nn.Module, tmp_path, monkeypatch, shape=(4, 33
 
 
 @gpu
-def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch):
+def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch, use_settings):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -210,7 +210,7 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch)
     w = torch.randn(129, 200, device="cuda", generator=g)
     bias = torch.randn(129, device="cuda", generator=g)
     out = torch.empty(3, 7, 129, device="cuda")
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))  # the kernel, however fast
+    use_settings(gemm_slower=float("inf"))  # the kernel, however fast
     monkeypatch.setattr(gemm, "_chosen", {})
     product = gemm.Gemm(0, "aten::linear.default", None)
     assert product([x, w, bias], out) is out
@@ -229,7 +229,7 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(monkeypatch)
 
 
 @gpu
-def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch):
+def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch, use_settings):
     """Loaded with the kernel and without, both match eager, and the kernel ran every product,
     reading the addmm's and the matmul's weights as the executable stored them (K-major)."""
     if not torch.cuda.is_available():
@@ -238,11 +238,11 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
 
     from .test_pooled_conv import with_and_without
 
-    art = loaded_artifact(Products(), tmp_path, monkeypatch)
+    art = loaded_artifact(Products(), tmp_path, monkeypatch, use_settings)
     choice = tuning.Choice(layout="contiguous", streams="serial")
-    with_and_without(gemm, art, choice, tmp_path, monkeypatch)
+    with_and_without("gemm_kernel", art, choice, tmp_path)
     assert len(gemm._chosen) >= 5 and all(tile in gemm.TILES for tile in gemm._chosen.values())
-    monkeypatch.setattr(gemm, "ENABLED", True)
+    use_settings(gemm_kernel=True)
     from nimble.runtime.executable import Executable
     exe = Executable(art, "cuda", choice=choice)
     strides = {art.graph.values[k].name: exe._stored_weights[k].stride() for k in gemm.k_major_weights(art.graph)}
@@ -250,14 +250,14 @@ def test_a_model_of_linear_addmm_and_mm_agrees_with_eager(tmp_path, monkeypatch)
 
 
 @gpu
-def test_the_op_after_a_product_is_not_written_over_the_product_s_input(monkeypatch):
+def test_the_op_after_a_product_is_not_written_over_the_product_s_input(monkeypatch, use_settings):
     """A memory plan may place the elementwise op's result where the product's input was (that
     input dies at the product): one kernel would then write it while other tiles still read it."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from nimble.ir import Local
 
-    monkeypatch.setattr(gemm, "SLOWER", float("inf"))
+    use_settings(gemm_slower=float("inf"))
     monkeypatch.setattr(gemm, "_chosen", {})
     arena = torch.randn(2 * 128 * 64, device="cuda")
     x, into = arena[: 128 * 64].view(128, 64), arena[64 * 64: 64 * 64 + 128 * 64].view(128, 64)  # overlapping
@@ -282,12 +282,14 @@ class Block(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
 
-def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_path, monkeypatch) -> dict:
-    """{True: kernels of `art`'s graph loaded with the pairs `switch` (a `pairs` flag) turns on,
+def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_path) -> dict:
+    """{True: kernels of `art`'s graph loaded with the pairs `switch` (a setting) turns on,
     False: without}: each load makes `pairs_made` pairs of `kind` (or none), interprets nothing,
     and matches the sample outputs."""
     from nimble.runtime.kernels import generated
-    from nimble.runtime import pairs
+    from dataclasses import replace
+
+    from nimble.runtime.base.settings import current
     from nimble.runtime.tune import choices as tuning
     from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
@@ -296,10 +298,10 @@ def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_p
     x = [t.cuda() for t in art.sample_inputs]
     counts = {}
     for paired in (True, False):
-        monkeypatch.setattr(pairs, switch, paired)
+        chosen = replace(current(), **{switch: paired})  # on top of `loaded_artifact`'s
         before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout="contiguous", streams="serial"),
-                         graph_dump=str(tmp_path / f"{paired}.dot"))
+                         graph_dump=str(tmp_path / f"{paired}.dot"), settings=chosen)
         assert generated.STATS.fallbacks[before:] == []
         assert len(getattr(exe._pairs, kind)) == (pairs_made if paired else 0)
         result = compare(exe.run(*x), art.sample_outputs, rtol=1e-4, atol=1e-4)
@@ -309,26 +311,27 @@ def kernels_paired_and_apart(art, switch: str, kind: str, pairs_made: int, tmp_p
 
 
 @gpu
-def test_a_window_merge_stores_the_projection_into_the_merged_map_on_the_gpu(tmp_path, monkeypatch):
+def test_a_window_merge_stores_the_projection_into_the_merged_map_on_the_gpu(tmp_path, monkeypatch, use_settings):
     """Swin's window merge (`WindowMerge`) loaded with scatter pairs and without: both match
     eager, and with them one kernel fewer runs (the reshape's copy)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from ..models import WindowMerge
 
-    art = loaded_artifact(WindowMerge(), tmp_path, monkeypatch, (2, 6, 9, 96))
-    counts = kernels_paired_and_apart(art, "SCATTER_PAIRS", "scatters", 1, tmp_path, monkeypatch)
+    art = loaded_artifact(WindowMerge(), tmp_path, monkeypatch, use_settings, (2, 6, 9, 96))
+    counts = kernels_paired_and_apart(art, "scatter_pairs", "scatters", 1, tmp_path)
     assert counts[True] == counts[False] - 1, counts
 
 
 @gpu
 @pytest.mark.parametrize("block", [Block, FeedForward])
-def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(block, tmp_path, monkeypatch):
+def test_the_elementwise_op_after_a_product_runs_in_its_kernel_on_the_gpu(block, tmp_path, monkeypatch,
+                                                                          use_settings):
     """A feed-forward block loaded with product pairs and without: both match eager, and with
     them two kernels fewer run (GELU's and the add's). In GPT-2's form (`FeedForward`) the op
     reads the product's rows through a reshape."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    art = loaded_artifact(block(), tmp_path, monkeypatch)
-    counts = kernels_paired_and_apart(art, "PRODUCT_PAIRS", "products", 2, tmp_path, monkeypatch)
+    art = loaded_artifact(block(), tmp_path, monkeypatch, use_settings)
+    counts = kernels_paired_and_apart(art, "product_pairs", "products", 2, tmp_path)
     assert counts[True] == counts[False] - 2, counts

@@ -50,8 +50,8 @@ def _call(n, c, k, hw, r, stride, pad, dtype, layout, residual):
 @needs_frontend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 5, 7, (9, 11), 3, 2, 1), (1, 16, 32, (14, 14), 1, 1, 0)])
-def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dtype, shape):
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))  # any correct plan, however slow
+def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dtype, shape, use_settings):
+    use_settings(cudnn_slower=float("inf"))  # any correct plan, however slow
     for layout in tuning.LAYOUTS:
         for residual in (False, True):
             p, operands, out, ref, fused = _call(*shape, dtype, layout, residual)
@@ -78,9 +78,9 @@ def test_a_chosen_plan_writes_the_given_buffer_and_matches_eager(monkeypatch, dt
 
 
 @needs_frontend
-def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
-    monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # every plan's result counts as wrong
+def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch, use_settings):
+    use_settings(cudnn_slower=float("inf"))
+    use_settings(cudnn_tolerance=-1.0)  # every plan's result counts as wrong
     before = cudnn_graph.STATS["rejected"]
     p, (x, w, b, _), out, _, fused = _call(1, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
     assert cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces()) is None
@@ -88,9 +88,9 @@ def test_a_plan_that_disagrees_with_pytorch_is_never_used(monkeypatch):
 
 
 @needs_frontend
-def test_a_plan_may_be_slower_where_the_reference_leaves_its_result_outside_the_arena(monkeypatch):
-    monkeypatch.setattr(cudnn_graph, "SLOWER", 0.0)  # no plan is as fast as nothing
-    monkeypatch.setattr(cudnn_graph, "SLOWER_OUTSIDE", float("inf"))
+def test_a_plan_may_be_slower_where_the_reference_leaves_its_result_outside_the_arena(monkeypatch, use_settings):
+    use_settings(cudnn_slower=0.0)  # no plan is as fast as nothing
+    use_settings(cudnn_slower_outside=float("inf"))
     p, (x, w, b, _), out, _, fused = _call(2, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
     timed = cudnn_graph.STATS["timed"]
     assert cudnn_graph.choose(p, RELU, (x, w, b), out, fused, cudnn_graph.Workspaces()) is None
@@ -102,10 +102,10 @@ def test_a_plan_may_be_slower_where_the_reference_leaves_its_result_outside_the_
 
 
 @needs_frontend
-def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch):
+def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch, use_settings):
     import json
 
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    use_settings(cudnn_slower=float("inf"))
     p, (x, w, b, _), out, _, fused = _call(2, 16, 32, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
 
     def choose():
@@ -124,7 +124,7 @@ def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch)
     path.write_text(json.dumps({key: {"plan": "eng0_no_such_plan"}}))  # crafted: a plan cuDNN does not rank
     graph, counts = choose()
     assert graph is not None and counts["timed"] == 1 and counts["recalled"] == 0
-    monkeypatch.setattr(cudnn_graph, "TOLERANCE", -1.0)  # the stored plan's result now counts as wrong
+    use_settings(cudnn_tolerance=-1.0)  # the stored plan's result now counts as wrong
     graph, counts = choose()
     assert graph is None and counts["recalled"] == 0 and counts["rejected"] >= 1 and counts["timed"] == 1
     for crafted in ("[1, 2]", '{"%s": {"plan": 7}}' % key, "not json"):  # unreadable entries: timed again
@@ -134,12 +134,12 @@ def test_a_choice_is_kept_in_the_cache_folder_and_checked_when_read(monkeypatch)
 
 
 @needs_frontend
-def test_without_tf32_every_plan_computes_in_full_float32(monkeypatch):
+def test_without_tf32_every_plan_computes_in_full_float32(monkeypatch, use_settings):
     """With TF32 off, as PyTorch is told, no plan that rounds to TF32 is chosen: every plan
     cuDNN offers (any speed) agrees with a float64 convolution to float32's precision. The same
     call with TF32 on is a choice of its own."""
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
-    monkeypatch.setattr(cudnn_graph, "PLANS", 50)
+    use_settings(cudnn_slower=float("inf"))
+    use_settings(cudnn_plans=50)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     p, (x, w, b, _), out, _, fused = _call(2, 64, 64, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
     want = F.conv2d(x.double(), w.double(), b.double(), 1, 1).relu()
@@ -158,8 +158,8 @@ def test_without_tf32_every_plan_computes_in_full_float32(monkeypatch):
 
 
 @needs_frontend
-def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch, use_settings):
+    use_settings(cudnn_slower=float("inf"))
     p, (x, w, b, z), out, _, fused = _call(1, 8, 8, (6, 6), 1, 1, 0, torch.float32, "contiguous", True)
     z = out  # the output's own buffer
     assert cudnn_graph.choose(p, ADD_RELU, (x, w, b, z), out, fused, cudnn_graph.Workspaces()) is None
@@ -167,9 +167,9 @@ def test_an_output_that_overlaps_an_input_is_left_to_pytorch(monkeypatch):
 
 @needs_frontend
 @pytest.mark.parametrize("name", ["resnet", "inception"])
-def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name):
+def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name, use_settings):
     """With a cuDNN graph for every fused convolution, nothing lies outside the arena."""
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    use_settings(cudnn_slower=float("inf"))
     art = read_artifact(sample_artifacts[name])
     exe = Executable(art, "cuda", choice=tuning.Choice("channels_last"))
     result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
@@ -178,7 +178,7 @@ def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name)
     # one workspace per CUDA stream, shared by the graphs on it, and given back on close: nothing
     # (a fused kernel included) holds them after it
     workspaces = exe._cudnn_workspaces
-    assert 0 < workspaces.nbytes() <= cudnn_graph.MAX_WORKSPACE * len(set(exe._stream_of))
+    assert 0 < workspaces.nbytes() <= exe.settings.cudnn_max_workspace * len(set(exe._stream_of))
     held = weakref.ref(workspaces)
     del workspaces
     exe.close()
@@ -187,7 +187,7 @@ def test_fused_convolutions_write_the_arena(sample_artifacts, monkeypatch, name)
 
 
 @needs_frontend
-def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
+def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch, use_settings):
     """Every conv-led body of a sample with SiLU, sigmoid, hardswish and scalar chains is offered
     to cuDNN (it has precompiled engines for some layouts and chains, not others); whatever runs
     as a graph, the whole agrees with the interpreter."""
@@ -196,7 +196,7 @@ def test_generated_epilogues_as_graphs_match_the_interpreted_body(monkeypatch):
 
     from .test_gpu_kernels import Pointwise
 
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    use_settings(cudnn_slower=float("inf"))
     torch.manual_seed(0)
     module = Pointwise().eval()
     x = torch.randn(2, 8, 12, 12)
@@ -235,14 +235,14 @@ class Projections(torch.nn.Module):
 
 
 @pytest.mark.parametrize("layout", tuning.LAYOUTS)
-def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path, layout):
+def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path, layout, use_settings):
     """With a plan (any, however slow) the projection and its bias are one kernel, not the
     convolution then an add; without the package it runs as eager PyTorch does. Both agree with
     eager in either layout."""
     from nimble.ops import fusion
     from nimble.runtime.base.streams import count_kernels
 
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    use_settings(cudnn_slower=float("inf"))
     x, want, artifact = _prepared(Projections, (3, 12, 9, 11))
     lone = [fusion.body_of(op) for op in artifact.graph.ops if op.target == fusion.FUSED]
     assert [[node[0] for node in body] for body in lone] == [["aten::convolution.default"]] * 2
@@ -314,15 +314,15 @@ class Activated(torch.nn.Module):
 
 @needs_frontend
 @pytest.mark.parametrize("layout", tuning.LAYOUTS)
-def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch, tmp_path, layout):
+def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch, tmp_path, layout, use_settings):
     """Where the whole body has no plan, its convolution alone still runs as a cuDNN graph (where
     cuDNN has a plan for it) into the planned buffer (its workspace the stream's), and the generated kernel adds the bias and
     the rest: as many kernels as with PyTorch's convolution, the same results as eager."""
     from nimble.runtime.base.streams import count_kernels
 
-    monkeypatch.setattr(cudnn_graph, "SLOWER", float("inf"))
+    use_settings(cudnn_slower=float("inf"))
     monkeypatch.setattr(cudnn_graph, "epilogue", lambda body, out: None)  # no plan for any whole body
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)  # nor the 1x1 one as a generated matrix product
+    use_settings(standalone_pointwise=False)  # nor the 1x1 one as a generated matrix product
     x, want, artifact = _prepared(Activated, (3, 8, 9, 11))
     counts = {}
     for package in ("installed", "missing"):

@@ -153,14 +153,14 @@ def test_shifted_window_attention_runs_as_attention_and_agrees_with_eager(images
     assert result.passed, result.describe()
 
 
-def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_path, monkeypatch):
+def test_an_aligned_mask_saves_the_copy_attention_makes_of_an_unaligned_one(tmp_path, monkeypatch, use_settings):
     """The same weight mask of 49 keys, stored padded (`align_attention_masks`) and as it is: the
     padded one's captured graph has fewer kernels (PyTorch pads an unaligned mask on every call).
     PyTorch's attention runs: the generated one (`small_attention`) reads either mask as it is."""
     from nimble import pipeline
     from nimble.runtime.kernels import small_attention
 
-    monkeypatch.setattr(small_attention, "ENABLED", False)
+    use_settings(attention_kernel=False)
 
     from ..passes.test_attention_masks import WeightMask
 

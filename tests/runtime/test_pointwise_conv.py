@@ -171,7 +171,7 @@ def test_the_kernel_alone_computes_a_1x1_convolution_and_its_body(tile, after):
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
-def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_result_qualify(monkeypatch):
+def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_result_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     g = torch.Generator().manual_seed(1)
     body, pieces, _ = densenet_input(g, 2, (8, 8), (6, 6))
@@ -188,7 +188,7 @@ def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_r
     assert not pointwise_conv.fits(params(x, w.double(), None), out, before)
     into_a_part = pieces[0].new_empty(0).set_(pieces[0].untyped_storage(), 0, (2, 12, 6, 6), out.stride())
     assert not pointwise_conv.fits(params(x, w, None), into_a_part, before)  # the result over a part it reads
-    monkeypatch.setattr(pointwise_conv, "ENABLED", False)
+    use_settings(pointwise_kernel=False)
     assert not pointwise_conv.fits(params(x, w, None), out, before)
 
 
@@ -256,7 +256,7 @@ def test_a_deferred_elementwise_op_and_its_1x1_reader_give_what_eager_does(kerne
 @pytest.mark.parametrize("enabled", [True, False])
 @pytest.mark.parametrize("residual_kernels", [1, 2, "large map", "no temporary folder"])
 def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel, enabled, residual_kernels,
-                                                                          monkeypatch):
+                                                                          monkeypatch, use_settings):
     """`FusedKernel._pointwise`: a 1x1 convolution whose body cuDNN does not fuse whole runs as
     the generated matrix product where it builds, agrees and was timed faster; else as before
     (here: the convolution, then the generated SiLU). Either way the result is eager's. conv ->
@@ -267,7 +267,7 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
     candidate, and the load goes on."""
     counted = []
     if residual_kernels == "large map":
-        monkeypatch.setattr(kernels, "FUSED_CANDIDATE_ROWS", 39)
+        use_settings(fused_candidate_rows=39)
     split = residual_kernels if isinstance(residual_kernels, int) else 2  # what counting would find
 
     def kernels_in(fn, device):
@@ -278,7 +278,7 @@ def test_a_1x1_convolution_alone_runs_as_one_kernel_where_measured_faster(kernel
     monkeypatch.setattr(kernels.timing, "kernels_in", kernels_in)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(generated, "STATS", generated.KernelStats())
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", enabled)
+    use_settings(standalone_pointwise=enabled)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(pointwise_conv.timing, "on_stream", lambda device: contextlib.nullcontext())
     one_choice = [1.0] * len(pointwise_conv.tiles(40, 16)) + [100.0 if kernel != "slower" else 0.5]
@@ -404,7 +404,7 @@ def test_a_plan_that_frees_the_elementwise_op_s_inputs_at_it_fails_the_load_time
 @pytest.mark.parametrize("module, shape, pairs", [(Dense, (2, 3, 9, 7), 3), (Excite, (3, 8, 7, 5), 1)])
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
 def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, pairs, layout, tmp_path,
-                                                                 monkeypatch):
+                                                                 monkeypatch, use_settings):
     """With input pairs on and the kernel taken wherever it is correct (SLOWER raised: this test
     counts kernels, it does not time them), each pair runs as one kernel in channels_last, and the
     results agree with eager and with the run without pairs; in contiguous the kernel declines
@@ -419,13 +419,13 @@ def test_on_the_gpu_the_pairs_agree_with_eager_in_fewer_kernels(module, shape, p
     from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
+    use_settings(pointwise_slower=100.0)
     write_artifact(tmp_path / "m.nimble", compiled(module(), shape, tmp_path))
     art = read_artifact(tmp_path / "m.nimble")
     x = [t.cuda() for t in art.sample_inputs]
     outputs = {}
     for paired in (True, False):
-        monkeypatch.setattr(pairing, "INPUT_PAIRS", paired)
+        use_settings(input_pairs=paired)
         before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
                          graph_dump=str(tmp_path / f"{paired}.dot"))
@@ -453,7 +453,7 @@ class Inverted(torch.nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
-def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(layout, tmp_path, monkeypatch):
+def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(layout, tmp_path, monkeypatch, use_settings):
     """With the generated kernel taken wherever it is correct (SLOWER raised) and cuDNN's whole
     bodies off (so that each op otherwise takes a convolution and a generated kernel), both 1x1
     convolutions run as one kernel each in channels_last and agree with eager; in contiguous the
@@ -467,13 +467,13 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
     from nimble.runtime.base.streams import count_kernels
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pointwise_conv, "SLOWER", 100.0)
+    use_settings(pointwise_slower=100.0)
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)
     write_artifact(tmp_path / "m.nimble", compiled(Inverted(), (3, 12, 9, 7), tmp_path))
     art = read_artifact(tmp_path / "m.nimble")
     x = [t.cuda() for t in art.sample_inputs]
     for alone in (True, False):
-        monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", alone)
+        use_settings(standalone_pointwise=alone)
         before = len(generated.STATS.fallbacks)
         exe = Executable(art, "cuda", choice=tuning.Choice(layout=layout, streams="serial"),
                          graph_dump=str(tmp_path / f"{alone}.dot"))

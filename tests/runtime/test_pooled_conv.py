@@ -65,7 +65,7 @@ def test_a_convolution_alone_and_a_body_of_other_operands():
     torch.testing.assert_close(out, torch.sigmoid(F.conv2d(x, w) * per_image + same), rtol=1e-5, atol=1e-5)
 
 
-def test_only_small_unpadded_ungrouped_1x1_convolutions_of_a_1x1_map_qualify(monkeypatch):
+def test_only_small_unpadded_ungrouped_1x1_convolutions_of_a_1x1_map_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     x, w, b = torch.randn(2, 8, 1, 1), torch.randn(4, 8, 1, 1), torch.randn(4)
     out = torch.empty(2, 4, 1, 1)
@@ -79,7 +79,7 @@ def test_only_small_unpadded_ungrouped_1x1_convolutions_of_a_1x1_map_qualify(mon
     big = torch.empty(1, 2**12, 1, 1)
     assert not pooled_conv.fits(params(big, torch.empty(2**12 + 1, 2**12, 1, 1), None),
                                 torch.empty(1, 2**12 + 1, 1, 1))  # past MAX_PRODUCTS
-    monkeypatch.setattr(pooled_conv, "ENABLED", False)
+    use_settings(pooled_kernel=False)
     assert not pooled_conv.fits(params(x, w, b), out)
 
 
@@ -107,7 +107,7 @@ def test_a_linear_of_few_rows_is_what_torch_computes(m, k, n, with_bias):
     torch.testing.assert_close(out, F.linear(transposed, w, b), rtol=1e-4, atol=1e-4)
 
 
-def test_which_linears_run_generated_is_known_from_the_graph(tmp_path, monkeypatch):
+def test_which_linears_run_generated_is_known_from_the_graph(tmp_path, monkeypatch, use_settings):
     from nimble.pipeline import compile_model
     from nimble.runtime.placed import placement
     from nimble.specs import input_specs
@@ -122,16 +122,16 @@ def test_which_linears_run_generated_is_known_from_the_graph(tmp_path, monkeypat
 
     path = tmp_path / "heads.pt"
     torch.jit.save(torch.jit.trace(Heads(), torch.randn(8, 64)), str(path))
-    monkeypatch.setattr(pooled_conv, "MAX_PRODUCTS", 8 * 64 * 100)  # the small head fits, the large does not
+    use_settings(max_pooled_products=8 * 64 * 100)  # the small head fits, the large does not
     graph = compile_model(path, input_specs(["8x64"]), device="cpu").graph
     linears = [op for op in graph.ops if op.target == "aten::linear.default"]
     assert sorted(placement.small_product(graph, op) for op in linears) == [0, 8 * 64 * 10]
     small = [p.substitute for p in placement.prepare(graph) if isinstance(p.substitute, pooled_conv.SmallLinear)]
     assert len(small) == 1 and not small[0].calls_cublas and small[0].product == 8 * 64 * 10
     assert any(c.gemm_bias == "separate" for c in tuning.candidates(graph, 1))  # the large head's choice
-    monkeypatch.setattr(pooled_conv, "MAX_PRODUCTS", 2**24)  # both fit: no GEMM bias left to choose
+    use_settings(max_pooled_products=2**24)  # both fit: no GEMM bias left to choose
     assert all(c.gemm_bias == "epilogue" for c in tuning.candidates(graph, 1))
-    monkeypatch.setattr(pooled_conv, "ENABLED", False)
+    use_settings(pooled_kernel=False)
     assert all(placement.small_product(graph, op) == 0 for op in linears)
 
 
@@ -153,27 +153,29 @@ def test_a_squeeze_and_excitation_block_agrees_with_eager_with_its_convolutions_
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
     write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, (3, 40, 7, 5)))
     choice = tuning.Choice(layout=layout, streams="serial", convolutions="split")
-    kernels_with, kernels_without = with_and_without(pooled_conv, read_artifact(tmp_path / "se.nimble"), choice,
-                                                     tmp_path, monkeypatch)
+    kernels_with, kernels_without = with_and_without("pooled_kernel", read_artifact(tmp_path / "se.nimble"), choice,
+                                                     tmp_path)
     assert kernels_with == kernels_without - 1
 
 
-def with_and_without(module, art, choice, tmp_path, monkeypatch) -> tuple[int, int]:
-    """`art` loaded and run with `module.ENABLED` on, then off: each run falls back nowhere and
+def with_and_without(setting: str, art, choice, tmp_path) -> tuple[int, int]:
+    """`art` loaded and run with the kernel `setting` (`base/settings.py`) on, then off: each run falls back nowhere and
     matches the stored eager outputs, and the two match each other. Returns each run's kernels."""
     from nimble.runtime.kernels import fused as kernels, generated
     from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
+    from dataclasses import replace
+
+    from nimble.runtime.base.settings import current
     from nimble.runtime.base.streams import count_kernels
 
     x = [t.cuda() for t in art.sample_inputs]
     # a 1x1 convolution's generated matrix product is timed at each load: these counts and tolerances are not its
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)
     outputs = {}
     for enabled in (True, False):
-        monkeypatch.setattr(module, "ENABLED", enabled)
+        chosen = replace(current(), standalone_pointwise=False, **{setting: enabled})
         before = len(generated.STATS.fallbacks)
-        exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{enabled}.dot"))
+        exe = Executable(art, "cuda", choice=choice, graph_dump=str(tmp_path / f"{enabled}.dot"), settings=chosen)
         assert generated.STATS.fallbacks[before:] == []
         outputs[enabled] = exe.run(*x)
         result = compare(outputs[enabled], art.sample_outputs, rtol=1e-3, atol=1e-4)

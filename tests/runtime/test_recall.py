@@ -109,7 +109,7 @@ def test_a_kept_tile_that_disagrees_or_is_unknown_is_timed_again(cache_folder, m
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_folder, monkeypatch, faster):
+def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_folder, monkeypatch, faster, use_settings):
     """`FusedKernel._after_bare`: the first load times the pair against the two ops run whole and
     keeps the answer; a later load (new kernels) takes it untimed, with eager's result either way."""
     from nimble.runtime.kernels import fused as kernels, generated
@@ -120,7 +120,7 @@ def test_a_later_load_keeps_or_drops_a_depthwise_prologue_without_timing(cache_f
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(kernels.timing, "on_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernels.FusedKernel, "whole_on_cudnn", lambda self, body, out: None)
-    monkeypatch.setattr(kernels, "STANDALONE_POINTWISE", False)
+    use_settings(standalone_pointwise=False)
     monkeypatch.setattr(generated, "define", ShimKernel)
     _, _, expand, mid, depthwise, out, want = expansion_then_depthwise(torch.Generator().manual_seed(3), 16,
                                                                         (6, 5), 1)

@@ -527,7 +527,10 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
 
 
 def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
-    from nimble.runtime.tune.choices import MEMORY_SLACK, MEMORY_WORTH, Choice, pick
+    from nimble.runtime.base.settings import DEFAULT
+    from nimble.runtime.tune.choices import Choice, pick
+
+    MEMORY_SLACK, MEMORY_WORTH = DEFAULT.memory_slack, DEFAULT.memory_worth
 
     fast, lean, leaner = Choice(), Choice(algorithms="benchmark"), Choice(layout="channels_last")
     options = [fast, lean, leaner]

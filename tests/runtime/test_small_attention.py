@@ -111,7 +111,7 @@ def test_a_tensor_spanning_more_than_2_to_the_31_elements_gets_64_bit_indices():
         assert "tl.program_id(0).to(tl.int64)" in text and "tl.arange(0, BLOCK_N).to(tl.int64)" in text
 
 
-def test_at_most_max_long_keys_without_dropout_qualify(monkeypatch):
+def test_at_most_max_long_keys_without_dropout_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     q, k, v = (torch.randn(2, 3, 49, 32) for _ in range(3))
     out, mask = torch.empty(2, 3, 49, 32), torch.randn(1, 3, 49, 49)
@@ -132,7 +132,7 @@ def test_at_most_max_long_keys_without_dropout_qualify(monkeypatch):
     assert not fits(q=q.double(), k=k.double(), v=v.double(), mask=mask.double(), out=out.double())
     assert not fits(out=torch.empty(2, 3, 49, 16))
     assert not fits(q=q[0], k=k[0], v=v[0], out=out[0])  # 3-D
-    monkeypatch.setattr(small_attention, "ENABLED", False)
+    use_settings(attention_kernel=False)
     assert not fits()
 
 
@@ -145,7 +145,7 @@ def test_tiles_are_powers_of_two_a_dot_product_takes(lq, lk, d, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [49, 197])  # Swin's windows (one tile of keys), vit_b_16 (keys walked)
-def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, tokens, monkeypatch):
+def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, tokens, monkeypatch, use_settings):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -154,7 +154,7 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, token
     mask = torch.randn(1, 3, tokens, tokens + 15, device="cuda", dtype=dtype, generator=g)[..., :tokens]
     merged = torch.empty(8, tokens, 3, 32, device="cuda", dtype=dtype)
     out = merged.transpose(1, 2)
-    monkeypatch.setattr(small_attention, "SLOWER", float("inf"))  # the kernel, however fast
+    use_settings(attention_slower=float("inf"))  # the kernel, however fast
     monkeypatch.setattr(small_attention, "_chosen", {})
     attention = small_attention.Attention(0, {"scale": 0.2})
     assert attention([q, k, v, mask, 0.0, False], out)
@@ -172,7 +172,7 @@ def test_on_the_gpu_it_agrees_with_pytorch_and_replays_in_a_capture(dtype, token
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [49, 197])
-def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, tmp_path, monkeypatch):
+def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, tmp_path, monkeypatch, use_settings):
     """Swin-like attention (49 keys, or vit_b_16's 197, a per-head bias padded by `align_attention_masks`, heads
     split from one linear and merged through a transpose) loaded with the kernel and without:
     both match eager, and with it the head merge's copy is gone: the kernel replaces PyTorch's
@@ -200,7 +200,7 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, 
             return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
     monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(small_attention, "SLOWER", float("inf"))
+    use_settings(attention_slower=float("inf"))
     monkeypatch.setattr(small_attention, "_chosen", {})
     torch.manual_seed(0)
     path = tmp_path / "window.pt"
@@ -208,8 +208,8 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, 
     write_artifact(tmp_path / "w.nimble", compile_model(path, input_specs([f"16x{tokens}x96"]),
                                                         device="cpu").artifact())
     choice = tuning.Choice(layout="contiguous", streams="serial")
-    kernels_with, kernels_without = with_and_without(small_attention, read_artifact(tmp_path / "w.nimble"), choice,
-                                                     tmp_path, monkeypatch)
+    kernels_with, kernels_without = with_and_without("attention_kernel", read_artifact(tmp_path / "w.nimble"), choice,
+                                                     tmp_path)
     assert any(small_attention._chosen.values())
     # PyTorch's attention result reaches the merged heads through a copy (a memcpy node); the kernel writes them
     import re

@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from ..base import cache
+from ..base import settings
 
-ENABLED = True  # False: every generated kernel is launched through Triton (for comparisons)
 RECORD_LIMIT = 16 * 1024  # bytes of one record
 BINARY_LIMIT = 64 * 2**20  # bytes of one compiled kernel
 MAX_SHARED = 256 * 1024  # bytes of shared memory a kernel may ask for (the H100 has 228 KiB)
@@ -110,7 +110,7 @@ def _device(args: tuple, constants: dict) -> torch.device | None:
     """The one CUDA device the call's tensors are on, where recorded binaries can serve the call
     (enabled, torch has the static launcher, Triton is installed); else None."""
     devices = {v.device for v in [*args, *constants.values()] if isinstance(v, torch.Tensor)}
-    if not ENABLED or len(devices) != 1 or _launcher() is None or triton_version() is None:
+    if not settings.current().recalled_binaries or len(devices) != 1 or _launcher() is None or triton_version() is None:
         return None
     (device,) = devices
     return device if device.type == "cuda" else None

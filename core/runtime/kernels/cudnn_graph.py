@@ -11,13 +11,14 @@ multiplying a tensor that broadcasts) become one operation graph. Its plans writ
 they are given.
 
 The package is optional. Nimble's own way runs instead without it, on a body cuDNN has no plan
-for, and where the best plan is slower than nimble's own way by more than `SLOWER`.
+for, and where the best plan is slower than nimble's own way by more than the `cudnn_slower`
+setting (`base/settings.py`).
 
 A plan is chosen per convolution on the warm-up's tensors, never during a capture. The figures
 are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the measurements.
 - cuDNN's heuristics rank up to about 40 plans, and the first is often not the fastest (up to
-  300 times slower than the best), so the first `PLANS` are each built, run, checked and timed.
-  A plan whose checked run alone took more than `TOO_SLOW_S` and `TOO_SLOW` times the limit is
+  300 times slower than the best), so the first `cudnn_plans` are each built, run, checked and timed.
+  A plan whose checked run alone took more than `cudnn_too_slow_s` and `cudnn_too_slow` times the limit is
   not timed: timing runs it 41 more times, and some plans (for depthwise convolutions) take
   seconds each.
 - Each result is checked against the reference, the result nimble computes without a graph.
@@ -25,22 +26,22 @@ are from the H100 with cuDNN 9.19; `benchmarks/results/cudnn_graph.md` has the m
   disagrees is never used.
 - Precompiled engines build in milliseconds. conv -> bias -> relu has them, and cuDNN ranks
   them for other chains where it has them. conv -> bias -> add -> relu has only engines compiled
-  at run time with NVRTC, so for that chain alone the first `COMPILED_PLANS` of those are tried.
+  at run time with NVRTC, so for that chain alone the first `cudnn_compiled_plans` of those are tried.
   They take 0.3 to 1.7 s for the first of a kind in a process, and a kernel cache shared by the
   process reuses them across shapes. With them resnet50 at batch 8 ran 14 % faster and loaded as
   fast. They stay out of other chains: efficientnet_b0's SiLU and sigmoid chains took its load
   from 11 s to 23 s, and 41 of the plans tried there disagreed with the reference.
 - Plans are timed inside a CUDA graph of ten calls, as they will run. Timed eagerly, the launch
   from Python outlasts a small convolution.
-- Among the plans within `SLOWER` of the fastest, the one with the smallest workspace wins.
+- Among the plans within `cudnn_slower` of the fastest, the one with the smallest workspace wins.
 - Where nimble's own way is PyTorch's fused kernel (conv -> relu, conv -> add -> relu), its result
   lies outside the arena, in the captured graph's pool, and keeps a pool segment of 20 MiB or more
   reserved for as long as the graph lives (a result of 1 MiB or more gets one). There a plan may
-  be up to `SLOWER_OUTSIDE` slower: it writes the buffer the arena already holds for that result.
+  be up to `cudnn_slower_outside` slower: it writes the buffer the arena already holds for that result.
   At batch 8 in channels_last that takes in the first convolution of resnet50, googlenet and
   squeezenet1_1 (3 input channels: the plans are 10 to 20 % slower, 6 to 7 us, and the result is
   24 MiB), and leaves out resnet50's two slowest residual convolutions (1.55 and 1.95 times).
-  Where that result is 1 MiB or more (`LARGE_BLOCK`) a plan may be `SLOWER_LARGE_OUTSIDE` slower:
+  Where that result is 1 MiB or more (`cudnn_large_block`) a plan may be `cudnn_slower_large_outside` slower:
   on the H200 squeezenet1_1's first convolution at batch 8 came out past 1.25 in one load of two,
   and its 24 MiB result then took the footprint from 50 to 104 MiB (2026-11-27).
 
@@ -53,7 +54,7 @@ under that signature, the GPU and the cuDNN and torch versions: the plan's name,
 process builds only that plan and checks its result against the reference once. A plan the
 cache names that cuDNN no longer ranks, or whose result disagrees, is timed again; the cache can
 only pick among the plans nimble would try itself. An executable's graphs share one workspace per CUDA stream
-(`Workspaces`; plans that need more than `MAX_WORKSPACE` are skipped). It is made during the
+(`Workspaces`; plans that need more than `cudnn_max_workspace` are skipped). It is made during the
 warm-up, outside the captured graph's pool.
 """
 
@@ -69,19 +70,10 @@ from ...errors import first_line
 from ..base import cache, regions
 from .codegen import overlaps
 from ..base.timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
+from ..base import settings
 
-PLANS = 5  # precompiled plans tried per convolution, in cuDNN's heuristic order
-COMPILED_PLANS = 3  # runtime-compiled plans tried for conv -> bias -> add -> relu
 RESIDUAL = (("add", ()), ("relu", ()))  # the one chain runtime-compiled engines are tried for
-MAX_WORKSPACE = 16 * 2**20
 MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
-SLOWER = 1.03  # a plan is used while at most this much slower than the reference
-SLOWER_OUTSIDE = 1.25  # ... or this much, where the reference's result lies outside the arena
-SLOWER_LARGE_OUTSIDE = 1.5  # ... or this much, where that result is a large block (LARGE_BLOCK bytes or more)
-LARGE_BLOCK = 2**20  # the caching allocator gives such a block a segment of 20 MiB or more
-TOLERANCE = 1e-2  # largest difference from the reference's result, relative to its largest magnitude
-TOO_SLOW_S = 0.05  # a plan whose checked run alone takes longer (and TOO_SLOW times the limit) is not timed
-TOO_SLOW = 20
 
 _UNTRIED = object()
 _module = _UNTRIED
@@ -226,11 +218,12 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     or None. `operands` are x, w, bias (or None) and the tensors the steps read; `reference()`
     computes the same result the way nimble would without cuDNN graphs, into a buffer of its own
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
-    plan may then be `SLOWER_OUTSIDE` slower, `SLOWER_LARGE_OUTSIDE` for a large one). Plans are
+    plan may then be `cudnn_slower_outside` slower, `cudnn_slower_large_outside` for a large one). Plans are
     timed only outside a capture; the same call later gets the same choice."""
     if frontend() is None or overlaps(out, operands):
         return None
-    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside, out.numel() * out.element_size()))
+    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside, out.numel() * out.element_size()),
+           settings.current().digest())  # the choice is timed and checked under these settings
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
@@ -254,9 +247,11 @@ def _limit(outside: bool, nbytes: int) -> float:
     """How much slower than the reference a plan may be: never less where the reference's result
     of `nbytes` lies outside the arena than where it does not, nor where it is a large block than
     where it is a small one."""
+    s = settings.current()
     if not outside:
-        return SLOWER
-    return max(SLOWER, SLOWER_OUTSIDE, SLOWER_LARGE_OUTSIDE if nbytes >= LARGE_BLOCK else 0.0)
+        return s.cudnn_slower
+    large = s.cudnn_slower_large_outside if nbytes >= s.cudnn_large_block else 0.0
+    return max(s.cudnn_slower, s.cudnn_slower_outside, large)
 
 
 def _decide(key: tuple, p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference) -> Plan | None:
@@ -302,10 +297,10 @@ def _reference(reference, heuristic: bool = False) -> torch.Tensor | None:
 
 
 def _agrees(plan: Plan, operands: tuple, out: torch.Tensor, ref: torch.Tensor, workspace: torch.Tensor) -> bool:
-    """Run `plan` into `out`; whether it agrees with `ref` within TOLERANCE (counted in STATS
+    """Run `plan` into `out`; whether it agrees with `ref` within the `cudnn_tolerance` setting (counted in STATS
     where it does not)."""
     plan.run(operands, out, workspace)
-    if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-6):
+    if float((out - ref).abs().max()) > settings.current().cudnn_tolerance * max(float(ref.abs().max()), 1e-6):
         STATS["rejected"] += 1
         return False
     return True
@@ -317,7 +312,7 @@ def _workspace(plan: Plan, device: torch.device) -> torch.Tensor:
 
 def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference, limit: float) -> Plan | None:
     """Among the plans that agree with the reference and are at most `limit` times slower than
-    it, the one with the smallest workspace of those within SLOWER of the fastest."""
+    it, the one with the smallest workspace of those within `cudnn_slower` of the fastest."""
     STATS["timed"] += 1
     ref = _reference(reference)
     if ref is None:
@@ -332,7 +327,8 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
                 continue
         except Exception:  # a plan that fails to run is passed over
             continue
-        if time.perf_counter() - started > max(TOO_SLOW_S, TOO_SLOW * limit_us / 1e6):
+        now = settings.current()
+        if time.perf_counter() - started > max(now.cudnn_too_slow_s, now.cudnn_too_slow * limit_us / 1e6):
             STATS["too_slow"] += 1  # timing would run it 41 more times (some plans take seconds each)
             continue
         us = _gpu_us(lambda: plan.run(operands, out, workspace), out.device)
@@ -342,7 +338,7 @@ def _time_plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, refer
         return None
     fastest = min(us for us, _ in timed)
     STATS["chosen"] += 1
-    return min((plan for us, plan in timed if us == fastest or us <= SLOWER * fastest),
+    return min((plan for us, plan in timed if us == fastest or us <= settings.current().cudnn_slower * fastest),
                key=lambda plan: plan.workspace_bytes)
 
 
@@ -399,7 +395,7 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
     except Exception:  # no engine supports this graph
         return []
     plans = []
-    for i in range(min(count, COMPILED_PLANS if compiled else PLANS)):
+    for i in range(min(count, settings.current().cudnn_compiled_plans if compiled else settings.current().cudnn_plans)):
         try:
             if name is not None and g.get_plan_name_at_index(i) != name:
                 continue
@@ -407,7 +403,7 @@ def _plans(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, compiled: 
             size = g.get_workspace_size_plan_at_index(i)
         except Exception:
             continue
-        if size <= MAX_WORKSPACE:
+        if size <= settings.current().cudnn_max_workspace:
             plans.append(Plan(g, (tx, tw, tb, *graph_tensors, y), i, size, g.get_plan_name_at_index(i)))
     return plans
 

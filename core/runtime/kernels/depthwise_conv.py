@@ -11,7 +11,7 @@ its product with the tap's weights in float32, then runs the rest of the body
 (`codegen.epilogue_lines`) and stores the tile once.
 
 Only channels_last results qualify (`fits`): the layout nimble's tuning picks for these nets, and
-the one whose channels lie side by side. `ENABLED = False` turns it off, for comparisons.
+the one whose channels lie side by side. The `depthwise_kernel` setting off turns it off, for comparisons.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ import torch
 
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
                       needs_wide, pointers, program_id, span)
+from ..base import settings
 
-ENABLED = True
-MAX_TAPS = 49  # filter positions (7x7) at most
 TILE = 2048  # output elements of one program
-PROLOGUE_SLOWER = 1.0  # a prologue pair is kept where it takes at most this many times its two ops run whole
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,13 @@ class Prologue:
 def fits(p: dict, out: torch.Tensor) -> bool:
     """Whether convolution `p` (`fusion.conv_params`, tensors in place) is one this kernel runs:
     2-D, each channel convolved alone (groups = input channels = output channels), float operands
-    of one dtype, a filter of at most MAX_TAPS positions, and `out` its result in channels_last."""
+    of one dtype, a filter of at most `max_depthwise_taps` positions, and `out` its result in channels_last."""
     x, w, bias = p["input"], p["weight"], p["bias"]
-    if not (ENABLED and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4):
+    if not (settings.current().depthwise_kernel and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4):
         return False
     channels = x.shape[1]
     if not (p["groups"] == channels == w.shape[0] and w.shape[1] == 1 and out.shape[1] == channels) \
-            or w.shape[2] * w.shape[3] > MAX_TAPS or channels == 0:
+            or w.shape[2] * w.shape[3] > settings.current().max_depthwise_taps or channels == 0:
         return False
     if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
             or bias is not None and bias.dtype != out.dtype:

@@ -6,7 +6,7 @@ the tensor that holds the result:
 
 - a body that is conv -> relu or conv -> add -> relu, where PyTorch would run the convolution on
   cuDNN, runs as one cuDNN kernel, bias included: a cuDNN graph that writes the planned buffer
-  where `cudnn_graph` found a plan at most `SLOWER_OUTSIDE` slower, else `cudnn_convolution_relu` or
+  where `cudnn_graph` found a plan at most `cudnn_slower_outside` slower, else `cudnn_convolution_relu` or
   `cudnn_convolution_add_relu`, whose result cuDNN allocates (no out= form), so it is bound in
   place of the planned buffer;
 - any other body that leads with a convolution runs as one cuDNN graph that writes the planned
@@ -24,8 +24,8 @@ the tensor that holds the result:
   (`pointwise_conv`), where it fits and was measured faster; else the deferred op runs first;
 - any other body led by a 1x1 convolution with a channels_last result, except conv -> relu (one
   cuDNN kernel already) and conv -> add -> relu (the same, unless cuDNN splits its sum on a small
-  map: `FUSED_CANDIDATE_ROWS`), may run as that kernel reading its input as it lies
-  (`_pointwise`, `STANDALONE_POINTWISE`), where it was measured faster than the ways above;
+  map: the `fused_candidate_rows` setting), may run as that kernel reading its input as it lies
+  (`_pointwise`, the `standalone_pointwise` setting), where it was measured faster than the ways above;
 - such measured choices are kept in the cache folder (`recall.py`) for later loads;
 - a convolution alone (`passes/fuse_lone_convolutions.py`) runs as a cuDNN graph of the
   convolution and its bias where one was chosen, else as eager PyTorch runs it, into the buffer:
@@ -61,20 +61,18 @@ from .codegen import (BLOCK, ConcatTiles, body_signature, concat_source, element
                       overlaps)
 from . import generated
 from .generated import FLOAT_KINDS, NormAfter, row_warps, triton_block
+from ..base import settings
 
-BARE_CONVOLUTION_GRAPHS = True  # False: a generated body's convolution is always PyTorch's (for comparisons)
 
 
 # a 1x1 convolution whose body cuDNN does not fuse whole may run as one generated matrix product
 # (`FusedKernel._pointwise`), chosen per call by measurement
-STANDALONE_POINTWISE = True
 # conv -> add -> relu is one cuDNN kernel, except where cuDNN's plan splits the sum over the input
 # channels and adds a reduction kernel (small maps: resnet50's 14x14 stage at batch 1); such a
 # body whose product has at most this many rows (images x height x width) is a candidate too
 # where its cuDNN way was counted launching more than one kernel (0: never). conv -> relu is
 # never one: inception_v3's 8x8 convolutions are split sums too, and their candidates all lost
 # while doubling its cold load (`benchmarks/results/small_map_candidates_2026-11-27.md`)
-FUSED_CANDIDATE_ROWS = 256
 
 
 class FusedKernel:
@@ -147,7 +145,7 @@ class FusedKernel:
         candidates (conv -> relu), or only where cuDNN launched two kernels for them on a small
         map (conv -> add -> relu, `_split_in_two`), which keeps the builds at load to
         efficientnet's and mobilenet's SiLU, ReLU6 and residual adds, and to resnets' split sums."""
-        if not STANDALONE_POINTWISE or len(body) < 2 or self.pattern == "relu" \
+        if not settings.current().standalone_pointwise or len(body) < 2 or self.pattern == "relu" \
                 or not fusion.leads_with_convolution(self.body):
             return None
         operands, conv = self.operands(body)
@@ -164,10 +162,10 @@ class FusedKernel:
 
     def _split_in_two(self, body, out: torch.Tensor, operands: list) -> bool:
         """Whether this call's body, one cuDNN kernel by its pattern, launched more than one
-        (`FUSED_CANDIDATE_ROWS`): counted once per call signature outside a capture, after a
+        (the `fused_candidate_rows` setting): counted once per call signature outside a capture, after a
         first run has made cuDNN's choices; False inside a capture where it was not counted, and
         where no temporary folder takes the capture's DOT file (the count is left out, not the load)."""
-        if out.numel() // max(out.shape[1], 1) > FUSED_CANDIDATE_ROWS:
+        if out.numel() // max(out.shape[1], 1) > settings.current().fused_candidate_rows:
             return False
         key = (layouts(out, *operands), body_signature(body, operands), self.cudnn_fusion,
                torch.backends.cudnn.allow_tf32)
@@ -366,7 +364,7 @@ class FusedKernel:
         this op's filter, operands and body."""
         operands, conv = self.operands(body)
         setting = (key, layouts(conv["weight"], *operands), body_signature(body, operands),
-                   depthwise_conv.PROLOGUE_SLOWER)
+                   settings.current().prologue_slower)
         kept = (recall.recalled("prologue", setting, out.device) or {}).get("paired")
         if isinstance(kept, bool):
             return kept
@@ -376,7 +374,7 @@ class FusedKernel:
 
     def _pair_faster(self, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
         """Whether the producer's bare convolution and this kernel with its epilogue on load take
-        at most `depthwise_conv.PROLOGUE_SLOWER` times the producer run whole and this body after
+        at most the `prologue_slower` setting times the producer run whole and this body after
         it, both timed in a CUDA graph (`timing.graph_us`): depthwise prologues apply the epilogue
         once per tap, which does not always pay (mobilenet_v2 at batch 1 ran 3.2 % slower with all
         of them)."""
@@ -389,7 +387,7 @@ class FusedKernel:
             mine = timing.graph_us(paired, out.device)
             theirs = timing.graph_us(lambda: self._whole_before(body, out, producer, switch=False), out.device)
             paired()  # this call's result, as the pair computes it
-        return mine <= depthwise_conv.PROLOGUE_SLOWER * theirs
+        return mine <= settings.current().prologue_slower * theirs
 
     def _whole_before(self, body, out: torch.Tensor, producer: FusedKernel, switch: bool = True) -> torch.Tensor:
         """The producer run whole into the buffer it wrote bare, then this body (`_after`); with
@@ -482,7 +480,8 @@ class FusedKernel:
         keeps PyTorch's kernel, as eager runs it, and so do grouped convolutions: cuDNN's graph
         plans for mobilenet_v2's depthwise ones were so slow that timing them took minutes."""
         x = p["input"]
-        if BARE_CONVOLUTION_GRAPHS and self.cudnn_fusion and p["groups"] == 1 and x.dtype in FLOAT_KINDS \
+        if settings.current().bare_convolution_graphs \
+                and self.cudnn_fusion and p["groups"] == 1 and x.dtype in FLOAT_KINDS \
                 and x.dim() == 4 and out.dtype == x.dtype and p["weight"].dtype == x.dtype and _on_cudnn(p):
             bare = {**p, "bias": None}
             operands = (x, p["weight"], None)

@@ -19,9 +19,9 @@ With an `Epilogue` the tile goes through the elementwise op after the product in
 
 `Gemm` is the substitute of a linear, addmm, mm or matmul op: the first call of a signature
 outside a capture builds the kernel with each tile, checks it against PyTorch's product
-(`TOLERANCE`), times them and PyTorch's in a CUDA graph and keeps the fastest (`SLOWER`).
+(the `gemm_tolerance` setting), times them and PyTorch's in a CUDA graph and keeps the fastest (`gemm_slower`).
 Choices last for the process. A call first seen inside a capture, a kernel that fails to build or
-disagrees, and any call `fits` refuses run as before. `ENABLED = False` turns it off.
+disagrees, and any call `fits` refuses run as before. The `gemm_kernel` setting off turns it off.
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ from . import recall
 from ..base import timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
                       span, strided_offset)
+from ..base import settings
 
-ENABLED = True
 FLOAT32_PRODUCTS = "tf32x3"  # as three TF32 products (float32's accuracy); "ieee": on the FMA units
-TOLERANCE = 1e-4  # largest difference from PyTorch's product, relative to its largest magnitude
-SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's product
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) each call times: the fastest with 1024 rows, and the
 # fastest with 128 or 197 (twice as many programs; H200, `gemm_2026-11-26.md`)
 TILES = ((64, 64, 32, 4, 3), (64, 32, 64, 4, 3))
@@ -66,7 +64,7 @@ def k_major_weights(graph: Graph) -> set[int]:
     operand (mm's and matmul's second argument, addmm's third). The executable stores them
     transposed (strides (1, K)): the tensor cores take a float32 operand only K-major, so a
     row-major one costs a transposition per tile (cuBLAS was faster than the kernel on GPT-2's
-    row-major weights). A linear's weight [N, K] is K-major as it is. None where ENABLED is off."""
+    row-major weights). A linear's weight [N, K] is K-major as it is. None where the `gemm_kernel` setting is off."""
     right = {"aten::mm.default": 1, "aten::matmul.default": 1, "aten::addmm.default": 2}
     as_right, elsewhere = set(), set()
     for op in graph.ops:
@@ -76,7 +74,8 @@ def k_major_weights(graph: Graph) -> set[int]:
                 (as_right if i == position and isinstance(a, Ref) else elsewhere).add(r)
         elsewhere.update(refs_of(tuple(v for _, v in op.kwargs)))
     return {r for r in as_right - elsewhere - set(graph.outputs)
-            if ENABLED and graph.values[r].kind == WEIGHT and graph.values[r].spec.dtype == "float32"
+            if settings.current().gemm_kernel
+            and graph.values[r].kind == WEIGHT and graph.values[r].spec.dtype == "float32"
             and len(graph.values[r].spec.shape) == 2 and graph.values[r].spec.is_contiguous}
 
 
@@ -103,7 +102,8 @@ def operands_of(target: str, args: list, out: torch.Tensor):
 def fits(x, b, bias, out: torch.Tensor) -> bool:
     """Whether this kernel computes x @ b (+ bias) into `out`: float32 CUDA matrices of matching
     shapes on one device, any strides, bias None or a vector of N."""
-    if not (ENABLED and isinstance(x, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor)
+    if not (settings.current().gemm_kernel
+            and isinstance(x, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor)
             and out.is_cuda):
         return False
     tensors = [x, b, out] + ([bias] if bias is not None else [])
@@ -302,19 +302,21 @@ class Gemm:
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product
         runs: measured on the signature's first call outside a capture."""
-        if key not in _chosen:
+        memo = (key, settings.current().digest())  # chosen under these settings
+        if memo not in _chosen:
             if torch.cuda.is_current_stream_capturing():
                 return None  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way
             with timing.on_stream(out.device):  # PyTorch's reference too: one cuBLAS workspace for all choices
-                _chosen[key] = self._choose(key, x, b, bias, out)
-        return _chosen[key]
+                _chosen[memo] = self._choose(key, x, b, bias, out)
+        return _chosen[memo]
 
     def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> tuple | None:
         """The tile kept for this call by an earlier load (`recall`), where its result agrees
         with PyTorch's product, or None where PyTorch's product was kept; else build the kernel
-        with each of TILES: the fastest that agrees, where it takes at most SLOWER times
+        with each of TILES: the fastest that agrees, where it takes at most `gemm_slower` times
         PyTorch's time, else None, and keep that."""
-        setting = (key, TOLERANCE, SLOWER)
+        now = settings.current()
+        setting = (key, now.gemm_tolerance, now.gemm_slower)
         kept = recall.kept_tile("gemm", setting, out.device, TILES)
         if kept is None:
             return None
@@ -328,7 +330,7 @@ class Gemm:
                                        lambda: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
                                        (x, b, bias, out), f"op {self.op_id} as a float32 product"):
                 return False
-            if float((out - ref).abs().max()) > TOLERANCE * max(float(ref.abs().max()), 1e-30):
+            if float((out - ref).abs().max()) > now.gemm_tolerance * max(float(ref.abs().max()), 1e-30):
                 generated.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
                 return False
             return True
@@ -339,7 +341,7 @@ class Gemm:
         if not times:
             return None
         best = min(times, key=times.get)
-        if times[best] > SLOWER * timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device):
+        if times[best] > now.gemm_slower * timing.graph_us(lambda: _pytorch(x, b, bias, out), out.device):
             best = None
         recall.keep_tile("gemm", setting, out.device, best)
         return best

@@ -22,8 +22,8 @@ op's inputs until the convolution (`memory.held_inputs`). `pairs.input_pairs` ta
 load where the convolution is the next op on the elementwise op's stream, waits for no other, and
 the plan proves that it holds those inputs. On a call signature's first call outside a capture,
 `Choices.tile` builds the kernel with each of its `tiles`, checks it against the two ops run apart
-(`TOLERANCE`) and times it beside them in a CUDA graph: the fastest runs where it takes at most
-SLOWER of their time, else the two run apart. The choice is kept in the cache folder (`recall`):
+(the `pointwise_tolerance` setting) and times it beside them in a CUDA graph: the fastest runs where it takes at most
+`pointwise_slower` of their time, else the two run apart. The choice is kept in the cache folder (`recall`):
 a later load checks the tile kept and times nothing. Products are TF32 where cuDNN's convolutions are
 (`torch.backends.cudnn.allow_tf32`, PyTorch's default), else three TF32 products each
 (float32's accuracy, as `gemm.py`). Only channels_last results qualify (`fits`).
@@ -46,11 +46,9 @@ from . import recall
 from ..base import timing
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
                       overlaps, program_id, span)
+from ..base import settings
 
-ENABLED = True
 ROUND_TF32 = True  # float32 operands rounded to the nearest TF32 value before TF32 products, as cuDNN's
-TOLERANCE = 1e-2  # largest difference from the two ops run apart, relative to their largest magnitude
-SLOWER = 1.0  # the kernel runs where it takes at most this many times the two ops apart
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiles a call may time; `tiles` picks two (each
 # costs a build at load: densenet121 has 61 pairs)
 TILES = ((64, 128, 32, 4, 3), (64, 64, 32, 4, 3), (64, 32, 32, 4, 3), (32, 64, 32, 4, 3), (32, 32, 32, 4, 3))
@@ -96,7 +94,8 @@ def fits(p: dict, out: torch.Tensor, before: Before) -> bool:
     result clear of everything the kernel reads (the memory plan holds those until the
     convolution; a plan from before that rule may not)."""
     x, w = p["input"], p["weight"]
-    if not (ENABLED and out.is_cuda and isinstance(x, torch.Tensor) and layouts(x) == layouts(before.out)
+    if not (settings.current().pointwise_kernel
+            and out.is_cuda and isinstance(x, torch.Tensor) and layouts(x) == layouts(before.out)
             and x.data_ptr() == before.out.data_ptr() and w.dim() == 4 and out.dim() == 4 and x.dim() == 4):
         return False
     n, channels, h, width = x.shape
@@ -273,14 +272,15 @@ class Choices:
         """`apart()` runs the two ops as before into `out`; `fused(tile)` runs this kernel with
         `tile` into `out`, False where it fails to build. The tile kept for this call by an
         earlier load, where its result agrees with the apart one; else the fastest tile whose
-        result agrees, where it takes at most SLOWER of their time; else None. `note(why)`
+        result agrees, where it takes at most `pointwise_slower` of their time; else None. `note(why)`
         records a tile whose result disagrees."""
         if key in self._chosen:
             return self._chosen[key]
         if torch.cuda.is_current_stream_capturing():
             return None
         self._chosen[key] = None
-        setting = (key, TOLERANCE, SLOWER)
+        now = settings.current()
+        setting = (key, now.pointwise_tolerance, now.pointwise_slower)
         kept = recall.kept_tile("pointwise", setting, out.device, TILES)
         if kept is None:
             return None  # the two ops apart were faster
@@ -294,7 +294,7 @@ class Choices:
             def agrees(tile) -> bool:
                 if not fused(tile):
                     return False
-                if float((out.float() - ref.float()).abs().max()) > TOLERANCE * scale:
+                if float((out.float() - ref.float()).abs().max()) > now.pointwise_tolerance * scale:
                     note(f"the kernel with tile {tile} disagrees with the two ops run apart")
                     return False
                 return True
@@ -307,6 +307,6 @@ class Choices:
                 return None
             best = min(times, key=times.get)
             theirs = timing.graph_us(apart, out.device)
-        self._chosen[key] = best if times[best] <= SLOWER * theirs else None
+        self._chosen[key] = best if times[best] <= now.pointwise_slower * theirs else None
         recall.keep_tile("pointwise", setting, out.device, self._chosen[key])
         return self._chosen[key]

@@ -14,7 +14,7 @@ Only convolutions small enough to be bound by their launch qualify (`fits`); lar
 with cuDNN. A linear layer of the same size (a conv net's classifier: [N, 1280] by 1000 x 1280
 for efficientnet_b0) is the same product and runs as the same kernel (`SmallLinear`): then no
 cuBLAS call is left in the model, and no stream needs cuBLAS's 32 MiB workspace.
-`ENABLED = False` turns both off, for comparisons.
+The `pooled_kernel` setting (`base/settings.py`) off turns both off, for comparisons.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, layouts, needs_wide, pointers, program_id,
                       span)
+from ..base import settings
 
-ENABLED = True
-MAX_PRODUCTS = 2**24  # N x C' x C multiply-adds of one convolution at most
 MAX_TILE = 4096  # weight elements one program holds at once
 PROGRAMS = 512  # programs a launch aims for, where the output has room: several per multiprocessor
 MIN_BLOCK = 2  # output channels of one program at least
@@ -34,28 +33,31 @@ MIN_BLOCK = 2  # output channels of one program at least
 def fits(p: dict, out: torch.Tensor) -> bool:
     """Whether convolution `p` (`fusion.conv_params`, tensors in place) is one this kernel runs:
     2-D, ungrouped, a 1x1 kernel over a 1x1 map with no padding, float operands of one dtype,
-    at most MAX_PRODUCTS multiply-adds, its result `out`'s shape."""
+    at most `max_pooled_products` multiply-adds, its result `out`'s shape."""
     x, w, bias = p["input"], p["weight"], p["bias"]
-    if not (ENABLED and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4 and p["groups"] == 1):
+    if not (settings.current().pooled_kernel and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4
+            and p["groups"] == 1):
         return False
     if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
             or bias is not None and bias.dtype != out.dtype:
         return False
     n, c, h, width = x.shape
     return (h, width) == (1, 1) and tuple(w.shape[1:]) == (c, 1, 1) and tuple(p["padding"]) == (0, 0) \
-        and tuple(out.shape) == (n, w.shape[0], 1, 1) and 0 < n * w.shape[0] * c <= MAX_PRODUCTS
+        and tuple(out.shape) == (n, w.shape[0], 1, 1) and 0 < n * w.shape[0] * c \
+        <= settings.current().max_pooled_products
 
 
 def linear_fits(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor) -> bool:
     """Whether linear(x, w, bias) into `out` is one this kernel runs: x [M, K], w [N, K], an
-    optional bias [N], out [M, N], float operands of one dtype, at most MAX_PRODUCTS multiply-adds."""
-    if not (ENABLED and out.is_cuda and x.dim() == 2 and w.dim() == 2 and out.dim() == 2):
+    optional bias [N], out [M, N], float operands of one dtype, at most `max_pooled_products` multiply-adds."""
+    if not (settings.current().pooled_kernel and out.is_cuda and x.dim() == 2 and w.dim() == 2 and out.dim() == 2):
         return False
     if out.dtype not in TL_KINDS or x.dtype != out.dtype or w.dtype != out.dtype \
             or bias is not None and (bias.dtype != out.dtype or tuple(bias.shape) != (w.shape[0],)):
         return False
     m, k = x.shape
-    return w.shape[1] == k and tuple(out.shape) == (m, w.shape[0]) and 0 < m * w.shape[0] * k <= MAX_PRODUCTS
+    return w.shape[1] == k and tuple(out.shape) == (m, w.shape[0]) and 0 < m * w.shape[0] * k \
+        <= settings.current().max_pooled_products
 
 
 def blocks(out: torch.Tensor, channels: int) -> tuple[int, int]:
@@ -132,4 +134,6 @@ class SmallLinear:
     @property
     def calls_cublas(self) -> bool:
         """Whether this op may multiply through cuBLAS: where it does not fit, or falls back."""
-        return not (ENABLED and 0 < self.product <= MAX_PRODUCTS) or any(v is None for v in self._launch.values())
+        now = settings.current()
+        return not (now.pooled_kernel and 0 < self.product <= now.max_pooled_products) \
+            or any(v is None for v in self._launch.values())

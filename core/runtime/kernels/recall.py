@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import cache
+from ..base import cache, settings
 from .binaries import triton_version
 
 MAX_TABLE_BYTES = 4 * 2**20  # a few thousand entries; the older half goes past it (`cache.write_entry`)
@@ -46,7 +46,8 @@ def _where(device: torch.device) -> tuple | None:
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(device)
-    return props.name, props.major, props.minor, torch.__version__, triton_version(), _runtime_code()
+    return (props.name, props.major, props.minor, torch.__version__, triton_version(), _runtime_code(),
+            settings.current().digest())  # a choice measured under other thresholds is not this one
 
 
 def _entry_key(kind: str, key: tuple, device: torch.device) -> str | None:

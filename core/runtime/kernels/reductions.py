@@ -21,7 +21,7 @@ Those temporaries are what gave every stream that pools its own 20 MiB segment i
 memory pool. The kernel writes the maximum of each window straight into the planned buffer, one
 element per lane, in the buffer's own order (NCHW or channels_last), any strides in; a NaN in a
 window is the result, as in PyTorch. It covers 4-D floating inputs and windows of at most
-MAX_WINDOW taps; anything else is left to PyTorch.
+`max_pool_window` taps; anything else is left to PyTorch.
 
 `avg_pool2d(args, out)`, the substitute for `aten::avg_pool2d`, is the same kernel summing each
 window in float32 and dividing as PyTorch does (by the window's size clipped to the padded map,
@@ -30,7 +30,7 @@ kernel is slow in channels_last, the layout every conv net runs fastest in other
 inception_v3 at batch 8 on the H200, eight of its 3x3 average pools took 0.36 ms of kernel time
 per inference in channels_last and 0.24 in NCHW, of the model's 1.55 ms in channels_last
 (`benchmarks/results/layout_bound_2026-11-28.md`); both are far from what moving the map once
-through memory costs. `AVERAGE = False` leaves average pooling to PyTorch, for comparisons.
+through memory costs. The `average_pool_kernel` setting off leaves average pooling to PyTorch, for comparisons.
 
 `spatial_mean(x, out)` is the mean of each image's channel over its height and width: global
 average pooling (`aten::adaptive_avg_pool2d` to 1x1, the squeeze of every squeeze-and-excitation
@@ -57,6 +57,7 @@ import torch
 from ...errors import first_line
 from . import codegen
 from . import generated
+from ..base import settings
 
 
 LAYER_NORM = '''import triton
@@ -143,8 +144,6 @@ def kernel(x_ptr, out_ptr, numel, C, H, W, OH, OW, sxn, sxc, sxh, sxw, son, soc,
     tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow, acc, mask=mask)
 '''
 POOL_BLOCK = 512
-AVERAGE = True  # False leaves average pooling to PyTorch, for comparisons
-MAX_WINDOW = 256  # taps of one window at most: the loop over them is unrolled (a larger window stays with PyTorch)
 
 SPATIAL_MEAN = '''import triton
 import triton.language as tl
@@ -238,7 +237,7 @@ def pool_params(args: list, dilated: bool = True) -> tuple[list[int], ...] | Non
     aten::avg_pool2d, whose dilation is 1), each as two ints, as PyTorch reads them (an empty
     stride means the kernel's), or None where they are not that, not what PyTorch accepts (a
     positive kernel, stride and dilation, padding from 0 to half the kernel), or a window of more
-    than MAX_WINDOW taps. PyTorch then runs the op, and refuses what it refuses."""
+    than `max_pool_window` taps. PyTorch then runs the op, and refuses what it refuses."""
     kernel, stride, padding = (list(args[k]) if k < len(args) and isinstance(args[k], (list, tuple))
                                else d for k, d in ((1, None), (2, []), (3, [0])))
     dilation = list(args[4]) if dilated and len(args) > 4 and isinstance(args[4], (list, tuple)) else [1]
@@ -250,7 +249,7 @@ def pool_params(args: list, dilated: bool = True) -> tuple[list[int], ...] | Non
         return None
     (kh, kw), stride, (ph, pw), dilation = params
     if min(kh, kw, *stride, *dilation) < 1 or min(ph, pw) < 0 or 2 * ph > kh or 2 * pw > kw \
-            or kh * kw > MAX_WINDOW:
+            or kh * kw > settings.current().max_pool_window:
         return None
     return tuple(params)
 
@@ -297,7 +296,7 @@ def avg_pool2d(args: list, out: torch.Tensor) -> torch.Tensor | None:
     this kernel does not apply (a divisor that is not a positive int among them)."""
     count_pad = args[5] if len(args) > 5 else True
     divisor = args[6] if len(args) > 6 else None
-    if not AVERAGE or not isinstance(count_pad, bool) \
+    if not settings.current().average_pool_kernel or not isinstance(count_pad, bool) \
             or divisor is not None and not (type(divisor) is int and 0 < divisor < 2**31):
         return None
     return _pooled(args[0] if args else None, out, pool_params(args, dilated=False), (count_pad, divisor or 0))

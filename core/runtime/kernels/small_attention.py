@@ -21,11 +21,11 @@ kernel writes that buffer itself.
 
 Which one runs is measured (`Attention`): the first call of a signature outside a capture times
 this kernel on each of its tiles (`tiles`) and PyTorch's attention, each in a CUDA graph, checks
-every result of the kernel against PyTorch's and keeps the fastest (`SLOWER`). Choices last for
+every result of the kernel against PyTorch's and keeps the fastest (the `attention_slower` setting). Choices last for
 the process; they are not kept in the cache folder, so each process times them again. A call
 first seen inside a capture, a kernel that fails to build and one that disagrees all leave
 PyTorch's attention in place.
-`ENABLED = False` turns it off.
+The `attention_kernel` setting off turns it off.
 """
 
 from __future__ import annotations
@@ -38,16 +38,13 @@ from . import generated
 from . import recall
 from ..base import timing
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
+from ..base import settings
 
-ENABLED = True
 MAX_KEYS = 128  # keys one program holds in one tile (its queries: up to 64, `blocks`)
 MAX_LONG_KEYS = 4096  # keys a program walks KEY_BLOCK at a time, past MAX_KEYS
 KEY_BLOCK = 64
 TILES = ((32, 32, 4), (32, 64, 4), (64, 32, 4), (128, 32, 8))  # timed beside `blocks`' own (`tiles`)
 MAX_DIM = 128  # elements of a query, key or value row
-TOLERANCE = 1e-3  # largest difference from PyTorch's result, relative to its largest magnitude (float32)
-HALF_TOLERANCE = 2e-2
-SLOWER = 1.0  # the kernel runs where it takes at most this many times PyTorch's attention
 FLOAT32_PRODUCTS = "tf32x3"  # float32 products as three TF32 ones (float32's accuracy); "ieee": on the FMA units
 
 _built: dict[tuple, object] = {}  # call signature -> launcher, or None where it failed to build
@@ -71,7 +68,8 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, out: torch.Ten
     and MAX_DIM elements a row, no dropout, no grouped-query heads, and a mask, if any, a float
     tensor of that dtype that broadcasts to (batch, heads, queries, keys), never with `causal`
     (PyTorch refuses the two together)."""
-    if not (ENABLED and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not (settings.current().attention_kernel
+            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and isinstance(out, torch.Tensor) and out.is_cuda):
         return False
     if dropout not in (0, 0.0) or causal not in (True, False) or gqa not in (False, None) \
@@ -238,7 +236,8 @@ class Attention:
             return False
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
-                    for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale), FLOAT32_PRODUCTS)
+                    for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale), FLOAT32_PRODUCTS,
+                                             settings.current().digest())
         chosen = _chosen.get(key)
         if chosen is None:
             if torch.cuda.is_current_stream_capturing():
@@ -252,11 +251,12 @@ class Attention:
         """Whether this kernel runs this call. An earlier load's choice (`recall`) where one was
         kept: PyTorch's attention, or the kernel on the kept tile where its result agrees with
         PyTorch's. Else build the kernel and keep its fastest tile that agrees; whether that takes
-        at most SLOWER times PyTorch's time (its result copied into `out` included), which is kept."""
+        at most `attention_slower` times PyTorch's time (its result copied into `out` included), which is kept."""
         def pytorch() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=scale)
 
-        setting = (key, TOLERANCE, HALF_TOLERANCE, SLOWER)
+        now = settings.current()
+        setting = (key, now.attention_tolerance, now.attention_half_tolerance, now.attention_slower)
         kept = recall.recalled("attention", setting, out.device) or {}
         if kept.get("runs") is False:
             return False
@@ -267,7 +267,7 @@ class Attention:
         if not generated.launch_once(_built, key, lambda: launcher(kernel), (q, k, v, mask, out),
                                    f"op {self.op_id} as generated attention"):
             return False
-        tolerance = TOLERANCE if q.dtype == torch.float32 else HALF_TOLERANCE
+        tolerance = now.attention_tolerance if q.dtype == torch.float32 else now.attention_half_tolerance
 
         def agrees() -> bool:
             return float((out.float() - ref.float()).abs().max()) <= tolerance * max(float(ref.abs().max()), 1e-6)
@@ -288,7 +288,7 @@ class Attention:
             us = timing.graph_us(lambda: launch(q, k, v, mask, out), out.device)
             if us < ours:
                 ours, best, _built[key] = us, tile, launch
-        runs = ours <= SLOWER * timing.graph_us(lambda: out.copy_(pytorch()), out.device)
+        runs = ours <= now.attention_slower * timing.graph_us(lambda: out.copy_(pytorch()), out.device)
         recall.keep("attention", setting, out.device, {"runs": runs, "tile": None if best is None else list(best)})
         return runs
 

@@ -26,7 +26,8 @@ from ...ops.attention import ATTENTION
 from ...ops.execute import Executor
 from ...ir import ACTIVATION, Graph, Op, Ref, contiguous_strides, refs_of
 from ...plan.memory import MemoryPlan
-from ..kernels import fused_mean, gemm, pooled_conv
+from ..base import settings
+from ..kernels import fused_mean, gemm
 from .indices import clamped
 from ..kernels.fused import FusedKernel, conv_into
 from ..kernels.generated import NormAfter
@@ -176,9 +177,10 @@ class BiasedGemm:
 
 
 def small_product(graph: Graph, op: Op) -> int:
-    """M x N x K of a floating linear of a 2-D input where that is at most `pooled_conv.MAX_PRODUCTS`
+    """M x N x K of a floating linear of a 2-D input where that is at most the `max_pooled_products` setting
     (it then runs as a generated kernel, `SmallLinear`), else 0."""
-    if not pooled_conv.ENABLED or op.target != "aten::linear.default" or op.kwargs or len(op.outputs) != 1 or len(op.args) not in (2, 3) \
+    if not settings.current().pooled_kernel \
+            or op.target != "aten::linear.default" or op.kwargs or len(op.outputs) != 1 or len(op.args) not in (2, 3) \
             or not all(isinstance(a, Ref) for a in op.args[:2]):
         return 0
     x, w = (graph.values[a.id].spec for a in op.args[:2])
@@ -186,7 +188,7 @@ def small_product(graph: Graph, op: Op) -> int:
     if len(x.shape) != 2 or len(w.shape) != 2 or out.dtype not in fusion.FLOATS:
         return 0
     product = x.shape[0] * w.shape[0] * x.shape[1]
-    return product if 0 < product <= pooled_conv.MAX_PRODUCTS else 0
+    return product if 0 < product <= settings.current().max_pooled_products else 0
 
 
 # target -> writer(args, out) that computes the op with a real out= kernel and returns the tensor

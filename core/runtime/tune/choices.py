@@ -42,8 +42,8 @@ squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and timing it was half of i
 cold load (5 s: with benchmark algorithms, each plain convolution first runs cuDNN's search of
 its algorithms). A forced choice can still split.
 
-The best of a stage is the fastest, unless a candidate at most `MEMORY_SLACK` slower holds at
-least `MEMORY_WORTH` less in its graph pool (the workspaces and temporaries of its capture): then
+The best of a stage is the fastest, unless a candidate at most `memory_slack` (a setting) slower holds at
+least `memory_worth` less in its graph pool (the workspaces and temporaries of its capture): then
 the one that holds least (`pick`).
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
@@ -65,6 +65,7 @@ from ...ops import fusion
 from ...plan.capped import CAPS
 from ..base import cache
 from ..placed.placement import BiasedGemm, small_product
+from ..base.settings import DEFAULT, Settings
 
 LAYOUTS = ("contiguous", "channels_last")
 CAP = CAPS[0]  # the CUDA streams of the capped stream candidate, which the artifact stores
@@ -141,17 +142,15 @@ def stages(options: list[Choice], graphs: bool = False):
     yield lambda best: [c for c in options if c == replace(best, prologues=PROLOGUES[1])]
 
 
-MEMORY_SLACK = 0.02  # a candidate this much slower than the fastest may win on memory ...
-MEMORY_WORTH = 8 * 2**20  # ... where its graph pool holds at least this many bytes less
 
 
-def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int]) -> Choice:
+def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int], settings: Settings = DEFAULT) -> Choice:
     """The best of timed `options`: the fastest by `ms` (GPU-bound ms by `describe()`), or, among
-    those within MEMORY_SLACK of it whose graph pool (`held`, bytes) is at least MEMORY_WORTH
+    those within the `memory_slack` setting of it whose graph pool (`held`, bytes) is at least `memory_worth`
     smaller than the fastest's, the one that holds least (the faster of equals)."""
     fastest = min(options, key=lambda c: ms[c.describe()])
-    limit_ms = ms[fastest.describe()] * (1 + MEMORY_SLACK)
-    limit_bytes = held.get(fastest.describe(), 0) - MEMORY_WORTH
+    limit_ms = ms[fastest.describe()] * (1 + settings.memory_slack)
+    limit_bytes = held.get(fastest.describe(), 0) - settings.memory_worth
     leaner = [c for c in options if ms[c.describe()] <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
     return min(leaner, key=lambda c: (held.get(c.describe(), 0), ms[c.describe()])) if leaner else fastest
 
@@ -180,8 +179,8 @@ def channels_last_values(graph: Graph) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------- cache
-def cache_key(artifact, device: torch.device) -> str:
-    """The artifact's content hash, the GPU and the torch version."""
+def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> str:
+    """The artifact's content hash, the GPU, the torch version and the settings (where not the defaults)."""
     members = artifact.manifest.get("members") or {}
     if members:
         digest = hashlib.sha256(json.dumps(members, sort_keys=True).encode()).hexdigest()
@@ -194,7 +193,8 @@ def cache_key(artifact, device: torch.device) -> str:
             h.update(json.dumps(doc, sort_keys=True).encode())
         digest = h.hexdigest()
     props = torch.cuda.get_device_properties(device)
-    return f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}"
+    where = f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}"
+    return where + (f"|settings {settings.digest()}" if settings.digest() else "")
 
 
 MAX_TUNING_BYTES = 2**20
