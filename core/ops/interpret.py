@@ -8,6 +8,7 @@ import torch
 from ..ir import Local
 from . import shapes
 from .execute import Executor, run_ops
+from . import fusion
 from .targets import resolve
 
 
@@ -41,3 +42,9 @@ class _Body(Executor):
 
     def bind(self, node, results):
         self.results.append(results[0])
+
+
+def function_of(target: str):
+    """What runs an op of `target`: a fused op's interpreter (`run_fused`), else the allowlisted
+    overload (`targets.resolve`)."""
+    return run_fused if target == fusion.FUSED else resolve(target)

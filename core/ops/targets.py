@@ -8,17 +8,13 @@ import functools
 import torch
 
 from ..errors import UnsupportedError
-from . import fusion
 from .allowlist import SUPPORTED_ATEN, TRAINING_ONLY
 
 
 def resolve(target: str, training: bool = False) -> torch._ops.OpOverload:
     """`aten::add.Tensor` -> torch.ops.aten.add.Tensor, looked up in the table of allowlisted
-    overloads (never through getattr on the string): UnsupportedError for anything else."""
-    if target == fusion.FUSED:
-        from .interpret import run_fused
-
-        return run_fused
+    overloads (never through getattr on the string): UnsupportedError for anything else, a fused
+    op included (`interpret.function_of` gives its interpreter)."""
     op = device_ops(training).get(target)
     if op is None:
         if target in device_ops(True):

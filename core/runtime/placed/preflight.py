@@ -25,7 +25,7 @@ import torch
 
 from ...errors import ArtifactError, first_line
 from ...ir import ACTIVATION, Graph, TensorSpec, contiguous_strides
-from ...ops import arguments, shapes, targets, types
+from ...ops import arguments, interpret, shapes, types
 from ...ops.execute import Executor, run_ops
 from ...plan.memory import MemoryPlan
 
@@ -110,4 +110,4 @@ def _strides(spec: TensorSpec) -> tuple[int | None, ...]:
 
 def _run(target: str, args: list, kwargs: dict):
     inferred = shapes.infer(target, args, kwargs)
-    return inferred if inferred is not None else targets.resolve(target)(*args, **kwargs)
+    return inferred if inferred is not None else interpret.function_of(target)(*args, **kwargs)

@@ -11,7 +11,7 @@ import torch
 
 from ...errors import ExecutionError, ShapeError, first_line
 from ...ir import WEIGHT, Graph
-from ...ops import arguments, targets, types
+from ...ops import arguments, interpret, types
 from ...ops.execute import Executor, run_ops
 
 
@@ -42,7 +42,7 @@ class _Serial(Executor):
         return arguments.op_arguments(op, self.tensors, self.device)
 
     def call(self, op, args, kwargs):
-        return arguments.flatten_result(targets.resolve(op.target)(*args, **kwargs))
+        return arguments.flatten_result(interpret.function_of(op.target)(*args, **kwargs))
 
     def bind(self, op, results):
         self.tensors.update(zip(op.outputs, results))
