@@ -98,7 +98,7 @@ def language() -> types.ModuleType:
 
 
 def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int) -> None:
-    """Execute the generated kernel `source` over `out` and `operands`, as `kernels._compile`'s
+    """Execute the generated kernel `source` over `out` and `operands`, as `generated.elementwise_launcher`'s
     launcher would, on the CPU."""
     triton = types.ModuleType("triton")
     triton.jit = lambda fn: fn

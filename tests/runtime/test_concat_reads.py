@@ -35,7 +35,7 @@ def generated(body, out):
     pieces, dim = list(body[0][1][0]), body[0][1][1]
     tiles = codegen.ConcatTiles(out, pieces, dim)
     assert tiles.fits
-    operands = kernels._operands(body, skip_first=True)
+    operands = codegen.pointwise_operands(body, skip_first=True)
     source = codegen.concat_source(body, out, pieces, tiles, operands)
     ast.parse(source)
     triton_shim.run_grid(source, tiles.programs, out, *pieces, *operands)

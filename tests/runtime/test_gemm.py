@@ -39,7 +39,7 @@ def test_the_elementwise_op_after_the_product_runs_in_its_kernel():
     """bias, GELU and a residual add on the product's tiles, stored in the op's buffer: the
     product's own buffer is never written."""
     from nimble.ir import Local
-    from nimble.runtime.kernels.fused import _operands
+    from nimble.runtime.kernels.codegen import pointwise_operands as _operands
 
     g = torch.Generator().manual_seed(2)
     x, b = torch.randn(2, 35, 40, generator=g), torch.randn(40, 70, generator=g)

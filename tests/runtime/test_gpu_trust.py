@@ -16,7 +16,7 @@ from torch import nn
 from nimble.ir import Local, Op, Ref
 from nimble.ops import fusion, interpret
 from nimble.runtime.kernels import codegen
-from nimble.runtime.kernels import fused as kernels
+from nimble.runtime.kernels import fused as kernels, generated
 
 from ..conftest import ROOT, SAMPLES, save_script
 
@@ -40,7 +40,7 @@ def test_a_generated_kernel_over_more_than_2_31_elements():
     body = [("aten::relu.default", (x,), ()), ("aten::add.Scalar", (Local(0), 1.0, 1), ())]
     source = codegen.elementwise_source(body, out, [x], False, False)
     assert "tl.program_id(0).to(tl.int64)" in source
-    kernels._compile(source)(out, [x])
+    generated.elementwise_launcher(source)(out, [x])
     torch.cuda.synchronize()
     for part in (slice(0, 8192), slice(n - 8192, n)):
         torch.testing.assert_close(out[part], torch.relu(x[part]) + 1)

@@ -122,7 +122,7 @@ def test_generated_kernels_agree_with_the_interpreted_body(body, seed):
     x[0, 0, 0], y[0, 1, 0] = float("nan"), float("nan")
     nodes = as_tensors(body, {0: x, 1: y})
     want = interpret.run_fused(nodes)
-    operands = kernels._operands(nodes, skip_first=False)
+    operands = codegen.pointwise_operands(nodes, skip_first=False)
     # as the fusion pass makes them: every operand broadcasts to the result
     assume(operands and torch.broadcast_shapes(*(t.shape for t in operands)) == want.shape)
     got = generated(nodes, torch.empty(want.shape), operands)
@@ -140,7 +140,7 @@ def test_a_mask_of_booleans_selected_into_floats_computes_what_torch_does(logica
     for last in (("aten::where.Scalar", (Local(0), 0.0, float("-inf")), ()),
                  ("aten::where.self", (Local(0), x, y), ())):
         body = ((logical, (causal, padding), ()), last)
-        operands = kernels._operands(body, skip_first=False)
+        operands = codegen.pointwise_operands(body, skip_first=False)
         want = interpret.run_fused(body)
         got = generated(body, torch.empty(want.shape), operands)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -156,7 +156,7 @@ def test_a_lone_broadcast_multiply_addresses_its_scale_in_either_layout(layout, 
     scale = torch.randn(scale_shape, generator=g)
     body = (("aten::mul.Tensor", (x, scale), ()),)
     out = torch.empty_like(x)  # the planned buffer, in the layout chosen at load
-    got = generated(body, out, kernels._operands(body, skip_first=False))
+    got = generated(body, out, codegen.pointwise_operands(body, skip_first=False))
     torch.testing.assert_close(got, x * scale, rtol=0, atol=0)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from nimble.ir import Local
 from nimble.ops import fusion
 from nimble.runtime.kernels import fused as kernels, generated
-from nimble.runtime.kernels import pointwise_conv
+from nimble.runtime.kernels import codegen, pointwise_conv
 
 from .. import triton_shim
 from .test_depthwise_conv import ShimKernel, fused_kernel
@@ -112,7 +112,7 @@ def test_the_kernel_computes_the_convolution_of_the_elementwise_op_s_result(kind
     x = torch.full((n, total, *size), float("nan")).contiguous(memory_format=CL)  # never written, never read
     body, operands, want, w = conv_body(g, x, x_want, cout, RELU if after == "bias and relu" else None)
     before = pointwise_conv.Before(tuple(before_body), x, tuple(pieces),
-                                   tuple(kernels._operands(before_body, skip_first=bool(pieces))))
+                                   tuple(codegen.pointwise_operands(before_body, skip_first=bool(pieces))))
     out = torch.full_like(want, 7.0).contiguous(memory_format=CL)
     text = shim_run(body, out, w, operands, after == "bias and relu", before, tile)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
@@ -176,7 +176,7 @@ def test_only_1x1_convolutions_into_channels_last_results_over_the_elementwise_r
     g = torch.Generator().manual_seed(1)
     body, pieces, _ = densenet_input(g, 2, (8, 8), (6, 6))
     x = torch.empty(2, 16, 6, 6).contiguous(memory_format=CL)
-    before = pointwise_conv.Before(tuple(body), x, tuple(pieces), tuple(kernels._operands(body, skip_first=True)))
+    before = pointwise_conv.Before(tuple(body), x, tuple(pieces), tuple(codegen.pointwise_operands(body, skip_first=True)))
     w = torch.randn(12, 16, 1, 1)
     out = torch.empty(2, 12, 6, 6).contiguous(memory_format=CL)
     assert pointwise_conv.fits(params(x, w, None), out, before)

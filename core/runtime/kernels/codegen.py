@@ -380,3 +380,16 @@ def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm)
     lines.append(f"    tl.store(y_ptr + i, y.to({kind}), mask=mask)")
     lines.append(f"# torch {torch.__version__}")
     return "\n".join(lines) + "\n"
+
+
+def pointwise_operands(body, skip_first: bool) -> list[torch.Tensor]:
+    """The distinct tensors the pointwise nodes read, in first-use order."""
+    seen: list[torch.Tensor] = []
+    for k, (target, args, _) in enumerate(body):
+        if k == 0 and skip_first:
+            continue
+        for pos in fusion.POINTWISE[target]:
+            a = args[pos]
+            if isinstance(a, torch.Tensor) and not any(a is s for s in seen):
+                seen.append(a)
+    return seen

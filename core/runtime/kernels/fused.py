@@ -54,14 +54,13 @@ import torch
 from ...errors import first_line
 from ...ir import Local
 from ...ops import fusion
-from ...ops.interpret import run_fused
-from ..base import timing
-from . import cudnn_graph, depthwise_conv, pointwise_conv, pooled_conv, recall
-from .codegen import (BLOCK, ConcatTiles, body_signature, concat_source, elementwise_source, layouts, norm_source,
-                      overlaps)
-from . import generated
-from .generated import FLOAT_KINDS, NormAfter, row_warps, triton_block
-from ..base import settings
+from ..base import settings, timing
+from . import cudnn_graph, depthwise_conv, generated, pointwise_conv, pooled_conv
+from .codegen import (ConcatTiles, body_signature, concat_source, elementwise_source, layouts, norm_source,
+                      overlaps, pointwise_operands)
+from .convolution import conv_into, conv_shape, on_cudnn, scratch_like, writes
+from .generated import FLOAT_KINDS, NormAfter
+from .on_load import OnLoad
 
 
 
@@ -75,7 +74,7 @@ from ..base import settings
 # while doubling its cold load (`benchmarks/results/small_map_candidates_2026-11-27.md`)
 
 
-class FusedKernel:
+class FusedKernel(OnLoad):
     """The CUDA lowering of one fused op; see the module docstring."""
 
     def __init__(self, op):
@@ -214,7 +213,7 @@ class FusedKernel:
         if p is None:  # a transposed or output-padded convolution
             return None
         x, w, bias = p["input"], p["weight"], p["bias"]
-        if x.dtype not in FLOAT_KINDS or x.dim() != 4 or not _on_cudnn(p):
+        if x.dtype not in FLOAT_KINDS or x.dim() != 4 or not on_cudnn(p):
             return None
         stride, padding, dilation = (list(p[k]) for k in ("stride", "padding", "dilation"))
         if w.dtype != x.dtype or (bias is not None and tuple(bias.shape) != (w.shape[0],)):
@@ -250,7 +249,7 @@ class FusedKernel:
         operands = (p["input"], p["weight"], p["bias"], *tensors)
 
         def generated() -> torch.Tensor | None:
-            return self._generated(body, _scratch_like(out))
+            return self._generated(body, scratch_like(out))
         graph = cudnn_graph.choose(p, steps, operands, out, fused or generated, self.workspaces,
                                    outside=fused is not None)
         return graph(operands, out) if graph is not None else None
@@ -263,11 +262,11 @@ class FusedKernel:
         if self.declined(key):
             return None
         if conv is not None and len(body) == 1:  # a convolution alone: nothing to generate
-            return conv_into(conv, out, with_bias=True) if _writes(conv, out) else None
+            return conv_into(conv, out, with_bias=True) if writes(conv, out) else None
         if not self.lead(conv, out):
             return None
         bias = conv is not None and conv["bias"] is not None
-        built = self.launch(key, lambda: _compile(elementwise_source(body, out, operands, conv is not None, bias)),
+        built = self.launch(key, lambda: generated.elementwise_launcher(elementwise_source(body, out, operands, conv is not None, bias)),
                             (out, operands))
         return out if built else None
 
@@ -275,7 +274,7 @@ class FusedKernel:
         """`out`, written by one kernel that reads the leading cat's parts where they lie; None,
         with nothing run, where they or `out` do not fit `ConcatTiles` (it is interpreted)."""
         pieces, dim = list(body[0][1][0]), body[0][1][1]
-        operands = _operands(body, skip_first=True)
+        operands = pointwise_operands(body, skip_first=True)
         key = ("cat", dim, tuple(out.shape), tuple(out.stride()), out.dtype,
                layouts(*pieces, *operands))
         if self.declined(key) or out.dtype not in FLOAT_KINDS or overlaps(out, [*pieces, *operands]):
@@ -285,7 +284,7 @@ class FusedKernel:
             self._built[key] = None
             generated.STATS.fallbacks.append(f"op {self.op.id}: a cat's parts or result are not dense in one order of dims")
             return None
-        built = self.launch(key, lambda: _compile_concat(concat_source(body, out, pieces, tiles, operands), tiles),
+        built = self.launch(key, lambda: generated.concat_launcher(concat_source(body, out, pieces, tiles, operands), tiles),
                             (out, pieces, operands), " as a cat's reader")
         return out if built else None
 
@@ -317,137 +316,13 @@ class FusedKernel:
         built = self.launch(key, build, (out, x, w, [*operands, *extra]), f" as a {kind} convolution{what}")
         return out if built else None
 
-    # ---------------------------------------------------------------------------- a producer's epilogue on load
-    def _bare(self, body, out: torch.Tensor) -> list | None:
-        """This op's convolution alone, without its bias, into `out`; `body`, or None with nothing
-        run where the convolution does not compute `out` (the op then runs whole)."""
-        conv = fusion.conv_params(body[0][0], body[0][1]) if fusion.leads_with_convolution(self.body) else None
-        if conv is None or not _writes(conv, out):
-            return None
-        self._convolution(conv, out)
-        return body
-
-    def _after_bare(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
-        """This depthwise body over its input as `producer` left it (its bare convolution): as one
-        kernel that applies the producer's epilogue to each tap it loads
-        (`depthwise_conv.Prologue`, `_direct`); where that kernel does not fit or build, the
-        epilogue interpreted into a buffer of its own first (counted once in `generated.STATS.fallbacks`),
-        then this body as it runs otherwise."""
-        before_operands, before_conv = producer.operands(producer.wrote_bare)
-        before = depthwise_conv.Prologue(producer.wrote_bare, tuple(before_operands),
-                                         before_conv is not None and before_conv["bias"] is not None)
-        key = (layouts(out, producer.bare_out), before.signature())
-        if self._prologue_chosen.get(key) is False:
-            return self._whole_before(body, out, producer)
-        if self._direct(body, out, before) is not None:
-            if key not in self._prologue_chosen and not torch.cuda.is_current_stream_capturing():
-                self._prologue_chosen[key] = self._prologue_kept(key, body, out, producer, before)
-                if not self._prologue_chosen[key]:
-                    return self._whole_before(body, out, producer)
-            return out
-        if not self._interpreted_before:
-            self._interpreted_before = True
-            generated.STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
-        bare = body[0][1][0]
-        first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \
-            else ("aten::alias.default", (bare,), ())
-        activated = run_fused([first, *producer.wrote_bare[1:]])
-        body = [(body[0][0], (activated, *body[0][1][1:]), body[0][2]), *body[1:]]
-        got = self._run(body, out)
-        if got is None:
-            out.copy_(run_fused(body))
-        return out
-
-    def _prologue_kept(self, key: tuple, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
-        """Whether this pair runs as one: as an earlier load kept it (`recall`), else measured
-        (`_pair_faster`) and kept. `key` names the producer's side; the kept choice's key adds
-        this op's filter, operands and body."""
-        operands, conv = self.operands(body)
-        setting = (key, layouts(conv["weight"], *operands), body_signature(body, operands),
-                   settings.current().prologue_slower)
-        kept = (recall.recalled("prologue", setting, out.device) or {}).get("paired")
-        if isinstance(kept, bool):
-            return kept
-        paired = self._pair_faster(body, out, producer, before)
-        recall.keep("prologue", setting, out.device, {"paired": paired})
-        return paired
-
-    def _pair_faster(self, body, out: torch.Tensor, producer: FusedKernel, before) -> bool:
-        """Whether the producer's bare convolution and this kernel with its epilogue on load take
-        at most the `prologue_slower` setting times the producer run whole and this body after
-        it, both timed in a CUDA graph (`timing.graph_us`): depthwise prologues apply the epilogue
-        once per tap, which does not always pay (mobilenet_v2 at batch 1 ran 3.2 % slower with all
-        of them)."""
-        wrote, into = producer.wrote_bare, producer.bare_out
-
-        def paired() -> None:
-            producer._bare(wrote, into)
-            self._direct(body, out, before)
-        with timing.on_stream(out.device):
-            mine = timing.graph_us(paired, out.device)
-            theirs = timing.graph_us(lambda: self._whole_before(body, out, producer, switch=False), out.device)
-            paired()  # this call's result, as the pair computes it
-        return mine <= settings.current().prologue_slower * theirs
-
-    def _whole_before(self, body, out: torch.Tensor, producer: FusedKernel, switch: bool = True) -> torch.Tensor:
-        """The producer run whole into the buffer it wrote bare, then this body (`_after`); with
-        `switch`, the producer runs whole from its next call on."""
-        self._after(body, out, producer, producer.wrote_bare, producer.bare_out)
-        if switch:
-            producer.bare, producer.wrote_bare = False, None
-        return out
-
-    # ---------------------------------------------------------------------------- an elementwise input on load
-    def _with_input(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
-        """This 1x1 convolution's body over the result of `producer`, an elementwise op that
-        deferred its call: as one kernel that applies the producer's body to each block of the
-        input it loads (`pointwise_conv`), where that fits and was measured faster; else the
-        producer's call first, into its own buffer, then this body as it runs otherwise."""
-        before_body, before_out = producer.deferred_call
-        operands, conv = self.operands(body)
-        before = None
-        if conv is not None:
-            pieces = tuple(before_body[0][1][0]) if fusion.leads_with_concat(producer.body) else ()
-            before = pointwise_conv.Before(tuple(before_body), before_out, pieces,
-                                           tuple(_operands(before_body, skip_first=bool(pieces))))
-        if before is None or not pointwise_conv.fits(conv, out, before):
-            return self._apart(body, out, producer)
-        if not self._pointwise_chosen(body, out, operands, conv, before, lambda: self._apart(body, out, producer),
-                                      " with its input's elementwise op"):
-            return self._apart(body, out, producer)
-        return out
-
-    def _apart(self, body, out: torch.Tensor, producer: FusedKernel) -> torch.Tensor:
-        """`producer`'s deferred call run into its buffer, then this body (`_after`)."""
-        return self._after(body, out, producer, *producer.deferred_call)
-
-    def _after(self, body, out: torch.Tensor, producer: FusedKernel, first_body, first_out) -> torch.Tensor:
-        """`producer` run on `first_body` into `first_out` (interpreted where no kernel takes it),
-        then this body over the tensor that holds its result, as it runs otherwise, into `out`."""
-        got = producer._run(first_body, first_out)
-        if got is None:
-            first_out.copy_(run_fused(list(first_body)))
-            got = first_out
-        body = [(body[0][0], (got, *body[0][1][1:]), body[0][2]), *body[1:]]
-        return self._into(body, out, self._run(body, out))
-
-    @staticmethod
-    def _into(body, out: torch.Tensor, got: torch.Tensor | None) -> torch.Tensor:
-        """`out` holding what a way of running `body` returned: `got` copied in where it lies
-        elsewhere (cuDNN's fused kernels allocate), the body interpreted where it returned None."""
-        if got is None:
-            out.copy_(run_fused(body))
-        elif got is not out:
-            out.copy_(got)
-        return out
-
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
         """The distinct tensors a generated kernel of `body` reads, in first-use order, with the
         leading convolution's bias last (shaped (1, C, 1, 1)) where it has one; and that
         convolution's parameters (`fusion.conv_params`), None where none leads."""
         leads = fusion.leads_with_convolution(self.body)
         conv = fusion.conv_params(body[0][0], body[0][1]) if leads else None
-        operands = _operands(body, skip_first=leads)
+        operands = pointwise_operands(body, skip_first=leads)
         if conv is not None and conv["bias"] is not None:
             operands.append(conv["bias"].reshape(1, -1, 1, 1))
         return operands, conv
@@ -458,7 +333,7 @@ class FusedKernel:
         where the body broadcasts past its convolution (it is interpreted)."""
         if conv is None:
             return True
-        if not _writes(conv, out):
+        if not writes(conv, out):
             return False
         self._convolution(conv, out)
         return True
@@ -482,11 +357,11 @@ class FusedKernel:
         x = p["input"]
         if settings.current().bare_convolution_graphs \
                 and self.cudnn_fusion and p["groups"] == 1 and x.dtype in FLOAT_KINDS \
-                and x.dim() == 4 and out.dtype == x.dtype and p["weight"].dtype == x.dtype and _on_cudnn(p):
+                and x.dim() == 4 and out.dtype == x.dtype and p["weight"].dtype == x.dtype and on_cudnn(p):
             bare = {**p, "bias": None}
             operands = (x, p["weight"], None)
 
-            graph = cudnn_graph.choose(bare, (), operands, out, lambda: conv_into(bare, _scratch_like(out)),
+            graph = cudnn_graph.choose(bare, (), operands, out, lambda: conv_into(bare, scratch_like(out)),
                                        self.workspaces)
             if graph is not None:
                 graph(operands, out)
@@ -502,109 +377,8 @@ class FusedKernel:
         written, where the tensors do not fit (see `NormAfter`)."""
         if not norm.fits(out):
             return False
-        operands = _operands(body, skip_first=False)
+        operands = pointwise_operands(body, skip_first=False)
         key = ("norm", tuple(out.shape), out.dtype, norm.store, norm.weight is not None, norm.bias is not None,
                layouts(*operands))
-        return self.launch(key, lambda: _compile_norm(norm_source(body, out, operands, norm)), (out, operands, norm),
+        return self.launch(key, lambda: generated.norm_launcher(norm_source(body, out, operands, norm)), (out, operands, norm),
                            " with its layer norm")
-
-
-def conv_shape(p: dict) -> tuple[int, ...]:
-    """The shape a 2-D convolution with these arguments computes."""
-    x, w = p["input"], p["weight"]
-    dims = []
-    for d in range(2):
-        k = (w.shape[2 + d] - 1) * p["dilation"][d] + 1
-        dims.append((x.shape[2 + d] + 2 * p["padding"][d] - k) // p["stride"][d] + 1)
-    return (x.shape[0], w.shape[0], *dims)
-
-
-def _writes(conv: dict, out: torch.Tensor) -> bool:
-    """Whether the convolution computes `out`'s shape and dtype (a body may broadcast past it)."""
-    return conv_shape(conv) == tuple(out.shape) and conv["input"].dtype == out.dtype
-
-
-def _scratch_like(out: torch.Tensor) -> torch.Tensor:
-    """A buffer of `out`'s shape, strides and dtype, for a reference result to be compared with it."""
-    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
-
-
-def _on_cudnn(p: dict) -> bool:
-    x, w = p["input"], p["weight"]
-    backend = torch._C._select_conv_backend(x, w, p["bias"], list(p["stride"]), list(p["padding"]),
-                                            list(p["dilation"]), False, [0, 0], p["groups"], None)
-    return backend == torch._C._ConvBackend.Cudnn
-
-
-def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
-    """The convolution (`fusion.conv_params`), with its bias or without, written into `out` with
-    the kernel eager PyTorch would pick, through that kernel's out= overload: cuDNN's (the bias
-    then added in place, as eager does) or the depthwise kernel (the bias in it); else computed
-    and copied. Only a dense `out` (contiguous or channels_last) goes to an out= overload:
-    `cudnn_convolution.out` into a channel slice of a larger buffer writes wrong values
-    (H100, torch 2.11), so any other `out` gets the result copied in. Returns `out`."""
-    x, w = p["input"], p["weight"]
-    bias = p["bias"] if with_bias else None
-    stride, padding, dilation = list(p["stride"]), list(p["padding"]), list(p["dilation"])
-    backend = torch._C._select_conv_backend(x, w, p["bias"], stride, padding, dilation, False, [0, 0],
-                                            p["groups"], None)
-    if not (out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last)):
-        backend = None  # computed and copied
-    if backend == torch._C._ConvBackend.Cudnn:
-        torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, p["groups"],
-                                             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-                                             torch.backends.cudnn.allow_tf32, out=out)
-        if bias is not None:
-            out.add_(bias.reshape(1, -1, 1, 1))
-    elif backend == torch._C._ConvBackend.CudaDepthwise2d:
-        torch.ops.aten._conv_depthwise2d.out(x, w, list(w.shape[2:]), bias, stride, padding, dilation, out=out)
-    else:
-        out.copy_(torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0, 0], p["groups"]))
-    return out
-
-
-def _operands(body, skip_first: bool) -> list[torch.Tensor]:
-    """The distinct tensors the pointwise nodes read, in first-use order."""
-    seen: list[torch.Tensor] = []
-    for k, (target, args, _) in enumerate(body):
-        if k == 0 and skip_first:
-            continue
-        for pos in fusion.POINTWISE[target]:
-            a = args[pos]
-            if isinstance(a, torch.Tensor) and not any(a is s for s in seen):
-                seen.append(a)
-    return seen
-
-
-def _compile_norm(source: str):
-    """A launcher for `norm_source`'s kernel: one program per row."""
-    kernel = generated.define(source)
-
-    def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:
-        block = triton_block(norm.n)
-        kernel[(out.numel() // norm.n,)](out, norm.out, out if norm.weight is None else norm.weight,
-                                         out if norm.bias is None else norm.bias, *operands, float(norm.eps),
-                                         N=norm.n, BLOCK=block, num_warps=row_warps(block))
-
-    return launch
-
-
-def _compile_concat(source: str, tiles: ConcatTiles):
-    """A launcher for `concat_source`'s kernel: one program per tile."""
-    kernel = generated.define(source)
-
-    def launch(out: torch.Tensor, pieces: list[torch.Tensor], operands: list[torch.Tensor]) -> None:
-        kernel[(tiles.programs,)](out, *pieces, *operands)
-
-    return launch
-
-
-def _compile(source: str):
-    """A launcher for the generated elementwise source (`define`)."""
-    kernel = generated.define(source)
-
-    def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:
-        numel = out.numel()
-        kernel[(-(-numel // BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
-
-    return launch

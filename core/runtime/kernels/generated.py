@@ -17,6 +17,7 @@ import torch
 from ...errors import first_line
 from ..base import cache
 from . import binaries
+from .codegen import BLOCK, ConcatTiles
 
 MAX_NORM_ROW = 2**14  # elements of one normalised row that one program keeps in registers
 FLOAT_KINDS = (torch.float32, torch.float16, torch.bfloat16)
@@ -161,3 +162,37 @@ class Generated:
             exec(compile(self.source, filename, "exec"), namespace)  # noqa: S102 - text generated in this process
             self._jit = namespace["kernel"]
         return self._jit
+
+
+def norm_launcher(source: str):
+    """A launcher for `norm_source`'s kernel: one program per row."""
+    kernel = define(source)
+
+    def launch(out: torch.Tensor, operands: list[torch.Tensor], norm: NormAfter) -> None:
+        block = triton_block(norm.n)
+        kernel[(out.numel() // norm.n,)](out, norm.out, out if norm.weight is None else norm.weight,
+                                         out if norm.bias is None else norm.bias, *operands, float(norm.eps),
+                                         N=norm.n, BLOCK=block, num_warps=row_warps(block))
+
+    return launch
+
+
+def concat_launcher(source: str, tiles: ConcatTiles):
+    """A launcher for `concat_source`'s kernel: one program per tile."""
+    kernel = define(source)
+
+    def launch(out: torch.Tensor, pieces: list[torch.Tensor], operands: list[torch.Tensor]) -> None:
+        kernel[(tiles.programs,)](out, *pieces, *operands)
+
+    return launch
+
+
+def elementwise_launcher(source: str):
+    """A launcher for the generated elementwise source (`define`)."""
+    kernel = define(source)
+
+    def launch(out: torch.Tensor, operands: list[torch.Tensor]) -> None:
+        numel = out.numel()
+        kernel[(-(-numel // BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
+
+    return launch
