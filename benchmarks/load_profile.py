@@ -35,7 +35,7 @@ import cProfile, importlib, io, json, pstats, sys, time
 import torch
 from nimble.runtime.base.settings import Settings
 settings = Settings(**json.loads(sys.argv[3]))
-from nimble.runtime.executable import load
+from nimble.runtime.opening import load
 from nimble.runtime.kernels import cudnn_graph
 torch.cuda.init()
 profile = cProfile.Profile() if sys.argv[2] != "0" else None

@@ -122,7 +122,7 @@ def kernels_per_inference(art, choice, tmp: Path, **kwargs) -> int:
 PROBE = """
 import sys, time
 import torch
-from nimble.runtime.executable import load
+from nimble.runtime.opening import load
 t = time.perf_counter()
 exe = load(sys.argv[1], "cuda")
 x = torch.randn(exe.input_buffers[0].shape, device="cuda")

@@ -26,7 +26,7 @@ def census(path: str, tune: str, top: int) -> None:
     import torch
 
     import nimble
-    from nimble.runtime.placed import placement
+    from nimble.runtime.placed import run as placed_run
 
     mib = 2**20
     exe = nimble.load(path, device="cuda", tune=tune)
@@ -34,7 +34,7 @@ def census(path: str, tune: str, top: int) -> None:
           + ", ".join(f"{k} {v / mib:.1f}" for k, v in exe.stats.footprint.document().items()
                       if isinstance(v, int)))
     rows = []
-    call = placement.PlacedRun.call
+    call = placed_run.PlacedRun.call
 
     def watched(run, p, args, kwargs):
         torch.cuda.reset_peak_memory_stats()
@@ -45,11 +45,11 @@ def census(path: str, tune: str, top: int) -> None:
         rows.append((p.op.id, p.op.target, stream, after - before, torch.cuda.max_memory_allocated() - after))
         return got
 
-    placement.PlacedRun.call = watched
+    placed_run.PlacedRun.call = watched
     try:
         exe._capture()
     finally:
-        placement.PlacedRun.call = call
+        placed_run.PlacedRun.call = call
     torch.cuda.synchronize()
     pools = {tuple(p) for p in exe.pools()}
     by_stream = defaultdict(list)

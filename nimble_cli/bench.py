@@ -76,7 +76,7 @@ def bench_command(
 
         from nimble.errors import UsageError
         from nimble.runtime.baselines import baselines as build_baselines
-        from nimble.runtime.executable import load
+        from nimble.runtime.opening import load
         from nimble.runtime.base.timing import measure
 
         try:

@@ -68,7 +68,7 @@ def inspect_command(
 
 def _footprint(art, path: Path, device: str, tune: str) -> dict | None:
     """Load `art` on `device` and return its GPU footprint as a document (None on the CPU)."""
-    from nimble.runtime.executable import open_artifact
+    from nimble.runtime.opening import open_artifact
 
     with open_artifact(art, device, name=path.name, tune=tune) as exe:
         return exe.stats.footprint.document() if exe.stats.footprint else None

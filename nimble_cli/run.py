@@ -50,7 +50,7 @@ def run_command(
         budget = early_checks(device=device, tune=tune, max_memory=max_memory)
         check_artifact_file(artifact)
         from nimble.runtime.base.compare import MismatchError, compare, default_tolerance, l2_tolerance
-        from nimble.runtime.executable import load
+        from nimble.runtime.opening import load
 
         given = {"the artifact": artifact, **{f"--input {item}": item.partition("=")[2] or item for item in inputs or []}}
         writable(output, "--output", given)

@@ -12,7 +12,7 @@ readers whose results flow into one op (GPT-2's GELU in its tanh form reads its 
 count as one reader: the fusion takes them, and the add, into one group. Inductor splits the bias
 out the same way. A GEMM whose result goes elsewhere (a split into heads, readers whose results
 part ways) keeps its bias: there the add would be a kernel of its own. In float32, load-time
-tuning may still run that bias apart from the GEMM (`placement.BiasedGemm`).
+tuning may still run that bias apart from the GEMM (`runtime/placed/substitutes.BiasedGemm`).
 
 The sum is the same up to rounding order: the bias is added to the finished product instead of
 inside the GEMM's epilogue.

@@ -6,7 +6,8 @@ backward on a live module), `reference` (the serial executor every result is che
 `trace` (the timeline `bench --trace` writes), `compare` (output comparison) and `timing`
 (benchmark timers)."""
 
-from .executable import Executable, load
+from .executable import Executable
+from .opening import load
 from .group import Group
 
 __all__ = ["Executable", "Group", "load"]

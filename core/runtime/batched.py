@@ -20,7 +20,8 @@ from ..errors import ExecutionError, MismatchError, ShapeError, UsageError
 from ..ops import batches, types
 from .base import footprint
 from .base.compare import compare, default_tolerance
-from .executable import Executable, LoadStats, _mib, settle_footprint
+from .executable import Executable
+from .loading import LoadStats, _mib, settle_footprint
 
 
 class Batched:

@@ -54,7 +54,7 @@ class Replica:
 
     def __init__(self, path: str | Path, name: str, device: str = "auto", tune: str = "cached",
                  observe=lambda rows, queue_s, compute_s: None):
-        from ..runtime.executable import load
+        from ..runtime.opening import load
 
         self.exe = load(path, device, tune=tune, verify=True)
         sizes = getattr(self.exe, "batch_sizes", [])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nimble.ir import Local
+from nimble.runtime.base.settings import Settings
 from nimble.runtime.kernels import depthwise_conv, fused_mean, pooled_conv, reductions
 from nimble.runtime.kernels import fused as kernels
 from nimble.runtime import pairs
@@ -159,8 +160,7 @@ def test_each_mean_pairs_with_the_fused_op_before_it_only_where_it_is_issued_nex
     assert mean not in {p.op.id for p, *_ in pairs.mean_pairs(g, placed, order, [0] * n, waits).values()}
     assert pairs.mean_pairs(g, placed, order, [k % 2 for k in range(n)], [()] * n) == {}  # on other streams
     assert pairs.find(g, placed, order, [0] * n, [()] * n).means == found
-    use_settings(mean_pairs=False)
-    assert pairs.find(g, placed, order, [0] * n, [()] * n).means == {}
+    assert pairs.find(g, placed, order, [0] * n, [()] * n, settings=Settings(mean_pairs=False)).means == {}
 
 
 @pytest.mark.parametrize("dims, keepdim, pairs_", [([2, 3], True, True), ([-1, -2], False, True), ([1, 2], True, False)])

@@ -187,7 +187,7 @@ class Casts(nn.Module):
 
 
 def test_a_cast_writes_its_planned_buffer_in_one_kernel(tmp_path, monkeypatch):
-    """_to_copy and to(dtype) copy once into their buffer (`placement._cast`); their generated
+    """_to_copy and to(dtype) copy once into their buffer (`substitutes._copy`); their generated
     out= overloads convert into a temporary and copy that in: a memcpy node more per cast."""
     import re
 
@@ -234,9 +234,9 @@ class Projection(nn.Module):
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, precision):
-    """`placement._linear`: addmm with cuBLASLt's bias epilogue into the planned buffer, one
+    """`substitutes._linear`: addmm with cuBLASLt's bias epilogue into the planned buffer, one
     kernel in half precision; linear's out= overload runs a GEMM and then an add of the bias."""
-    from nimble.runtime.placed import placement
+    from nimble.runtime.placed import placement, substitutes
 
     torch.manual_seed(0)
     module = Projection().eval().cuda()
@@ -244,7 +244,7 @@ def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, pre
     model = nimble.Nimble(module).prepare(x, precision=precision, tolerance=1e-2 if precision != "fp32" else None)
     artifact = model._runner.artifact
     kernels = []
-    for linear in (placement._linear, lambda args, out: None):
+    for linear in (substitutes._linear, lambda args, out: None):
         monkeypatch.setattr(placement, "_linear", linear)
         monkeypatch.setitem(placement.SUBSTITUTES, "aten::linear.default", linear)
         dump = tmp_path / f"graph{len(kernels)}.dot"

@@ -332,7 +332,7 @@ def test_the_spatial_mean_declines_what_it_does_not_cover():
 
 
 def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
-    from nimble.runtime.placed import placement
+    from nimble.runtime.placed import substitutes as placement
 
     mean = placement.SUBSTITUTES["aten::mean.dim"]
     x = torch.randn(2, 3, 4, 5)
@@ -350,7 +350,7 @@ def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
 def test_the_spatial_mean_kernel_matches_eager_on_the_gpu(dtype, channels_last, shape):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from nimble.runtime.placed import placement
+    from nimble.runtime.placed import substitutes as placement
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = (torch.randn(*shape, device="cuda") * 2 + 1).to(dtype).contiguous(memory_format=fmt)

@@ -484,7 +484,7 @@ def test_a_copy_s_buffer_seen_back_through_the_views_takes_the_product_in_row_ma
     """What the product's kernel stores at element i of the tensor `_seen_back` gives, in
     row-major order, is what the copy of the product's views holds: the copy made by storing."""
     from nimble.ir import Op
-    from nimble.runtime.placed.placement import _seen_back, _viewed
+    from nimble.runtime.pairs.scatter import seen_back as _seen_back, viewed as _viewed
 
     out = torch.randn(shape)
     chain = [Op(k, target, (None, *args), (), (k,), (), (), "") for k, (target, args) in enumerate(views)]
@@ -515,7 +515,7 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
     for op, (view, copy) in pairs.items():
         assert g.ops[op].target == "aten::scaled_dot_product_attention.default"
         assert g.values[view.op.outputs[0]].alias_of == g.ops[op].outputs[0]
-        assert copy.op.target in pairing.COPYING_READERS and copy.op.args[0].id == view.op.outputs[0]
+        assert copy.op.target in pairing.copies.COPYING_READERS and copy.op.args[0].id == view.op.outputs[0]
         assert order.index(copy.op.id) == order.index(view.op.id) + 1 == order.index(op) + 2
     first, (view, copy) = next(iter(pairs.items()))
     waits = [()] * n

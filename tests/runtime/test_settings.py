@@ -63,7 +63,7 @@ def test_a_load_keeps_its_settings_and_the_kernels_see_them_while_it_runs(tmp_pa
 
     from nimble.pipeline import compile_model
     from nimble.runtime.executable import Executable
-    from nimble.runtime.placed import placement
+    from nimble.runtime.placed import run as placement
     from nimble.specs import input_specs
 
     seen = []

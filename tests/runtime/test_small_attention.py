@@ -220,9 +220,9 @@ def test_window_attention_agrees_with_eager_and_writes_the_merged_heads(tokens, 
 
 def test_a_head_merge_s_buffer_is_seen_back_in_the_attention_s_shape():
     """Attention paired with its head merge (transpose, then a copy) writes the copy's buffer
-    through the inverse of the view (`placement._unviewed`); any other view is left alone."""
+    through the inverse of the view (`pairs/copies.unviewed`); any other view is left alone."""
     from nimble.ir import Op, Ref
-    from nimble.runtime.placed.placement import _unviewed
+    from nimble.runtime.pairs.copies import unviewed as _unviewed
 
     out = torch.empty(2, 3, 5, 4)
     merged = torch.arange(2 * 5 * 12, dtype=torch.float32).reshape(2, 5, 12)  # reshape(b, n, heads * row)

@@ -49,6 +49,8 @@ offset can pass 2**31 - 1 (`codegen.needs_wide`).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ...errors import first_line
@@ -91,7 +93,7 @@ class FusedKernel(OnLoad):
         self.wrote_bare: list | None = None  # the body of this op's last call, where it wrote it bare
         self.bare_out: torch.Tensor | None = None  # the buffer it wrote it into
         self._prologue_chosen: dict[tuple, bool] = {}  # call signature -> whether the pair ran faster than apart
-        self._interpreted_before = False  # whether STATS has counted its input's epilogue interpreted
+        self._noted: set[str] = set()  # what STATS has counted once for this op (shared by its lowered kernels)
         # an elementwise op whose 1x1 convolution reader computes it as it loads (`pairs.input_pairs`),
         # set per tuning candidate by the executable
         self.deferred = False  # this op writes nothing; its reader runs its body
@@ -117,6 +119,16 @@ class FusedKernel(OnLoad):
         if self.after_bare is not None and self.after_bare.wrote_bare is not None:
             return self._after_bare(body, out, self.after_bare)
         return self._run(body, out)
+
+    def lowered(self, cudnn_fusion: bool, workspaces) -> FusedKernel:
+        """A fresh kernel for one tuning candidate (`build/lower.py`): this op's, with the candidate's
+        convolution fusion and the load's cuDNN workspaces (`cudnn_graph.Workspaces`), in no pair
+        yet. It shares what this kernel's calls measured and built."""
+        made = copy.copy(self)
+        made.cudnn_fusion, made.workspaces = cudnn_fusion, workspaces
+        made.bare, made.after_bare, made.deferred, made.reads_deferred = False, None, False, None
+        made.forget_calls()
+        return made
 
     def forget_calls(self) -> None:
         """Drop the last call's body and buffer that a bare or deferred op keeps for its reader:

@@ -212,7 +212,7 @@ def _signature(*tensors) -> tuple:
 def _pytorch(x, b, bias, out) -> None:
     """PyTorch's product as nimble runs it otherwise at its best: cuBLAS's GEMM, then the bias
     added in place (in float32 that beats cuBLASLt's bias epilogue with few rows, and it needs no
-    second workspace: `placement.BiasedGemm`)."""
+    second workspace: `placed/substitutes.BiasedGemm`)."""
     torch.mm(x, b, out=out)
     if bias is not None:
         out.add_(bias)

@@ -1,7 +1,7 @@
 """Generated kernels that move elements into a planned buffer, on CUDA: roll.
 
 `roll(args, out)` is the runtime's substitute for `aten::roll` over up to four dims of a tensor of
-up to four (`placement.SUBSTITUTES`). PyTorch rolls one dim at a time (a kernel and a temporary
+up to four (`placed/substitutes.SUBSTITUTES`). PyTorch rolls one dim at a time (a kernel and a temporary
 per dim), and its out= overload then copies the result in: torchvision's Swin rolls each shifted
 block's map over height and width twice, three kernels and two temporaries a roll. The kernel
 reads each output element from its rolled place, `(i - shift) mod size` along every rolled dim,

@@ -49,8 +49,8 @@ class OnLoad:
                 if not self._prologue_chosen[key]:
                     return self._whole_before(body, out, producer)
             return out
-        if not self._interpreted_before:
-            self._interpreted_before = True
+        if "interpreted before" not in self._noted:
+            self._noted.add("interpreted before")
             generated.STATS.fallbacks.append(f"op {self.op.id}: its input's epilogue interpreted before it")
         bare = body[0][1][0]
         first = ("aten::add.Tensor", (bare, before.operands[-1]), ()) if before.bias \

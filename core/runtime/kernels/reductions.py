@@ -3,7 +3,7 @@ windows, and the mean over a feature map's height and width.
 
 PyTorch's layer norm has no out= kernel (its out= overload computes, then copies), so a planned
 layer norm took two kernels: the norm, then a copy into its arena buffer. `layer_norm(args, out)`
-is the runtime's substitute for `aten::layer_norm` (`placement.SUBSTITUTES`): one Triton kernel,
+is the runtime's substitute for `aten::layer_norm` (`placed/substitutes.SUBSTITUTES`): one Triton kernel,
 one program per row, that reads the row once, computes its mean and variance in float32 and
 writes the normalised, scaled and shifted row straight into the planned buffer.
 

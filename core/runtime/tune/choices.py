@@ -22,7 +22,7 @@ fastest:
   PyTorch's fused kernels for conv -> relu and conv -> add -> relu), or split into cuDNN's plain
   convolution and a generated epilogue kernel. Neither wins everywhere;
 - GEMM bias: a float32 addmm or linear with its bias in cuBLASLt's epilogue, or the GEMM alone
-  then an in-place add (`placement.BiasedGemm`). The second wins with few rows, the first with
+  then an in-place add (`placed/substitutes.BiasedGemm`). The second wins with few rows, the first with
   many (`benchmarks/gemm_bias.py`);
 - depthwise prologues (channels_last only, where `pairs.prologue_pairs` finds a pair): a
   convolution's epilogue run in its own kernel, or applied by the depthwise convolution that
@@ -56,46 +56,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 
-from ...ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
+from ...ir import Graph
 from ...ops import fusion
-from ...plan.capped import CAPS
 from ..base import cache
-from ..placed.placement import BiasedGemm, small_product
 from ..base.settings import DEFAULT, Settings
-
-LAYOUTS = ("contiguous", "channels_last")
-CAP = CAPS[0]  # the CUDA streams of the capped stream candidate, which the artifact stores
-STREAMS = ("planned", f"at most {CAP}", "serial")
-ALGORITHMS = ("heuristic", "benchmark")
-CONVOLUTIONS = ("cudnn-fused", "split")
-GEMM_BIAS = ("epilogue", "separate")
-PROLOGUES = ("apart", "in depthwise")
-
-
-@dataclass(frozen=True)
-class Choice:
-    layout: str = "contiguous"
-    streams: str = "planned"
-    algorithms: str = "heuristic"
-    convolutions: str = "cudnn-fused"
-    gemm_bias: str = "epilogue"
-    prologues: str = "apart"
-
-    def describe(self) -> str:
-        """The four first settings; the GEMM bias and the prologues only where not the default."""
-        separate = ", separate GEMM bias" if self.gemm_bias == "separate" else ""
-        prologues = ", depthwise prologues" if self.prologues == PROLOGUES[1] else ""
-        return (f"{self.layout}, {self.streams} streams, {self.algorithms} algorithms, {self.convolutions}"
-                f"{separate}{prologues}")
-
-
-def stream_cap(streams: str) -> int | None:
-    """The most CUDA streams a `Choice.streams` setting allows (None: as many as planned)."""
-    return {"planned": None, "serial": 1}.get(streams, CAP)
+# the choice's settings and values, named here too: `tuning.Choice`, `tuning.LAYOUTS` (build/choice.py)
+from ..build.choice import (ALGORITHMS, CAP, CONVOLUTIONS, GEMM_BIAS, LAYOUTS, PROLOGUES, STREAMS,  # noqa: F401
+                            Choice, channels_last_values, choice_of, conv_weights, every_choice, stream_cap)
+from ..placed.substitutes import BiasedGemm, small_product
 
 
 def candidates(graph: Graph, num_streams: int, prologues: bool = False) -> list[Choice]:
@@ -113,21 +85,6 @@ def candidates(graph: Graph, num_streams: int, prologues: bool = False) -> list[
         else GEMM_BIAS[:1]  # a small linear runs as a generated kernel (`pooled_conv.SmallLinear`) either way
     return [Choice(layout, s, a, k, b, p) for layout in layouts for s in streams for a in algorithms for k in kinds
             for b in biases for p in PROLOGUES if p == PROLOGUES[0] or (prologues and layout == "channels_last")]
-
-
-def every_choice() -> list[Choice]:
-    return [Choice(layout, s, a, k, b, p) for layout in LAYOUTS for s in STREAMS for a in ALGORITHMS
-            for k in CONVOLUTIONS for b in GEMM_BIAS for p in PROLOGUES]
-
-
-def choice_of(fields: str) -> Choice | None:
-    """The load-time choice that comma-separated `fields` name, Choice's fields in order (the later
-    ones may be left out: their defaults), or None where they name none."""
-    try:
-        choice = Choice(*fields.split(","))
-    except TypeError:  # too many fields
-        return None
-    return choice if choice in every_choice() else None
 
 
 def stages(options: list[Choice], graphs: bool = False):
@@ -153,29 +110,6 @@ def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int], sett
     limit_bytes = held.get(fastest.describe(), 0) - settings.memory_worth
     leaner = [c for c in options if ms[c.describe()] <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
     return min(leaner, key=lambda c: (held.get(c.describe(), 0), ms[c.describe()])) if leaner else fastest
-
-
-def conv_weights(graph: Graph) -> set[int]:
-    """4-D weights that only convolutions read, as their weight operand."""
-    as_weight, elsewhere = set(), set()
-    for op in graph.ops:
-        nodes = fusion.body_of(op) if op.target == fusion.FUSED else ((op.target, op.args, op.kwargs),)
-        for target, args, kwargs in nodes:
-            params = fusion.conv_params(target, args) if target in fusion.CONVOLUTIONS else None
-            w = params["weight"] if params else None
-            for r in refs_of((args, tuple(v for _, v in kwargs))):
-                if graph.values[r].kind == WEIGHT:
-                    (as_weight if w == Ref(r) and len(graph.values[r].spec.shape) == 4 else elsewhere).add(r)
-    return as_weight - elsewhere
-
-
-def channels_last_values(graph: Graph) -> set[int]:
-    """Planned 4-D buffers that no view shares and that the artifact declares contiguous (its
-    strides given as contiguous ones, or left out): the ones channels_last re-strides."""
-    shared = {v.alias_of for v in graph.values if v.alias_of is not None}
-    return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
-            and len(v.spec.shape) == 4 and not v.spec.offset
-            and v.spec.is_contiguous}
 
 
 # ---------------------------------------------------------------------------------- cache
