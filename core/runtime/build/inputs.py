@@ -1,0 +1,45 @@
+"""What a call may put in the input buffers: the model's inputs by count, shape and dtype, and
+index values inside the tables they index (on CUDA, one outside would trip a device-side assert
+and end the process). Everything is checked before anything is copied."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ShapeError
+from ...ir import Graph
+from ...ops import types
+from ..placed import indices
+
+
+def check_inputs(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs) -> None:
+    """Raise ShapeError, in one line, unless `inputs` fit `buffers`: their count, shapes and
+    dtypes, and index values (`check_values`)."""
+    if len(inputs) != len(graph.inputs):
+        raise ShapeError(f"the model takes {len(graph.inputs)} input(s) "
+                         f"({', '.join(graph.values[i].name for i in graph.inputs)}), got {len(inputs)}")
+    for vid, buf, x in zip(graph.inputs, buffers, inputs):
+        spec = graph.values[vid].spec
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"input '{graph.values[vid].name}' must be a tensor, got {type(x).__name__}")
+        if tuple(x.shape) != spec.shape:
+            raise ShapeError(f"input '{graph.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
+                             f"{types.dtype_name(x.dtype)}{list(x.shape)}; the artifact was compiled for that "
+                             "shape alone: compile the model again for another")
+        if x.dtype != buf.dtype:
+            raise ShapeError(f"input '{graph.values[vid].name}' must be {spec.dtype}, got "
+                             f"{types.dtype_name(x.dtype)}; convert it first (x.to(torch.{spec.dtype}))")
+    check_values(graph, plan, inputs)
+
+
+def check_values(graph: Graph, plan: indices.IndexPlan, inputs) -> None:
+    """Raise ShapeError unless every index input's values lie inside the table it indexes."""
+    for k, (vid, x) in enumerate(zip(graph.inputs, inputs)):
+        indices.check_input(x, plan.inputs.get(k, ()), graph.values[vid].name)
+
+
+def copy_in(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs) -> None:
+    """`inputs`, checked, copied into `buffers`."""
+    check_inputs(graph, buffers, plan, inputs)
+    for buf, x in zip(buffers, inputs):
+        buf.copy_(x, non_blocking=True)
