@@ -1,10 +1,18 @@
-"""Running an IR graph on a device: `executable` (load an artifact, capture it into a CUDA graph
-on the planned streams and arena, replay it), `group` (artifacts that share one arena, streams
-and workspaces, and run one at a time), `streams` (issuing an op list on planned streams,
-and capture), `placement` (ops writing into their arena views), `training` (captured forward and
-backward on a live module), `reference` (the serial executor every result is checked against),
-`trace` (the timeline `bench --trace` writes), `compare` (output comparison) and `timing`
-(benchmark timers)."""
+"""Running an IR graph on a device, in floors that import only from the floors below them:
+
+- `base/`: device, streams and capture, timers, the cache folder, settings;
+- `kernels/`: the kernel library (generated Triton, cuDNN graphs, GEMM, attention, reductions);
+- `placed/`: one op into its planned buffer, the preflight and the reference runner;
+- `pairs/`: two ops that one kernel runs, chosen at load, one kind per module;
+- `build/`: a candidate's buffers, issue order, fresh kernels and capture;
+- `tune/`: the candidates and their search;
+- on top: `loading.py` and `executable.py` (load an artifact, capture it into a CUDA graph on the
+  planned streams and arena, replay it), `batched.py` (several batch sizes), `group.py`
+  (artifacts that share one arena and run one at a time), `opening.py` (`load`), `training.py`
+  (captured forward and backward on a live module), `trace.py` (the timeline `bench --trace`
+  writes) and `baselines.py`.
+
+`tests/test_layering.py` holds the rule."""
 
 from .executable import Executable
 from .opening import load
