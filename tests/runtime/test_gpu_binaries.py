@@ -18,7 +18,7 @@ LAUNCH = """
 import json, sys
 import torch
 from nimble.runtime.kernels import fused as kernels, generated
-from nimble.runtime import binaries
+from nimble.runtime.kernels import binaries
 x = torch.linspace(-3, 3, 4099, device="cuda")
 y = torch.linspace(1, 2, 4099, device="cuda")
 out = torch.full_like(x, float("nan"))
@@ -87,8 +87,8 @@ LOAD = """
 import json, sys
 import torch
 import nimble
-from nimble.runtime import binaries
-from nimble.runtime.compare import compare
+from nimble.runtime.kernels import binaries
+from nimble.runtime.base.compare import compare
 exe = nimble.load(sys.argv[1], device="cuda")
 art = exe.artifact
 result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)

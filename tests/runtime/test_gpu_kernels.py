@@ -245,7 +245,7 @@ def test_a_linear_with_bias_on_a_3d_input_is_one_gemm(tmp_path, monkeypatch, pre
     artifact = model._runner.artifact
     kernels = []
     for linear in (substitutes._linear, lambda args, out: None):
-        monkeypatch.setattr(placement, "_linear", linear)
+        monkeypatch.setattr(substitutes, "_linear", linear)
         monkeypatch.setitem(placement.SUBSTITUTES, "aten::linear.default", linear)
         dump = tmp_path / f"graph{len(kernels)}.dot"
         exe = Executable(artifact, "cuda", graph_dump=str(dump), tune="off")

@@ -222,8 +222,8 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     timed only outside a capture; the same call later gets the same choice."""
     if frontend() is None or overlaps(out, operands):
         return None
-    key = (_signature(p, operands, out), steps, _tf32(out), _limit(outside, out.numel() * out.element_size()),
-           settings.current().digest())  # the choice is timed and checked under these settings
+    key = (_signature(p, operands, out), steps, _tf32(out), settings.current().digest(),  # timed under these
+           _limit(outside, out.numel() * out.element_size()))  # the limit last: `_decide` reads it
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
