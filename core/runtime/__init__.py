@@ -4,7 +4,7 @@
 - `kernels/`: the kernel library (generated Triton, cuDNN graphs, GEMM, attention, reductions);
 - `placed/`: one op into its planned buffer, the preflight and the reference runner;
 - `pairs/`: two ops that one kernel runs, chosen at load, one kind per module;
-- `build/`: a candidate's buffers, issue order, fresh kernels and capture;
+- `assemble/`: a candidate's buffers, issue order, fresh kernels and capture;
 - `tune/`: the candidates and their search;
 - on top: `loading.py` and `executable.py` (load an artifact, capture it into a CUDA graph on the
   planned streams and arena, replay it), `batched.py` (several batch sizes), `group.py`

@@ -24,7 +24,7 @@ On the CPU, the same placed op list runs serially in issue order on each call.
 
 The runtime's floors, each importing only from those below it: `base/` (device, streams, timing,
 caches, settings), `kernels/` (the kernel library), `placed/` (one op into its planned buffer),
-`pairs/` (load-time pairs of ops), `build/` (buffers, issue order, a candidate's kernels,
+`pairs/` (load-time pairs of ops), `assemble/` (buffers, issue order, a candidate's kernels,
 capture), `tune/` (the candidates and their search), then this call path, `batched.py`,
 `group.py` and `opening.py` (`load`).
 """
@@ -38,7 +38,7 @@ import torch
 from ..errors import MismatchError
 from .base.compare import compare, default_tolerance, l2_tolerance
 from .loading import Loading
-from .build import inputs as inputs_mod
+from .assemble import inputs as inputs_mod
 
 
 class Executable(Loading):
@@ -96,7 +96,7 @@ class Executable(Loading):
 
     def check_inputs(self, inputs) -> None:
         """Raise ShapeError, in one line, unless `inputs` are what a call takes: their count,
-        shapes and dtypes, and index values inside their tables (`build/inputs.py`)."""
+        shapes and dtypes, and index values inside their tables (`assemble/inputs.py`)."""
         inputs_mod.check_inputs(self.graph, self._inputs, self._indices, inputs)
 
     def check_values(self, inputs) -> None:

@@ -2,11 +2,11 @@
 
 Loading first runs the preflight (`placed/preflight.py`): every op on the meta device, checked
 against its declared spec and buffer, before any data moves. It then allocates the weights, one
-arena of the planned size and one static buffer per input (`build/buffers.py`). On CUDA it
-chooses how to run (`tune/search.py`): each candidate gets fresh kernels (`build/lower.py`), its
-issue order, streams and pairs (`build/order.py`), an eager warm-up on its streams (which
+arena of the planned size and one static buffer per input (`assemble/buffers.py`). On CUDA it
+chooses how to run (`tune/search.py`): each candidate gets fresh kernels (`assemble/lower.py`), its
+issue order, streams and pairs (`assemble/order.py`), an eager warm-up on its streams (which
 validates every op and creates each stream's cuBLAS and cuDNN handles and workspaces) and a
-capture into one CUDA graph (`build/capture.py`). What the load holds on the GPU is reported by
+capture into one CUDA graph (`assemble/capture.py`). What the load holds on the GPU is reported by
 kind (`base/footprint.py`), and `close()` gives it back.
 """
 
@@ -26,9 +26,9 @@ from .base import footprint
 from .base.device import resolve_device
 from .base.settings import Settings, using
 from .base.settings import current as current_settings
-from .build import buffers, capture, inputs, lower
-from .build.choice import Choice, channels_last_values, every_choice
-from .build.order import IssueOrder, issue_order
+from .assemble import buffers, capture, inputs, lower
+from .assemble.choice import Choice, channels_last_values, every_choice
+from .assemble.order import IssueOrder, issue_order
 from .kernels import cudnn_graph, generated
 from .kernels.fused import FusedKernel
 from .kernels.binaries import STATS as BINARIES
@@ -89,7 +89,7 @@ class Loading:
         and pairs it may use and the thresholds of its measured choices."""
         check_tune_mode(tune)
         if choice is not None and choice not in every_choice():
-            raise UsageError(f"choice={choice!r} is no load-time choice; build it from the settings build/choice.py "
+            raise UsageError(f"choice={choice!r} is no load-time choice; build it from the settings assemble/choice.py "
                              "names (LAYOUTS, STREAMS, ALGORITHMS, CONVOLUTIONS, GEMM_BIAS, PROLOGUES)")
         self.settings = settings if settings is not None else current_settings()
         t0 = time.perf_counter()
@@ -103,7 +103,7 @@ class Loading:
             self._name = name or artifact.model
             self._mark = footprint.Mark.now(self.device) if self.device.type == "cuda" else None
             self._prepared: list[PlacedOp] = prepare(self.graph)  # each op resolved once
-            self._placed = self._prepared  # on CUDA, the chosen candidate's fresh kernels (`build/lower.py`)
+            self._placed = self._prepared  # on CUDA, the chosen candidate's fresh kernels (`assemble/lower.py`)
             self._cuda_graph = self._tensors = self._outputs = self._env_after = None
             self._with_arena, self._single_stream = arena, single_stream
             self._share, self._group = share, group
@@ -239,7 +239,7 @@ class Loading:
         self.stats.tuning_pool_bytes = found.held
 
     def _set_order(self, choice, placed: list[PlacedOp] | None = None) -> None:
-        """The issue order, streams, waits and pairs of `choice` (`build/order.py`), the pairs among
+        """The issue order, streams, waits and pairs of `choice` (`assemble/order.py`), the pairs among
         `placed` (by default the prepared ops)."""
         self._issue_order = issue_order(self.graph, self.schedule, self.memory,
                                         self._prepared if placed is None else placed, choice,
@@ -268,7 +268,7 @@ class Loading:
         return self._issue_order.pairs
 
     def _build(self, choice, graph_dump: str | None = None) -> None:
-        """Lay out the buffers and weights for `choice`, make its kernels afresh (`build/lower.py`),
+        """Lay out the buffers and weights for `choice`, make its kernels afresh (`assemble/lower.py`),
         warm up every stream, and capture."""
         self._cuda_graph = self._tensors = None
         channels_last = choice.layout == "channels_last"
@@ -350,7 +350,7 @@ class Loading:
             self._views = arena_views(self.graph, self.memory, arena)
 
     def _issue(self, validate: bool = False, around=None) -> dict[int, torch.Tensor]:
-        """Issue every op in order on its stream (`build/capture.issue`), under this load's
+        """Issue every op in order on its stream (`assemble/capture.issue`), under this load's
         settings; on the CPU the last call's results are kept for `tensors()`."""
         env = dict(self._weights)
         env.update(zip(self.graph.inputs, self._inputs))

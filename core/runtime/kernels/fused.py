@@ -121,7 +121,7 @@ class FusedKernel(OnLoad):
         return self._run(body, out)
 
     def lowered(self, cudnn_fusion: bool, workspaces) -> FusedKernel:
-        """A fresh kernel for one tuning candidate (`build/lower.py`): this op's, with the candidate's
+        """A fresh kernel for one tuning candidate (`assemble/lower.py`): this op's, with the candidate's
         convolution fusion and the load's cuDNN workspaces (`cudnn_graph.Workspaces`), in no pair
         yet. It shares what this kernel's calls measured and built."""
         made = copy.copy(self)

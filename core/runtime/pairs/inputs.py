@@ -1,7 +1,7 @@
 """Input pairs: an elementwise op whose result a 1x1 convolution alone reads. The first op writes
 nothing (`FusedKernel.deferred`), and the convolution's kernel computes its input as it loads it
 (`kernels/pointwise_conv`, run by `kernels/on_load.OnLoad`); the lowering of a candidate sets them
-(`build/lower.py`). An input pair moves the first op's reads later, to the second: the memory plan
+(`assemble/lower.py`). An input pair moves the first op's reads later, to the second: the memory plan
 holds the first op's inputs until the second (`memory.held_inputs`), and the load proves that on
 the plan it loaded (`held_by`)."""
 

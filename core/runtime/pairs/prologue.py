@@ -2,7 +2,7 @@
 (channels_last candidates only, `depthwise_conv.Prologue`). Both ops still run, each as its own
 kernel, but the producer writes its convolution alone (`FusedKernel.bare`) and its epilogue moves
 into its reader's kernel (`kernels/on_load.OnLoad`); the lowering of a candidate sets them
-(`build/lower.py`)."""
+(`assemble/lower.py`)."""
 
 from __future__ import annotations
 

@@ -64,8 +64,8 @@ from ...ir import Graph
 from ...ops import fusion
 from ..base import cache
 from ..base.settings import DEFAULT, Settings
-# the choice's settings and values, named here too: `tuning.Choice`, `tuning.LAYOUTS` (build/choice.py)
-from ..build.choice import (ALGORITHMS, CAP, CONVOLUTIONS, GEMM_BIAS, LAYOUTS, PROLOGUES, STREAMS,  # noqa: F401
+# the choice's settings and values, named here too: `tuning.Choice`, `tuning.LAYOUTS` (assemble/choice.py)
+from ..assemble.choice import (ALGORITHMS, CAP, CONVOLUTIONS, GEMM_BIAS, LAYOUTS, PROLOGUES, STREAMS,  # noqa: F401
                             Choice, channels_last_values, choice_of, conv_weights, every_choice, stream_cap)
 from ..placed.substitutes import BiasedGemm, small_product
 
