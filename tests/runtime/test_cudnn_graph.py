@@ -50,7 +50,7 @@ def test_anything_else_stays_with_nimble():
 
 
 def test_without_the_package_there_is_no_frontend(monkeypatch):
-    monkeypatch.setattr(cudnn_graph, "_module", None)
+    monkeypatch.setattr(cudnn_graph.cudnn_plans, "_module", None)
     assert cudnn_graph.frontend() is None
 
 
@@ -72,7 +72,7 @@ def test_a_plan_too_slow_in_its_checked_run_is_never_timed(monkeypatch, use_sett
 
     slow, fast = Plan(0.05), Plan(0.0)
     use_settings(cudnn_too_slow_s=0.01)
-    monkeypatch.setattr(cudnn_graph, "_ranked", lambda *args: [slow, fast])
+    monkeypatch.setattr(cudnn_graph.cudnn_plans, "ranked", lambda *args: [slow, fast])
 
     def gpu_us(fn, device):
         fn()

@@ -143,7 +143,7 @@ def test_without_tf32_every_plan_computes_in_full_float32(monkeypatch, use_setti
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     p, (x, w, b, _), out, _, fused = _call(2, 64, 64, (14, 14), 3, 1, 1, torch.float32, "channels_last", False)
     want = F.conv2d(x.double(), w.double(), b.double(), 1, 1).relu()
-    plans = cudnn_graph._ranked(p, RELU, (x, w, b), out)
+    plans = cudnn_graph.cudnn_plans.ranked(p, RELU, (x, w, b), out)
     assert plans
     for plan in plans:
         out.zero_()
@@ -249,7 +249,7 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
     counts = {}
     for package in ("installed", "missing"):
         if package == "missing":
-            monkeypatch.setattr(cudnn_graph, "_module", None)
+            monkeypatch.setattr(cudnn_graph.cudnn_plans, "_module", None)
         elif cudnn_graph.frontend() is None:
             continue
         dump = tmp_path / f"{package}.dot"
@@ -261,7 +261,7 @@ def test_a_lone_convolution_and_its_bias_run_as_one_kernel(monkeypatch, tmp_path
 
 
 def test_without_the_package_pytorch_fused_kernel_runs(monkeypatch):
-    monkeypatch.setattr(cudnn_graph, "_module", None)
+    monkeypatch.setattr(cudnn_graph.cudnn_plans, "_module", None)
     p, operands, out, ref, fused = _call(1, 8, 8, (6, 6), 3, 1, 1, torch.float32, "channels_last", True)
     assert cudnn_graph.choose(p, ADD_RELU, operands, out, fused, cudnn_graph.Workspaces()) is None
 
@@ -327,7 +327,7 @@ def test_the_convolution_before_a_generated_epilogue_runs_as_a_graph(monkeypatch
     counts = {}
     for package in ("installed", "missing"):
         if package == "missing":
-            monkeypatch.setattr(cudnn_graph, "_module", None)
+            monkeypatch.setattr(cudnn_graph.cudnn_plans, "_module", None)
         chosen = cudnn_graph.STATS["chosen"]
         dump = tmp_path / f"{package}.dot"
         exe = Executable(artifact, "cuda", choice=tuning.Choice(layout), graph_dump=str(dump))
