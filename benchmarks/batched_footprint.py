@@ -9,7 +9,7 @@ machine:
 
 Each load runs in a fresh process with an empty tuning cache; the figures are the growth of
 `torch.cuda.memory_reserved()` over the load and one call at the largest batch size, and the
-footprint by kind the load reports (`runtime/footprint.py`).
+footprint by kind the load reports (`runtime/base/footprint.py`).
 """
 
 from __future__ import annotations

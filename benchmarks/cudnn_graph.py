@@ -1,4 +1,4 @@
-"""Fused convolutions as cuDNN graphs that write the arena (`runtime/cudnn_graph.py`) against
+"""Fused convolutions as cuDNN graphs that write the arena (`runtime/kernels/cudnn_graph.py`) against
 PyTorch's fused kernels, which allocate their results outside it.
 
     python benchmarks/cudnn_graph.py --out DIR [--models resnet50 inception_v3] [--batches 1 8]
@@ -6,7 +6,7 @@ PyTorch's fused kernels, which allocate their results outside it.
 Needs the `cudnn` extra (nvidia-cudnn-frontend). Per model and batch, one fresh process loads the
 artifact (default tuning, an empty tuning cache for each) twice: first with the cuDNN graphs turned off
 (PyTorch's fused kernels, as without the extra), then on. Each load reports its load seconds, its
-GPU footprint by kind (`runtime/footprint.py`: growth, results outside the arena) and its tuning
+GPU footprint by kind (`runtime/base/footprint.py`: growth, results outside the arena) and its tuning
 choice; then GPU-bound ms (50 back-to-back replays between CUDA events, median of 15) and latency
 ms (copy in, run, synchronize; median of 200) are taken for both loads, alternating, in the same
 process. The graphs' counts: convolutions timed, plans chosen, plans that disagreed with PyTorch.

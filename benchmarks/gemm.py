@@ -1,4 +1,4 @@
-"""nimble's float32 product kernel (`runtime/gemm.py`, three TF32 products on the tensor cores)
+"""nimble's float32 product kernel (`runtime/kernels/gemm.py`, three TF32 products on the tensor cores)
 against cuBLAS in float32 (FMA units: TF32 off for matmul, PyTorch's default; the faster of `addmm`
 with cuBLASLt's bias epilogue and the GEMM then an in-place bias add), at the
 projection shapes of GPT-2 small and BERT-base with 128 rows (batch 1), 197 (vit_b_16 at batch 1)

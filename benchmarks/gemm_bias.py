@@ -3,7 +3,7 @@ in-place add, for the projection shapes of GPT-2 and BERT, in every precision ni
 
 Each variant is captured in a CUDA graph as 20 back-to-back calls and replayed; the figure is the
 median over 15 replays of the time per call, in microseconds (GPU-bound). This is the measurement
-behind `bias_into_epilogue` and the runtime's fp32 `addmm` (see `runtime/placement.py`).
+behind `bias_into_epilogue` and the runtime's fp32 `addmm` (see `runtime/placed/placement.py`).
 
     python benchmarks/gemm_bias.py [--rows 128 1024] [--out benchmarks/results]
 """

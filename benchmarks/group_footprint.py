@@ -98,7 +98,7 @@ def main() -> int:
              f"- still reserved after every close(): {apart['after_close'] / mib:.1f} MiB one by one, "
              f"{group['after_close'] / mib:.1f} MiB in a group", "",
              "Per model, in load order: MiB the load added to what was reserved, and in brackets by kind: "
-             + ", ".join(kinds) + " (`runtime/footprint.py`).", "",
+             + ", ".join(kinds) + " (`runtime/base/footprint.py`).", "",
              *report.table(["model", "GPU-bound ms, apart / group", "latency ms, apart / group", "arena MiB",
                             "added apart", "added in the group"], rows)]
     report.write(args.out, f"group_footprint_b{args.batch}", lines, {"meta": meta, **runs})

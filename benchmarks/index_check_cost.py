@@ -1,4 +1,4 @@
-"""What the host-side range check of token ids costs a call (`runtime/indices.py`).
+"""What the host-side range check of token ids costs a call (`runtime/placed/indices.py`).
 
 For the bundled bert sample and Hugging Face BERT-base (random weights, 128 tokens), one process
 loads the artifact on CUDA and times `exe(ids, mask)` (latency: copy in, replay, synchronize)

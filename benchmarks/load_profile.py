@@ -5,7 +5,7 @@ with Python's profiler over the load and first call.
                                       [--set NAME=VALUE] [--out DIR]
 
 A `unkept` run is a warm one without the per-call kernel choices the loads before kept
-(`kernel_choices.json`, `runtime/recall.py`): it times them again, on warm kernel caches, as
+(`kernel_choices.json`, `runtime/kernels/recall.py`): it times them again, on warm kernel caches, as
 every load did before they were kept.
 
 Prints, per run, the seconds from `nimble.load` to the first result, the stage seconds the load

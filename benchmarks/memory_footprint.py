@@ -6,7 +6,7 @@
 Each measurement runs in a fresh process, so that nothing else sits in the caching allocator:
 
 - nimble: `torch.cuda.memory_reserved()` before `nimble.load` (default tuning, empty tuning
-  cache) and after one call, and the footprint by kind the load reports (`runtime/footprint.py`);
+  cache) and after one call, and the footprint by kind the load reports (`runtime/base/footprint.py`);
   then `close()` and what is still reserved; with `--set NAME=VALUE`, again loaded under each
   such runtime setting (`nimble/runtime/base/settings.py`; a row of its own, an empty cache of its own);
 - torch.compile(mode="reduce-overhead"): reserved after moving the model to the GPU and three

@@ -8,7 +8,7 @@ an op's call leaves allocated (its results outside the arena) and the peak above
 runs (workspaces and temporaries). It prints the segments outside the pool that are partly
 free (the footprint's `cached`), the pool's segments by stream (size, allocated) and the ops
 that allocate the most, with their stream and kind. This is the diagnostic behind
-the footprint's `pool_free` and `outside_arena` (`nimble/runtime/footprint.py`).
+the footprint's `pool_free` and `outside_arena` (`nimble/runtime/base/footprint.py`).
 """
 
 from __future__ import annotations

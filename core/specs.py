@@ -72,7 +72,7 @@ def parse_streams(streams: str | int) -> str | int:
 
 
 DEVICES = ("auto", "cpu", "cuda")  # --device
-TUNE_MODES = ("off", "cached", "full")  # --tune (runtime/tuning.py says what each does)
+TUNE_MODES = ("off", "cached", "full")  # --tune (runtime/tune/choices.py says what each does)
 
 
 def check_device_name(device: str) -> None:

@@ -163,7 +163,7 @@ def writable(path, option: str, inputs: dict | None = None):
 
 
 def footprint_line(f: dict) -> str:
-    """A load's GPU footprint (`runtime/footprint.py`, as a document) in one line."""
+    """A load's GPU footprint (`runtime/base/footprint.py`, as a document) in one line."""
     kinds = ", ".join(f"{label} {human_bytes(f[k])}" for k, label in (
         ("weights", "weights"), ("arena", "arena"), ("inputs", "inputs"), ("outside_arena", "results outside the arena"),
         ("pool_free", "graph-pool workspaces and slack"),

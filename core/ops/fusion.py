@@ -15,7 +15,7 @@ Three kinds of body exist, and `check` refuses anything else:
   node is pointwise over tensors that broadcast to the cat's result (`passes/fuse_concats.py`).
 
 On any device nimble can interpret a body node by node with the same aten overloads
-(`interpret.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels.py`): a
+(`interpret.run_fused`). On CUDA the runtime lowers it instead (`runtime/kernels/fused.py`): a
 convolution-led body to cuDNN's fused convolutions where their pattern matches, and the
 pointwise part to one generated Triton kernel, which reads a leading cat's parts where they lie
 (the cat's result is never written). This module is plain data and checks; it

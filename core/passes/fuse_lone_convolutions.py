@@ -6,9 +6,9 @@ convolution through its out= kernel, then the bias added in place, a second kern
 projections of efficientnet_b0 and mobilenet_v2 (1x1, batch norm folded into a bias, read by a
 residual add or the next block) and resnet50's downsampling convolutions are such ops. Fused, the
 runtime offers the convolution and its bias to cuDNN as one operation graph
-(`runtime/cudnn_graph.py`, with the `cudnn` extra) and keeps that where it is correct and as
+(`runtime/kernels/cudnn_graph.py`, with the `cudnn` extra) and keeps that where it is correct and as
 fast as the two kernels; its workspace then comes from nimble's region, not the graph's pool.
-Otherwise the op runs as before (`runtime/kernels.py`). On the CPU the body is the convolution,
+Otherwise the op runs as before (`runtime/kernels/fused.py`). On the CPU the body is the convolution,
 interpreted as it was.
 
 Runs after the other fusion passes, on what they left.

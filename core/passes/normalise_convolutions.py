@@ -1,6 +1,6 @@
 """Every graph: a batched `aten::conv2d` becomes the `aten::convolution` it calls, so that both
 frontends give one op (TorchScript records convolution, torch.export conv2d) and the runtime's
-out= path for convolution (`runtime/placement.py`) writes it into its planned buffer, instead of
+out= path for convolution (`runtime/placed/placement.py`) writes it into its planned buffer, instead of
 computing it and copying it in."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ cap (`Schedule.capped`). The memory plan is made once, for the planned schedule,
 under every stored candidate: a fold keeps each planned stream whole on one CUDA stream and
 issues the ops in the planned order with the planned waits, so it only adds ordering. The plan
 checker proves it all the same, at compile and when an artifact is read (`check`), since a
-stored candidate may come from an attacker. Load times the candidates (`runtime/tuning.py`) and
+stored candidate may come from an attacker. Load times the candidates (`runtime/tune/choices.py`) and
 issues the chosen one; it never schedules again. Every op on one stream in issue order (the
 "serial" candidate) needs nothing stored.
 """

@@ -163,7 +163,7 @@ def _sweep(graph: Graph, schedule: Schedule, roots: list[int], size: dict[int, i
     return _Sweep(conflicts, last_user, first_after, live + sum(size[o] for o in outputs))
 
 
-# the products whose inputs are held (`held_inputs`): those `runtime/gemm.py` may pair with the op after them
+# the products whose inputs are held (`held_inputs`): those `runtime/kernels/gemm.py` may pair with the op after them
 PRODUCTS = ("aten::linear.default", "aten::addmm.default", "aten::mm.default", "aten::matmul.default")
 
 

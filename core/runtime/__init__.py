@@ -12,7 +12,7 @@
   (captured forward and backward on a live module), `trace.py` (the timeline `bench --trace`
   writes) and `baselines.py`.
 
-`tests/test_layering.py` holds the rule."""
+`tests/test_layering.py` holds the rule (DESIGN.md, "Runtime floors")."""
 
 from .executable import Executable
 from .opening import load

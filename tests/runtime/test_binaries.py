@@ -1,4 +1,4 @@
-"""Records of compiled kernels (`runtime/binaries.py`): what one says about Triton's compiled
+"""Records of compiled kernels (`runtime/kernels/binaries.py`): what one says about Triton's compiled
 kernel, which kernels get none, and what a record must be before a launch trusts it (crafted
 records in the cache folder are misses, never launches). The launches themselves are
 `test_gpu_binaries.py`."""

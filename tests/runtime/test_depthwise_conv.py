@@ -1,4 +1,4 @@
-"""A depthwise convolution and its body as one kernel (`runtime/depthwise_conv.py`): its source run
+"""A depthwise convolution and its body as one kernel (`runtime/kernels/depthwise_conv.py`): its source run
 on the CPU through `triton_shim` against torch's convolution for strides, paddings, dilations,
 filter sizes and channel counts that do not fill a tile, which convolutions qualify, and on the
 GPU mobilenet_v2's block against eager, in fewer kernels."""

@@ -1,4 +1,4 @@
-"""A fused op and the spatial mean of its result as one kernel (`runtime/fused_mean.py`): its
+"""A fused op and the spatial mean of its result as one kernel (`runtime/kernels/fused_mean.py`): its
 source run on the CPU through `triton_shim` against torch and against the mean run apart, which
 ops `pairs.mean_pairs` pairs, and on the GPU an efficientnet-like squeeze-and-excitation block
 against eager, in both layouts."""

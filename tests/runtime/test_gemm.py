@@ -1,4 +1,4 @@
-"""Float32 matrix products as one kernel (`runtime/gemm.py`): its source run on the CPU through
+"""Float32 matrix products as one kernel (`runtime/kernels/gemm.py`): its source run on the CPU through
 `triton_shim` against PyTorch's product (shapes no tile fills, transposed and strided operands, a
 strided result, with and without a bias), which ops and calls qualify, and on the GPU against
 PyTorch in a capture and in a loaded model with linear, addmm and mm ops."""

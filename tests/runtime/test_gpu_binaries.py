@@ -1,4 +1,4 @@
-"""Generated kernels launched from a recorded binary (`runtime/binaries.py`): a second process
+"""Generated kernels launched from a recorded binary (`runtime/kernels/binaries.py`): a second process
 runs them without importing Triton and gets Triton's results; a changed binary or a new
 alignment goes back to Triton; a warm load of a sample model imports no Triton. Each process is
 fresh, with its own nimble and Triton cache folders. Run with `pytest -m gpu`."""

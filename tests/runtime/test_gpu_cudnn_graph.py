@@ -1,4 +1,4 @@
-"""cuDNN graphs for convolutions with their epilogue (`runtime/cudnn_graph.py`): each plan writes
+"""cuDNN graphs for convolutions with their epilogue (`runtime/kernels/cudnn_graph.py`): each plan writes
 the buffer it is given, agrees with eager PyTorch, and a plan that disagrees is never used."""
 
 import gc

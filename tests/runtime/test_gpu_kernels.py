@@ -1,4 +1,4 @@
-"""Fused ops on CUDA (`runtime/kernels.py`) and the load-time choices (`runtime/tuning.py`):
+"""Fused ops on CUDA (`runtime/kernels/fused.py`) and the load-time choices (`runtime/tune/choices.py`):
 every choice forced each way reproduces the model, generated kernels match the interpreted body,
 and the tuning and kernel caches are used. Run with `pytest -m gpu`."""
 

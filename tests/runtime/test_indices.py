@@ -1,4 +1,4 @@
-"""Index values never reach a kernel out of range (`runtime/indices.py`): token ids are checked on
+"""Index values never reach a kernel out of range (`runtime/placed/indices.py`): token ids are checked on
 the host with one clear error, constant indices at load, computed ones are clamped on CUDA; and
 the warm-up runs on the stored sample inputs, never on uninitialised buffers."""
 

@@ -1,4 +1,4 @@
-"""The generated roll kernel (`runtime/movement.py`): on the CPU its source runs through
+"""The generated roll kernel (`runtime/kernels/movement.py`): on the CPU its source runs through
 `triton_shim` against torch.roll; on the GPU the runtime's substitute writes a planned buffer in
 one kernel and allocates nothing."""
 

@@ -1,4 +1,4 @@
-"""A 1x1 convolution that computes its input as it loads it (`runtime/pointwise_conv.py`,
+"""A 1x1 convolution that computes its input as it loads it (`runtime/kernels/pointwise_conv.py`,
 `pairs.input_pairs`, `memory.read_later`): the kernel's source run on the CPU through
 `triton_shim` against torch for densenet's batch norm and ReLU over a cat (parts that a block of
 channels spans one at a time, and parts it does not) and efficientnet's squeeze-and-excitation

@@ -1,4 +1,4 @@
-"""A 1x1 convolution of a 1x1 map and its body as one kernel (`runtime/pooled_conv.py`): its source
+"""A 1x1 convolution of a 1x1 map and its body as one kernel (`runtime/kernels/pooled_conv.py`): its source
 run on the CPU through `triton_shim` against torch's convolution, which convolutions qualify, and
 on the GPU a squeeze-and-excitation block against eager in both layouts, in fewer kernels."""
 

@@ -1,4 +1,4 @@
-"""Per-call kernel choices kept in the cache folder (`runtime/recall.py`): kept and recalled per
+"""Per-call kernel choices kept in the cache folder (`runtime/kernels/recall.py`): kept and recalled per
 kind, call and machine; nothing kept without CUDA; a crafted entry recalled only in the shape its
 caller expects; a later load of a 1x1 convolution pair takes the kept tile without timing,
 builds nothing where the two ops apart were kept, and checks a kept tile before it runs it."""

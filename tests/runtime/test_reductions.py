@@ -1,4 +1,4 @@
-"""The generated reduction kernels (`runtime/reductions.py`: layer norm, max and average pooling,
+"""The generated reduction kernels (`runtime/kernels/reductions.py`: layer norm, max and average pooling,
 the spatial mean): on the CPU their sources run through `triton_shim` against torch; on the GPU
 the runtime's substitutes run them into planned buffers, and decline what they do not cover."""
 

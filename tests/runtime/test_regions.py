@@ -1,4 +1,4 @@
-"""One allocation per group of tensors a load holds (`runtime/regions.py`)."""
+"""One allocation per group of tensors a load holds (`runtime/base/regions.py`)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Attention as one kernel (`runtime/small_attention.py`): its source run on the CPU through
+"""Attention as one kernel (`runtime/kernels/small_attention.py`): its source run on the CPU through
 `triton_shim` against PyTorch's attention (masks broadcast and padded, causal, rows of every key
 masked, strided queries and results, shapes no tile fills, keys in one tile and keys walked a
 block at a time), which calls qualify, and on the GPU against PyTorch in a capture, written

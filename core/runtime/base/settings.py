@@ -1,4 +1,5 @@
-"""What a load may do and the thresholds of its measured choices, as one frozen value.
+"""What a load may do and the thresholds of its measured choices, as one frozen value
+(DESIGN.md, "Settings are data").
 
 `Settings()` is what nimble runs with. A benchmark or a test that wants another builds one
 (`Settings(gemm_kernel=False)`, or `Settings.parse(["gemm_slower=1.1"])` from a command line) and
