@@ -39,6 +39,9 @@ from .ir import TensorSpec
 from .specs import check_precision
 from .ops import arguments, types
 
+# what a call of another shape is told to do
+PREPARED_FOR = "call prepare() with an example of this shape (a second Nimble can hold another shape)"
+
 
 class Nimble:
     """A module run by nimble. Call `prepare(example_inputs, training=...)`, then call it like the
@@ -116,7 +119,7 @@ class Nimble:
             self.frontend, self.fallback = self._script_kind(), None
         else:
             self._compiled, self.frontend, self.fallback = self._compile_inference(xs)
-            self._runner = Executable(self._compiled.artifact(), device.type)
+            self._runner = Executable(self._compiled.artifact(), device.type, shape_advice=PREPARED_FOR)
             if self.frontend == "torchscript (traced)":
                 self._check_trace(xs)
         if self._guard is not None:
@@ -234,7 +237,7 @@ class Nimble:
             now, then = ("training", "inference") if self.module.training else ("eval", "training")
             raise UsageError(f"the module is in {now} mode but was prepared for {then}; call "
                              f"prepare(example_inputs, training={self.module.training}) again")
-        xs = self._check_inputs(inputs)
+        xs = self._check_inputs(inputs) if self._training else self._check_placement(inputs)
         if self._training:  # the step writes the module's gradients: checked first
             self._guard.check()
             outs = self._runner(xs)
@@ -243,7 +246,19 @@ class Nimble:
             self._guard.check()  # work, and what a stale copy computed is never returned
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def _check_placement(self, inputs) -> tuple:
+        """What an inference call's `Executable` does not check (it checks the count, shapes, dtypes
+        and index values, once, as it copies them in): each tensor's device, and no gradient."""
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.device != self._device:
+                raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise UsageError(f"input {i} requires grad; nimble computes gradients for the module's "
+                                 "parameters only. Pass x.detach(), or train without nimble")
+        return inputs
+
     def _check_inputs(self, inputs) -> list[torch.Tensor]:
+        """A training step's inputs, all checked here: its runner copies them in as they are."""
         if len(inputs) != len(self._specs):
             raise ShapeError(f"the model was prepared for {len(self._specs)} input(s), got {len(inputs)}")
         for i, (x, spec) in enumerate(zip(inputs, self._specs)):
@@ -251,8 +266,7 @@ class Nimble:
                 raise ShapeError(f"input {i} must be a tensor, got {type(x).__name__}")
             if tuple(x.shape) != spec.shape or types.dtype_name(x.dtype) != spec.dtype:
                 raise ShapeError(f"input {i} is {types.dtype_name(x.dtype)}{list(x.shape)} but the model "
-                                 f"was prepared for {spec.dtype}{list(spec.shape)}; call prepare() with an "
-                                 "example of this shape (a second Nimble can hold another shape)")
+                                 f"was prepared for {spec.dtype}{list(spec.shape)}; {PREPARED_FOR}")
             if x.device != self._device:
                 raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
             if x.requires_grad:

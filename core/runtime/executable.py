@@ -92,12 +92,12 @@ class Executable(Loading):
                 self._issue(validate=True)
 
     def _load_inputs(self, inputs) -> None:
-        inputs_mod.copy_in(self.graph, self._inputs, self._indices, inputs)
+        inputs_mod.copy_in(self.graph, self._inputs, self._indices, inputs, self.shape_advice)
 
     def check_inputs(self, inputs) -> None:
         """Raise ShapeError, in one line, unless `inputs` are what a call takes: their count,
         shapes and dtypes, and index values inside their tables (`assemble/inputs.py`)."""
-        inputs_mod.check_inputs(self.graph, self._inputs, self._indices, inputs)
+        inputs_mod.check_inputs(self.graph, self._inputs, self._indices, inputs, self.shape_advice)
 
     def check_values(self, inputs) -> None:
         """Raise ShapeError unless every index input's values lie inside the table it indexes (on

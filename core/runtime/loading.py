@@ -71,7 +71,7 @@ class Loading:
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
                  choice: Choice | None = None, max_memory: int | None = None,
                  share: Loading | None = None, arena_bytes: int | None = None, group=None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, shape_advice: str = inputs.COMPILED_FOR):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
@@ -86,12 +86,14 @@ class Loading:
         `group.Group`, whose `load` passes it) lends its arena, streams and workspaces instead, to
         artifacts of different weights, and makes every call wait its turn (`group.py`).
         `settings` (`base/settings.py`; by default the current ones) say which of nimble's kernels
-        and pairs it may use and the thresholds of its measured choices."""
+        and pairs it may use and the thresholds of its measured choices. `shape_advice` ends the
+        error a call of another shape gets (`nimble.Nimble` says to prepare that shape)."""
         check_tune_mode(tune)
         if choice is not None and choice not in every_choice():
             raise UsageError(f"choice={choice!r} is no load-time choice; build it from the settings assemble/choice.py "
                              "names (LAYOUTS, STREAMS, ALGORITHMS, CONVOLUTIONS, GEMM_BIAS, PROLOGUES)")
         self.settings = settings if settings is not None else current_settings()
+        self.shape_advice = shape_advice
         t0 = time.perf_counter()
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
         with using(self.settings), stages.stage("prepare"):
@@ -318,7 +320,7 @@ class Loading:
             self._arena_added = self.arena.numel() - before
             self._share_streams(self._group)
         try:  # the warm-up and tuning run on the stored sample inputs, never on whatever memory held
-            inputs.copy_in(g, self._inputs, self._indices, self.artifact.sample_inputs)
+            inputs.copy_in(g, self._inputs, self._indices, self.artifact.sample_inputs, self.shape_advice)
         except ShapeError as e:
             raise ArtifactError(f"{self.artifact.model}: the stored sample input does not fit the model "
                                 f"({e})") from None

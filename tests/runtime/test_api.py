@@ -204,6 +204,26 @@ def test_a_shape_other_than_the_prepared_one_is_refused(prepared):
         model(torch.randn(4, 3, 32, 32), torch.randn(1))
 
 
+def test_an_inference_call_checks_its_inputs_once_and_says_to_prepare_another_shape(monkeypatch):
+    """The prepared runner checks count, shapes, dtypes and index values as it copies the inputs
+    in; `Nimble.__call__` adds only the device and gradient checks, so each input is checked once."""
+    from nimble.runtime.assemble import inputs
+
+    model = nimble.Nimble(build_module("resnet").eval()).prepare(torch.randn(4, 3, 32, 32))
+    calls = []
+    real = inputs.check_inputs
+    monkeypatch.setattr(inputs, "check_inputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model(torch.randn(4, 3, 32, 32))
+    assert calls == [1]
+    with pytest.raises(ShapeError) as e:
+        model(torch.randn(8, 3, 32, 32))
+    assert "call prepare() with an example of this shape" in _one_line(e) and "compile" not in str(e.value)
+    with pytest.raises(ShapeError, match="float32"):
+        model(torch.randn(4, 3, 32, 32, dtype=torch.float64))
+    with pytest.raises(ShapeError, match="takes 1 input"):
+        model()
+
+
 def test_replacing_a_parameter_after_prepare_is_refused(prepared):
     module, model = prepared
     module.fc.weight = nn.Parameter(torch.zeros_like(module.fc.weight))

@@ -12,9 +12,13 @@ from ...ops import types
 from ..placed import indices
 
 
-def check_inputs(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs) -> None:
+COMPILED_FOR = "the artifact was compiled for that shape alone: compile the model again for another"
+
+
+def check_inputs(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs,
+                 advice: str = COMPILED_FOR) -> None:
     """Raise ShapeError, in one line, unless `inputs` fit `buffers`: their count, shapes and
-    dtypes, and index values (`check_values`)."""
+    dtypes, and index values (`check_values`). `advice` follows a wrong shape."""
     if len(inputs) != len(graph.inputs):
         raise ShapeError(f"the model takes {len(graph.inputs)} input(s) "
                          f"({', '.join(graph.values[i].name for i in graph.inputs)}), got {len(inputs)}")
@@ -24,8 +28,7 @@ def check_inputs(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexP
             raise ShapeError(f"input '{graph.values[vid].name}' must be a tensor, got {type(x).__name__}")
         if tuple(x.shape) != spec.shape:
             raise ShapeError(f"input '{graph.values[vid].name}' must be {spec.dtype}{list(spec.shape)}, got "
-                             f"{types.dtype_name(x.dtype)}{list(x.shape)}; the artifact was compiled for that "
-                             "shape alone: compile the model again for another")
+                             f"{types.dtype_name(x.dtype)}{list(x.shape)}; {advice}")
         if x.dtype != buf.dtype:
             raise ShapeError(f"input '{graph.values[vid].name}' must be {spec.dtype}, got "
                              f"{types.dtype_name(x.dtype)}; convert it first (x.to(torch.{spec.dtype}))")
@@ -38,8 +41,9 @@ def check_values(graph: Graph, plan: indices.IndexPlan, inputs) -> None:
         indices.check_input(x, plan.inputs.get(k, ()), graph.values[vid].name)
 
 
-def copy_in(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs) -> None:
+def copy_in(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, inputs,
+            advice: str = COMPILED_FOR) -> None:
     """`inputs`, checked, copied into `buffers`."""
-    check_inputs(graph, buffers, plan, inputs)
+    check_inputs(graph, buffers, plan, inputs, advice)
     for buf, x in zip(buffers, inputs):
         buf.copy_(x, non_blocking=True)
