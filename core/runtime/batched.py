@@ -106,6 +106,13 @@ class Batched:
         outs = [o[:batch] for o in exe.run(*padded, copy=False)]
         return [o.clone() for o in outs] if copy else outs
 
+    def run_rows(self, blocks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """As `Executable.run_rows`: blocks of checked rows, run by the smallest compiled batch size
+        that holds them all; the outputs (views until the next call) have as many rows."""
+        self._ensure_open()
+        rows = sum(block[0].shape[0] for block in blocks)
+        return [o[:rows] for o in self.executable_for(rows).run_rows(blocks)]
+
     def check_inputs(self, inputs) -> int:
         """Raise ShapeError, in one line, unless `inputs` are what a call takes (any batch from 1 to
         the largest, index values inside their tables); returns their batch."""

@@ -71,6 +71,32 @@ class Executable(Loading):
                 outputs = [env[o] for o in self.graph.outputs]
             return [t.clone() for t in outputs] if copy else list(outputs)
 
+    def run_rows(self, blocks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """One inference on inputs given as blocks of rows that already passed `check_inputs` (a
+        server's requests, each checked once as it arrived): each block's tensors are copied
+        straight into the input buffers at its rows, the rows after the last block zeroed, with no
+        check again and no concatenation. The outputs are views of nimble's buffers (`copy=False`)
+        until the next call. The inputs' first dimension is the batch; on an artifact of one
+        input shape the blocks' rows must add up to it or less."""
+        self._ensure_open()
+        with self._turn():
+            for k, buf in enumerate(self._inputs):
+                if len(blocks) == 1 and tuple(blocks[0][k].shape) == tuple(buf.shape):  # a 0-d input too
+                    buf.copy_(blocks[0][k], non_blocking=True)
+                    continue
+                at = 0
+                for block in blocks:
+                    x = block[k]
+                    buf[at:at + x.shape[0]].copy_(x, non_blocking=True)
+                    at += x.shape[0]
+                if at < buf.shape[0]:
+                    buf[at:].zero_()
+            if self._cuda_graph is not None:
+                self._cuda_graph.replay()
+                return list(self._outputs)
+            env = self._issue(validate=True)
+            return [env[o] for o in self.graph.outputs]
+
     def _turn(self):
         """The group's turn (its lock, and the GPU after its last call), else nothing."""
         return self._group.turn() if self._group is not None else contextlib.nullcontext()

@@ -234,10 +234,10 @@ def encode(model: ModelInfo, request: InferRequest, outputs: list[torch.Tensor])
     """The response body and its headers: JSON, followed by the binary outputs if any asked so."""
     entries, blobs = [], []
     for k, binary in request.outputs:
-        t, info = outputs[k].detach().cpu().contiguous(), model.outputs[k]
+        t, info = outputs[k].detach().cpu().contiguous(), model.outputs[k]  # on the host already: no copy
         entry = {"name": info.name, "datatype": DATATYPES[info.dtype], "shape": list(t.shape)}
         if binary:
-            blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            blob = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""  # read, not copied
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:

@@ -107,13 +107,13 @@ class Replica:
 
     def _call(self, group: list[InferRequest], ids: list[int], answers: list) -> None:
         start = time.perf_counter()
-        xs = [torch.cat([r.tensors[i] for r in group]) if len(group) > 1 else group[0].tensors[i]
-              for i in range(len(self.info.inputs))]
         try:
             with self._lock:
-                # answers are encoded after the lock is gone: copies, never views of the buffers the
-                # next call writes (.cpu() copies from the GPU and waits for it; on the CPU, clone)
-                outs = [o.cpu() if o.is_cuda else o.clone() for o in self.exe.run(*xs, copy=False)]
+                # each request's rows go straight into the input buffers, checked once as it arrived
+                # (`check`); answers are encoded after the lock is gone: copies, never views of the
+                # buffers the next call writes (.cpu() copies from the GPU once and waits for it; on
+                # the CPU, clone), which the encoder reads without another copy
+                outs = [o.cpu() if o.is_cuda else o.clone() for o in self.exe.run_rows([r.tensors for r in group])]
         except NimbleError as e:
             for k in ids:
                 answers[k] = ProtocolError(400, self.for_client(str(e)))

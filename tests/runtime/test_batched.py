@@ -242,3 +242,15 @@ def test_on_cuda_each_batch_size_is_a_graph_on_one_arena_and_one_copy_of_the_wei
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)  # TF32 convolutions
     torch.cuda.synchronize()
+
+
+def test_blocks_of_checked_rows_run_as_their_concatenation_would(path):
+    """`run_rows`: a server's requests go straight into the input buffers at their rows (the rest
+    zeroed, as padding is), and the outputs are those of the concatenated batch."""
+    exe = nimble.load(path, device="cpu")
+    a, b = inputs(1, seed=1), inputs(2, seed=2)
+    got = [o.clone() for o in exe.run_rows([list(a), list(b)])]  # 3 rows: the batch size 4, one row of padding
+    want = exe.run(*(torch.cat([x, y]) for x, y in zip(a, b)))
+    assert [tuple(o.shape) for o in got] == [tuple(w.shape) for w in want] and got[0].shape[0] == 3
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

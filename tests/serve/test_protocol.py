@@ -134,6 +134,39 @@ def test_a_replicas_answers_stay_its_own_after_the_next_call(tmp_path):
     assert torch.equal(first, kept)
 
 
+def test_a_batch_of_requests_is_checked_once_each_and_each_gets_its_own_rows(tmp_path, monkeypatch):
+    """Three requests of 1, 2 and 1 rows in one call of the batch size 4: each request's tensors
+    are checked once (`Replica.check`), go straight into the input buffers (`run_rows`: no
+    concatenation, no second check), and each answer is the model's output for its own rows."""
+    from nimble.formats import write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.runtime.assemble import inputs as checks
+    from nimble.serve.replica import Replica
+    from nimble.specs import input_specs
+
+    from ..conftest import SAMPLES
+
+    path = tmp_path / "r.nimble"
+    write_artifact(path, compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu",
+                                       batch_sizes=[1, 4]).artifact())
+    replica = Replica(path, "r", "cpu")
+    module = torch.jit.load(str(SAMPLES / "resnet.pt")).eval()
+    xs = [torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(rows * 7 + k))
+          for k, rows in enumerate((1, 2, 1))]
+    reqs = [decode(request([{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.flatten().tolist()}]),
+                   None, replica.info) for x in xs]
+    calls, real = [], checks.check_inputs
+    monkeypatch.setattr(checks, "check_inputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    checked = []
+    real_values = checks.check_values
+    monkeypatch.setattr(checks, "check_values", lambda *a, **k: checked.append(1) or real_values(*a, **k))
+    answers = replica.infer(reqs)
+    assert replica.stats.calls == 1 and len(calls) == 0 and len(checked) == 3  # one index check a request
+    with torch.no_grad():
+        for x, answer in zip(xs, answers):
+            torch.testing.assert_close(answer[0], module(x), rtol=1e-4, atol=1e-4)
+
+
 def test_an_output_named_twice_is_refused_so_no_answer_grows_past_the_outputs():
     with pytest.raises(ProtocolError, match="output 'y' is asked for twice") as e:
         decode(request(good(), outputs=[{"name": "y"}] * 1000), None, MODEL)
