@@ -7,7 +7,7 @@ Models: the sample models, plus torchvision's resnet50, inception_v3, googlenet,
 efficientnet_b0, squeezenet1_1 and densenet121 where torchvision is installed (batch 1, fp32).
 Target (issue 4): arena <= 1.10 x lower bound everywhere.
 
-`--generated N` plans N seeded NASNet-like cell networks instead (`cellnets.py`: different widths,
+`--generated N` plans N seeded NASNet-like cell networks instead (`tests/cellnets.py`: different widths,
 depths, reductions and expansions), reports the distribution of arena / lower bound for one
 stream and for auto, and times the plan of 1,300-op networks with the search forced to spend its
 whole budget. Targets (issue 10): worst one-stream instance <= 1.05 x; a 1,300-op plan under 1 s
@@ -67,7 +67,7 @@ def generated(n: int) -> tuple[list[str], bool]:
     import statistics
 
     import nimble.plan.memory as memory
-    from cellnets import cell_network
+    from tests.cellnets import cell_network
 
     rows = {(1, "search"): [], ("auto", "search"): [], (1, "best fit alone"): [], ("auto", "best fit alone"): []}
     slowest = (0.0, 0)

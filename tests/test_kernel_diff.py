@@ -1,4 +1,4 @@
-"""benchmarks/kernel_diff.py's classes for nimble's kernels: in a fused op led by a convolution
+"""tools/kernel_diff.py's classes for nimble's kernels: in a fused op led by a convolution
 the library kernel is the convolution and a generated kernel after it the epilogue, unless the op
 launched no library kernel (a generated kernel computed the convolution itself: depthwise, pooled,
 1x1 and the pairs)."""
@@ -13,8 +13,8 @@ import pytest
 from nimble.ir import Local, Op
 from nimble.ops import fusion
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-kernel_diff = pytest.importorskip("kernel_diff")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import kernel_diff  # noqa: E402  (tools/kernel_diff.py: a developer instrument, not a package)
 
 CONV = ("aten::convolution.default", (Local(0),), ())
 

@@ -1,4 +1,4 @@
-"""benchmarks/layout_bound.py's arithmetic: the per-op choice of layout takes each op's faster
+"""tools/layout_bound.py's arithmetic: the per-op choice of layout takes each op's faster
 layout, the kernels of no known op count as in the better whole-model layout, and the bound is
 the fraction of the better whole-model kernel time that choice saves. And the loop over models
 and batches it shares with kernel_diff.py (`report.each_row`)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-layout_bound = pytest.importorskip("layout_bound")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import layout_bound  # noqa: E402  (tools/layout_bound.py)
 
 
 def test_each_op_takes_its_faster_layout_and_the_bound_is_against_the_better_model():

@@ -2,7 +2,7 @@
 frontends, are those recorded in `golden_artifacts.json` for this torch version: a change meant
 to keep behaviour (a refactor) must keep them. Absolute paths in source lines are normalised.
 The full byte comparison against a git ref, weights and samples included, is
-`python benchmarks/identity.py --base REF` (same machine, both sides).
+`python tools/identity.py --base REF` (same machine, both sides).
 
 Regenerate after an intended change: NIMBLE_WRITE_GOLDEN=1 pytest tests/formats/test_identity.py"""
 
@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks.identity import emit, programs
+from tools.identity import emit, programs
 
 from ..conftest import ROOT
 

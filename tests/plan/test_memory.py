@@ -202,7 +202,7 @@ HARD_CELLNETS = (7, 12, 17, 63, 85)
 @pytest.mark.parametrize("seed", HARD_CELLNETS)
 @pytest.mark.parametrize("streams", [1, "auto"])
 def test_the_search_closes_the_gap_on_hard_cell_networks(seed, streams):
-    from benchmarks.cellnets import cell_network
+    from tests.cellnets import cell_network
 
     graph = cell_network(seed)
     schedule = assign_streams(graph, streams)

@@ -107,7 +107,7 @@ class BiasedGemm:
     """addmm(bias, x, w) or linear(x, w, bias) in float32, as the GEMM alone then an in-place add of
     the bias, where load-time tuning found that faster (`tuning.GEMM_BIAS`). In full float32,
     cuBLASLt's bias epilogue can cost 1.2 to 2.6 times the plain GEMM at transformer shapes with
-    few rows (H100, `benchmarks/gemm_bias.py`); in half precision it is the faster one. Until
+    few rows (H100, `benchmarks/results/gemm_bias.md`); in half precision it is the faster one. Until
     `separate` is set, a linear runs as one GEMM with the bias epilogue (`_linear`) and an addmm
     as its own out= overload."""
 

@@ -8,7 +8,7 @@ fastest:
   weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
   bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares.
   One layout for the whole model: a per-op choice could save at most 0 to 2.2 % of kernel time on
-  the conv nets before paying a single conversion (H200, batch 8, `benchmarks/layout_bound.py`);
+  the conv nets before paying a single conversion (H200, batch 8, `tools/layout_bound.py`);
 - streams: the artifact's schedule as planned (its streams folded onto as few CUDA streams as
   keep them parallel), the candidate on at most `CAP` CUDA streams that the artifact stores with
   it (`plan/capped.py`), or every op on one stream in the schedule's issue order. All three are
@@ -23,7 +23,7 @@ fastest:
   convolution and a generated epilogue kernel. Neither wins everywhere;
 - GEMM bias: a float32 addmm or linear with its bias in cuBLASLt's epilogue, or the GEMM alone
   then an in-place add (`placed/substitutes.BiasedGemm`). The second wins with few rows, the first with
-  many (`benchmarks/gemm_bias.py`);
+  many (`benchmarks/results/gemm_bias.md`);
 - depthwise prologues (channels_last only, where `pairs.prologue_pairs` finds a pair): a
   convolution's epilogue run in its own kernel, or applied by the depthwise convolution that
   reads its result, as it loads each tap. The second saves a kernel and a pass of the map

@@ -1,7 +1,7 @@
 """How much could choosing the layout per convolution gain over choosing it per model? An upper
 bound, measured on a GPU machine:
 
-    python benchmarks/layout_bound.py --models resnet50 mobilenet_v2 --batches 1 8 --out DIR
+    python tools/layout_bound.py --models resnet50 mobilenet_v2 --batches 1 8 --out DIR
 
 nimble chooses one layout per model at load (`tuning.LAYOUTS`). Choosing per op instead would
 run each op in the layout its kernels are fastest in, and pay a conversion wherever two
@@ -27,6 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def bound_one(name: str, batch: int, tmp: Path, settings: str) -> dict:
 
 
 def table(rows: list[dict], meta: dict) -> list[str]:
-    lines = [f"Layout per op against per model: an upper bound (`benchmarks/layout_bound.py`). {meta['gpu']}, "
+    lines = [f"Layout per op against per model: an upper bound (`tools/layout_bound.py`). {meta['gpu']}, "
              f"torch {meta['torch']}, fp32 with TF32 convolutions, {meta['date']}. Both loads forced onto "
              f"the same choice but for the layout. Kernel ms = sum of kernel durations per inference; "
              f"GPU-bound = 50 back-to-back replays between CUDA events, median of 15.", ""]

@@ -1,7 +1,7 @@
 """Loading real models: compile, then `nimble.load` (preflight included) and `run --check`, per
 torchvision model; reports the preflight's share of load time.
 
-    python benchmarks/load_check.py [--device cuda] [--models resnet50 ...] [--all] [--out benchmarks/results]
+    python tools/load_check.py [--device cuda] [--models resnet50 ...] [--all] [--out benchmarks/results]
 
 Each model is traced at batch 1, fp32, eval mode, random weights (no downloads), compiled with
 `compile_model` (check off), written, read back, loaded on --device and run on its stored sample;
@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 import torch
@@ -80,7 +81,7 @@ def main() -> int:
     names = torchvision.models.list_models(module=torchvision.models) if args.all else args.models
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.machine()
     lines = [f"Load check. {gpu}, torch {torch.__version__}, {datetime.date.today()}, "
-             f"`python benchmarks/load_check.py --device {args.device}`. Batch 1, fp32.", "",
+             f"`python tools/load_check.py --device {args.device}`. Batch 1, fp32.", "",
              "| model | ops | load (s) | preflight (s) | preflight share | run --check |", "| --- | --- | --- | --- | --- | --- |"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

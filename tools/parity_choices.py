@@ -1,6 +1,6 @@
 """Parity of fused artifacts under every load-time choice, forced each way, on a GPU.
 
-    python benchmarks/parity_choices.py --out DIR [--models resnet50 ...] [--batches 1 8]
+    python tools/parity_choices.py --out DIR [--models resnet50 ...] [--batches 1 8]
 
 For each model (the torchvision models of peers.py and the sample models) and batch: trace it,
 compile it with fused ops on the CPU, then load it on CUDA once per candidate of
@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,7 +1,7 @@
 """Where the GPU time goes: nimble against torch.compile(mode="reduce-overhead"), kernel by kernel,
 per op class. Run on a GPU machine.
 
-    python benchmarks/kernel_diff.py --models resnet50 densenet121 --batches 8 [--precision fp16] --out DIR
+    python tools/kernel_diff.py --models resnet50 densenet121 --batches 8 [--precision fp16] --out DIR
 
 torch.profiler records the CUDA kernels of REPS inferences of each, in one process:
 
@@ -34,6 +34,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 ROOT = Path(__file__).resolve().parents[1]

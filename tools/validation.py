@@ -1,6 +1,6 @@
 """How long loading takes to validate a large artifact (CPU only).
 
-    python benchmarks/validation.py [--ops 30000] [--chains 1 4] [--out benchmarks/results]
+    python tools/validation.py [--ops 30000] [--chains 1 4] [--out benchmarks/results]
 
 Builds valid artifacts of N relu ops on a [1, 64] input, in `chains` parallel chains joined by a
 final sum (one stream per chain, a wait where they join), with a hand-made ping-pong memory plan,
@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 import torch
@@ -91,7 +92,7 @@ def main() -> int:
     args = parser.parse_args()
     lines = [f"Validation time. {platform.node() or 'machine'} ({platform.machine()}, Python "
              f"{platform.python_version()}), torch {torch.__version__}, {datetime.date.today()}, "
-             f"`python benchmarks/validation.py --ops {args.ops}`. Median of 3.", "",
+             f"`python tools/validation.py --ops {args.ops}`. Median of 3.", "",
              "| ops | chains (streams) | artifact | read_artifact (s) | preflight (s) | total (s) |",
              "| --- | --- | --- | --- | --- | --- |"]
     worst = 0.0

@@ -1,6 +1,6 @@
 """How long scheduling takes on deep NASNet-like DAGs (CPU only; no torch needed).
 
-    python benchmarks/schedule_scale.py [--sizes 1300 10000 50000] [--streams auto 8]
+    python tools/schedule_scale.py [--sizes 1300 10000 50000] [--streams auto 8]
 
 Targets (issue 3): 10,000 ops in at most 2 s and 50,000 ops in at most 30 s on the CPU machine.
 A cell takes the two previous cell outputs, builds five blocks (each adds two branches of 1 to 8

@@ -8,7 +8,7 @@ Both are timed as the runtime chooses between them (`timing.graph_us`: a CUDA gr
 the median of three replays, microseconds per call). Error = the largest difference from a float64
 product, relative to its largest magnitude.
 
-    python benchmarks/gemm.py [--rows 128 1024] [--out benchmarks/results]
+    python tools/gemm.py [--rows 128 1024] [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 from compile_time import STAGES, TORCHVISION, _TIME_LINE, by_stage
 
@@ -119,7 +120,7 @@ def main() -> int:
                *(f"{s} {label}" for s in STAGES for label in ("base", "now"))]
     header = (f"`nimble compile` on the CPU at {args.base} (base) and {head} (now), by turns, "
               f"{datetime.date.today()}, torch {__import__('torch').__version__}. Command: "
-              f"`python benchmarks/compile_ab.py --base {args.base} --models {' '.join(args.models)} "
+              f"`python tools/compile_ab.py --base {args.base} --models {' '.join(args.models)} "
               f"--rounds {args.rounds}`. Medians of {args.rounds} fresh processes each, seconds.")
     report.write(args.out, f"compile_ab_{args.tag}", [header, "", *report.table(columns, [[r[c] for c in columns]
                                                                                       for r in rows])], rows)

@@ -3,7 +3,7 @@ ResNet-50 prepared with `nimble.Nimble`, then the guard's check alone, timed ove
 for the watch (`core/watch.py`: one flag) and the older every-tensor check (`guards.EveryTensor`) on an
 unwatched copy of the same module, in one process.
 
-    python benchmarks/guard_cost.py [--device cpu|cuda] [--calls 100000]
+    python tools/guard_cost.py [--device cpu|cuda] [--calls 100000]
 
 ResNet-50 from torchvision where it is installed, else Hugging Face's ResNet-50 (transformers'
 default ResNetConfig). Prints one line per guard: microseconds per check (the median of 5 runs).
@@ -49,7 +49,7 @@ def main() -> int:
     tensors = len(list(module.parameters())) + len(list(module.buffers()))
     where = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     print(f"{label}, {tensors} parameters and buffers; {args.device} ({where}), torch {torch.__version__}, "
-          f"Python {platform.python_version()}; command: python benchmarks/guard_cost.py {' '.join(sys.argv[1:])}")
+          f"Python {platform.python_version()}; command: python tools/guard_cost.py {' '.join(sys.argv[1:])}")
     for name, check in (("watch (a call's guard now)", model._guard.check),
                         ("every-tensor check (the older guard)", EveryTensor(plain, versions=True).check)):
         runs = []

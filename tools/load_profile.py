@@ -1,7 +1,7 @@
 """Where load to first inference goes: each load in a fresh process, empty caches then warm,
 with Python's profiler over the load and first call.
 
-    python benchmarks/load_profile.py ARTIFACT [--runs cold warm warm unkept] [--top 30] [--no-profile]
+    python tools/load_profile.py ARTIFACT [--runs cold warm warm unkept] [--top 30] [--no-profile]
                                       [--set NAME=VALUE] [--out DIR]
 
 A `unkept` run is a warm one without the per-call kernel choices the loads before kept
@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 from peers import setting
 
 PROBE = """

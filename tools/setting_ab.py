@@ -1,7 +1,7 @@
 """nimble alone under settings of its runtime, side by side in one process: an A/B check of a
 runtime setting on models where torch.compile's minutes of compiling are not needed.
 
-    python benchmarks/setting_ab.py --set mean_pairs=False [...] [--models mobilenet_v2 densenet121]
+    python tools/setting_ab.py --set mean_pairs=False [...] [--models mobilenet_v2 densenet121]
                                     [--batches 8 1] [--rounds 2] [--out DIR]
 
 Per model and batch, one artifact (compiled from TorchScript on the CPU, as `memory_footprint.py`
@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 from memory_footprint import compile_artifact
 from peers import gpu_bound_ms, kernels_per_inference, make_inputs, setting

@@ -5,9 +5,9 @@ Every bundled sample model is compiled through both frontends (its TorchScript f
 tree, on this machine, and every member of each artifact (the manifest too) is compared byte for
 byte.
 
-    python benchmarks/identity.py --base HEAD~1        # exit 1 on any difference
-    python benchmarks/identity.py --emit out.json      # this tree's digests only
-    python benchmarks/identity.py --base REF --ignore-pass-log  # a change that adds or renames passes
+    python tools/identity.py --base HEAD~1        # exit 1 on any difference
+    python tools/identity.py --emit out.json      # this tree's digests only
+    python tools/identity.py --base REF --ignore-pass-log  # a change that adds or renames passes
 
 The base side runs in a subprocess from a package tree assembled out of `git worktree` (nimble's
 three source folders under one `nimble` package), so the installed editable package does not

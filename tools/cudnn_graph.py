@@ -1,7 +1,7 @@
 """Fused convolutions as cuDNN graphs that write the arena (`runtime/kernels/cudnn_graph.py`) against
 PyTorch's fused kernels, which allocate their results outside it.
 
-    python benchmarks/cudnn_graph.py --out DIR [--models resnet50 inception_v3] [--batches 1 8]
+    python tools/cudnn_graph.py --out DIR [--models resnet50 inception_v3] [--batches 1 8]
 
 Needs the `cudnn` extra (nvidia-cudnn-frontend). Per model and batch, one fresh process loads the
 artifact (default tuning, an empty tuning cache for each) twice: first with the cuDNN graphs turned off
@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 import report
 
 ROOT = Path(__file__).resolve().parents[1]

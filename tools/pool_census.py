@@ -1,6 +1,6 @@
 """Which ops allocate in a loaded artifact's CUDA-graph pool, and how its segments lie per stream.
 
-    python benchmarks/pool_census.py ARTIFACT [ARTIFACT ...] [--tune off|cached|full] [--top 15]
+    python tools/pool_census.py ARTIFACT [ARTIFACT ...] [--tune off|cached|full] [--top 15]
 
 For each artifact: it is loaded on the GPU (empty tuning cache unless `--tune` says otherwise),
 then captured once more with every op's call watched through the allocator's totals: the bytes

@@ -4,7 +4,7 @@ since `prepare`: `core/watch.py` notes changes as they happen, so a call checks 
 older check of every parameter and buffer (`guards.EveryTensor`: replaced, given new storage or written
 in place, still used for TorchScript modules) is timed beside it. This measures what each costs.
 
-    python benchmarks/call_path.py [--model resnet50] [--batch 1]
+    python tools/call_path.py [--model resnet50] [--batch 1]
 
 Prints latency medians (copy in, run, synchronize; 200 calls) in ms for both, with fresh outputs
 and with views (`copy=False`), and the guard's check alone."""
@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # report.py, peers.py: the benchmarks'
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
