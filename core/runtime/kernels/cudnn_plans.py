@@ -162,7 +162,7 @@ def handle(device: torch.device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _handles:
         with torch.cuda.device(index):
-            _handles[index] = frontend().createhandle()
+            _handles[index] = frontend().create_handle()
     return _handles[index]
 
 
