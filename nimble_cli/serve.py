@@ -76,6 +76,10 @@ def serve_command(
             raise UsageError("--max-batch-delay-ms must not be negative; --max-queue and --max-body must be positive")
         if not (0 < body_timeout <= 600 and 0 <= drain_timeout <= 3600):
             raise UsageError("--body-timeout takes seconds from above 0 to 600, --drain-timeout from 0 to 3600")
+        if address is None:  # before Ray is imported: the Ray it starts listens on loopback only
+            from nimble.serve.ingress import keep_local_ray_on_loopback
+
+            keep_local_ray_on_loopback()
         try:
             from nimble.serve import lifecycle as app
         except ImportError as e:

@@ -32,6 +32,19 @@ def private_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="nimble-serve-"))
 
 
+# Ray binds its servers (GCS, raylet, workers, object manager, metrics) to its node's address, and
+# takes 127.0.0.1 for that address only where it believes it runs on one machine: its Windows and
+# macOS default, which this variable sets. Ray reads it when it is first imported, and so does
+# every process it starts.
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def keep_local_ray_on_loopback() -> None:
+    """Make the Ray that `nimble serve` starts listen on loopback only: call before Ray is imported
+    (`lifecycle.start` then checks that it took)."""
+    os.environ.update(LOOPBACK_RAY)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

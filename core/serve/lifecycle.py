@@ -87,16 +87,23 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
         # Ray Serve's HAProxy ingress: HAProxy in front of replicas that serve HTTP themselves,
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
         os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy()))
-    if options.address is None:  # (Ray takes no loopback node address: it resolves one to the network's)
+    if options.address is None:  # a Ray of its own, on loopback: every listener on 127.0.0.1 (ingress.LOOPBACK_RAY)
         # Ray's processes start ignoring SIGINT: a Ctrl-C reaches the terminal's whole process group,
         # and they must outlive the drain it starts (nimble ends them after it)
         before = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             # Ray's own folder (its sockets and logs) inside the private one: /tmp/ray is world-writable
-            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+            ingress.keep_local_ray_on_loopback()  # for the processes Ray starts; the driver's is checked below
+            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1",
                      _metrics_export_port=options.metrics_port, _temp_dir=str(options.folder / "ray"))
         finally:
             signal.signal(signal.SIGINT, before)
+        if ray.util.get_node_ip_address() != "127.0.0.1":  # Ray was imported before nimble could set it
+            ray.shutdown()
+            raise ExecutionError("Ray took this machine's network address for its node, so its servers would listen "
+                                 "beyond loopback; start `nimble serve` in a process of its own (it sets "
+                                 f"{', '.join(f'{k}={v}' for k, v in ingress.LOOPBACK_RAY.items())} before Ray "
+                                 "is imported), or join a cluster of your own with --address")
     else:
         ray.init(address=options.address, logging_level="ERROR", log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))

@@ -271,6 +271,32 @@ def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(se
     assert any((p / "ray").is_dir() for p in folders)  # Ray's sockets and logs inside, not in world-writable /tmp/ray
 
 
+def test_every_process_of_the_server_listens_on_loopback_only(server):
+    """Not only the ingress: Ray's own servers (GCS, raylet, workers, the object manager, metrics)
+    and each replica, all the processes that carry the server's mark (`reaper.py`). One exception
+    is Ray Serve's, and this test pins it to exactly that: each replica's inter-deployment gRPC
+    server, which Ray Serve binds to `[::]:0` with no option (ray/serve/_private/replica.py,
+    `_on_initialized`, Ray 2.60): one port per replica process, nothing else beyond loopback."""
+    proc, port, _ = server
+    mine = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == os.getuid() \
+                    and b"NIMBLE_SERVE_FOLDER=" in (entry / "environ").read_bytes():
+                mine.add(int(entry.name))
+        except OSError:
+            continue
+    listening = _listeners_of(mine | {proc.pid})
+    assert len(mine) > 3 and ("127.0.0.1", port) in listening, (mine, listening)
+    for pid in mine | {proc.pid}:
+        beyond = {(a, p) for a, p in _listeners_of({pid}) if a not in ("127.0.0.1", "::ffff:127.0.0.1")}
+        if not beyond:
+            continue
+        name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        assert name.startswith(b"ray::ServeReplica") and len(beyond) == 1 and {a for a, _ in beyond} == {"::"}, \
+            (pid, name, beyond)
+
+
 def test_a_slow_body_is_cut_off_while_good_requests_are_served(server):
     slow = []
     for _ in range(12):  # bodies that declare 1 MB and send 3 bytes: more than the 4 held and 2 queued
