@@ -100,12 +100,34 @@ async def _body(request: Request, limit: int) -> bytes:
 SHUTDOWN = {"graceful_shutdown_timeout_s": 5.0, "graceful_shutdown_wait_loop_s": 0.2}
 
 
+def internal_grpc_on_loopback() -> None:
+    """Ray Serve binds each replica's inter-deployment gRPC server to `[::]:0`, every interface,
+    with no option (ray/serve/_private/replica.py, `_on_initialized`, Ray 2.60). On a Ray whose node
+    is 127.0.0.1 (the one `nimble serve` starts: `ingress.LOOPBACK_RAY`), this replica binds it to
+    127.0.0.1 instead, where the other replicas reach it. Called in the replica's own process, in
+    its deployment's `__init__`, which Ray Serve runs before it starts that server; where Ray's code
+    differs, nothing changes (and `tests/serve/test_server.py` fails on the listener it sees)."""
+    import ray
+    from ray.serve._private import replica
+
+    real = getattr(replica, "add_port_to_grpc_server", None)
+    if real is None or getattr(real, "on_loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def on_loopback(server, address: str):
+        return real(server, "127.0.0.1:0" if address == "[::]:0" else address)
+
+    on_loopback.on_loopback = True
+    replica.add_port_to_grpc_server = on_loopback
+
+
 @serve.deployment(**SHUTDOWN)
 class Model:
     """One artifact behind /v2/models/<name>."""
 
     def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
                  threads: int, folder: str, body_timeout_s: float):
+        internal_grpc_on_loopback()
         import threading
         import uuid
 
@@ -206,6 +228,7 @@ class Server:
     """The server's own routes under /v2, and a JSON 404 for an unknown model."""
 
     def __init__(self, models: list[str], folder: str):
+        internal_grpc_on_loopback()
         self.models, self._folder = models, folder
 
     async def __call__(self, request: Request) -> Response:
