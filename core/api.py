@@ -250,11 +250,8 @@ class Nimble:
         """What an inference call's `Executable` does not check (it checks the count, shapes, dtypes
         and index values, once, as it copies them in): each tensor's device, and no gradient."""
         for i, x in enumerate(inputs):
-            if isinstance(x, torch.Tensor) and x.device != self._device:
-                raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                raise UsageError(f"input {i} requires grad; nimble computes gradients for the module's "
-                                 "parameters only. Pass x.detach(), or train without nimble")
+            if isinstance(x, torch.Tensor):
+                self._check_one_placement(i, x)
         return inputs
 
     def _check_inputs(self, inputs) -> list[torch.Tensor]:
@@ -267,12 +264,15 @@ class Nimble:
             if tuple(x.shape) != spec.shape or types.dtype_name(x.dtype) != spec.dtype:
                 raise ShapeError(f"input {i} is {types.dtype_name(x.dtype)}{list(x.shape)} but the model "
                                  f"was prepared for {spec.dtype}{list(spec.shape)}; {PREPARED_FOR}")
-            if x.device != self._device:
-                raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
-            if x.requires_grad:
-                raise UsageError(f"input {i} requires grad; nimble computes gradients for the module's "
-                                 "parameters only. Pass x.detach(), or train without nimble")
+            self._check_one_placement(i, x)
         return list(inputs)
+
+    def _check_one_placement(self, i: int, x: torch.Tensor) -> None:
+        if x.device != self._device:
+            raise ShapeError(f"input {i} is on {x.device} but the model was prepared on {self._device}")
+        if x.requires_grad:
+            raise UsageError(f"input {i} requires grad; nimble computes gradients for the module's "
+                             "parameters only. Pass x.detach(), or train without nimble")
 
     # ------------------------------------------------------------------------------ save
     def save(self, path: str | os.PathLike) -> None:

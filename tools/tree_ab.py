@@ -4,9 +4,9 @@ device call, and compare the JSON lines. Not a user benchmark (`benchmarks/peers
 
     python tools/tree_ab.py TREE --label old [--models resnet50 mobilenet_v2] [--batch 8]
 
-TREE is the source tree whose `benchmarks/peers.py` makes the models and inputs (each tree's
-own, so the older one runs as it was); nimble is whatever is installed. Each model is compiled
-from TorchScript on the CPU, loaded with `tune="full"` on a cache folder of its own, checked
+TREE is the source tree whose `benchmarks/peers.py` and `memory_footprint.py` make the models,
+inputs and artifacts (each tree's own, so the older one runs as it was); nimble is whatever is
+installed. Each model is compiled from TorchScript on the CPU (`compile_artifact`), loaded with `tune="full"` on a cache folder of its own, checked
 against eager, then timed as `peers.py` times it: GPU-bound (50 back-to-back replays between
 CUDA events, median of 15) and latency (copy in, run, synchronize; median of 200). Prints one
 JSON line per model.
@@ -32,26 +32,20 @@ def main() -> int:
     sys.path.insert(0, str(args.tree / "benchmarks"))
     import report
     import torch
+    from memory_footprint import compile_artifact
     from peers import gpu_bound_ms, make_inputs
 
-    from nimble.formats import read_artifact, write_artifact
-    from nimble.frontend import quiet_torchscript
-    from nimble.pipeline import compile_model
+    from nimble.formats import read_artifact
     from nimble.runtime.executable import Executable
-    from nimble.specs import input_specs
 
     torch.backends.cudnn.benchmark = False
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["NIMBLE_CACHE_DIR"] = str(Path(tmp) / "cache")
         for name in args.models:
+            path = compile_artifact(name, args.batch, Path(tmp))  # the tree's own: seeded, as make_inputs is
             model, xs = make_inputs(name, args.batch)
-            with torch.no_grad(), quiet_torchscript():
-                pt = Path(tmp) / f"{name}.pt"
-                torch.jit.save(torch.jit.trace(model, tuple(xs)), str(pt))
+            with torch.no_grad():
                 want = model.cuda()(*[x.cuda() for x in xs])
-            specs = input_specs(["x".join(map(str, x.shape)) for x in xs])
-            path = Path(tmp) / f"{name}.nimble"
-            write_artifact(path, compile_model(pt, specs, device="cpu", streams="auto").artifact())
             exe = Executable(read_artifact(path), "cuda", tune="full")
             xs = [x.cuda() for x in xs]
             got = exe.run(*xs)

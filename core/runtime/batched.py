@@ -21,7 +21,8 @@ from ..ops import batches, types
 from .base import footprint
 from .base.compare import compare, default_tolerance
 from .executable import Executable
-from .loading import LoadStats, _mib, settle_footprint
+from .assemble.buffers import mib as _mib
+from .loading import LoadStats, settle_footprint
 
 
 class Batched:

@@ -63,13 +63,8 @@ class Executable(Loading):
         self._ensure_open()
         with self._turn():
             self._load_inputs(inputs)
-            if self._cuda_graph is not None:
-                self._cuda_graph.replay()
-                outputs = self._outputs
-            else:
-                env = self._issue(validate=True)
-                outputs = [env[o] for o in self.graph.outputs]
-            return [t.clone() for t in outputs] if copy else list(outputs)
+            outputs = self._compute()
+            return [t.clone() for t in outputs] if copy else outputs
 
     def run_rows(self, blocks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """One inference on inputs given as blocks of rows that already passed `check_inputs` (a
@@ -80,22 +75,17 @@ class Executable(Loading):
         input shape the blocks' rows must add up to it or less."""
         self._ensure_open()
         with self._turn():
-            for k, buf in enumerate(self._inputs):
-                if len(blocks) == 1 and tuple(blocks[0][k].shape) == tuple(buf.shape):  # a 0-d input too
-                    buf.copy_(blocks[0][k], non_blocking=True)
-                    continue
-                at = 0
-                for block in blocks:
-                    x = block[k]
-                    buf[at:at + x.shape[0]].copy_(x, non_blocking=True)
-                    at += x.shape[0]
-                if at < buf.shape[0]:
-                    buf[at:].zero_()
-            if self._cuda_graph is not None:
-                self._cuda_graph.replay()
-                return list(self._outputs)
-            env = self._issue(validate=True)
-            return [env[o] for o in self.graph.outputs]
+            inputs_mod.copy_rows(self._inputs, blocks)
+            return self._compute()
+
+    def _compute(self) -> list[torch.Tensor]:
+        """One inference on what the input buffers hold: the captured graph replayed (its outputs,
+        views of nimble's buffers), else the placed ops issued serially."""
+        if self._cuda_graph is not None:
+            self._cuda_graph.replay()
+            return list(self._outputs)
+        env = self._issue(validate=True)
+        return [env[o] for o in self.graph.outputs]
 
     def _turn(self):
         """The group's turn (its lock, and the GPU after its last call), else nothing."""
@@ -112,10 +102,7 @@ class Executable(Loading):
         """One inference on whatever the input buffers hold (for benchmarks)."""
         self._ensure_open()
         with self._turn():
-            if self._cuda_graph is not None:
-                self._cuda_graph.replay()
-            else:
-                self._issue(validate=True)
+            self._compute()
 
     def _load_inputs(self, inputs) -> None:
         inputs_mod.copy_in(self.graph, self._inputs, self._indices, inputs, self.shape_advice)

@@ -377,9 +377,5 @@ def settle_footprint(loaded, max_memory: int | None, advice: str) -> None:
     grown = loaded.stats.footprint.growth
     if max_memory is not None and grown > max_memory:
         loaded.close()
-        raise ExecutionError(f"{loaded._name}: loaded, it holds {_mib(grown)} on {loaded.device}, above the memory "
-                             f"budget of {_mib(max_memory)}; raise the budget, or {advice}")
-
-
-def _mib(n: int) -> str:
-    return buffers.mib(n)
+        raise ExecutionError(f"{loaded._name}: loaded, it holds {buffers.mib(grown)} on {loaded.device}, above the "
+                             f"memory budget of {buffers.mib(max_memory)}; raise the budget, or {advice}")

@@ -47,3 +47,20 @@ def copy_in(graph: Graph, buffers: list[torch.Tensor], plan: indices.IndexPlan, 
     check_inputs(graph, buffers, plan, inputs, advice)
     for buf, x in zip(buffers, inputs):
         buf.copy_(x, non_blocking=True)
+
+
+def copy_rows(buffers: list[torch.Tensor], blocks: list[list[torch.Tensor]]) -> None:
+    """Blocks of checked inputs (one tensor per buffer each) copied into `buffers` one after
+    another along the first dimension, the rows after the last block zeroed; a lone block of the
+    buffers' own shapes (a 0-d input too) copied whole."""
+    for k, buf in enumerate(buffers):
+        if len(blocks) == 1 and tuple(blocks[0][k].shape) == tuple(buf.shape):
+            buf.copy_(blocks[0][k], non_blocking=True)
+            continue
+        at = 0
+        for block in blocks:
+            x = block[k]
+            buf[at:at + x.shape[0]].copy_(x, non_blocking=True)
+            at += x.shape[0]
+        if at < buf.shape[0]:
+            buf[at:].zero_()

@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from ...errors import UsageError
 
@@ -118,9 +118,6 @@ class Settings:
             except (ValueError, SyntaxError):
                 raise UsageError(f"{text!r}: the value must be a Python literal (True, 1.05, 4096)") from None
         return replace(cls(), **changes)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 DEFAULT = Settings()
