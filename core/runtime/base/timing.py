@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 
+from .claimed import walking
 from .streams import count_kernels, forked, new_graph, write_dot
 
 
@@ -135,6 +136,8 @@ def stream(device: torch.device) -> torch.cuda.Stream:
     then one of its own. cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it ever ran
     on, for the whole process, so timing on whichever stream an op runs on, or on a new stream
     each time, would leave one behind per stream."""
+    if walking():
+        return None
     current = torch.cuda.current_stream(device)
     if current.device_index not in _streams:
         _streams[current.device_index] = current if current != torch.cuda.default_stream(device) \
@@ -146,6 +149,9 @@ def stream(device: torch.device) -> torch.cuda.Stream:
 def on_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     """The block run on `stream(device)`, forked from the current stream and joined back."""
     side = stream(device)
+    if side is None:  # a prebuild's walk: no stream to fork
+        yield side
+        return
     with forked([side], device), torch.cuda.stream(side):
         yield side
 
@@ -171,7 +177,11 @@ def kernels_in(fn, device: torch.device) -> int:
 def graph_us(fn, device: torch.device, runs: int = 10) -> float:
     """Microseconds of one call of `fn`: a CUDA graph of `runs` calls, replayed three times, the
     median. That is the GPU's time alone, as in the artifact's own graph (timed eagerly, a launch
-    from Python takes longer than a small convolution). Warmed up and captured on `stream`."""
+    from Python takes longer than a small convolution). Warmed up and captured on `stream`. In a
+    prebuild's walk, `fn` is called once and takes 1 us (every candidate ties)."""
+    if walking():
+        fn()
+        return 1.0
     with torch.cuda.device(device):
         with on_stream(device) as side:
             fn()

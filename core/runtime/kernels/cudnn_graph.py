@@ -67,6 +67,7 @@ import torch
 from ...errors import first_line
 from ..base import cache, regions
 from .codegen import overlaps
+from ..base.claimed import walking
 from ..base.timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 from ..base import settings
 from . import cudnn_plans
@@ -141,7 +142,7 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
     plan may then be `cudnn_slower_outside` slower, `cudnn_slower_large_outside` for a large one). Plans are
     timed only outside a capture; the same call later gets the same choice."""
-    if frontend() is None or overlaps(out, operands):
+    if walking() or frontend() is None or overlaps(out, operands):  # a prebuild's walk runs nimble's own way
         return None
     key = (_signature(p, operands, out), steps, _tf32(out), settings.current().digest(),  # timed under these
            _limit(outside, out.numel() * out.element_size()))  # the limit last: `_decide` reads it

@@ -35,6 +35,7 @@ from ...plan.memory import PRODUCTS
 from . import generated
 from . import recall
 from ..base import timing
+from ..base.claimed import walking
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, finish, flat_offsets, needs_wide, overlaps, pointers, program_id,
                       span, strided_offset)
 from ..base import settings
@@ -302,6 +303,8 @@ class Gemm:
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product
         runs: measured on the signature's first call outside a capture."""
+        if walking():  # a prebuild's walk: every tile is tried, and nothing is kept
+            return self._choose(key, x, b, bias, out)
         memo = (key, settings.current().digest())  # chosen under these settings
         if memo not in _chosen:
             if torch.cuda.is_current_stream_capturing():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import first_line
-from ..base import cache
+from ..base import cache, claimed
 from . import binaries
 from .codegen import BLOCK, ConcatTiles
 
@@ -131,6 +131,10 @@ class Generated:
         return lambda *args, **constants: self.launch(tuple(grid), args, constants)
 
     def launch(self, grid: tuple, args: tuple, constants: dict) -> None:
+        seen = claimed.SEEN.get()
+        if seen is not None:  # a prebuild's walk (`runtime/prebuild.py`): noted, never launched
+            seen.append((self, args, constants))
+            return
         signature = binaries.specialisation(args, constants)
         if signature not in self._binaries:
             self._binaries[signature] = binaries.recall(self.digest, signature, args, constants)

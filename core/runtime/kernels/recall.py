@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..base import cache, settings
+from ..base.claimed import walking
 from .binaries import triton_version
 
 MAX_TABLE_BYTES = 4 * 2**20  # a few thousand entries; the older half goes past it (`cache.write_entry`)
@@ -42,8 +43,9 @@ def _runtime_code() -> str:
 
 
 def _where(device: torch.device) -> tuple | None:
-    """The GPU and software a choice was measured on; None without CUDA."""
-    if not torch.cuda.is_available():
+    """The GPU and software a choice was measured on; None without CUDA, and in a prebuild's
+    walk (which measures nothing: it tries every candidate)."""
+    if walking() or not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(device)
     return (props.name, props.major, props.minor, torch.__version__, triton_version(), _runtime_code(),

@@ -37,6 +37,7 @@ import torch
 from . import generated
 from . import recall
 from ..base import timing
+from ..base.claimed import walking
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
 from ..base import settings
 
@@ -238,7 +239,8 @@ class Attention:
         key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
                     for t in (q, k, v, mask, out)) + (out.device.index, bool(causal), float(scale), FLOAT32_PRODUCTS,
                                              settings.current().digest())
-        chosen = _chosen.get(key)
+        chosen = _chosen.get(key) if not walking() else \
+            self._choose(key, q, k, v, mask, out, bool(causal), float(scale))  # a walk tries every tile, keeps none
         if chosen is None:
             if torch.cuda.is_current_stream_capturing():
                 return False  # chosen in the warm-up; a call first seen in a capture runs PyTorch's way

@@ -1,0 +1,161 @@
+"""Tensors that say they are on CUDA and hold nothing but their shape: what a prebuild
+(`runtime/prebuild.py`) walks a load's op lists with, on a machine that may have no GPU.
+
+A `Claimed` tensor wraps a meta tensor. Every aten op on it runs on the meta tensor (shapes,
+strides and dtypes only, no data) and its results claim CUDA too; a factory call for a CUDA
+device inside `walking()` makes one as well (`Factories`). Its address is one that the caching
+allocator could have given (`data_ptr`: a multiple of 512 plus its offset into its storage), so
+the alignment a kernel is specialised on is the one a load sees: every allocation a load makes is
+512-byte aligned (`regions.py`), and views keep their offsets.
+
+What a value would read (`item`, `bool`, `float`) reads as the value under which a measured
+choice tries every candidate: a result is finite, a difference is zero, a time is one
+microsecond (`timing.py`). So a walk goes down every branch a load could take by measurement.
+
+`SEEN` collects the kernel launches a walk makes (`kernels/generated.py` notes them there,
+launching nothing)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+DEVICE = torch.device("cuda", 0)
+ADDRESS = 512  # where every root allocation of a walk starts: aligned as the caching allocator aligns
+
+SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("nimble_kernels_seen", default=None)
+
+
+def walking() -> bool:
+    """Whether this thread walks an op list over claimed tensors (then nothing may run on a GPU)."""
+    return SEEN.get() is not None
+
+
+class Claimed(torch.Tensor):
+    """A tensor that says it is on `DEVICE` and holds only its shape (a meta tensor inside)."""
+
+    meta: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
+                                                storage_offset=meta.storage_offset(), dtype=meta.dtype,
+                                                device=DEVICE, requires_grad=False)
+        t.meta = meta
+        return t
+
+    def __repr__(self):
+        return f"Claimed({tuple(self.shape)}, {self.dtype})"
+
+    # indexing and copying check the device before dispatch (no CUDA here): done on the meta tensor
+    def __getitem__(self, index):
+        return Claimed(self.meta[tree_map(_meta, index)])
+
+    def __setitem__(self, index, value) -> None:
+        self.meta[tree_map(_meta, index)] = _meta(value)
+
+    def copy_(self, src, non_blocking: bool = False):
+        self.meta.copy_(_meta(src))
+        return self
+
+    def data_ptr(self) -> int:
+        return _base(self.meta) + self.meta.storage_offset() * self.element_size()
+
+    def untyped_storage(self):
+        return _Storage(_base(self.meta), self.meta.untyped_storage().nbytes())
+
+    def item(self):
+        return True if self.dtype == torch.bool else 0
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __float__(self) -> float:
+        return 0.0
+
+    def tolist(self):
+        return self.meta.new_zeros(()).item() if self.dim() == 0 else [0] * self.shape[0]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        except NotImplementedError:  # an op with no meta kernel: its `out=` form leaves its shape there
+            if "out" in kwargs:
+                return kwargs["out"]
+            raise
+        return tree_map(_claim, out)
+
+
+class _Storage:
+    """A claimed tensor's storage as a load's code asks of it: where it starts, how long it is."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address, self._nbytes = address, nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+_BASES: dict[int, int] = {}  # a meta storage -> the address its claimed tensors start at
+_NEXT = [ADDRESS]
+
+
+def _base(meta: torch.Tensor) -> int:
+    """A distinct, 512-byte aligned address per storage, as separate allocations have."""
+    storage = meta.untyped_storage()
+    key = storage._cdata
+    if key not in _BASES:
+        _BASES[key] = _NEXT[0]
+        _NEXT[0] += -(-max(storage.nbytes(), 1) // ADDRESS) * ADDRESS + ADDRESS
+    return _BASES[key]
+
+
+def _meta(x):
+    if isinstance(x, Claimed):
+        return x.meta
+    if isinstance(x, torch.device) and x.type == "cuda":
+        return torch.device("meta")
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return x.to("meta")
+    return x
+
+
+def _claim(x):
+    return Claimed(x) if isinstance(x, torch.Tensor) and x.device.type == "meta" else x
+
+
+def claimed(shape, dtype: torch.dtype, memory_format=torch.contiguous_format) -> Claimed:
+    """A new claimed tensor (a root allocation)."""
+    return Claimed(torch.empty(shape, dtype=dtype, device="meta", memory_format=memory_format))
+
+
+class Factories(TorchFunctionMode):
+    """A factory call (`torch.empty(..., device="cuda")` and the like) makes a claimed tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            return tree_map(_claim, func(*args, **{**kwargs, "device": "meta"}))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def walk(seen: list):
+    """Within: kernel launches are noted in `seen`, CUDA factories make claimed tensors."""
+    token = SEEN.set(seen)
+    try:
+        with Factories():
+            yield
+    finally:
+        SEEN.reset(token)
+        _BASES.clear()
