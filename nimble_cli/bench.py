@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (describe_precision, progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption,
+from .common import (check_pack, describe_precision, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption,
                      console, early_checks, footprint_line, human_bytes, literal, print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -47,6 +47,7 @@ def bench_command(
                                              "throughput is reported besides."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
+    kernels: KernelsOption = None,
     max_memory: MaxMemoryOption = None,
     json_out: JsonOption = False,
     export_times: Optional[Path] = typer.Option(None, "--export-times", help="Write nimble's per-inference "
@@ -71,6 +72,7 @@ def bench_command(
         from nimble.model_files import check_artifact_file
 
         budget = early_checks(device=device, tune=tune, max_memory=max_memory)
+        check_pack(kernels)
         check_artifact_file(artifact)
         import torch
 
@@ -100,7 +102,7 @@ def bench_command(
 
             t0 = time.perf_counter()
             with _graph_dump(torch.cuda.is_available() and device != "cpu") as dump:
-                loaded = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump)
+                loaded = load(artifact, device, tune=tune, max_memory=budget, graph_dump=dump, kernels=kernels)
                 kernels = count_kernels(dump) if dump and loaded.device.type == "cuda" else None
             exe, sizes = _one_batch(loaded, batch_size, artifact.name)
             if exe is not loaded and exe is not loaded.executable(sizes[-1]):

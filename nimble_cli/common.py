@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -83,6 +84,16 @@ def progress(label: str):
 
     say(label)
     yield say
+
+
+def check_pack(path: Path | None) -> None:
+    """--kernels names a readable file (what it holds is checked at load, where a pack that does
+    not check is a miss, never an error)."""
+    if path is not None and not path.is_file():
+        from nimble.errors import UsageError
+
+        raise UsageError(f"--kernels {path}: no such file; `nimble compile --gpu-arch sm_90` writes MODEL.nimble.kernels "
+                         "beside the artifact")
 
 
 def early_checks(device: str | None = None, tune: str | None = None, streams: str | None = None,
@@ -206,6 +217,12 @@ DeviceOption = Annotated[str, typer.Option("--device", metavar="auto|cuda|cpu",
                                                 "checked against the model): auto (CUDA if present, else the "
                                                 "CPU), cuda or cpu.")]
 TuneOption = Annotated[str, typer.Option("--tune", metavar="cached|full|off", help=TUNE_HELP)]
+KernelsOption = Annotated[Optional[Path], typer.Option(
+    "--kernels", metavar="PACK", help="A kernel pack you trust (`nimble compile --gpu-arch` writes MODEL.nimble.kernels): "
+    "its prebuilt kernels run instead of being built at load. Naming a pack trusts its machine code as you trust a "
+    "program you run; a pack for another GPU, Triton or nimble is not used (one line says why). With "
+    "NIMBLE_KERNEL_KEY set, a pack must be signed with that key, and the signed pack beside the artifact is used "
+    "without --kernels.")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE", help="Refuse to load if the artifact would hold more than SIZE (4GiB, 512MiB, 2GB "
     "or bytes) on the device: checked against its weights, arena and inputs before anything is allocated, and on "

@@ -65,6 +65,16 @@ def compile_command(
                                               "call then runs the smallest that holds its batch, padded (what "
                                               "`nimble serve` batches requests into). The model must compute "
                                               "each row of the batch from that row alone; compile checks it."),
+    gpu_arch: Optional[str] = typer.Option(None, "--gpu-arch", metavar="sm_90,sm_80,...",
+                                           help="Also build the artifact's generated kernels for these GPU "
+                                           "architectures, here, with no GPU (needs Triton: pip install "
+                                           "'nimble[pack]'), into a kernel pack beside it, MODEL.nimble.kernels "
+                                           "(one per architecture: .kernels.sm_80 ...). A load that is given "
+                                           "the pack (run --kernels) starts without building them."),
+    sign_with: Optional[Path] = typer.Option(None, "--sign-with", metavar="KEY",
+                                             help="Sign the kernel pack with this key file (16 bytes or more, "
+                                             "kept secret): a machine whose NIMBLE_KERNEL_KEY names the same "
+                                             "key uses the pack beside the artifact without --kernels."),
     json_out: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -76,7 +86,8 @@ def compile_command(
     Examples: nimble compile sample_models/inception.pt --shape 1x3x224x224;
     nimble compile model.pt2 (its shapes come from the program's example inputs);
     nimble compile model.pt --shape 8x3x224x224 --precision fp16 --tolerance 1e-2;
-    nimble compile model.pt --shape 1x3x224x224 --batch-sizes 1,2,4,8,16.
+    nimble compile model.pt --shape 1x3x224x224 --batch-sizes 1,2,4,8,16;
+    nimble compile model.pt --shape 1x3x224x224 --gpu-arch sm_90 (kernels built ahead of time).
     """
     with user_errors(debug, json_out):
         from nimble.specs import input_specs
@@ -98,6 +109,7 @@ def compile_command(
         from nimble.specs import parse_names
 
         names = parse_names(input_names, "--input-names"), parse_names(output_names, "--output-names")
+        targets, key = _pack_options(gpu_arch, sign_with)
         check_model_file(model)  # an artifact, an ONNX file or a folder: said before anything else
         target = artifact_path(model, output)
         writable(target, "-o" if output is not None else "the default output", {"the model": model})
@@ -113,6 +125,8 @@ def compile_command(
             t = time.perf_counter()
             size, interrupted = _write(target, compiled.artifact())
             compiled.seconds["write"] = time.perf_counter() - t
+            if targets and not interrupted:
+                compiled.packs = _build_packs(compiled, target, targets, key, update)
         try:  # the artifact is complete: an interrupt from here on keeps it
             if not interrupted:
                 _report(compiled, target, size, dot, model.name, json_out)
@@ -123,6 +137,43 @@ def compile_command(
                       "and valid, and kept")
 
 
+def _pack_options(gpu_arch: str | None, sign_with: Path | None):
+    """--gpu-arch's targets and --sign-with's key, refused in one line before compiling."""
+    from nimble.errors import UsageError
+
+    if gpu_arch is None:
+        if sign_with is not None:
+            raise UsageError("--sign-with signs a kernel pack: give --gpu-arch too")
+        return [], None
+    import importlib.util
+
+    from nimble.runtime.kernels import aot
+    from nimble.runtime.kernels import pack as packs
+
+    targets = aot.targets(gpu_arch)
+    if importlib.util.find_spec("triton") is None:
+        raise UsageError("--gpu-arch builds kernels with Triton, which is not installed: pip install 'nimble[pack]' "
+                         "(or triton), or leave out --gpu-arch")
+    try:
+        key = packs.read_key(str(sign_with)) if sign_with is not None else None
+    except packs.PackMiss as e:
+        raise UsageError(f"--sign-with: {e}") from None
+    return targets, key
+
+
+def _build_packs(compiled, target: Path, targets, key, update) -> list[dict]:
+    """Build the kernel packs beside `target`; what `--json` and the summary say of them."""
+    from nimble.runtime import prebuild
+
+    t = time.perf_counter()
+    made = prebuild.ahead(compiled.artifact(), targets, Path(f"{target}.kernels"), key,
+                          say=lambda line: update(f"{target.name}: {line}"))
+    seconds = time.perf_counter() - t
+    compiled.seconds["kernels"] = seconds
+    return [{"path": str(path), "arch": t_.name, "kernels": n, "bytes": path.stat().st_size, "signed": key is not None,
+             "seconds": round(seconds / len(made), 3), "failed": failed} for t_, path, n, failed in made]
+
+
 def _report(compiled, target: Path, size: int, dot: Path | None, name: str, json_out: bool) -> None:
     """What compile says once the artifact is written: the picture, the JSON document, the summary."""
     if dot is not None:
@@ -131,6 +182,12 @@ def _report(compiled, target: Path, size: int, dot: Path | None, name: str, json
         print_json(compile_document(compiled, target, size))
     _summary(compiled)
     console.print(f"  wrote {literal(target)} ({human_bytes(size)})")
+    for p in getattr(compiled, "packs", []):
+        console.print(f"  wrote {literal(Path(p['path']))} ({p['kernels']} kernels for {p['arch']}, "
+                      f"{human_bytes(p['bytes'])}{', signed' if p['signed'] else ''}; "
+                      f"{len(p['failed'])} did not build, they build at load)" if p["failed"] else
+                      f"  wrote {literal(Path(p['path']))} ({p['kernels']} kernels for {p['arch']}, "
+                      f"{human_bytes(p['bytes'])}{', signed' if p['signed'] else ''})")
     if dot is not None:
         console.print(f"  wrote {dot} (render with: dot -Tsvg {dot} -o schedule.svg)")
 
@@ -180,7 +237,7 @@ def compile_document(compiled, target: Path, size: int) -> dict:
         "precision": compiled.precision,
         "stages_seconds": {k: round(v, 4) for k, v in compiled.seconds.items()},
         "versions": {"nimble": __version__, "torch": torch.__version__, "format": FORMAT_VERSION if others else ONE_BATCH_VERSION},
-    }
+    } | ({"kernel_packs": compiled.packs} if getattr(compiled, "packs", None) else {})
 
 
 def artifact_path(model: Path, output: Path | None) -> Path:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .common import (progress, DebugOption, DeviceOption, JsonOption, MaxMemoryOption, TuneOption, console,
+from .common import (check_pack, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption, console,
                      early_checks, literal, print_json, user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
@@ -33,6 +33,7 @@ def run_command(
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for --check (default 1e-3 on "
                                          "CUDA, 1e-5 on the CPU)."),
     tune: TuneOption = "cached",
+    kernels: KernelsOption = None,
     max_memory: MaxMemoryOption = None,
     json_out: JsonOption = False,
     debug: DebugOption = False,
@@ -48,6 +49,7 @@ def run_command(
         from nimble.model_files import check_artifact_file
 
         budget = early_checks(device=device, tune=tune, max_memory=max_memory)
+        check_pack(kernels)
         check_artifact_file(artifact)
         from nimble.runtime.base.compare import MismatchError, compare, default_tolerance, l2_tolerance
         from nimble.runtime.opening import load
@@ -66,7 +68,7 @@ def run_command(
             raise UsageError("give --input files or --random, not both")
         with progress(f"loading {artifact.name}"):
             t = time.perf_counter()
-            exe = load(artifact, device, tune=tune, max_memory=budget)
+            exe = load(artifact, device, tune=tune, max_memory=budget, kernels=kernels)
         if exe.notice:
             console.print(f"[yellow]note:[/] {exe.notice}")
         g = exe.graph

@@ -30,7 +30,8 @@ class Batched:
     largest compiled; `executable(b)` is the one compiled for batch b exactly."""
 
     def __init__(self, artifact, device: str = "auto", *, name: str | None = None, tune: str = "cached",
-                 max_memory: int | None = None, graph_dump: str | None = None, settings=None):
+                 max_memory: int | None = None, graph_dump: str | None = None, settings=None,
+                 kernels: str | None = None, beside: str | None = None):
         """As `Executable`; `graph_dump` writes the largest batch size's graph."""
         t0 = time.perf_counter()
         self.artifact = artifact
@@ -47,14 +48,15 @@ class Batched:
                                  "batch sizes")
         largest, *rest = sorted(self.batch_sizes, reverse=True)
         owner = Executable(plans[largest], device, name=self._name, tune=tune, arena_bytes=arena,
-                           graph_dump=graph_dump, max_memory=max_memory, settings=settings)
+                           graph_dump=graph_dump, max_memory=max_memory, settings=settings, kernels=kernels,
+                           beside=beside)
         self.device, self.notice = owner.device, owner.notice
         self._by_batch = {largest: owner}
         try:
             for b in rest:
                 self._by_batch[b] = Executable(plans[b], self.device.type, name=f"{self._name} (batch {b})",
                                                choice=owner.choice if self.device.type == "cuda" else None,
-                                               share=owner, settings=owner.settings)
+                                               share=owner, settings=owner.settings, kernels=kernels, beside=beside)
         except BaseException:
             self.close()
             raise

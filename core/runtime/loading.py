@@ -38,6 +38,7 @@ from .placed.placement import PlacedOp, arena_views, prepare
 from .placed.preflight import preflight
 from .tune import choices as tuning
 from .tune.search import search
+from . import prebuild
 
 
 @dataclass
@@ -53,6 +54,7 @@ class LoadStats:
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_binaries_recalled: int = 0  # kernels launched from the binary of an earlier process, without Triton
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
+    prebuilt: prebuild.Prebuilt | None = None  # CUDA: the kernels found before the first op ran, and where from
     footprint: footprint.Footprint | None = None  # CUDA: what the load holds on the GPU, by kind
 
     @property
@@ -71,7 +73,8 @@ class Loading:
                  graph_dump: str | None = None, name: str | None = None, tune: str = "cached",
                  choice: Choice | None = None, max_memory: int | None = None,
                  share: Loading | None = None, arena_bytes: int | None = None, group=None,
-                 settings: Settings | None = None, shape_advice: str = inputs.COMPILED_FOR):
+                 settings: Settings | None = None, shape_advice: str = inputs.COMPILED_FOR,
+                 kernels: str | None = None, beside: str | None = None):
         """`arena=False` and `single_stream=True` build the baselines that `nimble bench` times:
         activations in PyTorch's graph pool, or every op on one stream in program order.
         `graph_dump` writes the captured CUDA graph as Graphviz DOT (for tests and debugging).
@@ -87,13 +90,16 @@ class Loading:
         artifacts of different weights, and makes every call wait its turn (`group.py`).
         `settings` (`base/settings.py`; by default the current ones) say which of nimble's kernels
         and pairs it may use and the thresholds of its measured choices. `shape_advice` ends the
-        error a call of another shape gets (`nimble.Nimble` says to prepare that shape)."""
+        error a call of another shape gets (`nimble.Nimble` says to prepare that shape).
+        `kernels` names a kernel pack the user trusts (`kernels/pack.py`); `beside` is the
+        artifact's path, beside which a pack signed with the configured key is found."""
         check_tune_mode(tune)
         if choice is not None and choice not in every_choice():
             raise UsageError(f"choice={choice!r} is no load-time choice; build it from the settings assemble/choice.py "
                              "names (LAYOUTS, STREAMS, ALGORITHMS, CONVOLUTIONS, GEMM_BIAS, PROLOGUES)")
         self.settings = settings if settings is not None else current_settings()
         self.shape_advice = shape_advice
+        self._kernels, self._beside = kernels, beside
         t0 = time.perf_counter()
         self._stages = stages = Stages()  # each load stage timed once (stages.py)
         with using(self.settings), stages.stage("prepare"):
@@ -139,6 +145,7 @@ class Loading:
         s, stats = generated.STATS, self.stats
         built, hits, seconds, fallbacks, recalled = (s.generated, s.source_hits, s.seconds, len(s.fallbacks),
                                                      BINARIES.recalled)
+        self._prebuild(tune, choice)
         self._choose(tune, choice, graph_dump)
         self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
         self._channels_last_weights = {}
@@ -147,6 +154,15 @@ class Loading:
         self._stages.move("warmup", "kernels", s.seconds - seconds)  # kernels build on first run
         stats.kernel_fallbacks = s.fallbacks[fallbacks:]
         settle_footprint(self, max_memory, "compile with fewer streams (--streams) or a smaller batch")
+
+    def _prebuild(self, tune: str, forced) -> None:
+        """Every kernel this load will launch, ready before the first op runs (`prebuild.py`)."""
+        if tune == "cached" and forced is None and self._share is None and tuning.cached(
+                tuning.cache_key(self.artifact, self.device, self.settings)) is not None:
+            return  # loaded here before (its tuning is cached): its kernels are too
+        only = forced if forced is not None else (self.choice if self._single_stream or not self._with_arena else None)
+        with self._stages.stage("prebuild"):
+            self.stats.prebuilt = prebuild.for_load(self.artifact, self.device, only, self._kernels, self._beside)
 
     def _planned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors the plan names: weights, arena and inputs."""

@@ -21,7 +21,8 @@ def open_artifact(artifact, device: str = "auto", **options) -> Executable:
 
 
 def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dump: str | None = None,
-         verify: bool = False, max_memory: int | None = None, settings: Settings | None = None) -> Executable:
+         verify: bool = False, max_memory: int | None = None, settings: Settings | None = None,
+         kernels: str | Path | None = None) -> Executable:
     """Read and validate an artifact, then prepare it for execution on `device`, choosing its
     layout, streams and convolution algorithms as `tune` says (off, cached or full; see
     `tuning.py`). `graph_dump` writes the captured CUDA graph as Graphviz DOT. `verify` runs the
@@ -38,7 +39,7 @@ def load(path: str | Path, device: str = "auto", tune: str = "cached", graph_dum
     art = read_artifact(path)
     read_s = time.perf_counter() - t
     exe = open_artifact(art, device, name=Path(path).name, tune=tune, graph_dump=graph_dump, max_memory=max_memory,
-                        settings=settings)
+                        settings=settings, kernels=None if kernels is None else str(kernels), beside=str(path))
     exe.stats.seconds = {"read": read_s, **exe.stats.seconds, "total": read_s + exe.stats.seconds["total"]}
     if verify:
         exe.verify()

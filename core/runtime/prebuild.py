@@ -1,12 +1,35 @@
-"""Walk a load's op lists without a GPU, noting every generated kernel launch (prototype)."""
+"""Every generated kernel a load will launch, found and built before the load runs an op: ahead
+of time on a machine with no GPU (`nimble compile --gpu-arch`, into a kernel pack), or at the
+start of a load, in parallel, where neither the cache folder nor a trusted pack has them.
+
+`walk` finds them. It does what a load does for each of its tuning candidates (`tune/`): makes
+the candidate's kernels afresh (`assemble/lower.py`), its issue order and pairs, and issues every
+op, but over claimed tensors (`base/claimed.py`: CUDA tensors that hold only their shapes, at
+the addresses a load's allocations would have). Generated kernels note their launches instead of
+launching; a choice made by measurement tries every candidate (a tie), and keeps nothing; an op
+that cannot run on shapes alone (a cuDNN plan) is passed over. Candidates that differ only in
+what launches no generated kernel (cuDNN's algorithms, the stream cap) are walked once.
+
+A launch the walk misses is not an error: the load builds it when it first runs, as it always
+did. A launch the walk finds that the load never makes costs a build, nothing more.
+
+`ahead` builds the walk's launches for named architectures into a pack (`kernels/pack.py`);
+`before_load` takes each launch from the cache folder, else from a trusted pack, else builds it,
+all builds at once on the machine's cores, and says so on stderr.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 from unittest import mock
 
 import torch
 
+from ..errors import first_line
 from ..ir import WEIGHT
 from ..ops import types
 from ..ops.execute import run_ops
@@ -15,80 +38,195 @@ from .assemble import lower
 from .assemble.choice import channels_last_values, conv_weights
 from .assemble.order import issue_order
 from .base import claimed as claims
-from .base.claimed import DEVICE, Claimed, claimed
+from .base.claimed import claimed
 from .base.settings import current
-from .kernels import cudnn_graph
+from .kernels import aot, binaries, cudnn_graph
+from .kernels import pack as packs
 from .pairs.run import PairedRun
 from .placed.placement import arena_views, prepare
 from .tune import choices as tuning
 
-FAILED = []
+
+@dataclass
+class Prebuilt:
+    """What `before_load` found for a load's kernels."""
+
+    found: int = 0  # distinct launches the walk found
+    cached: int = 0  # of which the cache folder held a binary
+    from_pack: int = 0  # taken from a trusted pack
+    built: int = 0  # built here, in parallel
+    failed: list[str] = field(default_factory=list)  # launches that did not build (built, or fallen back, at load)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # one line each: a pack not used, a binary refused
 
 
 class _Walk(PairedRun):
-    """One issue of the op list over claimed tensors: an op that cannot run on shapes alone
-    (a cuDNN plan, a value read back) is passed over, its planned buffers standing for its results."""
+    """One issue of the op list over claimed tensors: an op that cannot run on shapes alone is
+    passed over, its planned buffers (or claimed tensors of its declared shapes) its results."""
+
+    def __init__(self, graph, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graph, self.passed = graph, []
 
     def call(self, p, args, kwargs):
         try:
             return super().call(p, args, kwargs)
         except Exception as e:
-            FAILED.append(f"{p.op.target}: {str(e)[:80]}")
-            return [self.views.get(o) if self.views.get(o) is not None else _spec_tensor(self.graph, o)
-                    for o in p.op.outputs]
+            self.passed.append(f"op {p.op.id} ({p.op.target}): {first_line(e)}")
+            return [self.views[o] if o in self.views else _declared(self.graph, o) for o in p.op.outputs]
 
 
-def _spec_tensor(graph, vid):
+def _declared(graph, vid: int):
     spec = graph.values[vid].spec
     return claimed(spec.shape, types.DTYPES[spec.dtype])
 
 
-class _Props:
-    def __init__(self, major, minor, sms):
-        self.major, self.minor, self.multi_processor_count, self.name = major, minor, sms, f"sm_{major}{minor}"
+class _Properties:
+    def __init__(self, target: aot.Target):
+        self.major, self.minor = target.capability
+        self.multi_processor_count, self.name = target.multiprocessors, target.name
 
 
 class _Stream:
-    cuda_stream = 0
-    device_index = 0
+    cuda_stream, device_index = 0, 0
 
 
-def _patched(major, minor, sms):
-    stack = contextlib.ExitStack()
-    for name, value in [("is_current_stream_capturing", lambda: False),
-                        ("get_device_properties", lambda d=None: _Props(major, minor, sms)),
-                        ("get_device_capability", lambda d=None: (major, minor)),
-                        ("current_stream", lambda d=None: _Stream())]:
-        stack.enter_context(mock.patch.object(torch.cuda, name, value))
-    return stack
+@contextlib.contextmanager
+def _as_target(target: aot.Target, device: torch.device):
+    """torch.cuda answers as a GPU of `target` would, where this machine has none, or another."""
+    local = torch.cuda.is_available() and torch.cuda.get_device_capability(device) == target.capability \
+        and torch.cuda.get_device_properties(device).multi_processor_count == target.multiprocessors
+    with contextlib.ExitStack() as stack:
+        if not local:
+            for name, value in [("is_current_stream_capturing", lambda: False),
+                                ("get_device_properties", lambda d=None: _Properties(target)),
+                                ("get_device_capability", lambda d=None: target.capability),
+                                ("current_stream", lambda d=None: _Stream())]:
+                stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        yield
 
 
-def walk(artifact):
+def walk(artifact, target: aot.Target, device: torch.device | None = None, only=None) -> dict[tuple, tuple]:
+    """(source digest, call signature) -> (kernel, args, constants): every generated kernel launch
+    a load of `artifact` on a GPU of `target` (`device`) could make, each once; under the one
+    choice `only` where given (a load whose choice is forced)."""
+    device = device or torch.device("cuda", 0)
     graph, schedule, memory = artifact.graph, artifact.schedule, artifact.memory
-    prepared = prepare(graph)
-    weights = {v.id: claimed(v.spec.shape, types.DTYPES[v.spec.dtype]) for v in graph.values if v.kind == WEIGHT}
-    convs = conv_weights(graph)
-    cl_weights = {k: claimed(weights[k].shape, weights[k].dtype, torch.channels_last) for k in convs}
-    inputs = [claimed(graph.values[i].spec.shape, types.DTYPES[graph.values[i].spec.dtype]) for i in graph.inputs]
-    arena = claimed((max(memory.arena_bytes, 1),), torch.uint8)
-    folded = capped.streams_under(schedule, None)
-    options = tuning.candidates(graph, max(folded, default=0) + 1, True)
-    distinct = {(c.layout, c.convolutions, c.gemm_bias, c.prologues): c for c in options}
-    seen = []
-    with claims.walk(seen), _patched(9, 0, 132):
+    seen: list = []
+    with claims.walk(seen, device), _as_target(target, device):
+        prepared = prepare(graph)
+        weights = {v.id: claimed(v.spec.shape, types.DTYPES[v.spec.dtype]) for v in graph.values if v.kind == WEIGHT}
+        convs_last = {k: claimed(weights[k].shape, weights[k].dtype, torch.channels_last) for k in conv_weights(graph)}
+        inputs = [_declared(graph, i) for i in graph.inputs]
+        arena = claimed((max(memory.arena_bytes, 1),), torch.uint8)
+        options = [only] if only is not None else \
+            tuning.candidates(graph, max(capped.streams_under(schedule, None), default=0) + 1, True)
+        distinct = {(c.layout, c.convolutions, c.gemm_bias, c.prologues): c for c in options}
         for choice in distinct.values():
             channels_last = choice.layout == "channels_last"
             views = arena_views(graph, memory, arena, channels_last_values(graph) if channels_last else ())
-            w = dict(weights)
-            if channels_last:
-                w.update(cl_weights)
+            env = {**weights, **(convs_last if channels_last else {}), **dict(zip(graph.inputs, inputs))}
             placed = lower.lower(prepared, choice, cudnn_graph.Workspaces())
             order = issue_order(graph, schedule, memory, placed, choice, single_stream=False, paired=True,
                                 settings=current())
             lower.pair(placed, order.pairs, choice)
-            env = dict(w)
-            env.update(zip(graph.inputs, inputs))
-            run = _Walk(env, views, DEVICE, name_failures=True, release=None, kept=frozenset(), pairs=order.pairs)
-            run.graph = graph
+            run = _Walk(graph, env, views, device, name_failures=True, release=None, kept=frozenset(),
+                        pairs=order.pairs)
             run_ops(placed, run, order.order)
-    return seen
+    found: dict[tuple, tuple] = {}
+    for kernel, args, constants in seen:
+        signature = binaries.specialisation(args, constants)
+        if "?" not in signature:
+            found.setdefault((kernel.digest, signature), (kernel, args, constants))
+    return found
+
+
+def ahead(artifact, targets: list[aot.Target], out: Path, key: bytes | None = None, threads: int | None = None,
+          say=None) -> list[tuple[aot.Target, Path, int, list[str]]]:
+    """Build the kernels of `artifact` (each of its batch sizes) for each of `targets` into a pack:
+    `out` for one target, else `out` with the architecture after it. Signed with `key` where
+    given; `say(line)` hears progress. Returns (target, path, kernels, failures) per target."""
+    plans = [artifact.for_batch(b) for b in artifact.batch_sizes] if artifact.batches else [artifact]
+    written = []
+    for target in targets:
+        found: dict[tuple, tuple] = {}
+        for plan in plans:
+            for name, launch in walk(plan, target).items():
+                found.setdefault(name, launch)
+        if say:
+            say(f"building {len(found)} kernels for {target.name} on {threads or aot.workers()} cores...")
+        built, failed, _ = aot.build_all(list(found.values()), target.arch, threads or aot.workers())
+        entries = []
+        for (kernel, args, constants), compiled in built:
+            described = binaries.describe(compiled, args, constants, list(kernel.jit().arg_names))
+            if described is None:
+                failed.append(f"kernel k{kernel.digest}: not one the static launcher runs")
+                continue
+            record, binary = described
+            entries.append(packs.Entry(kernel.digest, binaries.specialisation(args, constants), record, binary))
+        path = out if len(targets) == 1 else out.with_name(f"{out.name}.{target.name}")
+        packs.write(path, target.arch, entries, key)
+        written.append((target, path, len(entries), failed))
+    return written
+
+
+def local_target(device: torch.device) -> aot.Target:
+    props = torch.cuda.get_device_properties(device)
+    return aot.Target(props.major * 10 + props.minor, props.multi_processor_count)
+
+
+def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=None, threads: int | None = None,
+                quiet: bool = False) -> Prebuilt:
+    """Have every kernel a load of `artifact` on `device` will launch ready before it runs: each
+    from the cache folder, else from `pack`, else built now, all at once (see the module
+    docstring), under the one choice `only` where given. Says on stderr how many it builds,
+    unless `quiet`."""
+    import time
+
+    t = time.perf_counter()
+    stats = Prebuilt()
+    if not binaries.enabled(device):
+        return stats
+    found = walk(artifact, local_target(device), device, only)
+    stats.found = len(found)
+    missing = []
+    for (source, signature), (kernel, args, constants) in found.items():
+        if binaries.recall(source, signature, args, constants) is not None:
+            stats.cached += 1
+        elif pack is not None and pack.take(source, signature, args, constants, device) is not None:
+            stats.from_pack += 1
+        else:
+            missing.append((kernel, args, constants))
+    if pack is not None:
+        stats.notes += pack.refused
+    if missing:
+        threads = threads or aot.workers()
+        if not quiet:
+            print(f"nimble: building {len(missing)} kernels on {threads} cores...", file=sys.stderr, flush=True)
+        major, minor = torch.cuda.get_device_capability(device)
+        built, stats.failed, _ = aot.build_all(missing, major * 10 + minor, threads)
+        for (kernel, args, constants), compiled in built:
+            if binaries.remember(kernel.digest, binaries.specialisation(args, constants), compiled, args, constants,
+                                 list(kernel.jit().arg_names)) is not None:
+                stats.built += 1
+    stats.seconds = time.perf_counter() - t
+    return stats
+
+
+def for_load(artifact, device: torch.device, only, kernels: str | None, beside: str | None) -> Prebuilt:
+    """`before_load` with the pack this load may use: the one named (`kernels`), else, where a key
+    is configured, the one beside the artifact (`beside`, its path). A pack it may not use, and
+    each binary refused, is said on stderr in one line."""
+    pack = None
+    try:
+        key = packs.configured_key()
+        found = None if beside is None else f"{beside}{packs.SUFFIX}"
+        path = kernels or (found if key is not None and found and os.path.exists(found) else None)
+        if path is not None:
+            pack = packs.Pack.open(path, local_target(device).arch, key, named=kernels is not None)
+    except packs.PackMiss as e:
+        print(f"nimble: {e}", file=sys.stderr)
+    done = before_load(artifact, device, pack, only)
+    for note in done.notes:
+        print(f"nimble: {note}", file=sys.stderr)
+    return done

@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-DEVICE = torch.device("cuda", 0)
+DEVICE = [torch.device("cuda", 0)]  # the device a walk's tensors claim (`walk`)
 ADDRESS = 512  # where every root allocation of a walk starts: aligned as the caching allocator aligns
 
 SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("nimble_kernels_seen", default=None)
@@ -36,7 +36,8 @@ def walking() -> bool:
 
 
 class Claimed(torch.Tensor):
-    """A tensor that says it is on `DEVICE` and holds only its shape (a meta tensor inside)."""
+    """A tensor that says it is on a CUDA device (`walk`'s) and holds only its shape (a meta
+    tensor inside)."""
 
     meta: torch.Tensor
 
@@ -44,7 +45,7 @@ class Claimed(torch.Tensor):
     def __new__(cls, meta: torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
                                                 storage_offset=meta.storage_offset(), dtype=meta.dtype,
-                                                device=DEVICE, requires_grad=False)
+                                                device=DEVICE[0], requires_grad=False)
         t.meta = meta
         return t
 
@@ -150,9 +151,11 @@ class Factories(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def walk(seen: list):
-    """Within: kernel launches are noted in `seen`, CUDA factories make claimed tensors."""
+def walk(seen: list, device: torch.device):
+    """Within: kernel launches are noted in `seen`, CUDA factories make claimed tensors, which
+    claim `device`."""
     token = SEEN.set(seen)
+    DEVICE[0] = device
     try:
         with Factories():
             yield

@@ -106,6 +106,12 @@ def _record_path(digest: str, signature: str, device: torch.device) -> Path | No
     return folder / f"b{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
 
 
+def enabled(device: torch.device) -> bool:
+    """Whether recorded binaries can serve launches on `device` (see `_device`)."""
+    return device.type == "cuda" and settings.current().recalled_binaries and _launcher() is not None \
+        and triton_version() is not None
+
+
 def _device(args: tuple, constants: dict) -> torch.device | None:
     """The one CUDA device the call's tensors are on, where recorded binaries can serve the call
     (enabled, torch has the static launcher, Triton is installed); else None."""
@@ -167,16 +173,29 @@ def read_record(path: Path, args: tuple, constants: dict) -> dict | None:
         record = json.loads(data) if data is not None else None
     except (ValueError, RecursionError):
         return None
+    if not isinstance(record, dict) or not isinstance(record.get("binary"), str) \
+            or not os.path.isabs(record["binary"]) or "\0" in record["binary"]:
+        return None
+    return record if fits(record, args, constants) else None
+
+
+def fits(record, args: tuple, constants: dict) -> bool:
+    """Whether `record` (where the binary lies aside) is one this call can use: every field of
+    the type and range nimble writes, its parameters naming arguments this call has, of the C
+    types their values can be passed as."""
+    return _fits(record, args, constants) is not None
+
+
+def _fits(record, args: tuple, constants: dict) -> dict | None:
     if not isinstance(record, dict) or record.get("version") != 1:
         return None
     ints = ("size", "num_warps", "shared", "scratch")
     if not all(type(record.get(k)) is int for k in ints) or not all(isinstance(record.get(k), str)
-                                                                      for k in ("binary", "sha256", "name")):
+                                                                      for k in ("sha256", "name")):
         return None
     if not (0 < record["size"] <= BINARY_LIMIT and record["num_warps"] in (1, 2, 4, 8, 16, 32)
             and 0 <= record["shared"] <= MAX_SHARED and 0 <= record["scratch"] <= 2
-            and _DIGEST.fullmatch(record["sha256"]) and _NAME.fullmatch(record["name"])
-            and os.path.isabs(record["binary"]) and "\0" not in record["binary"]):
+            and _DIGEST.fullmatch(record["sha256"]) and _NAME.fullmatch(record["name"])):
         return None
     params = record.get("params")
     if not isinstance(params, list) or len(params) > 64:
@@ -210,8 +229,39 @@ def remember(digest: str, signature: str, compiled, args: tuple, constants: dict
         record = _describe_compiled(compiled, args, constants, arg_names)
     except Exception:  # a Triton whose compiled kernels look otherwise
         return None
+    return None if record is None else _keep(digest, signature, record, device)
+
+
+def _describe_compiled(compiled, args: tuple, constants: dict, arg_names: list[str]) -> dict | None:
+    """The record of Triton's `CompiledKernel` for this call, its binary where Triton keeps it
+    in its cache folder; None where the static launcher cannot run it or the binary is not there."""
+    from triton.runtime.cache import get_cache_manager
+
+    described = describe(compiled, args, constants, arg_names)
+    if described is None:
+        return None
+    record, binary = described
+    path = Path(get_cache_manager(compiled.hash).cache_dir) / f"{record['name']}.cubin"
+    if cache.read_small(path, BINARY_LIMIT) != binary:
+        return None
+    return {**record, "binary": str(path.resolve())}
+
+
+def install(digest: str, signature: str, record: dict, binary: bytes, device: torch.device) -> Binary | None:
+    """Keep `binary` (a checked kernel pack's, `pack.py`) in the cache folder with its record, as
+    if Triton had built it here, and load it; None where the cache folder cannot hold it."""
+    folder = cache.cache_dir("binaries")
+    if folder is None:
+        return None
+    path = folder / f"c{record['sha256']}.cubin"
+    if cache.read_small(path, BINARY_LIMIT) != binary and not cache.write(path, binary):
+        return None
+    return _keep(digest, signature, {**record, "binary": str(path.resolve())}, device)
+
+
+def _keep(digest: str, signature: str, record: dict, device: torch.device) -> Binary | None:
     path = _record_path(digest, signature, device)
-    if record is None or path is None:
+    if path is None:
         return None
     cache.write(path, json.dumps(record, indent=1).encode())
     STATS.remembered += 1
@@ -221,11 +271,9 @@ def remember(digest: str, signature: str, compiled, args: tuple, constants: dict
         return None
 
 
-def _describe_compiled(compiled, args: tuple, constants: dict, arg_names: list[str]) -> dict | None:
-    """The record of Triton's `CompiledKernel` for this call; None where the static launcher
-    cannot run it (several CTAs, scratch memory) or its binary is not where Triton keeps it."""
-    from triton.runtime.cache import get_cache_manager
-
+def describe(compiled, args: tuple, constants: dict, arg_names: list[str]) -> tuple[dict, bytes] | None:
+    """The record (all but where the binary lies) of Triton's `CompiledKernel` for this call, and
+    its binary; None where the static launcher cannot run it (several CTAs, scratch memory)."""
     meta = compiled.metadata
     if getattr(meta, "num_ctas", 1) != 1:
         return None
@@ -236,10 +284,7 @@ def _describe_compiled(compiled, args: tuple, constants: dict, arg_names: list[s
                 return None
             scratch += 1
     binary = compiled.asm.get("cubin") if isinstance(compiled.asm, dict) else None
-    if not isinstance(binary, bytes):
-        return None
-    path = Path(get_cache_manager(compiled.hash).cache_dir) / f"{meta.name}.cubin"
-    if cache.read_small(path, BINARY_LIMIT) != binary:
+    if not isinstance(binary, bytes) or not 0 < len(binary) <= BINARY_LIMIT:
         return None
     src = compiled.src
     constant_slots = {key[0] if isinstance(key, tuple) else key for key in getattr(src, "constants", {})}
@@ -253,6 +298,6 @@ def _describe_compiled(compiled, args: tuple, constants: dict, arg_names: list[s
             return None  # a parameter left at its default: not one generated kernels have
         params.append([slot, "O" if kind.startswith("*") else C_TYPES[kind]])
     shared = getattr(compiled, "shared", None)
-    return {"version": 1, "binary": str(path.resolve()), "size": len(binary),
-            "sha256": hashlib.sha256(binary).hexdigest(), "name": meta.name, "num_warps": meta.num_warps,
-            "shared": int(shared if shared is not None else meta.shared), "scratch": scratch, "params": params}
+    return ({"version": 1, "size": len(binary), "sha256": hashlib.sha256(binary).hexdigest(), "name": meta.name,
+             "num_warps": meta.num_warps, "shared": int(shared if shared is not None else meta.shared),
+             "scratch": scratch, "params": params}, binary)

@@ -34,7 +34,7 @@ TABLE = "kernel_choices.json"
 
 
 @lru_cache(maxsize=1)
-def _runtime_code() -> str:
+def runtime_code() -> str:
     """A digest of nimble's runtime sources: the kernels' text and the way they are chosen."""
     digest = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
@@ -48,7 +48,7 @@ def _where(device: torch.device) -> tuple | None:
     if walking() or not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(device)
-    return (props.name, props.major, props.minor, torch.__version__, triton_version(), _runtime_code(),
+    return (props.name, props.major, props.minor, torch.__version__, triton_version(), runtime_code(),
             settings.current().digest())  # a choice measured under other thresholds is not this one
 
 
