@@ -187,6 +187,7 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
     stats = Prebuilt()
     if not binaries.enabled(device):
         return stats
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     found = walk(artifact, local_target(device), device, only)
     stats.found = len(found)
     missing = []

@@ -71,7 +71,7 @@ def specialisation(args: tuple, constants: dict) -> str:
 
 def _describe(v) -> str:
     if isinstance(v, torch.Tensor):
-        return f"*{v.dtype}@{v.device}:{v.data_ptr() % 16 == 0}"
+        return f"*{v.dtype}@{v.device.type}:{v.data_ptr() % 16 == 0}"  # one binary serves every GPU of a kind
     if isinstance(v, (bool, int, float, str)) or v is None:
         return f"{type(v).__name__}:{v!r}"
     return f"?{type(v).__name__}"  # nothing a generated kernel passes: never recorded, see `remember`

@@ -1,0 +1,199 @@
+"""Load to first inference on a GPU machine: cold (empty caches), warm, and with a kernel pack.
+
+    python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 ...] [--artifacts A.nimble ...]
+                                    [--peers resnet50 ...]
+
+Each row is one fresh process (`python -c` of this file's `child`), timed from after `import
+torch` and CUDA's start to the first inference's result on the host:
+
+- source: empty `NIMBLE_CACHE_DIR` and `TRITON_CACHE_DIR`; the load finds its kernels (a prebuild's
+  walk) and builds them all at once on the machine's cores;
+- warm: a second process on the caches `source` left;
+- pack: empty caches, `nimble.load(..., kernels=PACK)` with the pack `nimble compile --gpu-arch`
+  built with no GPU visible (`CUDA_VISIBLE_DEVICES=` for torchvision models built here; the
+  sample models' packs are built on the CPU builder and passed with --artifacts A.nimble, the
+  pack beside each). Its outputs on the stored sample input are compared with `source`'s.
+
+With --peers, beside them: torch.compile(mode="reduce-overhead") first call with an empty Inductor
+and Triton cache, then with its portable cache (`torch.compiler.save_cache_artifacts` in the cold
+process, `load_cache_artifacts` in a fresh one with empty caches), and AOTInductor
+(`aoti_compile_and_package` once, then `aoti_load_package` in a fresh process).
+
+Writes DIR/cold_start.json and DIR/cold_start.md (GPU, versions, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def child(mode: str, artifact: str, pack: str, save: str) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    import nimble
+
+    exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None)
+    art = exe.artifact
+    sample = [t.to("cuda") for t in art.sample_inputs]
+    outs = exe.run(*sample)
+    torch.cuda.synchronize()
+    first = [o.float().cpu() for o in outs]
+    done = time.perf_counter()
+    torch.save(first, save)
+    p = exe.stats.prebuilt
+    return {"mode": mode, "load_to_first_s": round(done - started, 3), "cuda_start_s": round(started - t0, 3),
+            "stages": {k: round(v, 3) for k, v in exe.stats.seconds.items()},
+            "kernels": None if p is None else {"found": p.found, "cached": p.cached, "from_pack": p.from_pack,
+                                               "built": p.built, "failed": len(p.failed), "seconds": round(p.seconds, 3)},
+            "built_at_first_launch": exe.stats.kernels_generated - (0 if p is None else 0),
+            "recalled": exe.stats.kernel_binaries_recalled}
+
+
+def peer_child(mode: str, model: str, batch: int, save: str) -> dict:
+    import torch
+    import torchvision
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    m = getattr(torchvision.models, model)().eval().cuda()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    started = time.perf_counter()
+    with torch.no_grad():
+        if mode.startswith("aoti"):
+            if mode == "aoti-build":
+                ep = torch.export.export(m, (x,))
+                torch._inductor.aoti_compile_and_package(ep, package_path=save)
+            else:
+                runner = torch._inductor.aoti_load_package(save)
+                runner(x)
+        else:
+            if mode == "compile-warm":
+                torch.compiler.load_cache_artifacts(Path(save).read_bytes())
+            f = torch.compile(m, mode="reduce-overhead")
+            f(x)
+            if mode == "compile-cold":
+                got = torch.compiler.save_cache_artifacts()
+                if got is not None:
+                    Path(save).write_bytes(got[0])
+    torch.cuda.synchronize()
+    return {"mode": mode, "load_to_first_s": round(time.perf_counter() - started, 3)}
+
+
+def fresh(args: list[str], caches: dict, timeout: int = 560) -> dict:
+    env = dict(os.environ, **caches)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, str(HERE), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": (r.stderr or r.stdout)[-600:], "process_s": round(time.perf_counter() - t, 2)}
+    got = json.loads(lines[-1][7:])
+    got["process_s"] = round(time.perf_counter() - t, 2)
+    got["stderr"] = [ln for ln in r.stderr.splitlines() if ln.startswith("nimble:")][:5]
+    return got
+
+
+def export(model: str, folder: Path, pack: bool) -> Path:
+    """A torchvision model at batch 1, traced and compiled with its kernel pack, no GPU visible."""
+    import torch
+    import torchvision
+
+    m = getattr(torchvision.models, model)().eval()
+    script = folder / f"{model}.pt"
+    torch.jit.trace(m, torch.randn(1, 3, 224, 224)).save(script)
+    out = folder / f"{model}.nimble"
+    cmd = [sys.executable, "-c", "from nimble_cli.entry import main; main()", "compile", str(script), "--shape", "1x3x224x224", "-o", str(out),
+           "--device", "cpu"] + (["--gpu-arch", "sm_90"] if pack else [])
+    t = time.perf_counter()
+    r = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"compile of {model} failed: {r.stderr[-800:]}")
+    print(f"compiled {model} with its pack in {time.perf_counter() - t:.1f} s (no GPU visible)", flush=True)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("child", "peer"):
+        got = child(*sys.argv[2:6]) if sys.argv[1] == "child" else peer_child(sys.argv[2], sys.argv[3],
+                                                                                int(sys.argv[4]), sys.argv[5])
+        print("RESULT " + json.dumps(got), flush=True)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="*", default=[])
+    ap.add_argument("--artifacts", nargs="*", default=[])
+    ap.add_argument("--peers", nargs="*", default=[], help="torchvision models to time the peers on")
+    ap.add_argument("--modes", default="source,warm,pack")
+    a = ap.parse_args()
+    import torch
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="cold_start_"))
+    rows = []
+    paths = [Path(p) for p in a.artifacts] + [export(m, work, True) for m in a.models]
+    for path in paths:
+        with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
+            caches = {"NIMBLE_CACHE_DIR": c1, "TRITON_CACHE_DIR": c2}
+            row = {"model": path.stem, "artifact_bytes": path.stat().st_size}
+            pack = Path(f"{path}.kernels")
+            row["pack_bytes"] = pack.stat().st_size if pack.exists() else None
+            for mode in a.modes.split(","):
+                if mode == "pack" and not pack.exists():
+                    continue
+                if mode == "pack":
+                    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+                        row[mode] = fresh(["child", mode, str(path), str(pack), str(work / f"{path.stem}.{mode}.pt")],
+                                          {"NIMBLE_CACHE_DIR": d1, "TRITON_CACHE_DIR": d2})
+                else:
+                    row[mode] = fresh(["child", mode, str(path), "", str(work / f"{path.stem}.{mode}.pt")], caches)
+                print(path.stem, mode, json.dumps(row[mode]), flush=True)
+            if (work / f"{path.stem}.pack.pt").exists() and (work / f"{path.stem}.source.pt").exists():
+                a_, b_ = torch.load(work / f"{path.stem}.pack.pt"), torch.load(work / f"{path.stem}.source.pt")
+                row["pack_vs_source_max_abs"] = max(float((x - y).abs().max()) for x, y in zip(a_, b_))
+                print(path.stem, "pack vs source max abs", row["pack_vs_source_max_abs"], flush=True)
+            rows.append(row)
+    if a.peers:
+        for model in a.peers:
+            row = {"model": f"{model} (peers)"}
+            with tempfile.TemporaryDirectory() as c1:
+                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
+                blob = str(work / f"{model}.megacache")
+                row["compile-cold"] = fresh(["peer", "compile-cold", model, "1", blob], caches)
+            with tempfile.TemporaryDirectory() as c1:
+                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
+                row["compile-warm"] = fresh(["peer", "compile-warm", model, "1", blob], caches)
+            with tempfile.TemporaryDirectory() as c1:
+                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
+                pkg = str(work / f"{model}.pt2")
+                row["aoti-build"] = fresh(["peer", "aoti-build", model, "1", pkg], caches)
+                row["aoti-load"] = fresh(["peer", "aoti-load", model, "1", pkg], caches)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
+            "cores": len(os.sched_getaffinity(0))}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    (a.out / "cold_start.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

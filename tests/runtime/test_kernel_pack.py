@@ -1,0 +1,268 @@
+"""Kernel packs (`runtime/kernels/pack.py`), built on this machine, which has no GPU: a prebuild's
+walk finds the launches, Triton builds them for sm_90, and a pack is used only where trusted and
+only where every binding checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nimble.formats import write_artifact
+from nimble.pipeline import compile_model
+from nimble.runtime import prebuild
+from nimble.runtime.kernels import aot, binaries
+from nimble.runtime.kernels import pack as packs
+from nimble.specs import input_specs
+
+from ..cli.test_cli import invoke, one_line_error
+from ..conftest import SAMPLES
+
+pytest.importorskip("triton", reason="CI installs Triton with the test extras (pyproject.toml)")
+H100 = aot.Target(90, 132)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The sample resnet's artifact and its pack for sm_90, built here with no GPU, in caches of
+    its own (Triton's included)."""
+    folder = tmp_path_factory.mktemp("pack")
+    old = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "NIMBLE_CACHE_DIR")}
+    os.environ["TRITON_CACHE_DIR"], os.environ["NIMBLE_CACHE_DIR"] = str(folder / "triton"), str(folder / "cache")
+    try:
+        compiled = compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu")
+        art = compiled.artifact()
+        path = folder / "resnet.nimble"
+        write_artifact(path, art)
+        (made,) = prebuild.ahead(art, [H100], Path(f"{path}{packs.SUFFIX}"), threads=2)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return art, path, made
+
+
+def _launches(art):
+    return prebuild.walk(art, H100)
+
+
+def test_a_pack_is_built_for_a_named_architecture_with_no_gpu(built):
+    art, path, (target, pack_path, kernels, failed) = built
+    assert not torch.cuda.is_available() and target.name == "sm_90"
+    assert kernels > 0 and not failed
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    assert len(pack) == kernels == len(_launches(art))
+    for (source, signature), e in pack.index.items():
+        assert "@cuda:" in signature and e["record"]["name"] and e["record"]["sha256"]
+    # the pack is small beside the artifact's weights
+    assert pack_path.stat().st_size < path.stat().st_size
+
+
+def test_the_walk_notes_launches_and_leaves_no_choice_behind(built):
+    art = built[0]
+    found = _launches(art)
+    assert found and all(isinstance(k[0], str) and len(k[0]) == 32 for k in found)
+    assert _launches(art).keys() == found.keys()  # the same walk twice finds the same launches
+
+
+@pytest.mark.parametrize("change, why", [
+    ("arch", "built for arch 'sm_90', this load needs 'sm_80'"),
+    ("triton", "built for triton"),
+    ("nimble", "built for kernel_code"),
+])
+def test_a_pack_for_another_architecture_or_version_is_a_miss(built, monkeypatch, change, why):
+    pack_path = built[2][1]
+    arch = 80 if change == "arch" else 90
+    if change == "triton":
+        monkeypatch.setattr(binaries, "triton_version", lambda: "0.0.1")
+    if change == "nimble":
+        monkeypatch.setattr(packs, "runtime_code", lambda: "another")
+    with pytest.raises(packs.PackMiss, match=why.replace("(", r"\(")):
+        packs.Pack.open(pack_path, arch, None, named=True)
+
+
+def _copy(pack_path: Path, tmp_path: Path, edit=None) -> Path:
+    data = bytearray(pack_path.read_bytes())
+    if edit:
+        data = edit(data)
+    out = tmp_path / "copy.kernels"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _first(pack):
+    (source, signature), entry = next(iter(pack.index.items()))
+    return source, signature, entry
+
+
+class _Loaded:
+    """Stands for a loaded binary: this machine has no GPU to load one on."""
+
+    def __init__(self, record, device):
+        self.record = record
+
+
+def test_a_checked_binary_is_kept_in_the_cache_folder_and_nowhere_else(built, tmp_path, monkeypatch):
+    art, _, (_, pack_path, _, _) = built
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(binaries, "Binary", _Loaded)
+    monkeypatch.setattr(binaries, "_record_path", lambda d, s, dev: tmp_path / "cache" / "binaries" / f"r{d}.json")
+    before = {p for p in tmp_path.rglob("*")}
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    launches = _launches(art)
+    source, signature, entry = _first(pack)
+    kernel, args, constants = launches[source, signature]
+    got = pack.take(source, signature, args, constants, torch.device("cuda", 0))
+    assert isinstance(got, _Loaded) and pack.taken == 1 and not pack.refused
+    written = {p for p in tmp_path.rglob("*") if p.is_file()} - before
+    assert written and all((tmp_path / "cache") in p.parents for p in written)
+    cubin = [p for p in written if p.suffix == ".cubin"]
+    assert len(cubin) == 1 and cubin[0].read_bytes()[:4] == b"\x7fELF"  # the binary, as built
+
+
+def test_a_tampered_binary_is_refused_before_it_is_loaded(built, tmp_path, monkeypatch):
+    art, _, (_, pack_path, _, _) = built
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = []
+    monkeypatch.setattr(binaries, "Binary", lambda record, device: loaded.append(record))
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    source, signature, entry = _first(pack)
+
+    def flip(data):
+        data[pack.start + entry["offset"] + entry["size"] // 2] ^= 0xFF
+        return data
+    tampered = packs.Pack.open(_copy(pack_path, tmp_path, flip), 90, None, named=True)
+    kernel, args, constants = _launches(art)[source, signature]
+    assert tampered.take(source, signature, args, constants, torch.device("cuda", 0)) is None
+    assert not loaded and "does not match its recorded sha256" in tampered.refused[0]
+    assert not (tmp_path / "cache" / "binaries").exists() or not list((tmp_path / "cache" / "binaries").glob("*.cubin"))
+
+
+def test_a_binary_is_taken_only_for_its_own_source_and_call(built, tmp_path, monkeypatch):
+    art, _, (_, pack_path, _, _) = built
+    monkeypatch.setattr(binaries, "Binary", _Loaded)
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    launches = _launches(art)
+    source, signature, entry = _first(pack)
+    kernel, args, constants = launches[source, signature]
+    other = next(s for s, _ in launches if s != source)
+    assert pack.take(other, signature, args, constants, torch.device("cuda", 0)) is None  # another source
+    assert pack.take(source, signature + ";x=int:1", args, constants, torch.device("cuda", 0)) is None
+    # an entry whose launch record names an argument the call lacks is refused, not launched
+    entry["record"] = {**entry["record"], "params": [[len(args) + 5, "O"]]}
+    assert pack.take(source, signature, args, constants, torch.device("cuda", 0)) is None
+    assert "launch record does not fit" in pack.refused[0]
+
+
+def test_an_untrusted_pack_is_never_used(built, tmp_path, monkeypatch):
+    art, path, (_, pack_path, _, _) = built
+    used = []
+    monkeypatch.setattr(prebuild, "before_load", lambda a, d, pack, only: used.append(pack) or prebuild.Prebuilt())
+    monkeypatch.setattr(prebuild, "local_target", lambda device: H100)
+    monkeypatch.delenv(packs.KEY_ENV, raising=False)
+    # beside the artifact, not named, no key configured: not even opened
+    prebuild.for_load(art, torch.device("cuda", 0), None, None, str(path))
+    assert used == [None]
+    # a key configured, the pack unsigned: not used, named or not
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    monkeypatch.setenv(packs.KEY_ENV, str(key))
+    prebuild.for_load(art, torch.device("cuda", 0), None, str(pack_path), str(path))
+    prebuild.for_load(art, torch.device("cuda", 0), None, None, str(path))
+    assert used == [None, None, None]
+    with pytest.raises(packs.PackMiss, match="not signed with the key"):
+        packs.Pack.open(pack_path, 90, key.read_bytes(), named=True)
+    with pytest.raises(packs.PackMiss, match="used only where NIMBLE_KERNEL_KEY names"):
+        packs.Pack.open(pack_path, 90, None, named=False)
+
+
+def test_a_signed_pack_is_used_beside_the_artifact_and_a_rewritten_one_is_not(built, tmp_path, monkeypatch):
+    art, path, (_, pack_path, _, _) = built
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    with open(pack_path, "rb") as f:
+        blobs = f.read()[pack.start:]
+    entries = [packs.Entry(s, g, e["record"], blobs[e["offset"]:e["offset"] + e["size"]])
+               for (s, g), e in pack.index.items()]
+    signed = tmp_path / f"{path.name}{packs.SUFFIX}"
+    packs.write(signed, 90, entries, key.read_bytes())
+    assert len(packs.Pack.open(signed, 90, key.read_bytes(), named=False)) == len(entries)
+    used = []
+    monkeypatch.setattr(prebuild, "before_load", lambda a, d, p, only: used.append(p) or prebuild.Prebuilt())
+    monkeypatch.setattr(prebuild, "local_target", lambda device: H100)
+    monkeypatch.setenv(packs.KEY_ENV, str(key))
+    prebuild.for_load(art, torch.device("cuda", 0), None, None, str(tmp_path / path.name))
+    assert len(used) == 1 and used[0] is not None and used[0].path == signed
+    # the manifest rewritten without the key (a binary's sha256 changed to match a new binary): refused
+    data = signed.read_bytes()
+    head = json.loads(data[len(packs.MAGIC) + 8:pack_start(data)])
+    head["entries"][0]["record"]["sha256"] = "0" * 64
+    body = json.dumps(head, sort_keys=True).encode()
+    forged = tmp_path / "forged.kernels"
+    forged.write_bytes(packs.MAGIC + len(body).to_bytes(8, "little") + body + data[pack_start(data):])
+    with pytest.raises(packs.PackMiss, match="not signed with the key"):
+        packs.Pack.open(forged, 90, key.read_bytes(), named=True)
+    with pytest.raises(packs.PackMiss, match="not signed with the key"):
+        packs.Pack.open(forged, 90, os.urandom(32), named=True)
+
+
+def pack_start(data: bytes) -> int:
+    return len(packs.MAGIC) + 8 + int.from_bytes(data[len(packs.MAGIC):len(packs.MAGIC) + 8], "little")
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "not a nimble kernel pack"),
+    (b"PK\x03\x04 a zip", "not a nimble kernel pack"),
+    (packs.MAGIC + (2**40).to_bytes(8, "little") + b"{}", "manifest does not fit the file"),
+    (packs.MAGIC + (4).to_bytes(8, "little") + b"[1,2", "manifest is not JSON"),
+    (packs.MAGIC + (2).to_bytes(8, "little") + b"[]", "manifest is malformed"),
+])
+def test_a_crafted_pack_is_a_miss_in_one_line(tmp_path, content, why):
+    path = tmp_path / "crafted.kernels"
+    path.write_bytes(content)
+    with pytest.raises(packs.PackMiss, match=why):
+        packs.Pack.open(path, 90, None, named=True)
+
+
+def test_an_entry_pointing_outside_the_file_is_a_miss(built, tmp_path):
+    pack_path = built[2][1]
+    data = pack_path.read_bytes()
+    head = json.loads(data[len(packs.MAGIC) + 8:pack_start(data)])
+    head["entries"][0]["offset"] = 2**40
+    body = json.dumps(head, sort_keys=True).encode()
+    path = tmp_path / "outside.kernels"
+    path.write_bytes(packs.MAGIC + len(body).to_bytes(8, "little") + body + data[pack_start(data):])
+    with pytest.raises(packs.PackMiss, match="malformed entry"):
+        packs.Pack.open(path, 90, None, named=True)
+
+
+def test_compile_writes_a_signed_pack_and_refuses_bad_options_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    out = tmp_path / "r.nimble"
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    result = invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out,
+                    "--gpu-arch", "sm_90", "--sign-with", key, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    (made,) = doc["kernel_packs"]
+    assert made["arch"] == "sm_90" and made["signed"] and made["kernels"] > 0 and not made["failed"]
+    assert len(packs.Pack.open(made["path"], 90, key.read_bytes(), named=False)) == made["kernels"]
+    assert "sm_99" in one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "-o", out,
+                                            "--gpu-arch", "sm_99"), 2)
+    assert "give --gpu-arch too" in one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32",
+                                                          "-o", out, "--sign-with", key), 2)
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    assert "16 to 4096 bytes" in one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "-o", out,
+                                                       "--gpu-arch", "sm_90", "--sign-with", short), 2)
+    assert "no such file" in one_line_error(invoke("run", out, "--random", "--kernels", tmp_path / "none"), 2)
+
+
+def test_targets_parse_as_documented():
+    assert aot.targets("sm_90,sm_80") == [aot.Target(90, 132), aot.Target(80, 108)]
+    assert aot.targets("sm_90:114") == [aot.Target(90, 114)]
