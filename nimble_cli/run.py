@@ -84,7 +84,8 @@ def run_command(
         first = time.perf_counter() - t
         report = {"schema_version": RUN_SCHEMA_VERSION, "artifact": str(artifact), "device": str(exe.device),
                   "load_seconds": round(exe.stats.seconds["total"], 4), "first_inference_seconds": round(first, 4),
-                  "outputs": [_describe(g.values[o].name, t) for o, t in zip(g.outputs, outs)], "check": None}
+                  "outputs": [_describe(g.values[o].name, t) for o, t in zip(g.outputs, outs)], "check": None,
+                  "kernels": None if exe.stats.prebuilt is None else exe.stats.prebuilt.document()}
         result = None
         if check:
             rt, at = default_tolerance(exe.device)

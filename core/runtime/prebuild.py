@@ -59,6 +59,11 @@ class Prebuilt:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # one line each: a pack not used, a binary refused
 
+    def document(self) -> dict:
+        """What `run --json` and `bench --json` report of it."""
+        return {"found": self.found, "cached": self.cached, "from_pack": self.from_pack, "built": self.built,
+                "failed": self.failed, "seconds": round(self.seconds, 4), "notes": self.notes}
+
 
 class _Walk(PairedRun):
     """One issue of the op list over claimed tensors: an op that cannot run on shapes alone is
@@ -199,7 +204,10 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
         else:
             missing.append((kernel, args, constants))
     if pack is not None:
-        stats.notes += pack.refused
+        stats.notes += pack.notes + pack.refused
+        if missing:
+            stats.notes.append(f"{pack.path}: {stats.from_pack} of {stats.found} kernels taken from it; the {len(missing)} "
+                               "it lacks build here")
     if missing:
         threads = threads or aot.workers()
         if not quiet:

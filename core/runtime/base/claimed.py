@@ -3,7 +3,7 @@
 
 A `Claimed` tensor wraps a meta tensor. Every aten op on it runs on the meta tensor (shapes,
 strides and dtypes only, no data) and its results claim CUDA too; a factory call for a CUDA
-device inside `walking()` makes one as well (`Factories`). Its address is one that the caching
+device inside `walking()` makes one as well (`_factories`). Its address is one that the caching
 allocator could have given (`data_ptr`: a multiple of 512 plus its offset into its storage), so
 the alignment a kernel is specialised on is the one a load sees: every allocation a load makes is
 512-byte aligned (`regions.py`), and views keep their offsets.
@@ -21,7 +21,6 @@ import contextlib
 import contextvars
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 DEVICE = [torch.device("cuda", 0)]  # the device a walk's tensors claim (`walk`)
@@ -139,15 +138,32 @@ def claimed(shape, dtype: torch.dtype, memory_format=torch.contiguous_format) ->
     return Claimed(torch.empty(shape, dtype=dtype, device="meta", memory_format=memory_format))
 
 
-class Factories(TorchFunctionMode):
-    """A factory call (`torch.empty(..., device="cuda")` and the like) makes a claimed tensor."""
+FACTORIES = ("empty", "zeros", "ones", "full", "arange", "empty_strided", "tensor", "as_tensor", "rand", "randn",
+             "linspace")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+
+def _factory(make):
+    """`make` (a torch factory) that makes a claimed tensor where it is asked for a CUDA device."""
+    def made(*args, **kwargs):
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
-            return tree_map(_claim, func(*args, **{**kwargs, "device": "meta"}))
-        return func(*args, **kwargs)
+            return _claim(make(*args, **{**kwargs, "device": "meta"}))
+        return make(*args, **kwargs)
+    return made
+
+
+@contextlib.contextmanager
+def _factories():
+    """Within: torch's factories make claimed tensors for CUDA (patched by name: a function mode
+    would see every torch call, ten times the walk's cost)."""
+    saved = {name: getattr(torch, name) for name in FACTORIES}
+    try:
+        for name, make in saved.items():
+            setattr(torch, name, _factory(make))
+        yield
+    finally:
+        for name, make in saved.items():
+            setattr(torch, name, make)
 
 
 @contextlib.contextmanager
@@ -157,7 +173,7 @@ def walk(seen: list, device: torch.device):
     token = SEEN.set(seen)
     DEVICE[0] = device
     try:
-        with Factories():
+        with _factories():
             yield
     finally:
         SEEN.reset(token)

@@ -92,7 +92,7 @@ class Entry:
 
 def write(path: Path, arch: int, entries: list[Entry], key: bytes | None = None) -> int:
     """Write a pack of `entries`, built for `arch`, signed with `key` where given; its bytes."""
-    manifest = {**binding(arch), "entries": []}
+    manifest = {**binding(arch), "torch": torch.__version__, "entries": []}
     offset = 0
     for e in entries:
         manifest["entries"].append({"source": e.source, "signature": e.signature, "record": e.record,
@@ -118,6 +118,7 @@ class Pack:
     index: dict = field(default_factory=dict)  # (source, signature) -> entry
     taken: int = 0
     refused: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def open(cls, path: str | Path, arch: int, key: bytes | None, named: bool) -> Pack:
@@ -157,6 +158,9 @@ class Pack:
                 raise PackMiss(f"{path}: built for {name} {manifest.get(name)!r}, this load needs {value!r}: not used, "
                                "kernels build from source")
         pack = cls(path, manifest, start)
+        if manifest.get("torch") != torch.__version__:  # nimble generates some kernels' text from what torch says
+            pack.notes.append(f"{path}: built with torch {manifest.get('torch')}, this load runs {torch.__version__}; "
+                              "kernels whose generated source differs build here (build the pack with this torch)")
         for e in manifest["entries"]:
             if not (isinstance(e, dict) and isinstance(e.get("source"), str) and isinstance(e.get("signature"), str)
                     and type(e.get("offset")) is int and type(e.get("size")) is int

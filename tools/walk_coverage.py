@@ -1,0 +1,65 @@
+"""Which kernels a real load launches that a prebuild's walk did not find (GPU machine).
+
+    python tools/walk_coverage.py ARTIFACT [ARTIFACT ...]
+
+For each artifact, in empty caches: the walk (`runtime/prebuild.walk`) for this GPU, then a real
+load that notes every generated kernel launch the walk did not find. Prints the counts and, for
+the first few misses, whether the walk knew the kernel's source (then the walk's signature beside
+the load's: what differs) or not (then the first lines of the source: which kernel kind).
+Every miss is a kernel built at load, one at a time, after the parallel prebuild.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import tempfile
+import time
+
+
+def main(paths: list[str]) -> None:
+    os.environ["NIMBLE_CACHE_DIR"] = tempfile.mkdtemp()
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+    import torch
+
+    import nimble
+    from nimble.formats import read_artifact
+    from nimble.runtime import prebuild
+    from nimble.runtime.base.claimed import walking
+    from nimble.runtime.kernels import binaries, generated
+
+    device = torch.device("cuda", 0)
+    missed: dict[tuple, str] = {}
+    found: dict = {}
+    launch = generated.Generated.launch
+
+    def noting(self, grid, args, constants):
+        if not walking():
+            key = (self.digest, binaries.specialisation(args, constants))
+            if key not in found and key not in missed:
+                missed[key] = self.source
+        return launch(self, grid, args, constants)
+
+    generated.Generated.launch = noting
+    for path in paths:
+        found.clear()
+        missed.clear()
+        found.update(prebuild.walk(read_artifact(path), prebuild.local_target(device), device))
+        by_source = collections.defaultdict(list)
+        for source, signature in found:
+            by_source[source].append(signature)
+        t = time.perf_counter()
+        nimble.load(path, "cuda").close()
+        print(f"{path}: walk found {len(found)}, the load launched {len(missed)} more "
+              f"({len({s for s, _ in missed if s not in by_source})} of unknown source); load {time.perf_counter() - t:.1f} s")
+        for (source, signature), text in list(missed.items())[:4]:
+            print(f"  missed k{source}: {signature[:240]}")
+            if source in by_source:
+                print(f"    the walk's:  {by_source[source][0][:240]}")
+            else:
+                print("    source: " + " | ".join(line.strip() for line in text.splitlines()[:6])[:400])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
