@@ -143,9 +143,9 @@ class Loading:
     def _load_on_cuda(self, tune: str, choice, graph_dump, max_memory) -> None:
         """Choose how to run, capture it, and record what the kernels and the footprint came to."""
         s, stats = generated.STATS, self.stats
+        self._prebuild(tune, choice)  # its walk defines kernels too: counted apart, in `stats.prebuilt`
         built, hits, seconds, fallbacks, recalled = (s.generated, s.source_hits, s.seconds, len(s.fallbacks),
                                                      BINARIES.recalled)
-        self._prebuild(tune, choice)
         self._choose(tune, choice, graph_dump)
         self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
         self._channels_last_weights = {}

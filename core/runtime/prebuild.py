@@ -193,7 +193,12 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
     if not binaries.enabled(device):
         return stats
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    found = walk(artifact, local_target(device), device, only)
+    try:
+        found = walk(artifact, local_target(device), device, only)
+    except Exception as e:  # never a reason to fail a load: each kernel then builds as it first runs
+        stats.notes.append(f"kernels not found ahead of the load ({type(e).__name__}: {first_line(e)}); each builds "
+                           "as it first runs")
+        return stats
     stats.found = len(found)
     missing = []
     for (source, signature), (kernel, args, constants) in found.items():

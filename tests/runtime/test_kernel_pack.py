@@ -266,3 +266,16 @@ def test_compile_writes_a_signed_pack_and_refuses_bad_options_in_one_line(tmp_pa
 def test_targets_parse_as_documented():
     assert aot.targets("sm_90,sm_80") == [aot.Target(90, 132), aot.Target(80, 108)]
     assert aot.targets("sm_90:114") == [aot.Target(90, 114)]
+
+
+def test_a_walk_that_fails_never_fails_the_load(monkeypatch):
+    """The prebuild is an optimisation: where its walk raises, the load goes on and each kernel
+    builds as it first runs (one line says so)."""
+    monkeypatch.setattr(binaries, "enabled", lambda device: True)
+    monkeypatch.setattr(prebuild, "local_target", lambda device: H100)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an op the walk cannot take")
+    monkeypatch.setattr(prebuild, "walk", broken)
+    done = prebuild.before_load(object(), torch.device("cuda", 0), None, quiet=True)
+    assert done.found == done.built == 0 and "an op the walk cannot take" in done.notes[0]
