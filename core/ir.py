@@ -213,31 +213,40 @@ class Graph:
 
     def lint(self) -> None:
         """Check the invariants every stage relies on; raise GraphError naming the first breach.
-        These are `if`s, not asserts: graphs come from files too, and `python -O` strips asserts."""
+        These are `if`s, not asserts: graphs come from files too, and `python -O` strips asserts.
+        (A breach's words are made only once one is found: this runs after every pass.)"""
         n_values, n_ops = len(self.values), len(self.ops)
+        kinds = (INPUT, WEIGHT, ACTIVATION)
         for i, v in enumerate(self.values):
-            _require(v.id == i, f"value {i} has id {v.id}")
-            _require(v.kind in (INPUT, WEIGHT, ACTIVATION), f"value {i} has kind {v.kind!r}")
-            _require((v.producer is None) == (v.kind != ACTIVATION), f"value {i}: producer/kind mismatch")
-            _require(v.producer is None or 0 <= v.producer < n_ops, f"value {i} has no producer op {v.producer}")
-            _require(v.alias_of is None or (0 <= v.alias_of < n_values and v.alias_of != i
-                                            and self.values[v.alias_of].alias_of is None),
-                     f"value {i} aliases {v.alias_of}, which is not a root")
+            if not (v.id == i and v.kind in kinds and (v.producer is None) == (v.kind != ACTIVATION)
+                    and (v.producer is None or 0 <= v.producer < n_ops)
+                    and (v.alias_of is None or (0 <= v.alias_of < n_values and v.alias_of != i
+                                                and self.values[v.alias_of].alias_of is None))):
+                _require(v.id == i, f"value {i} has id {v.id}")
+                _require(v.kind in kinds, f"value {i} has kind {v.kind!r}")
+                _require((v.producer is None) == (v.kind != ACTIVATION), f"value {i}: producer/kind mismatch")
+                _require(v.producer is None or 0 <= v.producer < n_ops, f"value {i} has no producer op {v.producer}")
+                _require(False, f"value {i} aliases {v.alias_of}, which is not a root")
         _require(len(set(self.inputs)) == len(self.inputs), "a graph input is listed twice")
         _require(sorted(self.inputs) == [v.id for v in self.values if v.kind == INPUT],
                  "the graph inputs are not exactly the input values")
         seen: set[int] = {*self.inputs, *self.weights}
+        values = self.values
         for i, op in enumerate(self.ops):
             _require(op.id == i, f"op {i} has id {op.id}")
             for r in op.refs():
-                _require(r in seen, f"op {i} ({op.target}) reads value {r} before it is written")
-            _require(all(0 <= a < i for a in op.after), f"op {i} has an ordering edge from a later op")
+                if r not in seen:
+                    _require(False, f"op {i} ({op.target}) reads value {r} before it is written")
+            for a in op.after:
+                if not 0 <= a < i:
+                    _require(False, f"op {i} has an ordering edge from a later op")
             for o in op.outputs:
-                _require(0 <= o < n_values and self.values[o].producer == i and o not in seen,
-                         f"value {o} is not produced by op {i} alone")
+                if not (0 <= o < n_values and values[o].producer == i and o not in seen):
+                    _require(False, f"value {o} is not produced by op {i} alone")
                 seen.add(o)
             for m in op.mutates:
-                _require(m in seen, f"op {i} writes value {m}, which does not exist yet")
+                if m not in seen:
+                    _require(False, f"op {i} writes value {m}, which does not exist yet")
         _require(all(v.producer is None or v.id in seen for v in self.values),
                  "a value names a producer that does not output it")
         for o in self.outputs:
