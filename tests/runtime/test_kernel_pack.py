@@ -279,3 +279,21 @@ def test_a_walk_that_fails_never_fails_the_load(monkeypatch):
     monkeypatch.setattr(prebuild, "walk", broken)
     done = prebuild.before_load(object(), torch.device("cuda", 0), None, quiet=True)
     assert done.found == done.built == 0 and "an op the walk cannot take" in done.notes[0]
+
+
+def test_a_binary_that_inflates_past_its_record_is_refused(built, tmp_path, monkeypatch):
+    """A crafted entry whose stored bytes inflate to far more than its record's size: inflated
+    no further than that size plus one, then refused."""
+    art, _, (_, pack_path, _, _) = built
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(binaries, "Binary", _Loaded)
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    source, signature, entry = _first(pack)
+    bomb = packs.Entry(source, signature, entry["record"], b"\0" * (64 * 2**20))
+    path = tmp_path / "bomb.kernels"
+    packs.write(path, 90, [bomb])
+    crafted = packs.Pack.open(path, 90, None, named=True)
+    assert crafted.index[source, signature]["size"] < 2**20  # 64 MiB stored in well under 1 MiB
+    kernel, args, constants = _launches(art)[source, signature]
+    assert crafted.take(source, signature, args, constants, torch.device("cuda", 0)) is None
+    assert "does not match its recorded sha256" in crafted.refused[0]

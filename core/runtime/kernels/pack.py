@@ -21,8 +21,9 @@ after its sha256 is checked and its launch record checked against the call
 (`binaries.fits`), and it is kept in the cache folder (`binaries.install`), nowhere else.
 
 Layout: `MAGIC`, the manifest's length (8 bytes, little-endian), the manifest (JSON), then the
-binaries, each at the offset the manifest gives. Every length is checked against the file before
-anything is read or allocated.
+binaries, each deflated (zlib) at the offset the manifest gives. Every length is checked against
+the file before anything is read or allocated, and a binary inflates to at most the size its
+record gives.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import hashlib
 import hmac
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,15 +95,17 @@ class Entry:
 def write(path: Path, arch: int, entries: list[Entry], key: bytes | None = None) -> int:
     """Write a pack of `entries`, built for `arch`, signed with `key` where given; its bytes."""
     manifest = {**binding(arch), "torch": torch.__version__, "entries": []}
-    offset = 0
+    offset, blobs = 0, []
     for e in entries:
+        blob = zlib.compress(e.binary, 6)  # machine code packs 3 to 4 times smaller
         manifest["entries"].append({"source": e.source, "signature": e.signature, "record": e.record,
-                                    "offset": offset, "size": len(e.binary)})
-        offset += len(e.binary)
+                                    "offset": offset, "size": len(blob)})
+        blobs.append(blob)
+        offset += len(blob)
     if key is not None:
         manifest["mac"] = _mac(key, manifest)
     head = json.dumps(manifest, sort_keys=True).encode()
-    data = MAGIC + len(head).to_bytes(8, "little") + head + b"".join(e.binary for e in entries)
+    data = MAGIC + len(head).to_bytes(8, "little") + head + b"".join(blobs)
     from ...fileio import write_atomic
 
     write_atomic(path, data)
@@ -181,16 +185,19 @@ class Pack:
         if e is None:
             return None
         record = e["record"]
-        if not binaries.fits(record, args, constants) or record.get("size") != e["size"]:
+        if not binaries.fits(record, args, constants):
             self.refused.append(f"kernel k{source}: its launch record does not fit the call")
             return None
+        inflate = zlib.decompressobj()
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.start + e["offset"])
-                data = f.read(e["size"])
-        except OSError:
-            return None
-        if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+                stored = f.read(e["size"])
+            data = inflate.decompress(stored, record["size"] + 1)  # never more than the record says, plus one
+        except (OSError, zlib.error):
+            data = b""
+        if len(data) != record["size"] or not inflate.eof or inflate.unconsumed_tail \
+                or hashlib.sha256(data).hexdigest() != record["sha256"]:
             self.refused.append(f"kernel k{source}: its binary does not match its recorded sha256 (changed after "
                                 "the pack was built)")
             return None
