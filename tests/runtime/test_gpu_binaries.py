@@ -94,7 +94,8 @@ art = exe.artifact
 result = compare(exe.run(*art.sample_inputs), art.sample_outputs, rtol=1e-2, atol=1e-3)
 print(json.dumps({"ok": result.passed, "triton": "triton" in sys.modules, "recalled": binaries.STATS.recalled,
                   "load_recalled": exe.stats.kernel_binaries_recalled, "generated": exe.stats.kernels_generated,
-                  "fallbacks": exe.stats.kernel_fallbacks}))
+                  "fallbacks": exe.stats.kernel_fallbacks,
+                  "prebuilt": None if exe.stats.prebuilt is None else exe.stats.prebuilt.built}))
 """
 
 
@@ -111,7 +112,10 @@ def test_a_warm_load_imports_no_triton(sample_artifacts, tmp_path, name):
     # as the load reports it. A cold load recalls too: a kernel that several ops launch with one
     # signature is built by Triton once, then loaded from its record for the other ops
     assert cold["load_recalled"] == cold["recalled"] and warm["load_recalled"] == warm["recalled"]
+    # a cold load builds what its walk finds before the first op (`prebuild.py`), then runs it from
+    # the records; a warm one finds its tuning cached, walks nothing and imports no Triton
+    assert warm["prebuilt"] is None and not warm["triton"], (cold, warm)
     if cold["generated"]:
-        assert cold["triton"] and warm["recalled"] > cold["recalled"] and not warm["triton"], (cold, warm)
+        assert cold["triton"] and cold["prebuilt"] > 0 and warm["recalled"] >= cold["recalled"] > 0, (cold, warm)
     else:
         assert warm["recalled"] == 0
