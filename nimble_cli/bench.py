@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (check_pack, describe_precision, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption,
+from .common import (check_pack, describe_kernels, describe_precision, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption,
                      console, early_checks, footprint_line, human_bytes, literal, print_json, user_errors, writable)
 
 BENCH_SCHEMA_VERSION = 2
@@ -266,6 +266,8 @@ def _print(r: dict, pcts) -> None:
                   f"loaded in {r['load_seconds']:.2f} s, first inference after {r['first_inference_seconds']:.2f} s")
     load = ", ".join(f"{k} {v:.2f}" for k, v in r["load_breakdown_seconds"].items() if k != "total")
     console.print(f"  load breakdown, s: {load}")
+    if describe_kernels(r["kernels"]["before_load"]):
+        console.print(f"  {describe_kernels(r['kernels']['before_load'])}")
     console.print(f"  precision: {describe_precision(r['precision'])}")
     if r["batch_sizes"]:
         console.print(f"  batch sizes: timed in full at {r['batch']}; each one's median per inference: " + ", ".join(

@@ -86,6 +86,15 @@ def progress(label: str):
     yield say
 
 
+def describe_kernels(found: dict | None) -> str | None:
+    """'31 kernels found before the first op: 0 from the cache, 31 from the pack, 0 built here
+    (2.83 s)', from a load's `kernels` document; None where none were looked for."""
+    if found is None or not found["found"]:
+        return None
+    return (f"{found['found']} kernels found before the first op: {found['cached']} from the cache, "
+            f"{found['from_pack']} from the pack, {found['built']} built here ({found['seconds']:.2f} s)")
+
+
 def check_pack(path: Path | None) -> None:
     """--kernels names a readable file (what it holds is checked at load, where a pack that does
     not check is a miss, never an error)."""

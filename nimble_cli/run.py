@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .common import (check_pack, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption, console,
+from .common import (check_pack, describe_kernels, progress, DebugOption, DeviceOption, JsonOption, KernelsOption, MaxMemoryOption, TuneOption, console,
                      early_checks, literal, print_json, user_errors, writable)
 
 RUN_SCHEMA_VERSION = 2  # 2: `wrote`
@@ -101,6 +101,8 @@ def run_command(
             print_json(report)
         console.print(f"{literal(artifact.name)} on {exe.device}: loaded in {exe.stats.seconds['total']:.2f} s, "
                       f"first inference after {first:.2f} s")
+        if describe_kernels(report["kernels"]):
+            console.print(f"  {describe_kernels(report['kernels'])}")
         for o in report["outputs"]:
             console.print(f"  {literal(o['name'])}: {o['dtype']}{o['shape']} min {o['min']:.4g} max {o['max']:.4g} "
                           f"mean {o['mean']:.4g}")

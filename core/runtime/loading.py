@@ -157,6 +157,8 @@ class Loading:
 
     def _prebuild(self, tune: str, forced) -> None:
         """Every kernel this load will launch, ready before the first op runs (`prebuild.py`)."""
+        if self._share is not None and self._share.stats.prebuilt is None:
+            return  # another batch size of an artifact whose owner found its kernels here before
         if tune == "cached" and forced is None and self._share is None and tuning.cached(
                 tuning.cache_key(self.artifact, self.device, self.settings)) is not None:
             return  # loaded here before (its tuning is cached): its kernels are too

@@ -40,7 +40,7 @@ from .assemble.order import issue_order
 from .base import claimed as claims
 from .base.claimed import claimed
 from .base.settings import current
-from .kernels import aot, binaries, cudnn_graph
+from .kernels import aot, binaries, cudnn_graph, gemm
 from .kernels import pack as packs
 from .pairs.run import PairedRun
 from .placed.placement import arena_views, prepare
@@ -121,6 +121,10 @@ def walk(artifact, target: aot.Target, device: torch.device | None = None, only=
     with claims.walk(seen, device), _as_target(target, device):
         prepared = prepare(graph)
         weights = {v.id: claimed(v.spec.shape, types.DTYPES[v.spec.dtype]) for v in graph.values if v.kind == WEIGHT}
+        for k in gemm.k_major_weights(graph):  # stored transposed, as `assemble/buffers.allocate` stores them
+            rows, cols = weights[k].shape
+            weights[k] = claims.Claimed(torch.empty_strided((rows, cols), (1, rows), dtype=weights[k].dtype,
+                                                            device="meta"))
         convs_last = {k: claimed(weights[k].shape, weights[k].dtype, torch.channels_last) for k in conv_weights(graph)}
         inputs = [_declared(graph, i) for i in graph.inputs]
         arena = claimed((max(memory.arena_bytes, 1),), torch.uint8)

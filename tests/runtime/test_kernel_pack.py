@@ -297,3 +297,12 @@ def test_a_binary_that_inflates_past_its_record_is_refused(built, tmp_path, monk
     kernel, args, constants = _launches(art)[source, signature]
     assert crafted.take(source, signature, args, constants, torch.device("cuda", 0)) is None
     assert "does not match its recorded sha256" in crafted.refused[0]
+
+
+def test_run_and_bench_say_where_the_kernels_came_from():
+    from nimble.cli.common import describe_kernels
+
+    done = prebuild.Prebuilt(found=31, cached=2, from_pack=27, built=2, seconds=1.234)
+    assert describe_kernels(done.document()) == ("31 kernels found before the first op: 2 from the cache, 27 from "
+                                                 "the pack, 2 built here (1.23 s)")
+    assert describe_kernels(None) is None and describe_kernels(prebuild.Prebuilt().document()) is None
