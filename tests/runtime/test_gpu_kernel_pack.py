@@ -1,0 +1,67 @@
+"""A kernel pack built with no GPU visible, loaded on the GPU (`runtime/kernels/pack.py`,
+`runtime/prebuild.py`): every kernel its walk found comes from the pack on an empty cache, and the
+outputs equal a load that built its kernels from source. Each step is a fresh process with its
+own nimble and Triton cache folders. Run with `pytest -m gpu`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+BUILD = """
+import sys, torch
+from pathlib import Path
+from nimble.formats import read_artifact
+from nimble.runtime import prebuild
+from nimble.runtime.kernels import aot
+assert not torch.cuda.is_available()  # built as on the CPU builder
+arch, sms = int(sys.argv[2]), int(sys.argv[3])
+prebuild.ahead(read_artifact(sys.argv[1]), [aot.Target(arch, sms)], Path(sys.argv[4]))
+"""
+
+LOAD = """
+import json, sys, torch
+import nimble
+exe = nimble.load(sys.argv[1], device="cuda", kernels=sys.argv[2] or None)
+outs = exe.run(*exe.artifact.sample_inputs)
+torch.save([o.float().cpu() for o in outs], sys.argv[3])
+p = exe.stats.prebuilt
+print(json.dumps({"found": p.found, "from_pack": p.from_pack, "built": p.built, "cached": p.cached,
+                  "notes": p.notes}))
+"""
+
+
+def _env(folder: Path, **more) -> dict:
+    root = Path(__file__).resolve().parents[2]
+    return dict(os.environ, NIMBLE_CACHE_DIR=str(folder / "nimble"), TRITON_CACHE_DIR=str(folder / "triton"),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])), **more)
+
+
+def _run(script: str, args: list, env: dict) -> str:
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=500, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", ["mobilenet", "inception"])
+def test_a_pack_built_without_a_gpu_serves_every_kernel_and_agrees_with_source(sample_artifacts, tmp_path, name):
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    pack = tmp_path / f"{name}.nimble.kernels"
+    _run(BUILD, [sample_artifacts[name], props.major * 10 + props.minor, props.multi_processor_count, pack],
+         _env(tmp_path / "builder", CUDA_VISIBLE_DEVICES=""))
+    packed = json.loads(_run(LOAD, [sample_artifacts[name], pack, tmp_path / "packed.pt"],
+                             _env(tmp_path / "fresh")).strip().splitlines()[-1])
+    source = json.loads(_run(LOAD, [sample_artifacts[name], "", tmp_path / "source.pt"],
+                             _env(tmp_path / "other")).strip().splitlines()[-1])
+    assert packed["found"] > 0 and packed["from_pack"] == packed["found"] and packed["built"] == 0, packed
+    assert source["from_pack"] == 0 and source["built"] == source["found"] > 0, source
+    for a, b in zip(torch.load(tmp_path / "packed.pt"), torch.load(tmp_path / "source.pt")):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # two loads tune apart: TF32 may round apart
