@@ -102,9 +102,10 @@ def _as_target(target: aot.Target, device: torch.device):
     local = torch.cuda.is_available() and torch.cuda.get_device_capability(device) == target.capability \
         and torch.cuda.get_device_properties(device).multi_processor_count == target.multiprocessors
     with contextlib.ExitStack() as stack:
+        # nothing is captured in a walk, on any machine (a choice asked inside a capture would go the other way)
+        stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
         if not local:
-            for name, value in [("is_current_stream_capturing", lambda: False),
-                                ("get_device_properties", lambda d=None: _Properties(target)),
+            for name, value in [("get_device_properties", lambda d=None: _Properties(target)),
                                 ("get_device_capability", lambda d=None: target.capability),
                                 ("current_stream", lambda d=None: _Stream())]:
                 stack.enter_context(mock.patch.object(torch.cuda, name, value))

@@ -159,10 +159,13 @@ def on_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
 def kernels_in(fn, device: torch.device) -> int:
     """How many kernels one call of `fn` launches: the kernel nodes of a CUDA graph of it,
     captured on `on_stream`'s stream (call `fn` once outside a capture first, so that whatever it
-    decides on its first call is decided)."""
+    decides on its first call is decided). In a prebuild's walk, 2 (see below)."""
     import tempfile
     from pathlib import Path
 
+    if walking():  # a prebuild's walk: `fn` noted, and counted as two kernels so its split way is walked too
+        fn()
+        return 2
     with torch.cuda.device(device):
         with on_stream(device) as side:
             graph = new_graph(debug=True)
