@@ -228,6 +228,9 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
             if binaries.remember(kernel.digest, binaries.specialisation(args, constants), compiled, args, constants,
                                  list(kernel.jit().arg_names)) is not None:
                 stats.built += 1
+        if stats.failed:
+            stats.notes.append(f"{len(stats.failed)} kernels did not build ahead of the load (the first: "
+                               f"{stats.failed[0]}); each builds as it first runs")
     stats.seconds = time.perf_counter() - t
     return stats
 
