@@ -53,12 +53,23 @@ def main(paths: list[str]) -> None:
         nimble.load(path, "cuda").close()
         print(f"{path}: walk found {len(found)}, the load launched {len(missed)} more "
               f"({len({s for s, _ in missed if s not in by_source})} of unknown source); load {time.perf_counter() - t:.1f} s")
+        kinds = collections.Counter(_kind(text) for text in missed.values())
+        for kind, n in kinds.most_common(6):
+            print(f"  {n} missed of kind: {kind}")
         for (source, signature), text in list(missed.items())[:4]:
             print(f"  missed k{source}: {signature[:240]}")
             if source in by_source:
                 print(f"    the walk's:  {by_source[source][0][:240]}")
             else:
                 print("    source: " + " | ".join(line.strip() for line in text.splitlines()[:6])[:400])
+
+
+def _kind(text: str) -> str:
+    """A kernel's kind, by its parameter list (`def kernel(out_ptr, w_ptr, in0_ptr, x0_ptr, ...`)."""
+    for line in text.splitlines():
+        if line.startswith("def kernel("):
+            return line[len("def kernel("):][:70]
+    return "?"
 
 
 if __name__ == "__main__":
