@@ -197,13 +197,18 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
     stats = Prebuilt()
     if not binaries.enabled(device):
         return stats
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     try:
-        found = walk(artifact, local_target(device), device, only)
+        _prebuild(stats, artifact, device, pack, only, threads, quiet)
     except Exception as e:  # never a reason to fail a load: each kernel then builds as it first runs
-        stats.notes.append(f"kernels not found ahead of the load ({type(e).__name__}: {first_line(e)}); each builds "
+        stats.notes.append(f"kernels not readied ahead of the load ({type(e).__name__}: {first_line(e)}); each builds "
                            "as it first runs")
-        return stats
+    stats.seconds = time.perf_counter() - t
+    return stats
+
+
+def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threads, quiet) -> None:
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    found = walk(artifact, local_target(device), device, only)
     stats.found = len(found)
     missing = []
     for (source, signature), (kernel, args, constants) in found.items():
@@ -231,8 +236,6 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
         if stats.failed:
             stats.notes.append(f"{len(stats.failed)} kernels did not build ahead of the load (the first: "
                                f"{stats.failed[0]}); each builds as it first runs")
-    stats.seconds = time.perf_counter() - t
-    return stats
 
 
 def for_load(artifact, device: torch.device, only, kernels: str | None, beside: str | None) -> Prebuilt:

@@ -279,6 +279,7 @@ def test_a_walk_that_fails_never_fails_the_load(monkeypatch):
     monkeypatch.setattr(prebuild, "walk", broken)
     done = prebuild.before_load(object(), torch.device("cuda", 0), None, quiet=True)
     assert done.found == done.built == 0 and "an op the walk cannot take" in done.notes[0]
+    assert "each builds as it first runs" in done.notes[0]
 
 
 def test_a_binary_that_inflates_past_its_record_is_refused(built, tmp_path, monkeypatch):
@@ -306,3 +307,12 @@ def test_run_and_bench_say_where_the_kernels_came_from():
     assert describe_kernels(done.document()) == ("31 kernels found before the first op: 2 from the cache, 27 from "
                                                  "the pack, 2 built here (1.23 s)")
     assert describe_kernels(None) is None and describe_kernels(prebuild.Prebuilt().document()) is None
+
+
+def test_a_kernel_triton_cannot_read_fails_alone(built):
+    """A launch whose kernel text Triton cannot read is one failure line; the others build."""
+    art = built[0]
+    launches = list(_launches(art).values())[:2]
+    broken = type(launches[0][0])("def kernel(:\n", "0" * 32)  # a `generated.Generated` of text that is no Python
+    got, failed, _ = aot.build_all([(broken, *launches[0][1:]), launches[1]], 90, 2)
+    assert len(got) == 1 and len(failed) == 1 and "SyntaxError" in failed[0]

@@ -90,11 +90,17 @@ def build_all(launches: list, arch: int, threads: int, done=None) -> tuple[list,
     is called with each (launch, CompiledKernel) as it finishes. Returns the built pairs, one line
     per launch that failed to build (it is then built at load, or falls back), and the seconds."""
     t = time.perf_counter()
+    unread: dict[int, str] = {}
     for kernel, _, _ in launches:  # Triton reads each kernel's source once, in this thread
-        kernel.jit()
+        try:
+            kernel.jit()
+        except Exception as e:  # no Triton, or a text it cannot read: that kernel is not built here
+            unread[id(kernel)] = f"kernel k{kernel.digest}: {type(e).__name__}: {first_line(e)}"
 
     def one(launch):
         kernel, args, constants = launch
+        if id(kernel) in unread:
+            return launch, unread[id(kernel)]
         try:
             compiled = build(kernel, args, constants, arch)
         except Exception as e:
