@@ -36,12 +36,18 @@ class _Body(Executor):
 
     def call(self, node, args, kwargs):
         target = node[0]
-        found = shapes.infer(target, args, kwargs) if any(isinstance(a, torch.Tensor) and a.is_meta for a in args) \
-            else None
+        found = shapes.infer(target, args, kwargs) if any(_meta(a) for a in args) else None
         return [found[0] if found is not None else resolve(target)(*args, **kwargs)]
 
     def bind(self, node, results):
         self.results.append(results[0])
+
+
+def _meta(a) -> bool:
+    """A meta tensor, or a list holding one (cat's tensors)."""
+    if isinstance(a, list):
+        return any(_meta(x) for x in a)
+    return isinstance(a, torch.Tensor) and a.is_meta
 
 
 def function_of(target: str):

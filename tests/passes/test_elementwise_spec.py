@@ -1,17 +1,16 @@
-"""`substitute.elementwise_spec` works out add, sub and mul's result spec without running the op,
-as torch's meta function does: checked against the meta op itself on many layouts."""
+"""`substitute.binary_spec` works out add, sub and mul's result spec by their shape rule
+(`ops/shapes._binary`, in any layout) without running a meta kernel, as torch's meta function
+does: checked against the meta op itself on many layouts and dtypes."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
-import pytest
 import torch
 
 from nimble.ir import TensorSpec
 from nimble.ops import arguments, targets
-from nimble.passes.substitute import binary_spec, broadcast
+from nimble.passes.substitute import binary_spec
 
 SHAPES = [(2, 3, 4, 5), (1, 3, 1, 1), (2, 1, 4, 5), (1, 1, 1, 1), (3, 1), (2, 3, 4), (5,), (4, 5), (2, 3, 1, 5),
           (1, 8, 7, 7), (8, 7, 7), (2, 8, 1, 1)]
@@ -41,8 +40,8 @@ def test_it_agrees_with_the_meta_op():
     for _ in range(600):
         a, b = rng.choice(SHAPES), rng.choice(SHAPES)
         try:
-            broadcast(a, b)
-        except ValueError:
+            torch.broadcast_shapes(a, b)
+        except RuntimeError:
             continue
         da, db = rng.choice(DTYPES), rng.choice(DTYPES)
         sa, sb = TensorSpec(a, da, _strided(a, rng)), TensorSpec(b, db, _strided(b, rng))
@@ -55,20 +54,3 @@ def test_it_agrees_with_the_meta_op():
             assert got.dtype == str(want.dtype).removeprefix("torch."), (target, sa, sb)
             checked += 1
     assert checked > 800
-
-
-@pytest.mark.parametrize("a, b", [((2, 3), (4, 3)), ((2, 3, 4), (3, 5))])
-def test_shapes_that_do_not_broadcast_are_refused(a, b):
-    with pytest.raises(ValueError, match="do not broadcast"):
-        broadcast(a, b)
-
-
-def test_broadcast_matches_torch():
-    for a, b in itertools.product(SHAPES, repeat=2):
-        try:
-            want = tuple(torch.broadcast_shapes(a, b))
-        except RuntimeError:
-            with pytest.raises(ValueError):
-                broadcast(a, b)
-            continue
-        assert broadcast(a, b) == want
