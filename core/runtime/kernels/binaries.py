@@ -62,6 +62,9 @@ class Stats:
 
 STATS = Stats()
 _LOADED: dict[tuple, int] = {}  # (sha256, entry, shared bytes, device index) -> the loaded function
+# record path -> a record this process wrote, or read and checked with its binary: a later launch
+# (the load after its prebuild, another candidate) takes it without reading and hashing again
+_READY: dict[Path, dict] = {}
 
 
 def specialisation(args: tuple, constants: dict) -> str:
@@ -152,10 +155,13 @@ def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary 
     if device is None:
         return None
     path = _record_path(digest, signature, device)
-    record = read_record(path, args, constants) if path is not None else None
-    data = cache.read_small(Path(record["binary"]), record["size"]) if record is not None else None
-    if data is None or len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-        return None
+    record = _READY.get(path) if path is not None else None
+    if record is None or not fits(record, args, constants):
+        record = read_record(path, args, constants) if path is not None else None
+        data = cache.read_small(Path(record["binary"]), record["size"]) if record is not None else None
+        if data is None or len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            return None
+        _READY[path] = record
     try:
         binary = Binary(record, device)
     except Exception:  # a driver that refuses the binary: Triton builds it again
@@ -264,6 +270,7 @@ def _keep(digest: str, signature: str, record: dict, device: torch.device) -> Bi
     if path is None:
         return None
     cache.write(path, json.dumps(record, indent=1).encode())
+    _READY[path] = record
     STATS.remembered += 1
     try:
         return Binary(record, device)
