@@ -101,15 +101,20 @@ def _as_target(target: aot.Target, device: torch.device):
     """torch.cuda answers as a GPU of `target` would, where this machine has none, or another."""
     local = torch.cuda.is_available() and torch.cuda.get_device_capability(device) == target.capability \
         and torch.cuda.get_device_properties(device).multi_processor_count == target.multiprocessors
+    answers = {"is_current_stream_capturing": lambda: False}  # nothing is captured in a walk, on any machine
+    if not local:
+        answers.update(get_device_properties=lambda d=None: _Properties(target),
+                       get_device_capability=lambda d=None: target.capability, current_stream=lambda d=None: _Stream())
     with contextlib.ExitStack() as stack:
-        # nothing is captured in a walk, on any machine (a choice asked inside a capture would go the other way)
-        stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
-        if not local:
-            for name, value in [("get_device_properties", lambda d=None: _Properties(target)),
-                                ("get_device_capability", lambda d=None: target.capability),
-                                ("current_stream", lambda d=None: _Stream())]:
-                stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        for name, answer in answers.items():  # answered so for the walking thread only; any other asks CUDA
+            stack.enter_context(mock.patch.object(torch.cuda, name, _for_walk(answer, getattr(torch.cuda, name))))
         yield
+
+
+def _for_walk(answer, real):
+    def asked(*args, **kwargs):
+        return answer(*args, **kwargs) if claims.walking() else real(*args, **kwargs)
+    return asked
 
 
 def walk(artifact, target: aot.Target, device: torch.device | None = None, only=None) -> dict[tuple, tuple]:

@@ -174,7 +174,7 @@ def test_an_untrusted_pack_is_never_used(built, tmp_path, monkeypatch):
     prebuild.for_load(art, torch.device("cuda", 0), None, None, str(path))
     assert used == [None, None, None]
     with pytest.raises(packs.PackMiss, match="not signed with the key"):
-        packs.Pack.open(pack_path, 90, key.read_bytes(), named=True)
+        packs.Pack.open(pack_path, 90, packs.read_key(str(key)), named=True)
     with pytest.raises(packs.PackMiss, match="used only where NIMBLE_KERNEL_KEY names"):
         packs.Pack.open(pack_path, 90, None, named=False)
 
@@ -189,8 +189,8 @@ def test_a_signed_pack_is_used_beside_the_artifact_and_a_rewritten_one_is_not(bu
     entries = [packs.Entry(s, g, e["record"], blobs[e["offset"]:e["offset"] + e["size"]])
                for (s, g), e in pack.index.items()]
     signed = tmp_path / f"{path.name}{packs.SUFFIX}"
-    packs.write(signed, 90, entries, key.read_bytes())
-    assert len(packs.Pack.open(signed, 90, key.read_bytes(), named=False)) == len(entries)
+    packs.write(signed, 90, entries, packs.read_key(str(key)))
+    assert len(packs.Pack.open(signed, 90, packs.read_key(str(key)), named=False)) == len(entries)
     used = []
     monkeypatch.setattr(prebuild, "before_load", lambda a, d, p, only: used.append(p) or prebuild.Prebuilt())
     monkeypatch.setattr(prebuild, "local_target", lambda device: H100)
@@ -205,7 +205,7 @@ def test_a_signed_pack_is_used_beside_the_artifact_and_a_rewritten_one_is_not(bu
     forged = tmp_path / "forged.kernels"
     forged.write_bytes(packs.MAGIC + len(body).to_bytes(8, "little") + body + data[pack_start(data):])
     with pytest.raises(packs.PackMiss, match="not signed with the key"):
-        packs.Pack.open(forged, 90, key.read_bytes(), named=True)
+        packs.Pack.open(forged, 90, packs.read_key(str(key)), named=True)
     with pytest.raises(packs.PackMiss, match="not signed with the key"):
         packs.Pack.open(forged, 90, os.urandom(32), named=True)
 
@@ -251,7 +251,7 @@ def test_compile_writes_a_signed_pack_and_refuses_bad_options_in_one_line(tmp_pa
     doc = json.loads(result.stdout)
     (made,) = doc["kernel_packs"]
     assert made["arch"] == "sm_90" and made["signed"] and made["kernels"] > 0 and not made["failed"]
-    assert len(packs.Pack.open(made["path"], 90, key.read_bytes(), named=False)) == made["kernels"]
+    assert len(packs.Pack.open(made["path"], 90, packs.read_key(str(key)), named=False)) == made["kernels"]
     assert "sm_99" in one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "-o", out,
                                             "--gpu-arch", "sm_99"), 2)
     assert "give --gpu-arch too" in one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32",
@@ -316,3 +316,33 @@ def test_a_kernel_triton_cannot_read_fails_alone(built):
     broken = type(launches[0][0])("def kernel(:\n", "0" * 32)  # a `generated.Generated` of text that is no Python
     got, failed, _ = aot.build_all([(broken, *launches[0][1:]), launches[1]], 90, 2)
     assert len(got) == 1 and len(failed) == 1 and "SyntaxError" in failed[0]
+
+
+def test_what_a_walk_changes_holds_for_the_walking_thread_only():
+    """The walk answers torch.cuda's questions and makes claimed tensors for its own thread; any
+    other thread (a load beside it, a server) sees torch as it is."""
+    import threading
+
+    from nimble.runtime.base import claimed as claims
+
+    asked = prebuild._for_walk(lambda: "as the target", lambda: "as CUDA")
+    made = claims._factory(lambda *a, **k: torch.empty(a, device="meta") if k["device"] == "meta" else k["device"])
+    elsewhere = {}
+
+    def other_thread():
+        elsewhere["asked"], elsewhere["made"] = asked(), made(3, device="cuda")
+    with claims.walk([], torch.device("cuda", 0)):
+        here = asked(), type(made(3, device="cuda")).__name__
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert here == ("as the target", "Claimed")
+    assert elsewhere == {"asked": "as CUDA", "made": "cuda"}
+    assert asked() == "as CUDA" and made(3, device="cuda") == "cuda"
+
+
+def test_a_text_key_signs_and_checks_alike(tmp_path):
+    """A key file written as text (a trailing newline) reads the same at signing and checking."""
+    key = tmp_path / "key"
+    key.write_text("a secret of more than sixteen characters\n")
+    assert packs.read_key(str(key)) == b"a secret of more than sixteen characters"

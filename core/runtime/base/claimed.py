@@ -23,10 +23,11 @@ import contextvars
 import torch
 from torch.utils._pytree import tree_map
 
-DEVICE = [torch.device("cuda", 0)]  # the device a walk's tensors claim (`walk`)
 ADDRESS = 512  # where every root allocation of a walk starts: aligned as the caching allocator aligns
 
 SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("nimble_kernels_seen", default=None)
+# this thread's walk: the device its tensors claim, and each storage's address (`_base`)
+_STATE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("nimble_walk_state", default=None)
 
 
 def walking() -> bool:
@@ -44,7 +45,7 @@ class Claimed(torch.Tensor):
     def __new__(cls, meta: torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
                                                 storage_offset=meta.storage_offset(), dtype=meta.dtype,
-                                                device=DEVICE[0], requires_grad=False)
+                                                device=_state()["device"], requires_grad=False)
         t.meta = meta
         return t
 
@@ -105,18 +106,23 @@ class _Storage:
         return self._nbytes
 
 
-_BASES: dict[int, int] = {}  # a meta storage -> the address its claimed tensors start at
-_NEXT = [ADDRESS]
+def _state() -> dict:
+    state = _STATE.get()
+    if state is None:  # a claimed tensor outside a walk (tests): a state of its own
+        state = {"device": torch.device("cuda", 0), "bases": {}, "next": ADDRESS}
+        _STATE.set(state)
+    return state
 
 
 def _base(meta: torch.Tensor) -> int:
     """A distinct, 512-byte aligned address per storage, as separate allocations have."""
     storage = meta.untyped_storage()
-    key = storage._cdata
-    if key not in _BASES:
-        _BASES[key] = _NEXT[0]
-        _NEXT[0] += -(-max(storage.nbytes(), 1) // ADDRESS) * ADDRESS + ADDRESS
-    return _BASES[key]
+    state = _state()
+    bases, key = state["bases"], storage._cdata
+    if key not in bases:
+        bases[key] = state["next"]
+        state["next"] += -(-max(storage.nbytes(), 1) // ADDRESS) * ADDRESS + ADDRESS
+    return bases[key]
 
 
 def _meta(x):
@@ -146,7 +152,7 @@ def _factory(make):
     """`make` (a torch factory) that makes a claimed tensor where it is asked for a CUDA device."""
     def made(*args, **kwargs):
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        if device is not None and walking() and torch.device(device).type == "cuda":  # this thread's walk only
             return _claim(make(*args, **{**kwargs, "device": "meta"}))
         return make(*args, **kwargs)
     return made
@@ -171,10 +177,10 @@ def walk(seen: list, device: torch.device):
     """Within: kernel launches are noted in `seen`, CUDA factories make claimed tensors, which
     claim `device`."""
     token = SEEN.set(seen)
-    DEVICE[0] = device
+    state = _STATE.set({"device": device, "bases": {}, "next": ADDRESS})
     try:
         with _factories():
             yield
     finally:
         SEEN.reset(token)
-        _BASES.clear()
+        _STATE.reset(state)
