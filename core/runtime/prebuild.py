@@ -25,7 +25,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -105,10 +104,14 @@ def _as_target(target: aot.Target, device: torch.device):
     if not local:
         answers.update(get_device_properties=lambda d=None: _Properties(target),
                        get_device_capability=lambda d=None: target.capability, current_stream=lambda d=None: _Stream())
-    with contextlib.ExitStack() as stack:
+    real = {name: getattr(torch.cuda, name) for name in answers}
+    try:
         for name, answer in answers.items():  # answered so for the walking thread only; any other asks CUDA
-            stack.enter_context(mock.patch.object(torch.cuda, name, _for_walk(answer, getattr(torch.cuda, name))))
+            setattr(torch.cuda, name, _for_walk(answer, real[name]))
         yield
+    finally:
+        for name, function in real.items():
+            setattr(torch.cuda, name, function)
 
 
 def _for_walk(answer, real):
