@@ -59,7 +59,7 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
             "stages": {k: round(v, 3) for k, v in exe.stats.seconds.items()},
             "kernels": None if p is None else {"found": p.found, "cached": p.cached, "from_pack": p.from_pack,
                                                "built": p.built, "failed": len(p.failed), "seconds": round(p.seconds, 3)},
-            "built_at_first_launch": exe.stats.kernels_generated - (0 if p is None else 0),
+            "built_at_first_launch": exe.stats.kernels_generated,
             "recalled": exe.stats.kernel_binaries_recalled}
 
 

@@ -79,7 +79,7 @@ class Claimed(torch.Tensor):
         return 0.0
 
     def tolist(self):
-        return self.meta.new_zeros(()).item() if self.dim() == 0 else [0] * self.shape[0]
+        return self.item() if self.dim() == 0 else [0] * self.shape[0]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

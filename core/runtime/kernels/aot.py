@@ -85,10 +85,10 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def build_all(launches: list, arch: int, threads: int, done=None) -> tuple[list, list[str], float]:
-    """Build every launch (kernel, args, constants) for `arch` on `threads` threads; `done(result)`
-    is called with each (launch, CompiledKernel) as it finishes. Returns the built pairs, one line
-    per launch that failed to build (it is then built at load, or falls back), and the seconds."""
+def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str], float]:
+    """Build every launch (kernel, args, constants) for `arch` on `threads` threads. Returns the
+    built (launch, CompiledKernel) pairs, one line per launch that failed to build (it is then
+    built at load, or falls back), and the seconds."""
     t = time.perf_counter()
     unread: dict[int, str] = {}
     for kernel, _, _ in launches:  # Triton reads each kernel's source once, in this thread
@@ -105,8 +105,6 @@ def build_all(launches: list, arch: int, threads: int, done=None) -> tuple[list,
             compiled = build(kernel, args, constants, arch)
         except Exception as e:
             return launch, f"kernel k{kernel.digest}: {type(e).__name__}: {first_line(e)}"
-        if done is not None:
-            done((launch, compiled))
         return launch, compiled
 
     with ThreadPoolExecutor(max(1, threads)) as pool:

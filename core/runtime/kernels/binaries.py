@@ -119,10 +119,10 @@ def _device(args: tuple, constants: dict) -> torch.device | None:
     """The one CUDA device the call's tensors are on, where recorded binaries can serve the call
     (enabled, torch has the static launcher, Triton is installed); else None."""
     devices = {v.device for v in [*args, *constants.values()] if isinstance(v, torch.Tensor)}
-    if not settings.current().recalled_binaries or len(devices) != 1 or _launcher() is None or triton_version() is None:
+    if len(devices) != 1:
         return None
     (device,) = devices
-    return device if device.type == "cuda" else None
+    return device if enabled(device) else None
 
 
 class Binary:
