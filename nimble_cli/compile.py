@@ -165,9 +165,15 @@ def _build_packs(compiled, target: Path, targets, key, update) -> list[dict]:
     """Build the kernel packs beside `target`; what `--json` and the summary say of them."""
     from nimble.runtime import prebuild
 
+    from nimble.errors import ExecutionError, first_line
+
     t = time.perf_counter()
-    made = prebuild.ahead(compiled.artifact(), targets, Path(f"{target}.kernels"), key,
-                          say=lambda line: update(f"{target.name}: {line}"))
+    try:
+        made = prebuild.ahead(compiled.artifact(), targets, Path(f"{target}.kernels"), key,
+                              say=lambda line: update(f"{target.name}: {line}"))
+    except Exception as e:  # the artifact stands on its own: say so, and that loads build the kernels
+        raise ExecutionError(f"{target.name} is written and complete, but its kernel pack could not be built "
+                             f"({type(e).__name__}: {first_line(e)}); loads build its kernels from source") from None
     seconds = time.perf_counter() - t
     compiled.seconds["kernels"] = seconds
     return [{"path": str(path), "arch": t_.name, "kernels": n, "bytes": path.stat().st_size, "signed": key is not None,

@@ -346,3 +346,14 @@ def test_a_text_key_signs_and_checks_alike(tmp_path):
     key = tmp_path / "key"
     key.write_text("a secret of more than sixteen characters\n")
     assert packs.read_key(str(key)) == b"a secret of more than sixteen characters"
+
+
+def test_a_pack_that_cannot_be_built_leaves_the_artifact_and_says_so(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton refused the kernel")
+    monkeypatch.setattr(prebuild, "ahead", broken)
+    out = tmp_path / "r.nimble"
+    line = one_line_error(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out,
+                                 "--gpu-arch", "sm_90"), 1)
+    assert "r.nimble is written and complete" in line and "Triton refused the kernel" in line
+    assert out.is_file() and not Path(f"{out}{packs.SUFFIX}").exists()
