@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,6 +78,23 @@ def build(kernel, args: tuple, constants: dict, arch: int):
     return compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+_PARSING = threading.Lock()
+
+
+def _parse_alone(jit) -> None:
+    """Triton parses a kernel's text with `ast.parse` as it compiles it; CPython 3.11's parser is
+    not safe on several threads at once ("AST constructor recursion depth mismatch", seen with
+    Triton 3.8), so the kernels built here parse one at a time (the rest of a build runs in parallel)."""
+    if getattr(jit, "_nimble_parse_alone", False):
+        return
+    parse = jit.parse
+
+    def alone():
+        with _PARSING:
+            return parse()
+    jit.parse, jit._nimble_parse_alone = alone, True
+
+
 def workers() -> int:
     """Threads to build on: the cores this process may use."""
     try:
@@ -93,7 +111,7 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
     unread: dict[int, str] = {}
     for kernel, _, _ in launches:  # Triton reads each kernel's source once, in this thread
         try:
-            kernel.jit()
+            _parse_alone(kernel.jit())
         except Exception as e:  # no Triton, or a text it cannot read: that kernel is not built here
             unread[id(kernel)] = f"kernel k{kernel.digest}: {type(e).__name__}: {first_line(e)}"
 
@@ -109,6 +127,9 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         results = list(pool.map(one, launches))
+    # a build that failed on a thread is tried once more alone (a Triton may keep state threads share)
+    results = [one(launch) if isinstance(got, str) and id(launch[0]) not in unread else (launch, got)
+               for launch, got in results]
     built = [(launch, got) for launch, got in results if not isinstance(got, str)]
     failed = [got for _, got in results if isinstance(got, str)]
     return built, failed, time.perf_counter() - t
