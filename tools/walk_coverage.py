@@ -1,12 +1,14 @@
 """Which kernels a real load launches that a prebuild's walk did not find (GPU machine).
 
-    python tools/walk_coverage.py ARTIFACT [ARTIFACT ...]
+    python tools/walk_coverage.py [--dump DIR] ARTIFACT [ARTIFACT ...]
 
 For each artifact, in empty caches: the walk (`runtime/prebuild.walk`) for this GPU, then a real
 load that notes every generated kernel launch the walk did not find. Prints the counts and, for
 the first few misses, whether the walk knew the kernel's source (then the walk's signature beside
 the load's: what differs) or not (then the first lines of the source: which kernel kind).
-Every miss is a kernel built at load, one at a time, after the parallel prebuild.
+Every miss is a kernel built at load, one at a time, after the parallel prebuild. With --dump,
+DIR/<artifact>/ gets each missed kernel's source (`missed-<digest>.py`) and the walk's sources of
+the same kind (`walk-<digest>.py`), to diff.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 
-def main(paths: list[str]) -> None:
+def main(paths: list[str], dump: str | None = None) -> None:
     os.environ["NIMBLE_CACHE_DIR"] = tempfile.mkdtemp()
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
     import torch
@@ -31,6 +34,7 @@ def main(paths: list[str]) -> None:
 
     device = torch.device("cuda", 0)
     missed: dict[tuple, str] = {}
+    stacks: dict[tuple, str] = {}  # where in nimble each missed launch came from
     found: dict = {}
     launch = generated.Generated.launch
 
@@ -39,6 +43,7 @@ def main(paths: list[str]) -> None:
             key = (self.digest, binaries.specialisation(args, constants))
             if key not in found and key not in missed:
                 missed[key] = self.source
+                stacks[key] = " < ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_stack()[-14:-1]))
         return launch(self, grid, args, constants)
 
     generated.Generated.launch = noting
@@ -50,18 +55,37 @@ def main(paths: list[str]) -> None:
         for source, signature in found:
             by_source[source].append(signature)
         t = time.perf_counter()
-        nimble.load(path, "cuda").close()
+        exe = nimble.load(path, "cuda")
+        fallbacks = list(exe.stats.kernel_fallbacks)
+        exe.close()
         print(f"{path}: walk found {len(found)}, the load launched {len(missed)} more "
               f"({len({s for s, _ in missed if s not in by_source})} of unknown source); load {time.perf_counter() - t:.1f} s")
+        for line in fallbacks[:6]:
+            print(f"  fell back: {line}")
         kinds = collections.Counter(_kind(text) for text in missed.values())
         for kind, n in kinds.most_common(6):
             print(f"  {n} missed of kind: {kind}")
+        if dump:
+            _dump(os.path.join(dump, os.path.basename(path)), missed, found)
         for (source, signature), text in list(missed.items())[:4]:
             print(f"  missed k{source}: {signature[:240]}")
+            print(f"    launched from: {stacks[(source, signature)]}")
             if source in by_source:
                 print(f"    the walk's:  {by_source[source][0][:240]}")
             else:
                 print("    source: " + " | ".join(line.strip() for line in text.splitlines()[:6])[:400])
+
+
+def _dump(folder: str, missed: dict, found: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    kinds = {_kind(text) for text in missed.values()}
+    for (source, _), text in missed.items():
+        with open(os.path.join(folder, f"missed-{source}.py"), "w") as f:
+            f.write(text)
+    for (source, _), (kernel, _, _) in found.items():
+        if _kind(kernel.source) in kinds:
+            with open(os.path.join(folder, f"walk-{source}.py"), "w") as f:
+                f.write(kernel.source)
 
 
 def _kind(text: str) -> str:
@@ -73,4 +97,8 @@ def _kind(text: str) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == ["--dump"]:
+        main(argv[2:], argv[1])
+    else:
+        main(argv)

@@ -8,7 +8,9 @@ op, but over claimed tensors (`base/claimed.py`: CUDA tensors that hold only the
 the addresses a load's allocations would have). Generated kernels note their launches instead of
 launching; a choice made by measurement tries every candidate (a tie), and keeps nothing; an op
 that cannot run on shapes alone (a cuDNN plan) is passed over. Candidates that differ only in
-what launches no generated kernel (cuDNN's algorithms, the stream cap) are walked once.
+what launches no generated kernel (cuDNN's algorithms) are walked once; candidates on other
+streams are walked too where their streams pair other ops (`pairs/` finds pairs per issue order
+and stream: two ops on different streams never pair).
 
 A launch the walk misses is not an error: the load builds it when it first runs, as it always
 did. A launch the walk finds that the load never makes costs a build, nothing more.
@@ -21,6 +23,7 @@ all builds at once on the machine's cores, and says so on stderr.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ from .base.settings import current
 from .kernels import aot, binaries, cudnn_graph, gemm
 from .kernels import pack as packs
 from .pairs.run import PairedRun
-from .placed.placement import arena_views, prepare
+from .placed.placement import PlacedOp, arena_views, prepare
 from .tune import choices as tuning
 
 
@@ -139,14 +142,19 @@ def walk(artifact, target: aot.Target, device: torch.device | None = None, only=
         arena = claimed((max(memory.arena_bytes, 1),), torch.uint8)
         options = [only] if only is not None else \
             tuning.candidates(graph, max(capped.streams_under(schedule, None), default=0) + 1, True)
-        distinct = {(c.layout, c.convolutions, c.gemm_bias, c.prologues): c for c in options}
-        for choice in distinct.values():
+        walked, fresh = set(), {}
+        for choice in options:
+            kernels = (choice.layout, choice.convolutions, choice.gemm_bias, choice.prologues)
+            placed = fresh.pop(kernels, None) or lower.lower(prepared, choice, cudnn_graph.Workspaces())
+            order = issue_order(graph, schedule, memory, placed, choice, single_stream=False, paired=True,
+                                settings=current())
+            if (kernels, _pairing(order.pairs)) in walked:  # the streams change only which ops pair
+                fresh[kernels] = placed  # (unpaired yet: the next candidate of these kernels takes it)
+                continue
+            walked.add((kernels, _pairing(order.pairs)))
             channels_last = choice.layout == "channels_last"
             views = arena_views(graph, memory, arena, channels_last_values(graph) if channels_last else ())
             env = {**weights, **(convs_last if channels_last else {}), **dict(zip(graph.inputs, inputs))}
-            placed = lower.lower(prepared, choice, cudnn_graph.Workspaces())
-            order = issue_order(graph, schedule, memory, placed, choice, single_stream=False, paired=True,
-                                settings=current())
             lower.pair(placed, order.pairs, choice)
             run = _Walk(graph, env, views, device, name_failures=True, release=None, kept=frozenset(),
                         pairs=order.pairs)
@@ -157,6 +165,19 @@ def walk(artifact, target: aot.Target, device: torch.device | None = None, only=
         if "?" not in signature:
             found.setdefault((kernel.digest, signature), (kernel, args, constants))
     return found
+
+
+def _pairing(found) -> tuple:
+    """What of an issue order's pairs (`pairs.Pairs`) decides the kernels a walk generates: each
+    kind's pairs, as the ids of the ops they join."""
+    def ident(v):
+        if isinstance(v, PlacedOp):
+            return v.op.id
+        if isinstance(v, (list, tuple)):
+            return tuple(ident(x) for x in v)
+        return v if isinstance(v, (bool, int, type(None))) else type(v).__name__
+    return tuple((f.name, tuple(sorted((k, ident(v)) for k, v in getattr(found, f.name).items())))
+                 for f in dataclasses.fields(found))
 
 
 def ahead(artifact, targets: list[aot.Target], out: Path, key: bytes | None = None, threads: int | None = None,

@@ -67,7 +67,7 @@ import torch
 from ...errors import first_line
 from ..base import cache, regions
 from .codegen import overlaps
-from ..base.claimed import walking
+from ..base.claimed import all_finite, walking
 from ..base.timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 from ..base import settings
 from . import cudnn_plans
@@ -142,7 +142,11 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     (None where it cannot); `outside`: nimble's own way leaves that buffer outside the arena (a
     plan may then be `cudnn_slower_outside` slower, `cudnn_slower_large_outside` for a large one). Plans are
     timed only outside a capture; the same call later gets the same choice."""
-    if walking() or frontend() is None or overlaps(out, operands):  # a prebuild's walk runs nimble's own way
+    if walking():  # a prebuild's walk: no plan, but the reference's kernels noted, as a load with the
+        if not overlaps(out, operands):  # cuDNN frontend times plans against them (a builder may lack it)
+            reference()
+        return None
+    if frontend() is None or overlaps(out, operands):
         return None
     key = (_signature(p, operands, out), steps, _tf32(out), settings.current().digest(),  # timed under these
            _limit(outside, out.numel() * out.element_size()))  # the limit last: `_decide` reads it
@@ -215,7 +219,7 @@ def _reference(reference, heuristic: bool = False) -> torch.Tensor | None:
         ref = reference()
     finally:
         torch.backends.cudnn.benchmark = benchmark
-    return ref if ref is not None and bool(torch.isfinite(ref).all()) else None
+    return ref if ref is not None and all_finite(ref) else None
 
 
 def _agrees(plan: Plan, operands: tuple, out: torch.Tensor, ref: torch.Tensor, workspace: torch.Tensor) -> bool:

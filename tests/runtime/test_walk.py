@@ -1,0 +1,114 @@
+"""A prebuild's walk (`runtime/prebuild.py`) over claimed tensors (`base/claimed.py`): that it
+goes where a load goes (streams that pair other ops, the references cuDNN graphs are timed
+against, cuDNN's fused convolutions) and that it stays cheap (no torch._dynamo import)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nimble.formats import write_artifact
+from nimble.pipeline import compile_model
+from nimble.runtime import pairs, prebuild
+from nimble.runtime.base import claimed as claims
+from nimble.runtime.base.claimed import claimed
+from nimble.runtime.kernels import aot, cudnn_graph
+from nimble.specs import input_specs
+
+from ..conftest import SAMPLES
+
+H100 = aot.Target(90, 132)
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory):
+    compiled = compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu")
+    path = tmp_path_factory.mktemp("walk") / "resnet.nimble"
+    art = compiled.artifact()
+    write_artifact(path, art)
+    return art, path
+
+
+@pytest.mark.parametrize("op", ["abs", "sub", "ne", "mul_broadcast", "add_scalar", "sigmoid", "lt_scalar"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_elementwise_results_on_claimed_tensors_are_laid_out_as_torch_lays_them(op, layout):
+    def run(x, c):
+        return {"abs": lambda: x.abs(), "sub": lambda: x - x, "ne": lambda: x.ne(x), "mul_broadcast": lambda: x * c,
+                "add_scalar": lambda: x + 2, "sigmoid": lambda: x.sigmoid(), "lt_scalar": lambda: x < 0.5}[op]()
+    real = run(torch.randn(2, 4, 3, 5).contiguous(memory_format=layout), torch.randn(1, 4, 1, 1))
+    with claims.walk([], torch.device("cuda", 0)):
+        got = run(claimed((2, 4, 3, 5), torch.float32, layout), claimed((1, 4, 1, 1), torch.float32))
+    assert isinstance(got, claims.Claimed)
+    assert (got.shape, got.dtype, got.stride()) == (real.shape, real.dtype, real.stride())
+
+
+def test_cudnn_fused_convolutions_have_results_on_claimed_tensors():
+    """They have no meta kernel; a walk on a machine whose torch has cuDNN reaches them."""
+    x = claimed((1, 8, 16, 16), torch.float32, torch.channels_last)
+    w = claimed((4, 8, 3, 3), torch.float32, torch.channels_last)
+    z = claimed((1, 4, 16, 16), torch.float32, torch.channels_last)
+    relu = torch.ops.aten.cudnn_convolution_relu(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    add_relu = torch.ops.aten.cudnn_convolution_add_relu(x, w, z, 1.0, None, [1, 1], [1, 1], [1, 1], 1)
+    for got in (relu, add_relu):
+        assert isinstance(got, claims.Claimed) and tuple(got.shape) == (1, 4, 16, 16)
+        assert got.is_contiguous(memory_format=torch.channels_last) and not got.is_contiguous()
+    flat = torch.ops.aten.cudnn_convolution_relu(claimed((1, 8, 16, 16), torch.float32),
+                                                 claimed((4, 8, 3, 3), torch.float32), None, [2, 2], [1, 1], [1, 1], 1)
+    assert tuple(flat.shape) == (1, 4, 8, 8) and flat.is_contiguous()
+
+
+def test_the_walk_runs_the_reference_cudnn_graphs_are_timed_against():
+    """A load with cuDNN's frontend times each graph plan against nimble's own kernels (the
+    reference); a walk has no plan but notes the reference's kernels, whether or not this
+    machine has the frontend."""
+    ran = []
+    with claims.walk([], torch.device("cuda", 0)):
+        out = claimed((1, 4, 8, 8), torch.float32)
+        operands = (claimed((1, 8, 8, 8), torch.float32), claimed((4, 8, 1, 1), torch.float32), None)
+        got = cudnn_graph.choose({}, (), operands, out, lambda: ran.append("reference"), cudnn_graph.Workspaces())
+    assert got is None and ran == ["reference"]
+
+
+def test_a_stream_candidate_that_pairs_other_ops_is_walked_too(resnet, monkeypatch):
+    """Pairs are found per issue order and stream (two ops on different streams never pair):
+    each candidate's pairs are walked, not only each layout's."""
+    art = resnet[0]
+    walks = []
+    made = prebuild._Walk.__init__
+
+    def counted(self, *args, **kwargs):
+        walks.append(1)
+        made(self, *args, **kwargs)
+    monkeypatch.setattr(prebuild._Walk, "__init__", counted)
+    plain = prebuild.walk(art, H100)
+    plain_walks = len(walks)
+    real = prebuild.issue_order
+
+    def unpaired_when_serial(*args, **kwargs):  # as if one op paired only on the planned streams
+        found = real(*args, **kwargs)
+        if args[4].streams == "serial":
+            found.pairs = pairs.Pairs()
+        return found
+    monkeypatch.setattr(prebuild, "issue_order", unpaired_when_serial)
+    walks.clear()
+    both = prebuild.walk(art, H100)
+    assert len(walks) > plain_walks
+    assert set(plain) < set(both)  # the unpaired op's own kernels too
+
+
+def test_a_walk_imports_no_dynamo(resnet):
+    """torch's meta kernels of elementwise ops are Python that imports torch._dynamo on first
+    use (1.3 to 1.7 s): the walk of a load's critical path makes those results itself."""
+    code = ("import sys, torch\n"
+            "from nimble.formats import read_artifact\n"
+            "from nimble.runtime import prebuild\n"
+            "from nimble.runtime.kernels import aot\n"
+            f"found = prebuild.walk(read_artifact({str(resnet[1])!r}), aot.Target(90, 132))\n"
+            "print(len(found), 'torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, dynamo = done.stdout.split()
+    assert int(count) > 0 and dynamo == "False"
