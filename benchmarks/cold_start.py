@@ -19,7 +19,8 @@ and Triton cache, then with its portable cache (`torch.compiler.save_cache_artif
 process, `load_cache_artifacts` in a fresh one with empty caches), and AOTInductor
 (`aoti_compile_and_package` once, then `aoti_load_package` in a fresh process).
 
-Writes DIR/cold_start.json and DIR/cold_start.md (GPU, versions, date).
+Writes DIR/cold_start.json (GPU, versions, date) after every row, so a run stopped by its time
+limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def fresh(args: list[str], caches: dict, timeout: int = 560) -> dict:
     r = subprocess.run([sys.executable, str(HERE), *args], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        return {"error": (r.stderr or r.stdout)[-600:], "process_s": round(time.perf_counter() - t, 2)}
+        return {"error": (r.stderr or r.stdout)[-600:], "exit": r.returncode, "process_s": round(time.perf_counter() - t, 2)}
     got = json.loads(lines[-1][7:])
     got["process_s"] = round(time.perf_counter() - t, 2)
     got["stderr"] = [ln for ln in r.stderr.splitlines() if ln.startswith("nimble:")][:5]
@@ -144,6 +145,17 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cold_start_"))
     rows = []
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
+            "cores": len(os.sched_getaffinity(0))}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save() -> None:  # after every row: a run stopped by its time limit keeps what it measured
+        (a.out / "cold_start.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     paths = [Path(p) for p in a.artifacts] + [export(m, work, True) for m in a.models]
     for path in paths:
         with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
@@ -166,6 +178,7 @@ def main() -> None:
                 row["pack_vs_source_max_abs"] = max(float((x - y).abs().max()) for x, y in zip(a_, b_))
                 print(path.stem, "pack vs source max abs", row["pack_vs_source_max_abs"], flush=True)
             rows.append(row)
+            save()
     if a.peers:
         for model in a.peers:
             row = {"model": f"{model} (peers)"}
@@ -183,15 +196,8 @@ def main() -> None:
                 row["aoti-load"] = fresh(["peer", "aoti-load", model, "1", pkg], caches)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
-            "cores": len(os.sched_getaffinity(0))}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    (a.out / "cold_start.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            save()
+    save()
     print(json.dumps(meta))
 
 
