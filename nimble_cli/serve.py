@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import DebugOption, DeviceOption, TuneOption, console, early_checks, literal, user_errors
+from .common import DebugOption, DeviceOption, TuneOption, check_pack, console, early_checks, literal, user_errors
 
 
 def serve_command(
@@ -48,6 +48,13 @@ def serve_command(
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", metavar="SECONDS", help="On Ctrl-C or SIGTERM, "
                                         "how long the requests in flight may take to finish; new ones get 503 with "
                                         "Retry-After meanwhile."),
+    kernels: list[Path] = typer.Option(None, "--kernels", metavar="PACK", help="A kernel pack you trust for each "
+                                       "ARTIFACT, in the same order (`nimble compile --gpu-arch` writes "
+                                       "MODEL.nimble.kernels): each replica takes its prebuilt kernels instead of "
+                                       "building them as it loads. Naming a pack trusts its machine code as you "
+                                       "trust a program you run; a pack for another GPU, Triton or nimble is not "
+                                       "used (one line in the replica's log says why). With NIMBLE_KERNEL_KEY set, "
+                                       "the signed pack beside each artifact is used without --kernels."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
     debug: DebugOption = False,
@@ -68,6 +75,11 @@ def serve_command(
         early_checks(device=device, tune=tune)
         for p in artifacts:
             check_artifact_file(p)
+        if kernels and len(kernels) != len(artifacts):
+            raise UsageError(f"--kernels: give one pack per ARTIFACT, in the same order ({len(artifacts)} artifact(s), "
+                             f"{len(kernels)} pack(s))")
+        for pack in kernels or []:
+            check_pack(pack)
         if not 1 <= port <= 65535 or not 1 <= metrics_port <= 65535:
             raise UsageError("--port and --metrics-port take a TCP port from 1 to 65535")
         if ingress not in ("haproxy", "proxy"):
@@ -92,7 +104,8 @@ def serve_command(
         options = app.Options(host=host, port=port, replicas=replicas, delay_ms=delay_ms, max_queue=max_queue,
                               max_ongoing=max_ongoing, address=address, device=device, tune=tune,
                               max_body=max_body, metrics_port=metrics_port, ingress=ingress,
-                              body_timeout_s=body_timeout, drain_s=drain_timeout)
+                              body_timeout_s=body_timeout, drain_s=drain_timeout,
+                              kernels=tuple(str(k.resolve()) for k in kernels or ()))
         started = None
         try:
             started = app.start(artifacts, options, say)

@@ -126,7 +126,7 @@ class Model:
     """One artifact behind /v2/models/<name>."""
 
     def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
-                 threads: int, folder: str, body_timeout_s: float):
+                 threads: int, folder: str, body_timeout_s: float, kernels: str | None = None):
         internal_grpc_on_loopback()
         import threading
         import uuid
@@ -144,7 +144,7 @@ class Model:
         self._gpu = metrics.Histogram("nimble_compute_ms", "time one call took on the device, ms",
                                       [0.5, 1, 2, 5, 10, 20, 50, 100, 500], tags)
         self._tags = {"model": name}
-        self.replica = Replica(path, name, device, tune, observe=self._observe)
+        self.replica = Replica(path, name, device, tune, observe=self._observe, kernels=kernels)
         self.info = self.replica.info
         self._max_body = max_body
         self.infer_batch.set_max_batch_size(self.info.max_batch)

@@ -38,6 +38,7 @@ class Options:
     drain_s: float = 30.0  # how long a stop waits for the requests in flight
     folder: Path | None = None  # the server's private folder (ingress.private_folder); start makes one
     reaper: object = None  # the process that cleans up after a server killed outright (reaper.start)
+    kernels: tuple = ()  # a trusted kernel pack's path per artifact, in their order (or none)
 
 
 def model_names(paths: list[Path]) -> dict[str, Path]:
@@ -121,6 +122,7 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     try:
         serve.start(http_options={"host": options.host, "port": options.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
+        packs = dict(zip(names, options.kernels))
         for name, p in names.items():
             largest = max(batches[name] or [1])
             say(f"loading {name} on {replicas} {'CPU' if cpu_only else 'GPU'} replica(s)")
@@ -130,7 +132,7 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
                 max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
                 max_queued_requests=options.max_queue,
             ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads,
-                   str(options.folder), options.body_timeout_s)
+                   str(options.folder), options.body_timeout_s, packs.get(name))
             serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
         serve.run(Server.bind(list(names), str(options.folder)), name="nimble", route_prefix="/v2")
     except NimbleError:

@@ -53,10 +53,10 @@ class Replica:
     deployment's metrics)."""
 
     def __init__(self, path: str | Path, name: str, device: str = "auto", tune: str = "cached",
-                 observe=lambda rows, queue_s, compute_s: None):
+                 observe=lambda rows, queue_s, compute_s: None, kernels: str | None = None):
         from ..runtime.opening import load
 
-        self.exe = load(path, device, tune=tune, verify=True)
+        self.exe = load(path, device, tune=tune, verify=True, kernels=kernels)
         sizes = getattr(self.exe, "batch_sizes", [])
         self.info: ModelInfo = model_info(name, self.exe.graph, sizes)
         self.stats = Stats()

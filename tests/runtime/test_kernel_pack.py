@@ -373,3 +373,29 @@ def test_a_build_that_fails_on_a_thread_is_tried_once_more_alone(built, monkeypa
     monkeypatch.setattr(aot, "build", flaky)
     got, failed, _ = aot.build_all(launches, 90, 2)
     assert len(got) == 3 and failed == [] and len(tries) == 4  # three builds and one more try
+
+
+def test_serve_takes_one_trusted_pack_per_artifact(built, tmp_path, monkeypatch):
+    """`nimble serve A B --kernels PA --kernels PB`: each replica loads its artifact with its pack;
+    a count that does not match the artifacts, or a pack that is not there, is one line before
+    anything starts."""
+    art, path, (_, pack_path, _, _) = built
+    other = tmp_path / "other.nimble"
+    other.write_bytes(path.read_bytes())
+    says = one_line_error(invoke("serve", path, other, "--kernels", pack_path, "--device", "cpu"), 2)
+    assert "one pack per ARTIFACT" in says and "2 artifact(s), 1 pack(s)" in says
+    says = one_line_error(invoke("serve", path, "--kernels", tmp_path / "gone.kernels", "--device", "cpu"), 2)
+    assert "no such file" in says
+
+    from nimble.runtime import opening
+    from nimble.serve.replica import Replica
+
+    asked = {}
+    real = opening.load
+
+    def load(*args, **kwargs):
+        asked.update(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(opening, "load", load)
+    Replica(path, "resnet", "cpu", kernels=str(pack_path))
+    assert asked["kernels"] == str(pack_path)
