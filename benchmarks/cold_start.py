@@ -59,7 +59,8 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
     return {"mode": mode, "load_to_first_s": round(done - started, 3), "cuda_start_s": round(started - t0, 3),
             "stages": {k: round(v, 3) for k, v in exe.stats.seconds.items()},
             "kernels": None if p is None else {"found": p.found, "cached": p.cached, "from_pack": p.from_pack,
-                                               "built": p.built, "failed": len(p.failed), "seconds": round(p.seconds, 3)},
+                                               "built": p.built, "failed": len(p.failed), "seconds": round(p.seconds, 3),
+                                               "stages": {k: round(v, 3) for k, v in p.stages.items()}},
             "built_at_first_launch": exe.stats.kernels_generated,
             "recalled": exe.stats.kernel_binaries_recalled}
 

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +61,15 @@ class Prebuilt:
     failed: list[str] = field(default_factory=list)  # launches that did not build (built, or fallen back, at load)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # one line each: a pack not used, a binary refused
+    # seconds of each part: the walk, taking binaries from the cache folder and the pack (checked,
+    # kept, loaded), and the builds (with their records kept)
+    stages: dict[str, float] = field(default_factory=lambda: {"walk": 0.0, "take": 0.0, "build": 0.0})
 
     def document(self) -> dict:
         """What `run --json` and `bench --json` report of it."""
         return {"found": self.found, "cached": self.cached, "from_pack": self.from_pack, "built": self.built,
-                "failed": self.failed, "seconds": round(self.seconds, 4), "notes": self.notes}
+                "failed": self.failed, "seconds": round(self.seconds, 4), "notes": self.notes,
+                "stages": {k: round(v, 4) for k, v in self.stages.items()}}
 
 
 class _Walk(PairedRun):
@@ -220,8 +225,6 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
     from the cache folder, else from `pack`, else built now, all at once (see the module
     docstring), under the one choice `only` where given. Says on stderr how many it builds,
     unless `quiet`."""
-    import time
-
     t = time.perf_counter()
     stats = Prebuilt()
     if not binaries.enabled(device):
@@ -237,8 +240,11 @@ def before_load(artifact, device: torch.device, pack: packs.Pack | None, only=No
 
 def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threads, quiet) -> None:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    t = time.perf_counter()
     found = walk(artifact, local_target(device), device, only)
     stats.found = len(found)
+    stats.stages["walk"] = time.perf_counter() - t
+    t = time.perf_counter()
     missing = []
     for (source, signature), (kernel, args, constants) in found.items():
         if binaries.recall(source, signature, args, constants) is not None:
@@ -247,6 +253,8 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
             stats.from_pack += 1
         else:
             missing.append((kernel, args, constants))
+    stats.stages["take"] = time.perf_counter() - t
+    t = time.perf_counter()
     if pack is not None:
         stats.notes += pack.notes + pack.refused
         if missing:
@@ -265,6 +273,7 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
         if stats.failed:
             stats.notes.append(f"{len(stats.failed)} kernels did not build ahead of the load (the first: "
                                f"{stats.failed[0]}); each builds as it first runs")
+    stats.stages["build"] = time.perf_counter() - t
 
 
 def for_load(artifact, device: torch.device, only, kernels: str | None, beside: str | None) -> Prebuilt:

@@ -73,6 +73,22 @@ def test_run_names_the_file_it_wrote(compiled, tmp_path):
     assert doc["wrote"]["path"] == str(written) and written.exists() and doc["check"]["passed"]
 
 
+def test_run_documents_the_kernels_readied_before_its_first_op(compiled, tmp_path):
+    """On CUDA `kernels` is the prebuild's report (`runtime/prebuild.Prebuilt`); the CPU run here
+    has none, so the report a GPU run gives is put in its place and checked the same way."""
+    from nimble.runtime.prebuild import Prebuilt
+
+    out, _ = compiled
+    doc = validate(document(invoke("run", out, "--device", "cpu", "--json"), 0), "run")
+    assert doc["kernels"] is None
+    done = Prebuilt(found=31, cached=2, from_pack=27, built=2, seconds=1.5, notes=["a pack line"])
+    done.stages.update(walk=0.4, take=0.6, build=0.5)
+    validate({**doc, "kernels": done.document()}, "run")
+    broken = {k: v for k, v in done.document().items() if k != "stages"}
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**doc, "kernels": broken}, "run")
+
+
 def test_a_reduced_precision_artifact_documents_its_record(tmp_path):
     out = tmp_path / "r16.nimble"
     doc = validate(document(invoke("compile", SAMPLES / "resnet.pt", "-s", "1x3x32x32", "--device", "cpu", "-o", out,
