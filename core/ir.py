@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 from .dtypes import STORABLE
 from .errors import GraphError
@@ -103,20 +103,38 @@ class Op:
     after: tuple[int, ...] = ()  # ordering edges: ops that must finish first beyond data edges
     source: str = ""  # "file.py:12" of the model code that made this op
 
-    def refs(self) -> Iterator[int]:
+    def refs(self) -> list[int]:
         """Ids of the tensor values this op reads, in argument order."""
-        yield from refs_of(self.args)
-        yield from refs_of(tuple(v for _, v in self.kwargs))
+        found: list[int] = []
+        _collect(self.args, found)
+        for _, v in self.kwargs:
+            if isinstance(v, Ref):
+                found.append(v.id)
+            elif isinstance(v, tuple):
+                _collect(v, found)
+        return found
 
 
 # ------------------------------------------------------------------ walking and renumbering
-def refs_of(arg) -> Iterator[int]:
+def refs_of(arg) -> list[int]:
     """The value ids of every Ref in an argument (tuples walked, fused bodies included)."""
     if isinstance(arg, Ref):
-        yield arg.id
-    elif isinstance(arg, tuple):
-        for a in arg:
-            yield from refs_of(a)
+        return [arg.id]
+    found: list[int] = []
+    if isinstance(arg, tuple):
+        _collect(arg, found)
+    return found
+
+
+def _collect(arg: tuple, found: list[int]) -> None:
+    # a loop with recursion only into nested tuples: every pass and every `lint` walks every op's
+    # arguments, and nested generators (one per tuple level, each re-yielding) were the largest
+    # item in a profile of a 12,000-op compile
+    for a in arg:
+        if isinstance(a, Ref):
+            found.append(a.id)
+        elif isinstance(a, tuple):
+            _collect(a, found)
 
 
 def map_refs(arg, fn):

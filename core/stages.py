@@ -64,18 +64,22 @@ class Stages:
         the graph they start from in `passes` (None: a run that continues an earlier one)."""
         if lowered_label is not None:
             self.passes.append((lowered_label, len(graph.ops)))
+        linted = None  # the graph the last pass left, linted
         for run in passes:
             name = run.__name__
             with self.stage(name, f"pass {name}"):
                 graph, weights = run(graph, weights) if run in rewrites_weights else (run(graph), weights)
-            self.passed(name, graph)
+            self.passed(name, graph, linted=graph is linted)
+            linted = graph
         return graph, weights
 
-    def passed(self, name: str, graph: Graph) -> None:
-        """Record that pass `name` left `graph`, linting it first (a pass run outside `run_passes`,
-        such as the precision search's conversion, reports here too)."""
-        try:
-            graph.lint()
-        except GraphError as e:
-            raise GraphError(f"pass {name} broke the graph: {e}") from None
+    def passed(self, name: str, graph: Graph, linted: bool = False) -> None:
+        """Record that pass `name` left `graph`, linting it first unless `linted` (the pass
+        returned the very graph the pass before it left, linted then: graphs are immutable). A
+        pass run outside `run_passes`, such as the precision search's conversion, reports here too."""
+        if not linted:
+            try:
+                graph.lint()
+            except GraphError as e:
+                raise GraphError(f"pass {name} broke the graph: {e}") from None
         self.passes.append((name, len(graph.ops)))

@@ -55,7 +55,7 @@ def test_ops_compute_in_the_reduced_dtype_but_the_float32_list_and_weights_halve
         if not floats or op.target == "aten::_to_copy.default":
             continue
         if _follows(targets.resolve(op.target)._schema):  # views, cat, pooling: as their input comes
-            want = g.values[next(op.refs())].spec.dtype
+            want = g.values[op.refs()[0]].spec.dtype
         else:
             want = "float32" if short_target(op.target) in FP32_OPS else dtype
         assert floats == [want] * len(floats), (op.target, floats)
