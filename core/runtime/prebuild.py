@@ -199,10 +199,9 @@ def ahead(artifact, targets: list[aot.Target], out: Path, key: bytes | None = No
                 found.setdefault(name, launch)
         if say:
             say(f"building {len(found)} kernels for {target.name} on {threads or aot.workers()} cores...")
-        built, failed, _ = aot.build_all(list(found.values()), target.arch, threads or aot.workers())
+        built, failed, _ = aot.build_described(list(found.values()), target.arch, threads or aot.workers())
         entries = []
-        for (kernel, args, constants), compiled in built:
-            described = binaries.describe(compiled, args, constants, list(kernel.jit().arg_names))
+        for (kernel, args, constants), described in built:
             if described is None:
                 failed.append(f"kernel k{kernel.digest}: not one the static launcher runs")
                 continue
@@ -265,10 +264,10 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
         if not quiet:
             print(f"nimble: building {len(missing)} kernels on {threads} cores...", file=sys.stderr, flush=True)
         major, minor = torch.cuda.get_device_capability(device)
-        built, stats.failed, _ = aot.build_all(missing, major * 10 + minor, threads)
-        for (kernel, args, constants), compiled in built:
-            if binaries.remember(kernel.digest, binaries.specialisation(args, constants), compiled, args, constants,
-                                 list(kernel.jit().arg_names)) is not None:
+        built, stats.failed, _ = aot.build_described(missing, major * 10 + minor, threads)
+        for (kernel, args, constants), described in built:
+            if described is not None and binaries.install(kernel.digest, binaries.specialisation(args, constants),
+                                                          *described, device) is not None:
                 stats.built += 1
         if stats.failed:
             stats.notes.append(f"{len(stats.failed)} kernels did not build ahead of the load (the first: "

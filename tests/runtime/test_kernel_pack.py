@@ -399,3 +399,19 @@ def test_serve_takes_one_trusted_pack_per_artifact(built, tmp_path, monkeypatch)
     monkeypatch.setattr(opening, "load", load)
     Replica(path, "resnet", "cpu", kernels=str(pack_path))
     assert asked["kernels"] == str(pack_path)
+
+
+def test_kernels_built_in_processes_are_the_ones_threads_build(built):
+    """Large sets on many cores build in spawned processes, which get each call as plain values
+    (dtype and address modulo 16 per tensor): the records and binaries are the threads' own."""
+    art = built[0]
+    launches = list(_launches(art).values())[:3]
+    apart, failed, _ = aot.build_described(launches, 90, 2, processes=2)
+    threads, _, _ = aot.build_described(launches, 90, 2, processes=0)
+    assert not failed and len(apart) == len(threads) == 3
+    def name(launch):
+        return launch[0].digest, binaries.specialisation(launch[1], launch[2])
+    by_launch = {name(launch): got for launch, got in threads}
+    for launch, got in apart:
+        assert got is not None and got == by_launch[name(launch)]
+    assert aot._call_of((torch.empty(4)[1:], 3, None)) == (("tensor", "float32", 4), ("value", 3), ("value", None))

@@ -4,9 +4,10 @@ Triton compiles a kernel for the target it is given (`GPUTarget`) with the `ptxa
 ships; nothing in that needs a GPU. `build` specialises the kernel on the call's arguments as
 Triton's own launch would (its binder: dtypes, 16-byte alignment, integer values, the launch
 options), so the binary is the one a load would have had Triton build for the same call, and
-`build_all` builds a set of them on several threads (Triton's passes and `ptxas` run outside
-Python's lock): a prebuild's walk (`runtime/prebuild.py`) finds the set, a kernel pack
-(`pack.py`) or the cache folder keeps what it builds.
+`build_all` builds a set of them on several threads (Triton's passes and `ptxas` run mostly
+outside Python's lock), `build_described` on several processes where the set and the machine are
+large: a prebuild's walk (`runtime/prebuild.py`) finds the set, a kernel pack (`pack.py`) or the
+cache folder keeps what it builds.
 """
 
 from __future__ import annotations
@@ -133,3 +134,100 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
     built = [(launch, got) for launch, got in results if not isinstance(got, str)]
     failed = [got for _, got in results if isinstance(got, str)]
     return built, failed, time.perf_counter() - t
+
+
+# A set this large is built in processes where the machine has this many cores: Triton holds
+# Python's lock for part of each build, so threads scale only so far (on 2 cores, 2 threads built
+# mobilenet's 59 kernels 1.78 times faster than 1; on 16, densenet121's 263 took 28 s, about 3.3
+# times one thread's rate), while a process starts in 2 to 3 s (torch's and Triton's imports)
+PROCESSES_FROM_KERNELS, PROCESSES_FROM_CORES = 48, 8
+
+
+def build_described(launches: list, arch: int, threads: int, processes: int | None = None) -> tuple[list, list[str], float]:
+    """Build every launch (kernel, args, constants) for `arch`: on `processes` processes where
+    given, else on that many where the set and the machine are large (see above), else on
+    `threads` threads. Returns (launch, (record, binary) as `binaries.describe` gives them, or
+    None where the static launcher cannot run it) per built launch, one line per launch that
+    failed to build, and the seconds. A pool that breaks leaves its launches to the threads."""
+    from . import binaries
+
+    t = time.perf_counter()
+    if processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
+        processes = min(threads, 16, len(launches) // 4) \
+            if len(launches) >= PROCESSES_FROM_KERNELS and threads >= PROCESSES_FROM_CORES else 0
+    done: list = []
+    failed: list[str] = []
+    rest = launches
+    if processes > 1 and launches:
+        done, failed, rest = _in_processes(launches, arch, processes)
+    if rest:
+        built, more, _ = build_all(rest, arch, threads)
+        failed += more
+        for (kernel, args, constants), compiled in built:
+            try:
+                described = binaries.describe(compiled, args, constants, list(kernel.jit().arg_names))
+            except Exception:  # a Triton whose compiled kernels look otherwise
+                described = None
+            done.append(((kernel, args, constants), described))
+    return done, failed, time.perf_counter() - t
+
+
+def _in_processes(launches: list, arch: int, processes: int) -> tuple[list, list[str], list]:
+    """`build_described` on a pool of fresh processes (spawned: a parent with CUDA up must not
+    fork). Each gets the kernel's text and the call as plain values (`_call_of`). Returns the
+    described launches, the failures, and the launches the pool did not get to."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    jobs = [(kernel.source, _call_of(args), dict(constants), arch) for kernel, args, constants in launches]
+    done, failed, rest = [], [], []
+    try:
+        with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_build_one, job) for job in jobs]
+            for launch, future in zip(launches, futures):
+                try:
+                    got = future.result()
+                except BrokenProcessPool:
+                    rest.append(launch)
+                    continue
+                if isinstance(got, str):
+                    failed.append(f"kernel k{launch[0].digest}: {got}")
+                else:
+                    done.append((launch, got))
+    except (OSError, RuntimeError, BrokenProcessPool):  # no processes here: the threads build them all
+        return [], [], list(launches)
+    return done, failed, rest
+
+
+def _call_of(args: tuple) -> tuple:
+    """A call's arguments as a process can be sent them: each tensor as its dtype and its
+    address modulo 16 (all that Triton specialises a pointer on), every other value as is."""
+    import torch
+
+    return tuple(("tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16) if isinstance(a, torch.Tensor)
+                 else ("value", a) for a in args)
+
+
+def _build_one(job: tuple):
+    """In a pool's process: the kernel of `job`'s text built for its call, described
+    (`binaries.describe`); a line saying why where it fails."""
+    source, call, constants, arch = job
+    try:
+        import torch
+
+        from . import binaries, generated
+
+        args = []
+        for kind, *rest in call:
+            if kind == "tensor":  # a meta tensor at that offset: data_ptr() is its offset in bytes
+                dtype, misaligned = getattr(torch, rest[0]), rest[1]
+                size = torch.empty(0, dtype=dtype).element_size()
+                args.append(torch.empty(16, dtype=dtype, device="meta")[misaligned // size:])
+            else:
+                args.append(rest[0])
+        kernel = generated.define(source)
+        compiled = build(kernel, tuple(args), constants, arch)
+        return binaries.describe(compiled, tuple(args), constants, list(kernel.jit().arg_names))
+    except Exception as e:
+        return f"{type(e).__name__}: {first_line(e)}"
