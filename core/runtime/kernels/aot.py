@@ -138,8 +138,9 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
 
 # A set this large is built in processes where the machine has this many cores: Triton holds
 # Python's lock for part of each build, so threads scale only so far (on 2 cores, 2 threads built
-# mobilenet's 59 kernels 1.78 times faster than 1; on 16, densenet121's 263 took 28 s, about 3.3
-# times one thread's rate), while a process starts in 2 to 3 s (torch's and Triton's imports)
+# mobilenet's 59 kernels 1.78 times faster than 1; on 16, densenet121's 263 took 28 s, an
+# estimated 3.3 times one thread's rate of 0.35 s a kernel), while a process starts in 2 to 3 s
+# (torch's and Triton's imports)
 PROCESSES_FROM_KERNELS, PROCESSES_FROM_CORES = 48, 8
 
 
