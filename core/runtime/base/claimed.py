@@ -84,6 +84,8 @@ class Claimed(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _WHOLE_TRUTH:  # all() and any() over a whole tensor: their meta kernels import dynamo too
+            return Claimed(torch.empty((), dtype=torch.bool, device="meta"))
         quick = _elementwise(func, args, kwargs)
         if quick is not None:
             return quick
@@ -98,42 +100,48 @@ class Claimed(torch.Tensor):
         return _claim(out) if isinstance(out, torch.Tensor) else tree_map(_claim, out)
 
 
+_WHOLE_TRUTH = frozenset({torch.ops.aten.all.default, torch.ops.aten.any.default})
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "logical_and", "logical_or",
                           "logical_not", "logical_xor", "signbit"})
 
 
 def _elementwise(func, args, kwargs) -> Claimed | None:
-    """The result of an elementwise op over floating tensors, made here; None for any other op.
-    torch's meta kernels for these are Python decompositions whose first call imports
-    torch._dynamo (1.3 to 1.7 s of a walk). The result has the broadcast shape, the promoted
+    """The result of an elementwise op over floating (or two bool) tensors, made here; None for
+    any other op. torch's meta kernels for these are Python decompositions whose first call
+    imports torch._dynamo (1.3 to 1.7 s of a walk). The result has the broadcast shape, the promoted
     dtype (bool for a comparison), and is channels_last where a 4-D operand of that shape is,
     as TensorIterator lays it out."""
     if kwargs or torch.Tag.pointwise not in func.tags or func._schema.is_mutable or len(func._schema.returns) != 1:
         return None
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     scalars = [a for a in args if not isinstance(a, torch.Tensor)]
-    if not tensors or len(tensors) > 2 or not all(t.dtype.is_floating_point for t in tensors) \
+    name = func._schema.name.split("::")[-1]
+    if not tensors or len(tensors) > 2 or not all(t.dtype.is_floating_point or t.dtype == torch.bool
+                                                  for t in tensors) \
             or not all(isinstance(a, (int, float, bool)) for a in scalars):
         return None
+    if len(tensors) == 1 and tensors[0].dtype == torch.bool and name not in _COMPARISONS:
+        return None  # a bool tensor alone may promote with its scalars (torch's meta kernel says how)
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    name = func._schema.name.split("::")[-1]
     if name in _COMPARISONS:
         dtype = torch.bool
     elif len(tensors) == 2:
         dtype = torch.result_type(_meta(tensors[0]), _meta(tensors[1]))
     else:
         dtype = tensors[0].dtype
-    last = len(shape) == 4 and any(tuple(t.shape) == tuple(shape) and not t.is_contiguous()
-                                   and t.is_contiguous(memory_format=torch.channels_last) for t in tensors)
+    last = len(shape) == 4 and any(tuple(t.shape) == tuple(shape) and _channels_last(t) for t in tensors)
     return Claimed(torch.empty(shape, dtype=dtype, device="meta",
                                memory_format=torch.channels_last if last else torch.contiguous_format))
 
 
 def _convolution(x, w, bias, stride, padding, dilation, groups):
     out = torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0] * len(stride), groups)
-    last = any(t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-               for t in (x, w))
-    return out.contiguous(memory_format=torch.channels_last) if last else out
+    return out.contiguous(memory_format=torch.channels_last) if _channels_last(x) or _channels_last(w) else out
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether `t` is laid out channels_last and not also contiguous (a 4-D tensor)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 # cuDNN's fused convolutions, which have no meta kernel (a walk on a machine whose torch has
@@ -201,12 +209,6 @@ def _metas(x):
 
 def _claim(x):
     return Claimed(x) if isinstance(x, torch.Tensor) and x.device.type == "meta" else x
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of `t` is finite; True for a claimed tensor, which holds none (and
-    whose meta `isfinite` would import torch._dynamo: 1.7 s of a walk)."""
-    return isinstance(t, Claimed) or bool(torch.isfinite(t).all())
 
 
 def claimed(shape, dtype: torch.dtype, memory_format=torch.contiguous_format) -> Claimed:

@@ -144,7 +144,8 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
 PROCESSES_FROM_KERNELS, PROCESSES_FROM_CORES = 48, 8
 
 
-def build_described(launches: list, arch: int, threads: int, processes: int | None = None) -> tuple[list, list[str], float]:
+def build_described(launches: list, arch: int, threads: int,
+                    processes: int | None = None) -> tuple[list, list[str], float]:
     """Build every launch (kernel, args, constants) for `arch`: on `processes` processes where
     given, else on that many where the set and the machine are large (see above), else on
     `threads` threads. Returns (launch, (record, binary) as `binaries.describe` gives them, or

@@ -67,7 +67,7 @@ import torch
 from ...errors import first_line
 from ..base import cache, regions
 from .codegen import overlaps
-from ..base.claimed import all_finite, walking
+from ..base.claimed import walking
 from ..base.timing import graph_us as _gpu_us  # a plan timed as it will run: inside a CUDA graph
 from ..base import settings
 from . import cudnn_plans
@@ -219,7 +219,7 @@ def _reference(reference, heuristic: bool = False) -> torch.Tensor | None:
         ref = reference()
     finally:
         torch.backends.cudnn.benchmark = benchmark
-    return ref if ref is not None and all_finite(ref) else None
+    return ref if ref is not None and bool(torch.isfinite(ref).all()) else None
 
 
 def _agrees(plan: Plan, operands: tuple, out: torch.Tensor, ref: torch.Tensor, workspace: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ import torch
 from . import generated
 from . import recall
 from ..base import timing
-from ..base.claimed import all_finite, walking
+from ..base.claimed import walking
 from .codegen import HEADER, INT32_LIMIT, TL_KINDS, program_id, span
 from ..base import settings
 
@@ -263,7 +263,7 @@ class Attention:
         if kept.get("runs") is False:
             return False
         ref = pytorch()
-        if not all_finite(ref):
+        if not bool(torch.isfinite(ref).all()):
             return False  # nothing to check the kernel against
         kernel = generated.define(source(q, k, v, mask, out, causal, scale))
         if not generated.launch_once(_built, key, lambda: launcher(kernel), (q, k, v, mask, out),
