@@ -46,6 +46,7 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
     torch.cuda.synchronize()
     started = time.perf_counter()
     import nimble
+    from nimble.runtime.kernels import generated
 
     exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None)
     art = exe.artifact
@@ -60,8 +61,10 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
             "stages": {k: round(v, 3) for k, v in exe.stats.seconds.items()},
             "kernels": None if p is None else {"found": p.found, "cached": p.cached, "from_pack": p.from_pack,
                                                "built": p.built, "failed": len(p.failed), "seconds": round(p.seconds, 3),
+                                               "walked": p.walked,
                                                "stages": {k: round(v, 3) for k, v in p.stages.items()}},
             "built_at_first_launch": exe.stats.kernels_generated,
+            "compiled_at_launch": generated.STATS.compiled,
             "recalled": exe.stats.kernel_binaries_recalled}
 
 

@@ -4,7 +4,7 @@
 before it allocates a tensor and raises `ArtifactError` with one line for any defect.
 """
 
-from .artifact import Artifact, read_artifact, write_artifact
+from .artifact import Artifact, plan_digest, read_artifact, write_artifact
 from .spec import FORMAT_VERSION
 
-__all__ = ["Artifact", "FORMAT_VERSION", "read_artifact", "write_artifact"]
+__all__ = ["Artifact", "FORMAT_VERSION", "plan_digest", "read_artifact", "write_artifact"]

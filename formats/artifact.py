@@ -130,15 +130,31 @@ def write_artifact(path: str | Path, art: Artifact) -> int:
         return f.tell()
 
 
-def _write_zip(file, art: Artifact) -> None:
-    g = art.graph
-    members = {  # each member as a list of chunks, so that weights stream without a copy
-        GRAPH: [_json(codec.encode_graph(g))],
+def _plan_members(art: Artifact) -> dict[str, list[bytes]]:
+    """The members that say what an artifact runs: each batch size's graph, schedule and memory plan."""
+    return {
+        GRAPH: [_json(codec.encode_graph(art.graph))],
         SCHEDULE: [_json(codec.encode_schedule(art.schedule))],
         MEMORY: [_json(codec.encode_memory(art.memory))],
         **{BATCH_MEMBER.format(b, m): [_json(doc)] for b, (graph, schedule, memory) in sorted(art.batches.items())
            for m, doc in ((GRAPH, codec.encode_graph(graph)), (SCHEDULE, codec.encode_schedule(schedule)),
                           (MEMORY, codec.encode_memory(memory)))},
+    }
+
+
+def plan_digest(art: Artifact) -> str:
+    """A sha256 of what `art` runs (`_plan_members`), its weights and samples left out: the same for
+    the artifact in memory at compile and read back from its file (whose manifest has each
+    member's digest, checked as it was read)."""
+    members = art.manifest.get("members") or {name: _digest(chunks) for name, chunks in _plan_members(art).items()}
+    plan = {name: d["sha256"] for name, d in members.items() if name not in (WEIGHTS, SAMPLE_INPUTS, SAMPLE_OUTPUTS)}
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _write_zip(file, art: Artifact) -> None:
+    g = art.graph
+    members = {  # each member as a list of chunks, so that weights stream without a copy
+        **_plan_members(art),
         WEIGHTS: tensors.serialize({g.values[w].name: art.weights[g.values[w].name] for w in g.weights}),
         SAMPLE_INPUTS: tensors.serialize({SAMPLE_INPUT_KEY.format(i): t for i, t in enumerate(art.sample_inputs)}),
         SAMPLE_OUTPUTS: tensors.serialize({SAMPLE_OUTPUT_KEY.format(i): t

@@ -147,6 +147,7 @@ class Loading:
         built, hits, seconds, fallbacks, recalled = (s.generated, s.source_hits, s.seconds, len(s.fallbacks),
                                                      BINARIES.recalled)
         self._choose(tune, choice, graph_dump)
+        prebuild.after_load(stats.prebuilt)
         self._stored_weights = dict(self._weights)  # only the chosen layout's weights stay
         self._channels_last_weights = {}
         stats.kernels_generated, stats.kernel_source_hits = s.generated - built, s.source_hits - hits

@@ -116,8 +116,9 @@ def test_a_warm_load_imports_no_triton(sample_artifacts, tmp_path, name):
     # the records; a warm one finds its tuning cached, walks nothing and imports no Triton
     assert warm["prebuilt"] is None and not warm["triton"], (cold, warm)
     # (the cold load also times every tuning candidate, so it recalls more kernels than the warm
-    # one, which launches only the chosen)
+    # one, which launches only the chosen). Its builds run in Triton, in this process or, for 48
+    # kernels and more on 8 cores and more, in processes of their own (`aot.build_described`)
     if cold["generated"]:
-        assert cold["triton"] and cold["prebuilt"] > 0 and cold["recalled"] > 0 and warm["recalled"] > 0, (cold, warm)
+        assert cold["prebuilt"] > 0 and cold["recalled"] > 0 and warm["recalled"] > 0, (cold, warm)
     else:
         assert warm["recalled"] == 0

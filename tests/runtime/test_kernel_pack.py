@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nimble.formats import write_artifact
+from nimble.formats import plan_digest, read_artifact, write_artifact
 from nimble.pipeline import compile_model
 from nimble.runtime import prebuild
 from nimble.runtime.kernels import aot, binaries
@@ -155,6 +155,50 @@ def test_a_binary_is_taken_only_for_its_own_source_and_call(built, tmp_path, mon
     entry["record"] = {**entry["record"], "params": [[len(args) + 5, "O"]]}
     assert pack.take(source, signature, args, constants, torch.device("cuda", 0)) is None
     assert "launch record does not fit" in pack.refused[0]
+
+
+def test_a_pack_covers_the_plan_it_was_walked_from_and_no_other(built):
+    """A pack that says it was walked from this load's plan, for this GPU's multiprocessors, with
+    this torch, spares the load its walk; anything else is walked as before."""
+    art, path, (_, pack_path, _, _) = built
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    plan = plan_digest(read_artifact(path))
+    assert plan == plan_digest(art)  # in memory at compile, and read back from its file at load
+    assert pack.covers(plan, H100.multiprocessors)
+    assert not pack.covers(plan, 114)  # an H100 PCIe: kernels sized by multiprocessors may differ
+    other = compile_model(SAMPLES / "mobilenet.pt", input_specs(["1x3x32x32"]), device="cpu").artifact()
+    assert plan_digest(other) != plan and not pack.covers(plan_digest(other), H100.multiprocessors)
+    pack.manifest["torch"] = "2.0.0"
+    assert not pack.covers(plan, H100.multiprocessors)
+
+
+def test_a_covered_load_does_not_walk_and_takes_each_kernel_as_it_launches(built, tmp_path, monkeypatch):
+    art, path, (_, pack_path, _, _) = built
+    launches = _launches(art)
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(binaries, "enabled", lambda device: True)
+    monkeypatch.setattr(binaries, "Binary", _Loaded)
+    monkeypatch.setattr(binaries, "_record_path", lambda d, s, dev: tmp_path / "cache" / "binaries" / f"r{d}{hash(s)}.json")
+    monkeypatch.setattr(binaries, "_TRUSTED", [])
+    monkeypatch.setattr(prebuild, "local_target", lambda device: H100)
+    monkeypatch.setattr(prebuild, "walk", lambda *a, **k: pytest.fail("a covered load walked"))
+    pack = packs.Pack.open(pack_path, 90, None, named=True)
+    done = prebuild.before_load(read_artifact(path), torch.device("cuda", 0), pack, quiet=True)
+    assert not done.walked and done.found == len(pack) and done.from_pack == done.built == 0
+    (source, signature), (kernel, args, constants) = next(iter(launches.items()))
+    got = binaries.recall(source, signature, args, constants)  # the cache folder is empty: the pack's
+    assert isinstance(got, _Loaded) and pack.taken == 1
+    assert binaries.recall(source + "0", signature, args, constants) is None  # no binary for another source
+    assert done.settle() == [] and done.from_pack == 1
+    # the next recall finds it in the cache folder, where the pack left it
+    monkeypatch.setattr(binaries, "_TRUSTED", [])
+    binaries._READY.clear()
+    assert isinstance(binaries.recall(source, signature, args, constants), _Loaded)
+    # a pack walked from another plan (here: one that does not say) is walked
+    walked = []
+    monkeypatch.setattr(prebuild, "walk", lambda *a, **k: walked.append(1) or {})
+    del pack.manifest["plan"]
+    assert prebuild.before_load(read_artifact(path), torch.device("cuda", 0), pack, quiet=True).walked and walked
 
 
 def test_an_untrusted_pack_is_never_used(built, tmp_path, monkeypatch):

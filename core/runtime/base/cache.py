@@ -84,9 +84,10 @@ def read_small(path: Path, limit: int) -> bytes | None:
 
 
 def write(path: Path, data: bytes) -> bool:
-    """Write `data` to `path` atomically; False (and nothing left behind) if it cannot be written."""
+    """Write `data` to `path` atomically, not synced to disk (every reader checks what it reads);
+    False (and nothing left behind) if it cannot be written."""
     try:
-        write_atomic(path, data)
+        write_atomic(path, data, durable=False)
         return True
     except OSError:
         return False

@@ -65,6 +65,8 @@ _LOADED: dict[tuple, int] = {}  # (sha256, entry, shared bytes, device index) ->
 # record path -> a record this process wrote, or read and checked with its binary: a later launch
 # (the load after its prebuild, another candidate) takes it without reading and hashing again
 _READY: dict[Path, dict] = {}
+# kernel packs the user trusted in this process (`pack.py`, `trust`)
+_TRUSTED: list = []
 
 
 def specialisation(args: tuple, constants: dict) -> str:
@@ -150,7 +152,8 @@ class Binary:
 
 
 def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary | None:
-    """The binary recorded for this kernel and signature, loaded; None on any miss."""
+    """The binary recorded for this kernel and signature, else a trusted pack's (`trust`), loaded;
+    None on any miss."""
     device = _device(args, constants)
     if device is None:
         return None
@@ -160,7 +163,7 @@ def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary 
         record = read_record(path, args, constants) if path is not None else None
         data = cache.read_small(Path(record["binary"]), record["size"]) if record is not None else None
         if data is None or len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-            return None
+            return _from_trusted(digest, signature, args, constants, device)
         _READY[path] = record
     try:
         binary = Binary(record, device)
@@ -168,6 +171,24 @@ def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary 
         return None
     STATS.recalled += 1
     return binary
+
+
+def trust(pack) -> None:
+    """Let every later launch in this process that the cache folder has no binary for take one
+    from `pack` (a `pack.Pack` the user trusted, which checks each binary against the launch and
+    keeps it in the cache folder). A load whose pack covers it (`Pack.covers`) does this instead
+    of walking its op lists (`prebuild.py`)."""
+    if all(p.path != pack.path for p in _TRUSTED):
+        _TRUSTED.append(pack)
+
+
+def _from_trusted(digest: str, signature: str, args: tuple, constants: dict, device: torch.device) -> Binary | None:
+    for pack in _TRUSTED:
+        binary = pack.take(digest, signature, args, constants, device)
+        if binary is not None:
+            STATS.recalled += 1
+            return binary
+    return None
 
 
 def read_record(path: Path, args: tuple, constants: dict) -> dict | None:

@@ -39,6 +39,7 @@ class KernelStats:
     source_hits: int = 0  # of which the source was already in the cache folder
     fallbacks: list[str] = field(default_factory=list)  # bodies interpreted instead, and why
     seconds: float = 0.0
+    compiled: int = 0  # launches Triton compiled here, as they ran (no binary recalled or taken from a pack)
 
 
 STATS = KernelStats()
@@ -147,6 +148,7 @@ class Generated:
             # Triton builds it and launches nothing (`warmup`); the binary runs through the static
             # launcher, so Triton's own launcher (a C module per signature) is never compiled
             self._recorded.add(signature)
+            STATS.compiled += 1
             compiled = jit.warmup(*args, grid=grid, **constants)
             binary = binaries.remember(self.digest, signature, compiled, args, constants, list(jit.arg_names))
             self._binaries[signature] = binary

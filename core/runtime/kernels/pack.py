@@ -92,9 +92,11 @@ class Entry:
     binary: bytes
 
 
-def write(path: Path, arch: int, entries: list[Entry], key: bytes | None = None) -> int:
-    """Write a pack of `entries`, built for `arch`, signed with `key` where given; its bytes."""
-    manifest = {**binding(arch), "torch": torch.__version__, "entries": []}
+def write(path: Path, arch: int, entries: list[Entry], key: bytes | None = None, walked: dict | None = None) -> int:
+    """Write a pack of `entries`, built for `arch`, signed with `key` where given; its bytes.
+    `walked`: what the walk that found the entries walked, `{"plan": the artifact's
+    `plan_digest`, "multiprocessors": the target's}` (see `Pack.covers`)."""
+    manifest = {**binding(arch), "torch": torch.__version__, **(walked or {}), "entries": []}
     offset, blobs = 0, []
     for e in entries:
         blob = zlib.compress(e.binary, 6)  # machine code packs 3 to 4 times smaller
@@ -176,6 +178,16 @@ class Pack:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def covers(self, plan: str, multiprocessors: int) -> bool:
+        """Whether this pack holds every kernel a walk of this load would find: it was walked from
+        this plan (`formats.plan_digest`), for a GPU of these multiprocessors, with this torch
+        (nimble generates some kernels' text from what torch says). Then a load need not walk: it
+        takes each kernel from the pack as it first launches (`binaries.trust`). A manifest that
+        says so wrongly costs builds at first launch, nothing more: each binary is still taken only
+        for its exact source and call."""
+        m = self.manifest
+        return m.get("plan") == plan and m.get("multiprocessors") == multiprocessors and m.get("torch") == torch.__version__
 
     def take(self, source: str, signature: str, args: tuple, constants: dict,
              device: torch.device) -> binaries.Binary | None:
