@@ -162,15 +162,19 @@ def renumber(values, ops, inputs, outputs) -> Graph:
             and len(vmap) == len(values) and len(omap) == len(ops):  # dense already
         return Graph(tuple(values), tuple(ops), tuple(inputs), tuple(outputs))
 
-    def ref(r: Ref) -> Ref:
-        return Ref(vmap[r.id])
+    def remap(arg):  # map_refs for this map, inlined: renumbering is most of a pass on a large graph
+        if isinstance(arg, Ref):
+            return Ref(vmap[arg.id])
+        if isinstance(arg, tuple):
+            return tuple([remap(a) for a in arg])
+        return arg
 
-    new_values = tuple(replace(v, id=vmap[v.id], producer=None if v.producer is None else omap[v.producer],
-                               alias_of=None if v.alias_of is None else vmap[v.alias_of]) for v in values)
-    new_ops = tuple(replace(op, id=omap[op.id], args=map_refs(op.args, ref),
-                            kwargs=tuple((k, map_refs(a, ref)) for k, a in op.kwargs),
-                            outputs=tuple(vmap[o] for o in op.outputs), mutates=tuple(vmap[m] for m in op.mutates),
-                            after=tuple(omap[a] for a in op.after)) for op in ops)
+    # the constructors rather than `replace`, which looks up the fields of every object it copies
+    new_values = tuple(Value(vmap[v.id], v.kind, v.spec, v.name, None if v.producer is None else omap[v.producer],
+                             None if v.alias_of is None else vmap[v.alias_of]) for v in values)
+    new_ops = tuple(Op(omap[op.id], op.target, remap(op.args), tuple([(k, remap(a)) for k, a in op.kwargs]),
+                       tuple([vmap[o] for o in op.outputs]), tuple([vmap[m] for m in op.mutates]),
+                       tuple([omap[a] for a in op.after]), op.source) for op in ops)
     return Graph(new_values, new_ops, tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))
 
 

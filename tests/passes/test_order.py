@@ -82,3 +82,26 @@ def test_resnet18_gets_the_same_streams_and_waits_from_both_frontends(tmp_path):
 def test_every_sample_gets_the_same_schedule_from_both_frontends(tmp_path, name):
     both = schedules_from_both(tmp_path, build_module(name), example_inputs(name))
     assert both["torchscript"][:4] == both["export"][:4]  # the ops themselves may differ (view or reshape)
+
+
+def test_renumber_keeps_every_field_of_values_and_ops():
+    """`renumber` builds values and ops with their constructors, positionally (faster than
+    `replace` on a 12,000-op graph): a field added to either must be carried there too."""
+    from nimble.ir import ACTIVATION, INPUT, Op, Ref, TensorSpec, Value
+
+    assert [f.name for f in dataclasses.fields(Value)] == ["id", "kind", "spec", "name", "producer", "alias_of"]
+    assert [f.name for f in dataclasses.fields(Op)] == ["id", "target", "args", "kwargs", "outputs", "mutates",
+                                                          "after", "source"]
+    spec = TensorSpec((2,), "float32")
+    values = [Value(5, INPUT, spec, "x"), Value(7, ACTIVATION, spec, "y", producer=3),
+              Value(9, ACTIVATION, spec, "z", producer=4, alias_of=7)]
+    ops = [Op(3, "aten::relu.default", (Ref(5),), (), (7,), source="m.py:1"),
+           Op(4, "aten::add_.Tensor", (Ref(7), (Ref(5), 2)), (("alpha", Ref(5)),), (9,), mutates=(7,), after=(3,),
+              source="m.py:2")]
+    g = renumber(values, ops, [5], [9])
+    assert g.values == (Value(0, INPUT, spec, "x"), Value(1, ACTIVATION, spec, "y", producer=0),
+                        Value(2, ACTIVATION, spec, "z", producer=1, alias_of=1))
+    assert g.ops == (Op(0, "aten::relu.default", (Ref(0),), (), (1,), source="m.py:1"),
+                     Op(1, "aten::add_.Tensor", (Ref(1), (Ref(0), 2)), (("alpha", Ref(0)),), (2,), mutates=(1,),
+                        after=(0,), source="m.py:2"))
+    assert g.inputs == (0,) and g.outputs == (2,)
