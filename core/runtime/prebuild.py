@@ -307,7 +307,7 @@ def _covered(stats: Prebuilt, artifact, pack: packs.Pack, target: aot.Target) ->
 
     if not pack.covers(plan_digest(artifact), target.multiprocessors):
         return False
-    binaries.trust(pack)
+    pack = binaries.trust(pack)
     stats.found, stats.walked, stats.pack = len(pack), False, pack
     stats._taken, stats._refused = pack.taken, len(pack.refused)
     stats.notes += pack.notes

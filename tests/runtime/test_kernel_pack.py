@@ -190,6 +190,13 @@ def test_a_covered_load_does_not_walk_and_takes_each_kernel_as_it_launches(built
     assert isinstance(got, _Loaded) and pack.taken == 1
     assert binaries.recall(source + "0", signature, args, constants) is None  # no binary for another source
     assert done.settle() == [] and done.from_pack == 1
+    # a second load of the same pack (another batch size, say) counts what the first pack object takes
+    again = prebuild.before_load(read_artifact(path), torch.device("cuda", 0),
+                                 packs.Pack.open(pack_path, 90, None, named=True), quiet=True)
+    assert again.pack is pack and binaries._TRUSTED == [pack]
+    (other_source, other_signature), (_, other_args, other_constants) = list(launches.items())[1]
+    assert isinstance(binaries.recall(other_source, other_signature, other_args, other_constants), _Loaded)
+    assert again.settle() == [] and again.from_pack == 1
     # the next recall finds it in the cache folder, where the pack left it
     monkeypatch.setattr(binaries, "_TRUSTED", [])
     binaries._READY.clear()

@@ -173,13 +173,17 @@ def recall(digest: str, signature: str, args: tuple, constants: dict) -> Binary 
     return binary
 
 
-def trust(pack) -> None:
+def trust(pack):
     """Let every later launch in this process that the cache folder has no binary for take one
     from `pack` (a `pack.Pack` the user trusted, which checks each binary against the launch and
     keeps it in the cache folder). A load whose pack covers it (`Pack.covers`) does this instead
-    of walking its op lists (`prebuild.py`)."""
-    if all(p.path != pack.path for p in _TRUSTED):
-        _TRUSTED.append(pack)
+    of walking its op lists (`prebuild.py`). Returns the pack that serves: one trusted before from
+    the same file with the same manifest (another batch size's load, a second load), else `pack`."""
+    for known in _TRUSTED:
+        if known.path == pack.path and known.manifest == pack.manifest:
+            return known
+    _TRUSTED.append(pack)
+    return pack
 
 
 def _from_trusted(digest: str, signature: str, args: tuple, constants: dict, device: torch.device) -> Binary | None:
