@@ -438,3 +438,33 @@ def test_a_transformer_compiles_without_importing_sympy_or_dynamo(sample, shapes
             "device='cpu', check=True); print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_a_compile_pauses_the_cycle_collector_and_leaves_it_as_it_was(monkeypatch, tmp_path):
+    """`compile_model` runs without Python's cyclic collector (its objects live until it ends, and
+    full collections walked them all), and hands it back as it found it: after a compile, after a
+    compile that fails, and where the caller had paused it already."""
+    import gc
+
+    from nimble import pipeline
+    from nimble.specs import input_specs
+
+    seen = []
+    real = pipeline.compile_script
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "compile_script", watched)
+    assert gc.isenabled()
+    pipeline.compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu")
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ShapeError):
+        pipeline.compile_model(SAMPLES / "resnet.pt", input_specs(["1x5x32x32"]), device="cpu")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pipeline.compile_model(SAMPLES / "resnet.pt", input_specs(["1x3x32x32"]), device="cpu")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
