@@ -110,12 +110,7 @@ class Op:
         known = self.__dict__.get("_refs")
         if known is None:
             found: list[int] = []
-            _collect(self.args, found)
-            for _, v in self.kwargs:
-                if isinstance(v, Ref):
-                    found.append(v.id)
-                elif isinstance(v, tuple):
-                    _collect(v, found)
+            _collect(self.args + tuple(v for _, v in self.kwargs), found)
             known = self.__dict__["_refs"] = tuple(found)
         return known
 
@@ -148,7 +143,7 @@ def map_refs(arg, fn):
     if isinstance(arg, Ref):
         return fn(arg)
     if isinstance(arg, tuple):
-        return tuple(map_refs(a, fn) for a in arg)
+        return tuple([map_refs(a, fn) for a in arg])  # a list first: faster than a generator here
     return arg
 
 
@@ -162,17 +157,14 @@ def renumber(values, ops, inputs, outputs) -> Graph:
             and len(vmap) == len(values) and len(omap) == len(ops):  # dense already
         return Graph(tuple(values), tuple(ops), tuple(inputs), tuple(outputs))
 
-    def remap(arg):  # map_refs for this map, inlined: renumbering is most of a pass on a large graph
-        if isinstance(arg, Ref):
-            return Ref(vmap[arg.id])
-        if isinstance(arg, tuple):
-            return tuple([remap(a) for a in arg])
-        return arg
+    def ref(r: Ref) -> Ref:
+        return Ref(vmap[r.id])
 
     # the constructors rather than `replace`, which looks up the fields of every object it copies
     new_values = tuple(Value(vmap[v.id], v.kind, v.spec, v.name, None if v.producer is None else omap[v.producer],
                              None if v.alias_of is None else vmap[v.alias_of]) for v in values)
-    new_ops = tuple(Op(omap[op.id], op.target, remap(op.args), tuple([(k, remap(a)) for k, a in op.kwargs]),
+    new_ops = tuple(Op(omap[op.id], op.target, map_refs(op.args, ref),
+                       tuple([(k, map_refs(a, ref)) for k, a in op.kwargs]),
                        tuple([vmap[o] for o in op.outputs]), tuple([vmap[m] for m in op.mutates]),
                        tuple([omap[a] for a in op.after]), op.source) for op in ops)
     return Graph(new_values, new_ops, tuple(vmap[i] for i in inputs), tuple(vmap[o] for o in outputs))

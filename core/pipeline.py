@@ -12,8 +12,6 @@ it times each once, and lints the graph after every pass. Options travel as one 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,7 +33,7 @@ from .runtime.placed import reference
 from .runtime.placed.reference import one_thread
 from .passes.reduce_precision import Precision
 from .runtime.base.compare import L2_TOLERANCE, Comparison, compare, default_tolerance
-from .stages import Stages
+from .stages import Stages, cycles_uncollected
 
 # Graph -> Graph passes, in the order they run (each is one file under passes/). The frontends emit
 # what the model says; every rewrite is here. Functionalisation runs first, as TorchScript's
@@ -153,26 +151,7 @@ def sample_inputs(specs: list[TensorSpec], seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def _cycles_uncollected(compile_fn):
-    """`compile_fn` with Python's cyclic garbage collector paused while it runs (as it was after).
-    A compile makes millions of small objects that live until it ends, and every full collection
-    walks all of them: on a 12,000-op chain the compile took 13.8 to 13.9 s with the collector and
-    11.5 to 11.7 s without, alternated on the 2-core builder, with peak RSS 431 and 435 MB. What
-    the compile leaves in cycles is collected after it, as usual."""
-
-    @functools.wraps(compile_fn)
-    def paused(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return compile_fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return paused
-
-
-@_cycles_uncollected
+@cycles_uncollected
 def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str = "auto",
                   streams: str | int = "auto", check: bool = True, progress: Callable[[str], None] = lambda stage: None,
                   fuse: bool = True, precision: str = "fp32", io_dtype: str = "model",

@@ -14,6 +14,8 @@ Plain Python over the IR: no torch, so it serves both the builder and the runtim
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import time
 from typing import Callable, Iterator
 
@@ -83,3 +85,22 @@ class Stages:
             except GraphError as e:
                 raise GraphError(f"pass {name} broke the graph: {e}") from None
         self.passes.append((name, len(graph.ops)))
+
+
+def cycles_uncollected(compile_fn):
+    """`compile_fn` with Python's cyclic garbage collector paused while it runs (as it was after).
+    A compile makes millions of small objects that live until it ends, and every full collection
+    walks all of them: on a 12,000-op chain the compile took 13.8 to 13.9 s with the collector and
+    11.5 to 11.7 s without, alternated on the 2-core builder, with peak RSS 431 and 435 MB. What
+    the compile leaves in cycles is collected after it, as usual."""
+
+    @functools.wraps(compile_fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return compile_fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return paused

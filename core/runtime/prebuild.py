@@ -73,6 +73,12 @@ class Prebuilt:
     _taken: int = 0  # what the pack had given before this load
     _refused: int = 0
 
+    def cover(self, pack: packs.Pack) -> None:
+        """Say that `pack` (trusted for the process) stands in for this load's walk."""
+        self.found, self.walked, self.pack = len(pack), False, pack
+        self._taken, self._refused = pack.taken, len(pack.refused)
+        self.notes += pack.notes
+
     def settle(self) -> list[str]:
         """Once the load has run: what an unwalked load took from its pack (`from_pack`), and the
         lines for binaries it refused meanwhile (also in `notes`)."""
@@ -307,10 +313,7 @@ def _covered(stats: Prebuilt, artifact, pack: packs.Pack, target: aot.Target) ->
 
     if not pack.covers(plan_digest(artifact), target.multiprocessors):
         return False
-    pack = binaries.trust(pack)
-    stats.found, stats.walked, stats.pack = len(pack), False, pack
-    stats._taken, stats._refused = pack.taken, len(pack.refused)
-    stats.notes += pack.notes
+    stats.cover(binaries.trust(pack))
     return True
 
 
