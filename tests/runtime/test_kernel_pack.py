@@ -466,3 +466,15 @@ def test_kernels_built_in_processes_are_the_ones_threads_build(built):
     for launch, got in apart:
         assert got is not None and got == by_launch[name(launch)]
     assert aot._call_of((torch.empty(4)[1:], 3, None)) == (("tensor", "float32", 4), ("value", 3), ("value", None))
+
+
+def test_a_crafted_walked_field_never_covers_a_load(built):
+    """The manifest's plan and multiprocessor count are compared, never trusted for their type: a
+    crafted value of another type is a walk, as a pack that does not say is."""
+    art, path, (_, pack_path, _, _) = built
+    plan = plan_digest(read_artifact(path))
+    for field, value in [("plan", {"$": plan}), ("plan", [plan]), ("plan", None), ("multiprocessors", "132"),
+                         ("multiprocessors", 132.5), ("multiprocessors", [132])]:
+        pack = packs.Pack.open(pack_path, 90, None, named=True)
+        pack.manifest[field] = value
+        assert not pack.covers(plan, H100.multiprocessors), (field, value)
