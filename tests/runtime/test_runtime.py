@@ -277,8 +277,8 @@ def test_split_convolutions_are_timed_only_without_cudnn_graphs():
 
     options = tuning.every_choice()
     best = tuning.Choice(layout="channels_last", algorithms="benchmark")
-    assert list(tuning.stages(options))[1](best) == [replace(best, convolutions="split")]
-    assert list(tuning.stages(options, graphs=True))[1](best) == []
+    assert list(tuning.stages(options))[2](best) == [replace(best, convolutions="split")]
+    assert list(tuning.stages(options, graphs=True))[2](best) == []
     assert list(tuning.stages(options, graphs=True))[0] == list(tuning.stages(options))[0]
 
 
@@ -304,7 +304,7 @@ def test_stream_candidates_cap_only_below_the_cuda_streams_the_plan_folds_onto(a
     assert [tuning.stream_cap(s) for s in tuning.STREAMS] == [None, tuning.CAP, 1]
     options = tuning.candidates(g, 3)
     best = tuning.Choice()
-    assert [c.streams for c in list(tuning.stages(options))[2](best)] == [f"at most {tuning.CAP}", "serial"]
+    assert [c.streams for c in list(tuning.stages(options))[3](best)] == [f"at most {tuning.CAP}", "serial"]
     assert tuning.Choice(streams=f"at most {tuning.CAP}").describe().startswith(f"contiguous, at most {tuning.CAP} streams")
 
 
@@ -526,13 +526,38 @@ def test_a_head_merge_copies_the_attention_result_once_only_where_it_is_issued_n
     assert first not in pairing.copy_pairs(g, placed, order, moved, [()] * n)
 
 
+def test_benchmarked_algorithms_are_timed_after_the_layouts_and_must_win_by_their_margin():
+    """The first stage times layouts with cuDNN's heuristic algorithms; the next, the best of them
+    with benchmarked ones, which win only where they take at most `benchmark_slower` times the
+    best other candidate, since each process that loads pays their search again."""
+    from nimble.runtime.base.settings import DEFAULT, Settings
+    from nimble.runtime.tune import choices as tuning
+
+    options = tuning.every_choice()
+    stages = list(tuning.stages(options))
+    assert {c.algorithms for c in stages[0]} == {"heuristic"}
+    assert {c.layout for c in stages[0]} == set(tuning.LAYOUTS)
+    best = tuning.Choice(layout="channels_last")
+    benchmarked = replace(best, algorithms="benchmark")
+    assert stages[1](best) == [benchmarked]
+    assert stages[1](benchmarked) == [benchmarked]  # replace is idempotent; the search never gets here twice
+    slower = DEFAULT.benchmark_slower
+    ms = {best.describe(): 1.0, benchmarked.describe(): slower + 0.005}
+    assert tuning.pick([best, benchmarked], ms, {}) == best  # faster, but not by enough
+    ms[benchmarked.describe()] = slower - 0.005
+    assert tuning.pick([best, benchmarked], ms, {}) == benchmarked
+    assert tuning.pick([best, benchmarked], ms, {}, Settings(benchmark_slower=0.0)) == best  # never
+    assert tuning.pick([best, benchmarked], {k: 1.0 for k in ms}, {}, Settings(benchmark_slower=1.0)) == best
+    assert tuning.pick([benchmarked], ms, {}) == benchmarked  # the only one timed
+
+
 def test_tuning_picks_a_leaner_candidate_only_within_its_slack():
     from nimble.runtime.base.settings import DEFAULT
     from nimble.runtime.tune.choices import Choice, pick
 
     MEMORY_SLACK, MEMORY_WORTH = DEFAULT.memory_slack, DEFAULT.memory_worth
 
-    fast, lean, leaner = Choice(), Choice(algorithms="benchmark"), Choice(layout="channels_last")
+    fast, lean, leaner = Choice(), Choice(streams="serial"), Choice(layout="channels_last")
     options = [fast, lean, leaner]
     ms = {fast.describe(): 1.0, lean.describe(): 1.0 + MEMORY_SLACK / 2, leaner.describe(): 1.0 + 2 * MEMORY_SLACK}
     pool = {fast.describe(): 60 * 2**20, lean.describe(): 60 * 2**20 - MEMORY_WORTH, leaner.describe(): 0}

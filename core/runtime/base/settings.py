@@ -74,6 +74,10 @@ class Settings:
     # where its graph pool holds at least `memory_worth` bytes less
     memory_slack: float = 0.02
     memory_worth: int = 8 * 2**20
+    # cuDNN's benchmarked algorithms win only where they take at most this times the best other
+    # candidate: unlike every other choice they cost again in each process that loads (cuDNN
+    # searches every convolution's algorithms once per process; 3.9 s of efficientnet_b0's warm load)
+    benchmark_slower: float = 0.98
 
     def __post_init__(self):
         for f in fields(self):

@@ -31,9 +31,10 @@ fastest:
   mobilenet_v2 3.2 % faster at batch 8 and 3.2 % slower at batch 1
   (`benchmarks/results/setting_ab_prologue_2026-11-27.md`).
 
-Timing is greedy: every layout and algorithm setting on the planned streams with cuDNN's fused
-convolutions, then the best of those split, then the best so far on at most `CAP` streams and on
-one, then that with its GEMM biases separate, then that with depthwise prologues. Where cuDNN
+Timing is greedy: every layout on the planned streams with cuDNN's fused convolutions and
+heuristic algorithms, then the best of those with benchmarked algorithms, then that split, then
+the best so far on at most `CAP` streams and on one, then that with its GEMM biases separate, then
+that with depthwise prologues. Where cuDNN
 graphs can run (the `cudnn` extra), the split candidate is not timed: each conv-led body has then
 already been timed against its alternative, a graph against the split way or PyTorch's fused
 kernel (`cudnn_graph`). On the H100, with graphs, split was 1.14 to 1.33 times the best
@@ -44,7 +45,12 @@ its algorithms). A forced choice can still split.
 
 The best of a stage is the fastest, unless a candidate at most `memory_slack` (a setting) slower holds at
 least `memory_worth` less in its graph pool (the workspaces and temporaries of its capture): then
-the one that holds least (`pick`).
+the one that holds least (`pick`). Benchmarked algorithms count as fastest only where they take at
+most `benchmark_slower` (a setting, 0.98) times the time of the best other candidate. Every other
+choice costs nothing once it is cached, but torch keeps no record of cuDNN's search across
+processes: each process that loads searches every convolution's algorithms again (about 70 ms a
+convolution on the H200: 3.9 s of efficientnet_b0's 4.9 s warm load). On the peers suite they
+gained 0 to 0.9 % (`peers_final_*.json`, H100), within the timing's noise.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
 GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, replace
 
 import torch
@@ -91,8 +98,9 @@ def stages(options: list[Choice], graphs: bool = False):
     """The greedy order of timing: a list of candidates, then functions from the best so far to
     the next candidates. With `graphs` (cuDNN graphs can run: `cudnn_graph.frontend()`), split
     convolutions are not timed (see the module docstring)."""
-    yield [c for c in options if c.streams == "planned" and c.convolutions == CONVOLUTIONS[0]
-           and c.gemm_bias == GEMM_BIAS[0] and c.prologues == PROLOGUES[0]]
+    yield [c for c in options if c.streams == "planned" and c.algorithms == ALGORITHMS[0]
+           and c.convolutions == CONVOLUTIONS[0] and c.gemm_bias == GEMM_BIAS[0] and c.prologues == PROLOGUES[0]]
+    yield lambda best: [c for c in options if c == replace(best, algorithms=ALGORITHMS[1])]
     yield lambda best: [] if graphs else [c for c in options if c == replace(best, convolutions="split")]
     yield lambda best: [c for c in options if c in [replace(best, streams=s) for s in STREAMS[1:]]]
     yield lambda best: [c for c in options if c == replace(best, gemm_bias="separate")]
@@ -104,15 +112,25 @@ def stages(options: list[Choice], graphs: bool = False):
 def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int], settings: Settings = DEFAULT) -> Choice:
     """The best of timed `options`: the fastest by `ms` (GPU-bound ms by `describe()`), or, among
     those within the `memory_slack` setting of it whose graph pool (`held`, bytes) is at least `memory_worth`
-    smaller than the fastest's, the one that holds least (the faster of equals)."""
-    fastest = min(options, key=lambda c: ms[c.describe()])
-    limit_ms = ms[fastest.describe()] * (1 + settings.memory_slack)
+    smaller than the fastest's, the one that holds least (the faster of equals). A candidate with
+    benchmarked algorithms counts as taking its time over the `benchmark_slower` setting: the
+    search it needs is paid again at every load."""
+    def cost(c: Choice) -> float:
+        if c.algorithms != ALGORITHMS[1]:
+            return ms[c.describe()]
+        return ms[c.describe()] / settings.benchmark_slower if settings.benchmark_slower > 0 else math.inf
+
+    fastest = min(options, key=cost)
+    limit_ms = cost(fastest) * (1 + settings.memory_slack)
     limit_bytes = held.get(fastest.describe(), 0) - settings.memory_worth
-    leaner = [c for c in options if ms[c.describe()] <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
-    return min(leaner, key=lambda c: (held.get(c.describe(), 0), ms[c.describe()])) if leaner else fastest
+    leaner = [c for c in options if cost(c) <= limit_ms and held.get(c.describe(), 0) <= limit_bytes]
+    return min(leaner, key=lambda c: (held.get(c.describe(), 0), cost(c))) if leaner else fastest
 
 
 # ---------------------------------------------------------------------------------- cache
+SEARCH = 2  # the search's version, in every key: an entry from an older search is a miss (2: benchmark_slower)
+
+
 def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> str:
     """The artifact's content hash, the GPU, the torch version and the settings (where not the defaults)."""
     members = artifact.manifest.get("members") or {}
@@ -127,7 +145,7 @@ def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> s
             h.update(json.dumps(doc, sort_keys=True).encode())
         digest = h.hexdigest()
     props = torch.cuda.get_device_properties(device)
-    where = f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}"
+    where = f"{digest[:32]}|{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}|search {SEARCH}"
     return where + (f"|settings {settings.digest()}" if settings.digest() else "")
 
 
