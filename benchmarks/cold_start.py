@@ -102,7 +102,7 @@ def peer_child(mode: str, model: str, batch: int, save: str) -> dict:
 def fresh(args: list[str], caches: dict, timeout: int = 560) -> dict:
     env = dict(os.environ, **caches)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, str(HERE), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-X", "faulthandler", str(HERE), *args], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         return {"error": (r.stderr or r.stdout)[-600:], "exit": r.returncode, "process_s": round(time.perf_counter() - t, 2)}
@@ -193,11 +193,11 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as c1:
                 caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
                 row["compile-warm"] = fresh(["peer", "compile-warm", model, "1", blob], caches)
-            with tempfile.TemporaryDirectory() as c1:
-                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
-                pkg = str(work / f"{model}.pt2")
-                row["aoti-build"] = fresh(["peer", "aoti-build", model, "1", pkg], caches)
-                row["aoti-load"] = fresh(["peer", "aoti-load", model, "1", pkg], caches)
+            pkg = str(work / f"{model}.pt2")
+            for mode in ("aoti-build", "aoti-load"):  # the load on empty caches, as on a fresh machine
+                with tempfile.TemporaryDirectory() as c1:
+                    caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
+                    row[mode] = fresh(["peer", mode, model, "1", pkg], caches)
             print(json.dumps(row), flush=True)
             rows.append(row)
             save()

@@ -110,7 +110,8 @@ def test_tuning_is_timed_once_then_read_from_the_cache(sample_artifacts):
     assert first.stats.tuning == "timed"
     # both layouts with heuristic algorithms, then the faster of them with benchmarked ones, then the later stages
     assert len(first.stats.tuning_ms) == 2 + 1 + (streams - 1) + timed_split + bias + timed_prologues
-    assert sum("benchmark algorithms" in k for k in first.stats.tuning_ms) == 1
+    benchmarked = sum("benchmark algorithms" in k for k in first.stats.tuning_ms)  # the later stages build on the best
+    assert benchmarked == (1 if first.choice.algorithms == "heuristic" else len(first.stats.tuning_ms) - 2)
     assert tuning.cache_path().exists()
     again = nimble.load(sample_artifacts["mobilenet"], device="cuda")
     assert again.stats.tuning == "cache hit" and again.stats.choice == first.stats.choice
