@@ -1,7 +1,7 @@
 """Load to first inference on a GPU machine: cold (empty caches), warm, and with a kernel pack.
 
     python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 ...] [--artifacts A.nimble ...]
-                                    [--peers resnet50 ...]
+                                    [--modes source,warm,pack] [--peers resnet50 ...] [--peer-modes compile,aoti]
 
 Each row is one fresh process (`python -c` of this file's `child`), timed from after `import
 torch` and CUDA's start to the first inference's result on the host:
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--artifacts", nargs="*", default=[])
     ap.add_argument("--peers", nargs="*", default=[], help="torchvision models to time the peers on")
     ap.add_argument("--modes", default="source,warm,pack")
+    ap.add_argument("--peer-modes", default="compile,aoti", help="the peers to time: compile, aoti or both")
     a = ap.parse_args()
     import torch
 
@@ -186,16 +187,14 @@ def main() -> None:
     if a.peers:
         for model in a.peers:
             row = {"model": f"{model} (peers)"}
-            with tempfile.TemporaryDirectory() as c1:
-                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
-                blob = str(work / f"{model}.megacache")
-                row["compile-cold"] = fresh(["peer", "compile-cold", model, "1", blob], caches)
-            with tempfile.TemporaryDirectory() as c1:
-                caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
-                row["compile-warm"] = fresh(["peer", "compile-warm", model, "1", blob], caches)
+            blob = str(work / f"{model}.megacache")
+            for mode in ("compile-cold", "compile-warm") if "compile" in a.peer_modes.split(",") else ():
+                with tempfile.TemporaryDirectory() as c1:  # empty caches each; the warm one loads the cold one's blob
+                    caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
+                    row[mode] = fresh(["peer", mode, model, "1", blob], caches)
             pkg = str(work / f"{model}.pt2")
-            for mode in ("aoti-build", "aoti-load"):  # the load on empty caches, as on a fresh machine
-                with tempfile.TemporaryDirectory() as c1:
+            for mode in ("aoti-build", "aoti-load") if "aoti" in a.peer_modes.split(",") else ():
+                with tempfile.TemporaryDirectory() as c1:  # the load on empty caches, as on a fresh machine
                     caches = {"TORCHINDUCTOR_CACHE_DIR": c1 + "/i", "TRITON_CACHE_DIR": c1 + "/t"}
                     row[mode] = fresh(["peer", mode, model, "1", pkg], caches)
             print(json.dumps(row), flush=True)
