@@ -276,3 +276,36 @@ def test_the_excitation_scale_computed_in_the_multiply_agrees_with_eager_in_one_
         assert result.passed, result.describe()
     torch.testing.assert_close(outputs["moved"][0], outputs["kept"][0], rtol=1e-4, atol=1e-5)
     assert count_kernels(tmp_path / "moved.dot") == count_kernels(tmp_path / "kept.dot") - 1
+
+
+@gpu
+def test_a_depthwise_convolution_s_mean_runs_after_the_depthwise_kernel_unless_set(tmp_path, monkeypatch,
+                                                                                  use_settings):
+    """Under channels_last the depthwise kernel computes the block's depthwise convolution with its
+    SiLU, and that op's mean runs apart: no cuDNN convolution, whose plan each process would build
+    again. The head's mean still runs in its SiLU's kernel. `depthwise_mean_pairs` pairs both, as
+    before; every way agrees with eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.runtime.base.compare import compare
+    from nimble.runtime.executable import Executable
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_settings(input_pairs=False, standalone_pointwise=False)  # fewer load-time choices between the loads
+    write_artifact(tmp_path / "se.nimble", se_graph(tmp_path, (2, 16, 12, 12)))
+    art = read_artifact(tmp_path / "se.nimble")
+    x = [t.cuda() for t in art.sample_inputs]
+    split = tuning.Choice(layout="channels_last", streams="serial", convolutions="split")
+    outputs = {}
+    for paired in (False, True):
+        use_settings(depthwise_mean_pairs=paired)
+        exe = Executable(art, "cuda", choice=split)
+        assert len(exe._pairs.means) == 2 and exe.stats.kernel_fallbacks == [], exe.stats.kernel_fallbacks
+        kinds = sorted(key[0] for _, _, kernel in exe._pairs.means.values() for key, launch in kernel._built.items()
+                       if launch is not None and key[0] in ("mean", "depthwise"))
+        assert kinds == (["mean", "mean"] if paired else ["depthwise", "mean"]), kinds
+        outputs[paired] = exe.run(*x)
+        result = compare(outputs[paired], art.sample_outputs, rtol=1e-3, atol=1e-4)
+        assert result.passed, result.describe()
+    torch.testing.assert_close(outputs[False][0], outputs[True][0], rtol=1e-4, atol=1e-5)

@@ -19,6 +19,13 @@ back, one launch more per block; torch.compile fuses the two (its `..._mean_silu
 - each program writes its channels' sum, scaled, into the mean's buffer, or where the positions
   are split into a float32 scratch that SPATIAL_MEAN's second launch sums in a fixed order.
 
+A depthwise convolution that the depthwise kernel runs (`depthwise_conv.fits`) is not paired:
+that kernel computes the convolution and its body in one pass and the mean then runs apart, which
+reads the map once less than cuDNN's convolution followed by this kernel, and builds no cuDNN plan
+at load. cuDNN builds its plan for each depthwise shape once per process, about 53 ms on the H200
+(2.8 s of efficientnet_b0's warm load, whose 16 squeeze-and-excitation blocks each start with
+one). The `depthwise_mean_pairs` setting pairs them as before, for comparisons.
+
 The mean is that of the values as stored, summed as SPATIAL_MEAN sums them over the same parts:
 in a fixed order, so every run gives the same result. Where the whole body runs as one cuDNN
 kernel, or the tensors do not fit (see `run`), the two ops run apart.
@@ -32,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, generated, reductions
+from . import codegen, depthwise_conv, generated, reductions
+from ..base import settings
 from .fused import FusedKernel
 
 
@@ -54,6 +62,9 @@ def run(kernel: FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -> torch.
     op is to run as it would alone."""
     if not (out.is_cuda and mean.out.is_cuda and out.dim() == 4 and out.dtype in generated.FLOAT_KINDS):
         return None
+    operands, conv = kernel.operands(body)
+    if conv is not None and not settings.current().depthwise_mean_pairs and depthwise_conv.fits(conv, out):
+        return None  # the depthwise kernel computes the convolution with its body; the mean runs apart
     whole = kernel.whole_on_cudnn(body, out)  # nothing runs where it returns None
     if whole is not None:
         return whole
@@ -61,7 +72,6 @@ def run(kernel: FusedKernel, body, out: torch.Tensor, mean: MeanAfter) -> torch.
     launches = reductions.mean_launches(out, mean.out, sms, reductions.FUSED_MEAN_STEPS)
     if not launches:  # a layout no stride walks, or nothing to sum
         return None
-    operands, conv = kernel.operands(body)
     key = ("mean", tuple(out.shape), tuple(out.stride()), out.dtype, tuple(mean.out.shape),
            tuple(mean.out.stride()), mean.store, codegen.layouts(*operands))
     if kernel.declined(key) or not kernel.lead(conv, out):
