@@ -40,7 +40,7 @@ class Settings:
     bare_convolution_graphs: bool = True  # a generated body's convolution as a cuDNN graph where one was chosen
     # load-time pairs (`runtime/pairs/`)
     mean_pairs: bool = True
-    depthwise_mean_pairs: bool = False  # a depthwise-led op's mean too (its convolution then on cuDNN)
+    depthwise_mean_pairs: bool = True  # a depthwise-led op's mean too (False: the depthwise kernel, the mean apart)
     product_pairs: bool = True
     scatter_pairs: bool = True
     prologue_pairs: bool = True
