@@ -65,7 +65,7 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
                                                "stages": {k: round(v, 3) for k, v in p.stages.items()}},
             "built_at_first_launch": exe.stats.kernels_generated,
             "compiled_at_launch": generated.STATS.compiled,
-            "recalled": exe.stats.kernel_binaries_recalled, "plans_ahead": exe.stats.convolution_plans_ahead,
+            "recalled": exe.stats.kernel_binaries_recalled,
             "choice": exe.stats.choice, "tuning": exe.stats.tuning, "tuning_ms": exe.stats.tuning_ms}
 
 

@@ -163,7 +163,6 @@ def bench_command(
             "kernels": {"per_inference": kernels, "generated": stats.kernels_generated,
                         "source_cache_hits": stats.kernel_source_hits,
                         "binaries_recalled": stats.kernel_binaries_recalled,
-                        "cudnn_convolution_plans_ahead": stats.convolution_plans_ahead,
                         "interpreted_fused_ops": stats.kernel_fallbacks,
                         "before_load": None if stats.prebuilt is None else stats.prebuilt.document()},
             "batch": exe.artifact.batch, "batch_sizes": per_batch,

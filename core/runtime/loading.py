@@ -29,7 +29,7 @@ from .base.settings import current as current_settings
 from .assemble import buffers, capture, inputs, lower
 from .assemble.choice import Choice, channels_last_values, every_choice
 from .assemble.order import IssueOrder, issue_order
-from .kernels import conv_plans, cudnn_graph, generated
+from .kernels import cudnn_graph, generated
 from .kernels.fused import FusedKernel
 from .kernels.binaries import STATS as BINARIES
 from .pairs import prologue_pairs, taken
@@ -54,7 +54,6 @@ class LoadStats:
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_binaries_recalled: int = 0  # kernels launched from the binary of an earlier process, without Triton
     kernel_fallbacks: list[str] = field(default_factory=list)  # fused ops interpreted op by op instead
-    convolution_plans_ahead: int = 0  # cuDNN convolution plans built side by side before the warm-up (`conv_plans`)
     prebuilt: prebuild.Prebuilt | None = None  # CUDA: the kernels found before the first op ran, and where from
     footprint: footprint.Footprint | None = None  # CUDA: what the load holds on the GPU, by kind
 
@@ -248,24 +247,14 @@ class Loading:
         if self._single_stream or not self._with_arena:  # the baselines of `nimble bench`
             options = [Choice()]
 
-        convolutions = {}  # each candidate built: the convolutions its warm-up ran on cuDNN (`conv_plans`)
-
-        def build(candidate, dump=None):
-            with conv_plans.recording() as seen:
-                self._build(candidate, dump)
-            convolutions[candidate] = seen
+        def build(candidate):
+            self._build(candidate)
             return self._cuda_graph.replay
 
         found = search(self.artifact, self.device, options, tune, forced, self.settings, build, self.pools,
                        self._stages.stage("tuning"))
-        plans_key = f"{tuning.cache_key(self.artifact, self.device, self.settings)}|{found.choice.describe()}"
         if not found.built or graph_dump:
-            if found.choice not in convolutions:  # built by no earlier load of this process: its plans may be
-                with self._stages.stage("warmup"):  # recorded, and then built side by side first
-                    self.stats.convolution_plans_ahead = conv_plans.prewarm(conv_plans.recorded(plans_key) or [],
-                                                                            self.device)
-            build(found.choice, graph_dump)
-        conv_plans.store(plans_key, convolutions[found.choice])
+            self._build(found.choice, graph_dump)
         self.choice = found.choice
         self.stats.choice, self.stats.tuning, self.stats.tuning_ms = found.choice.describe(), found.how, found.timed
         self.stats.tuning_pool_bytes = found.held

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from . import conv_plans
-
 
 def conv_shape(p: dict) -> tuple[int, ...]:
     """The shape a 2-D convolution with these arguments computes."""
@@ -49,8 +47,6 @@ def conv_into(p: dict, out: torch.Tensor, with_bias: bool = False) -> torch.Tens
     if not (out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last)):
         backend = None  # computed and copied
     if backend == torch._C._ConvBackend.Cudnn:
-        conv_plans.note(x, w, out, padding, stride, dilation, p["groups"], torch.backends.cudnn.benchmark,
-                        torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32)
         torch.ops.aten.cudnn_convolution.out(x, w, padding, stride, dilation, p["groups"],
                                              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
                                              torch.backends.cudnn.allow_tf32, out=out)

@@ -20,11 +20,12 @@ back, one launch more per block; torch.compile fuses the two (its `..._mean_silu
   are split into a float32 scratch that SPATIAL_MEAN's second launch sums in a fixed order.
 
 With the `depthwise_mean_pairs` setting off, a depthwise convolution that the depthwise kernel
-runs (`depthwise_conv.fits`) is not paired: that kernel computes the convolution with its body and
-the mean runs apart. That builds no cuDNN plan at load (cuDNN's plan for each depthwise shape
-takes about 53 ms on the H200 the first time in a process; `conv_plans` builds them side by side
-in a warm load), but on the H200 efficientnet_b0 ran 11 % slower GPU-bound at batch 1 (0.382
-against 0.345 ms) and the same at batch 8 (0.644 against 0.641 ms), so the pairs stay on.
+runs (`depthwise_conv.fits`) is not paired: that kernel computes the convolution with its body
+and the mean runs apart. That builds no cuDNN plan at load: cuDNN's plan for each depthwise shape
+takes about 53 ms on the H200 the first time in each process, and efficientnet_b0's warm load
+falls from 3.6 to 0.8 s. But efficientnet_b0 then ran 11 % slower GPU-bound at batch 1 (0.382
+against 0.345 ms on the H200) and the same at batch 8 (0.644 against 0.641 ms), so the pairs
+stay on by default.
 
 The mean is that of the values as stored, summed as SPATIAL_MEAN sums them over the same parts:
 in a fixed order, so every run gives the same result. Where the whole body runs as one cuDNN
