@@ -106,7 +106,10 @@ def fresh(args: list[str], caches: dict, timeout: int = 560) -> dict:
     r = subprocess.run([sys.executable, "-X", "faulthandler", str(HERE), *args], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        return {"error": (r.stderr or r.stdout)[-600:], "exit": r.returncode, "process_s": round(time.perf_counter() - t, 2)}
+        text = r.stderr or r.stdout
+        fatal = text.find("Fatal Python error")  # a crash: faulthandler's stack, not its module list, says where
+        return {"error": text[fatal:fatal + 2000] if fatal >= 0 else text[-600:], "exit": r.returncode,
+                "process_s": round(time.perf_counter() - t, 2)}
     got = json.loads(lines[-1][7:])
     got["process_s"] = round(time.perf_counter() - t, 2)
     got["stderr"] = [ln for ln in r.stderr.splitlines() if ln.startswith("nimble:")][:5]
