@@ -48,12 +48,13 @@ least `memory_worth` less in its graph pool (the workspaces and temporaries of i
 the one that holds least (`pick`). Benchmarked algorithms count as fastest only where they take at
 most `benchmark_slower` (a setting, 0.98) times the time of the best other candidate. Every other
 choice costs nothing once it is cached, but torch keeps no record of cuDNN's search across
-processes: each process that loads searches every convolution's algorithms again (about 70 ms a
-convolution on the H200: 3.9 s of efficientnet_b0's 4.9 s warm load). On the peers suite they
-gained 0 to 0.9 % (`peers_final_*.json`, H100), within the timing's noise.
+processes: each process that loads searches every convolution's algorithms again (on the H200,
+resnet50's warm load took 2.6 s with them and 1.2 s without, efficientnet_b0's 5.2 and 3.6 s:
+`benchmarks/results/cold_start_2026-11-29.md`). On the peers suite they gained 0 to 0.9 %
+(`peers_final_*.json`, H100), within the timing's noise.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
-GPU and the torch version, like TensorRT's timing cache. `--tune off` takes the defaults without
+GPU, the torch version and the search's version, like TensorRT's timing cache. `--tune off` takes the defaults without
 timing, `cached` (the default) times only on a cache miss, and `full` always times and rewrites
 the entry.
 """
@@ -132,7 +133,8 @@ SEARCH = 2  # the search's version, in every key: an entry from an older search 
 
 
 def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> str:
-    """The artifact's content hash, the GPU, the torch version and the settings (where not the defaults)."""
+    """The artifact's content hash, the GPU, the torch version, the search's version (`SEARCH`) and
+    the settings (where not the defaults)."""
     members = artifact.manifest.get("members") or {}
     if members:
         digest = hashlib.sha256(json.dumps(members, sort_keys=True).encode()).hexdigest()
