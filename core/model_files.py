@@ -38,6 +38,29 @@ def check_model_file(path: str | os.PathLike) -> None:
                              "bench, or look inside with nimble inspect; compile takes the model itself")
 
 
+MAX_REPOSITORY = 256  # artifacts one folder may hold for `nimble serve`
+
+
+def repository(paths: list[Path]) -> list[Path]:
+    """`nimble serve`'s artifacts: each path as given, or, for a folder (a model repository), the
+    `.nimble` files directly inside it in name order (no subfolders, no other files). A folder
+    with none, or with more than MAX_REPOSITORY, is refused in one line."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            found.append(path)
+            continue
+        inside = sorted(p for p in path.iterdir() if p.name.endswith(".nimble") and p.is_file())
+        if not inside:
+            raise ArtifactError(f"{path} is a folder with no .nimble artifacts in it; put the artifacts nimble compile "
+                                "wrote there, or pass them one by one")
+        if len(inside) > MAX_REPOSITORY:
+            raise ArtifactError(f"{path} holds {len(inside)} artifacts, over the {MAX_REPOSITORY} one server takes; "
+                                "split them over several servers")
+        found += inside
+    return found
+
+
 def check_artifact_file(path: str | os.PathLike) -> None:
     """Refuse a missing artifact or a folder, in one line."""
     path = Path(path)

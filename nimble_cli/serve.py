@@ -10,9 +10,11 @@ from .common import DebugOption, DeviceOption, TuneOption, check_pack, console, 
 
 
 def serve_command(
-    artifacts: list[Path] = typer.Argument(..., metavar="ARTIFACT...", help="One or more .nimble artifacts; each "
-                                           "is served as the model named by its file name (resnet50.nimble: "
-                                           "/v2/models/resnet50)."),
+    artifacts: list[Path] = typer.Argument(..., metavar="ARTIFACT|FOLDER...", help="One or more .nimble artifacts, "
+                                           "or folders of them (a model repository: every .nimble file directly "
+                                           "inside); each is served as the model named by its file name "
+                                           "(resnet50.nimble: /v2/models/resnet50), with a queue and batcher of "
+                                           "its own."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface). HAProxy's "
                              "stats and metrics stay on 127.0.0.1; Ray's own services and its metrics port listen on "
                              "every interface (Ray binds them so): firewall them on a shared network."),
@@ -24,7 +26,8 @@ def serve_command(
                                    "for others to batch with, up to the artifact's largest batch size "
                                    "(compile --batch-sizes)."),
     max_queue: int = typer.Option(256, "--max-queue", metavar="N", help="Requests that may wait per model "
-                                  "beyond those the replicas hold; more are answered 503 at once."),
+                                  "beyond those the replicas hold; more are answered 503 at once, with "
+                                  "Retry-After: 1."),
     max_ongoing: int = typer.Option(0, "--max-ongoing", metavar="N", help="Requests one replica holds at once "
                                     "(being batched or run); 0: twice the largest batch size, at least 16."),
     max_body: int = typer.Option(64 * 2**20, "--max-body", metavar="BYTES", help="Largest request body; a larger "
@@ -66,13 +69,19 @@ def serve_command(
     flight finish first. Needs the serve extra: pip install 'nimble-gpu[serve]'.
 
     Examples: nimble compile resnet50.pt -s 1x3x224x224 --batch-sizes 1,2,4,8,16, then
-    nimble serve resnet50.nimble; curl localhost:8000/v2/models/resnet50.
+    nimble serve resnet50.nimble; curl localhost:8000/v2/models/resnet50. A folder of
+    artifacts: nimble serve models/; curl -X POST localhost:8000/v2/repository/index lists them.
     """
     with user_errors(debug):
         from nimble.errors import UsageError
-        from nimble.model_files import check_artifact_file
+        from nimble.model_files import check_artifact_file, repository
 
         early_checks(device=device, tune=tune)
+        if kernels and any(p.is_dir() for p in artifacts):
+            raise UsageError("--kernels names a pack per artifact, which a folder's artifacts cannot be matched to; "
+                             "pass the artifacts one by one, or put each one's signed pack beside it "
+                             "(MODEL.nimble.kernels, nimble compile --gpu-arch --sign-with)")
+        artifacts = repository(artifacts)
         for p in artifacts:
             check_artifact_file(p)
         if kernels and len(kernels) != len(artifacts):

@@ -7,7 +7,8 @@ none, runs on the CPU. A request that finds its replica idle runs at once; the o
 by Ray Serve's `serve.batch`, counted in rows, up to the artifact's largest batch size or until
 `delay` passes. A replica takes at most
 `max_ongoing` requests at once; beyond them up to `max_queue` wait in Ray's queue, and the rest are
-answered 503 at once. Ray replaces a replica that dies; the requests it held get errors.
+answered 503 at once, with Retry-After (`lifecycle.backpressure`). Ray replaces a replica that
+dies; the requests it held get errors.
 
 Routes (the KServe v2 protocol, and Triton's statistics extension):
     GET  /v2                           server metadata
@@ -16,6 +17,8 @@ Routes (the KServe v2 protocol, and Triton's statistics extension):
     GET  /v2/models/<name>[/versions/1]/ready     200 when a replica has loaded it
     POST /v2/models/<name>[/versions/1]/infer     inference (JSON, and the binary data extension)
     GET  /v2/models/<name>[/versions/1]/stats     the answering replica's statistics
+    POST /v2/repository/index          the models and their states (the repository extension)
+    POST /v2/repository/models/<name>/load, /unload   400: this server's models are fixed at start
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def _unavailable() -> Response:
                     status_code=503, media_type="application/json", headers={"Retry-After": "1"})
 
 
+INDEX_BODY = 4096  # a repository index request's body: {} or {"ready": true}
 DRAIN_BYTES = 2**30  # a refused body is read and dropped up to this, so that the client reads the 413
 BODY_SECONDS_PER_MIB = 2.0  # a body's deadline: --body-timeout, plus this per MiB it declares ...
 BODY_SECONDS_CAP = 60.0  # ... and never more than this
@@ -238,10 +242,58 @@ class Server:
             return _unavailable()
         if path in ("", "/v2") and request.method == "GET":
             return _json({"name": "nimble", "version": __version__, "extensions": ["binary_tensor_data",
-                                                                                    "statistics"]})
+                                                                                    "statistics", "model_repository"]})
         if path in ("/health/live", "/health/ready"):
             return _json({})
+        if path.startswith("/repository/"):
+            return await self._repository(request, path)
         if path.startswith("/models/"):
             name = path.split("/")[2]
             return _error(404, f"unknown model '{name[:100]}'; this server has {', '.join(self.models)}")
         return _error(404, f"no route {request.url.path[:200]}")
+
+    async def _repository(self, request: Request, path: str) -> Response:
+        """The repository extension: the index of the models with their states; load and unload
+        are refused, since the models are the ones `nimble serve` was started with."""
+        if request.method != "POST":
+            return _error(405, f"{request.url.path[:200]} takes POST")
+        try:
+            body = await _body_within(request, INDEX_BODY, 5.0)
+            doc = json.loads(body) if body.strip() else {}
+        except ProtocolError as e:
+            return _error(e.status, str(e))
+        except ValueError:
+            return _error(400, "the request body is not JSON; send {} or {\"ready\": true}")
+        if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
+            return _error(400, "the request body must be a JSON object whose \"ready\", if given, is true or false")
+        if path == "/repository/index":
+            return _json(self._index(doc.get("ready", False)))
+        action = re.fullmatch(r"/repository/models/([^/]+)/(load|unload)", path)
+        if action is None:
+            return _error(404, f"no route {request.url.path[:200]}; the repository routes are POST "
+                          "/v2/repository/index and /v2/repository/models/<name>/load or /unload")
+        name, verb = action.groups()
+        known = "" if name in self.models else f"there is no model '{name[:100]}', and "
+        return _error(400, f"{known}this server's models are fixed when it starts ({', '.join(self.models)}), so it "
+                      f"does not {verb} models; start nimble serve again with the artifacts (or folder) you want")
+
+    def _index(self, ready_only: bool) -> list[dict]:
+        """Each model with its state: READY where its application runs, else LOADING or UNAVAILABLE
+        (with Ray Serve's reason); `ready_only` keeps the READY ones."""
+        try:
+            apps = serve.status().applications
+        except Exception as e:  # the controller did not answer: say so per model rather than guess
+            apps, why = {}, f"Ray Serve's status is unavailable ({type(e).__name__})"
+        else:
+            why = "not deployed"
+        rows = []
+        for name in self.models:
+            app = apps.get(name)
+            status = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
+            state = {"RUNNING": "READY", "DEPLOYING": "LOADING", "NOT_STARTED": "LOADING"}.get(status, "UNAVAILABLE")
+            row = {"name": name, "version": "1", "state": state}
+            if state == "UNAVAILABLE":
+                row["reason"] = (getattr(app, "message", "") or status.lower() or why)[:200]
+            if state == "READY" or not ready_only:
+                rows.append(row)
+        return rows

@@ -131,6 +131,7 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
                 ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
                 max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
                 max_queued_requests=options.max_queue,
+                **backpressure(),
             ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads,
                    str(options.folder), options.body_timeout_s, packs.get(name))
             serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
@@ -143,6 +144,19 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
             "replicas": replicas, "device": device,
             "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics",
             "replicas_total": replicas * len(names)}
+
+
+RETRY_AFTER_S = 1  # what a 503 past the queue bound tells the client to wait
+
+
+def backpressure() -> dict:
+    """Deployment options that make Ray Serve's 503 past `max_queued_requests` say Retry-After
+    (its `BackpressureConfig`, Ray 2.60 on); none on a Ray without it, whose 503 then says nothing."""
+    try:
+        from ray.serve.config import BackpressureConfig
+    except ImportError:
+        return {}
+    return {"backpressure_config": BackpressureConfig(retry_after_s=RETRY_AFTER_S)}
 
 
 def start_failure(e: BaseException, options: Options) -> str:

@@ -61,8 +61,8 @@ def server(artifacts, tmp_path_factory):
     port, metrics = free_port(), free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([NIMBLE, "serve", str(artifacts / "resnet.nimble"),
-                                 str(artifacts / "bert.nimble"), "--port", str(port), "--metrics-port", str(metrics),
+        proc = subprocess.Popen([NIMBLE, "serve", str(artifacts),  # a model repository: the folder's two artifacts
+                                 "--port", str(port), "--metrics-port", str(metrics),
                                  "--max-batch-delay-ms", "50", "--max-ongoing", "4", "--max-queue", "2",
                                  "--max-body", str(MAX_BODY), "--device", "cpu"],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -213,6 +213,36 @@ def test_bad_input_gets_a_4xx_json_error_and_nothing_else_is_affected(server, ca
     assert good.shape == (1, 10)
 
 
+def test_a_folder_is_a_model_repository_whose_index_lists_its_models(server):
+    """The server was started on a folder: each artifact in it is a model, and the repository
+    extension's index says so; load and unload are refused in one line, since the models are the
+    ones the server started with."""
+    from tritonclient.utils import InferenceServerException
+
+    c = client(server)
+    assert "model_repository" in c.get_server_metadata()["extensions"]
+    index = c.get_model_repository_index()
+    assert index == [{"name": "bert", "version": "1", "state": "READY"},
+                     {"name": "resnet", "version": "1", "state": "READY"}], index
+    code, doc = post(server, "/v2/repository/index", json.dumps({"ready": True}).encode())
+    assert code == 200 and [m["name"] for m in doc] == ["bert", "resnet"]
+    for verb in ("load", "unload"):
+        with pytest.raises(InferenceServerException, match="fixed when it starts"):
+            getattr(c, f"{verb}_model")("resnet")
+    assert c.is_model_ready("resnet")  # an unload refused leaves the model serving
+    for body, says in ((b"not json", "not JSON"), (b'{"ready": "yes"}', "true or false"), (b"[1]", "JSON object")):
+        code, doc = post(server, "/v2/repository/index", body)
+        assert code == 400 and says in doc["error"], (code, doc)
+    code, doc = post(server, "/v2/repository/models/nope/load", b"{}")
+    assert code == 400 and "no model 'nope'" in doc["error"]
+    code, doc = post(server, "/v2/repository/elsewhere", b"{}")
+    assert code == 404 and "/v2/repository/index" in doc["error"]
+    request = urllib.request.Request(f"http://127.0.0.1:{server[1]}/v2/repository/index")
+    with pytest.raises(urllib.error.HTTPError) as got:
+        urllib.request.urlopen(request, timeout=30)
+    assert got.value.code == 405
+
+
 def test_overload_answers_503_and_every_request_gets_an_answer(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -224,13 +254,14 @@ def test_overload_answers_503_and_every_request_gets_an_answer(server):
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
                 r.read()
-                return r.status
+                return r.status, None
         except urllib.error.HTTPError as e:
-            return e.code
+            return e.code, e.headers.get("Retry-After")
 
     with ThreadPoolExecutor(64) as pool:  # 64 at once against 4 held and 2 queued
-        codes = list(pool.map(one, range(64)))
-    assert set(codes) == {200, 503} and len(codes) == 64, codes
+        got = list(pool.map(one, range(64)))
+    assert {code for code, _ in got} == {200, 503} and len(got) == 64, got
+    assert {after for code, after in got if code == 503} == {"1"}, got  # every refusal says when to come back
 
 
 def _listeners_of(pids: set[int]) -> set[tuple[str, int]]:

@@ -1,0 +1,58 @@
+"""`nimble serve FOLDER`: a folder is a model repository, its `.nimble` files the models; what
+does not fit is one line before Ray starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nimble.errors import ArtifactError
+from nimble.model_files import MAX_REPOSITORY, repository
+
+NIMBLE = str(Path(sys.executable).parent / "nimble")
+
+
+def test_a_folder_gives_its_artifacts_in_name_order_and_nothing_else(tmp_path):
+    models = tmp_path / "models"
+    (models / "deeper").mkdir(parents=True)
+    for name in ("resnet.nimble", "bert.nimble", "notes.txt", "bert.nimble.kernels", "deeper/vit.nimble"):
+        (models / name).write_bytes(b"x")
+    (models / "folder.nimble").mkdir()  # a folder named like an artifact is not one
+    single = tmp_path / "gpt2.nimble"
+    single.write_bytes(b"x")
+    assert repository([models, single]) == [models / "bert.nimble", models / "resnet.nimble", single]
+    assert repository([single]) == [single]  # a file stays as given, checked later as before
+
+
+def test_a_folder_with_no_artifacts_or_too_many_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArtifactError, match="no .nimble artifacts in it"):
+        repository([tmp_path / "empty"])
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for i in range(MAX_REPOSITORY + 1):
+        (crowded / f"m{i}.nimble").write_bytes(b"")
+    with pytest.raises(ArtifactError, match=f"over the {MAX_REPOSITORY} one server takes"):
+        repository([crowded])
+
+
+@pytest.mark.parametrize("case", ["empty folder", "folder with --kernels", "same name twice"])
+def test_serve_refuses_a_repository_it_cannot_serve_in_one_line_before_ray(tmp_path, case):
+    models = tmp_path / "models"
+    models.mkdir()
+    args = [str(models)]
+    if case != "empty folder":
+        (models / "resnet.nimble").write_bytes(b"x")
+    if case == "folder with --kernels":
+        (tmp_path / "p.kernels").write_bytes(b"x")
+        args += ["--kernels", str(tmp_path / "p.kernels")]
+    if case == "same name twice":
+        (tmp_path / "resnet.nimble").write_bytes(b"x")
+        args += [str(tmp_path / "resnet.nimble")]
+    done = subprocess.run([NIMBLE, "serve", *args, "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    says = {"empty folder": "no .nimble artifacts in it", "folder with --kernels": "cannot be matched to",
+            "same name twice": "would both be model 'resnet'"}[case]
+    assert done.returncode != 0 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "starting Ray" not in done.stderr
+    assert len([ln for ln in done.stderr.splitlines() if ln.strip()]) == 1, done.stderr
