@@ -12,6 +12,12 @@
   drips in never takes a replica's slot), an idle client cut after `CLIENT_TIMEOUT_S`.
 - The drain: a flag file in the folder that every replica reads (`draining`), and the file each
   replica keeps there while it holds no request (`idle_marker`).
+- No reuse of HAProxy's connections to the replicas (`http-reuse never`; Ray writes `always`). A
+  request sent on a reused connection to a replica that then dies is closed without an answer,
+  which HAProxy does so that a browser retries: a client of this server saw "remote end closed
+  connection without response" for the requests in flight when a replica was killed
+  (`tests/serve/test_server.py`). On a fresh connection the same failure is HAProxy's 502, which
+  Ray's config answers as 500. The price is one loopback connect per request.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ def haproxy_environment(folder: Path, real_binary: str) -> dict[str, str]:
         # the headers, and the body's first buffer (16 KiB), must arrive within HEADER_TIMEOUT_S before
         # HAProxy hands the request to a replica: a slow body holds no replica's slot
         rf"s/^\(\s*\)timeout client \(.*\)$/&\n\1timeout http-request {HEADER_TIMEOUT_S}s\n\1option http-buffer-request/",
+        r"s/^\(\s*\)http-reuse always\s*$/\1http-reuse never/",  # every request answered (module docstring)
     ]
     script = "\n".join([
         "#!/bin/sh",

@@ -352,6 +352,64 @@ def test_an_output_named_twice_is_a_400(server):
     assert code == 400 and "asked for twice" in answer["error"]
 
 
+def _replicas_of(model: str) -> set[int]:
+    """The pids of this user's Ray Serve replica processes of `model` (Ray titles them
+    `ray::ServeReplica:<app>:<deployment>`)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == os.getuid() \
+                    and f"ServeReplica:{model}:".encode() in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_replica_killed_under_load_leaves_no_request_unanswered_and_is_replaced(server):
+    """Clients keep sending while the model's only replica is killed outright: every request gets an
+    answer (its result, or an error status from the ingress), none hangs or is cut off; Ray starts
+    another replica, and the model serves again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body, headers = binary_request("x", [1, 3, 64, 64], "FP32", image(1, seed=5).tobytes())
+    url = f"http://127.0.0.1:{server[1]}/v2/models/resnet/infer"
+    before = _replicas_of("resnet")
+    assert len(before) == 1, before
+    until = time.time() + 4.0
+
+    def keep_sending(_) -> list[int]:
+        codes = []
+        while time.time() < until:
+            request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            try:  # anything but an answer (a reset connection, a timeout) raises, and fails the test
+                with urllib.request.urlopen(request, timeout=60) as r:
+                    r.read()
+                    codes.append(r.status)
+            except urllib.error.HTTPError as e:
+                codes.append(e.code)
+        return codes
+
+    with ThreadPoolExecutor(6) as pool:
+        sending = [pool.submit(keep_sending, i) for i in range(6)]
+        time.sleep(1.0)
+        os.kill(next(iter(before)), signal.SIGKILL)
+        codes = [c for f in sending for c in f.result()]
+    assert 200 in codes and set(codes) <= {200, 500, 502, 503, 504}, sorted(set(codes))
+    deadline = time.time() + 180
+    while True:  # Ray replaces the replica, which loads the artifact again
+        try:
+            got = client(server).infer("resnet", [infer_input(image(1))]).as_numpy("output")
+            break
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1.0)
+    assert got.shape == (1, 10)
+    after = _replicas_of("resnet")
+    assert after and not after & before, (before, after)
+
+
 def test_sigterm_drains_then_leaves_nothing_behind(server):
     """Under load from clients that honour Retry-After: every request gets 200, or 503 with
     Retry-After once the stop began, or (after the ingress closed) a refused connection; never a
