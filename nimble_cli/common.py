@@ -30,6 +30,14 @@ def literal(text) -> str:
                                    else f"\\u{ord(m.group()):04x}", str(text)))
 
 
+def interrupt(json_out: bool) -> typer.Exit:
+    """The end of an interrupted command: one line, and exit status 130."""
+    console.print("interrupted")
+    if json_out:
+        print_json(error_document("Interrupted", "interrupted", 130))
+    return typer.Exit(130)
+
+
 @contextlib.contextmanager
 def user_errors(debug: bool, json_out: bool = False):
     """Turn a NimbleError into one line on stderr and its exit code; anything else into one
@@ -55,15 +63,16 @@ def user_errors(debug: bool, json_out: bool = False):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         raise fail("OSError", f"{e.strerror or str(e)}{where}", 1) from None
     except KeyboardInterrupt:
-        console.print("interrupted")
-        if json_out:
-            print_json(error_document("Interrupted", "interrupted", 130))
-        raise typer.Exit(130) from None
+        raise interrupt(json_out) from None
     except (typer.Exit, typer.Abort):
         raise
     except Exception as e:  # a bug in nimble: still one line, unless --debug
         if debug:
             traceback.print_exc()
+        from .entry import interrupted
+
+        if interrupted:  # the signal broke what failed here (an import it cut short, say): it is the interrupt
+            raise interrupt(json_out) from None
         raise fail("InternalError", f"{type(e).__name__}: {first_line(e)} (rerun with --debug for the traceback, "
                    "and please report it)", 1, "internal error") from None
 

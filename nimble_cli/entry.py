@@ -3,14 +3,23 @@
 line."""
 
 
+interrupted = False  # a SIGINT or SIGTERM arrived: what fails after it is the interrupt's doing
+
+
 def main() -> None:
     import signal
     import sys
 
     def terminate(signum, frame):  # SIGTERM ends the command the way Ctrl-C does
+        global interrupted
+        interrupted = True
         raise KeyboardInterrupt
 
     try:
+        # both raise KeyboardInterrupt, as Python's own SIGINT handler does, and are remembered: an
+        # interrupt that lands inside an import can leave a C extension half loaded, and whatever
+        # imports it next fails with an ImportError that is not the command's fault
+        signal.signal(signal.SIGINT, terminate)
         signal.signal(signal.SIGTERM, terminate)
         from .main import app
 

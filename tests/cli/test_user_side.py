@@ -314,3 +314,25 @@ def test_artifact_bytes_do_not_depend_on_the_thread_count(tmp_path):
         assert proc.returncode == 0, proc.stderr
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_what_fails_after_an_interrupt_is_the_interrupt(monkeypatch):
+    """An interrupt that lands inside an import can leave a C extension half loaded; the next
+    import of it fails ('cannot load module more than once per process', seen once in a fresh
+    venv). After a SIGINT or SIGTERM such a failure ends the command as interrupted (130), not
+    as an internal error; without one, it is still reported as nimble's fault."""
+    import typer
+
+    from nimble.cli import common, entry
+
+    def failing():
+        with common.user_errors(False):
+            raise ImportError("cannot load module more than once per process")
+
+    with pytest.raises(typer.Exit) as ended:
+        failing()
+    assert ended.value.exit_code == 1
+    monkeypatch.setattr(entry, "interrupted", True)
+    with pytest.raises(typer.Exit) as ended:
+        failing()
+    assert ended.value.exit_code == 130
