@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import interrupts
+
 # Human-readable output goes to stderr (rich honours NO_COLOR); stdout is for --json alone. When
 # stderr is not a terminal (a CI log, a pipe), each message stays on one line, so grep finds it.
 console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
@@ -69,9 +71,7 @@ def user_errors(debug: bool, json_out: bool = False):
     except Exception as e:  # a bug in nimble: still one line, unless --debug
         if debug:
             traceback.print_exc()
-        from .entry import interrupted
-
-        if interrupted:  # the signal broke what failed here (an import it cut short, say): it is the interrupt
+        if interrupts.interrupted:  # the signal broke what failed here (an import it cut short, say): it is the interrupt
             raise interrupt(json_out) from None
         raise fail("InternalError", f"{type(e).__name__}: {first_line(e)} (rerun with --debug for the traceback, "
                    "and please report it)", 1, "internal error") from None

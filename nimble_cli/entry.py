@@ -2,8 +2,7 @@
 (main.py) only inside `main`, so that an interrupt that arrives while they load still ends in one
 line."""
 
-
-interrupted = False  # a SIGINT or SIGTERM arrived: what fails after it is the interrupt's doing
+from . import interrupts
 
 
 def main() -> None:
@@ -11,8 +10,7 @@ def main() -> None:
     import sys
 
     def terminate(signum, frame):  # SIGTERM ends the command the way Ctrl-C does
-        global interrupted
-        interrupted = True
+        interrupts.interrupted = True
         raise KeyboardInterrupt
 
     try:

@@ -323,7 +323,7 @@ def test_what_fails_after_an_interrupt_is_the_interrupt(monkeypatch):
     as an internal error; without one, it is still reported as nimble's fault."""
     import typer
 
-    from nimble.cli import common, entry
+    from nimble.cli import common, interrupts
 
     def failing():
         with common.user_errors(False):
@@ -332,7 +332,7 @@ def test_what_fails_after_an_interrupt_is_the_interrupt(monkeypatch):
     with pytest.raises(typer.Exit) as ended:
         failing()
     assert ended.value.exit_code == 1
-    monkeypatch.setattr(entry, "interrupted", True)
+    monkeypatch.setattr(interrupts, "interrupted", True)
     with pytest.raises(typer.Exit) as ended:
         failing()
     assert ended.value.exit_code == 130
