@@ -9,7 +9,7 @@ def main() -> None:
     import signal
     import sys
 
-    def terminate(signum, frame):  # SIGTERM ends the command the way Ctrl-C does
+    def terminate(signum, frame):  # SIGINT and SIGTERM alike: a KeyboardInterrupt, remembered
         interrupts.interrupted = True
         raise KeyboardInterrupt
 

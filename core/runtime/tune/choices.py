@@ -34,10 +34,9 @@ fastest:
 Timing is greedy: every layout on the planned streams with cuDNN's fused convolutions and
 heuristic algorithms, then the best of those with benchmarked algorithms, then that split, then
 the best so far on at most `CAP` streams and on one, then that with its GEMM biases separate, then
-that with depthwise prologues. Where cuDNN
-graphs can run (the `cudnn` extra), the split candidate is not timed: each conv-led body has then
-already been timed against its alternative, a graph against the split way or PyTorch's fused
-kernel (`cudnn_graph`). On the H100, with graphs, split was 1.14 to 1.33 times the best
+that with depthwise prologues. Where cuDNN graphs can run (the `cudnn` extra), the split
+candidate is not timed: each conv-led body has then already been timed against its
+alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_graph`). On the H100, with graphs, split was 1.14 to 1.33 times the best
 candidate's time on every peers row that had it (googlenet, inception_v3, resnet50,
 squeezenet1_1, batch 1 and 8: `peers_final_*.json`), and timing it was half of inception_v3's
 cold load (5 s: with benchmark algorithms, each plain convolution first runs cuDNN's search of
@@ -54,9 +53,9 @@ resnet50's warm load took 2.6 s with them and 1.2 s without, efficientnet_b0's 5
 (`peers_final_*.json`, H100), within the timing's noise.
 
 The choice is kept in `tuning.json` in nimble's cache folder, keyed by the artifact's hash, the
-GPU, the torch version and the search's version, like TensorRT's timing cache. `--tune off` takes the defaults without
-timing, `cached` (the default) times only on a cache miss, and `full` always times and rewrites
-the entry.
+GPU, the torch version and the search's version, like TensorRT's timing cache. `--tune off`
+takes the defaults without timing, `cached` (the default) times only on a cache miss, and `full`
+always times and rewrites the entry.
 """
 
 from __future__ import annotations
