@@ -94,14 +94,24 @@ class TorchModel:
         return Response(body, headers=headers)
 
 
+def random_row(rng, shape: list[int], datatype: str) -> bytes:
+    """Random values of a KServe v2 datatype: floats for FP32/FP16, small integers for the rest."""
+    import numpy as np
+
+    if datatype in ("FP32", "FP16"):
+        floats = rng.standard_normal(shape, dtype=np.float32)
+        return floats.astype(np.float16 if datatype == "FP16" else np.float32).tobytes()
+    return rng.integers(0, 100, shape).astype({"INT64": np.int64, "INT32": np.int32}[datatype]).tobytes()
+
+
 def one_row(metadata: dict) -> tuple[bytes, dict]:
-    """A binary KServe v2 request of one row of random floats for a model's metadata."""
+    """A binary KServe v2 request of one row of random values for a model's metadata."""
     import numpy as np
 
     rng, inputs, blobs = np.random.default_rng(0), [], []
     for i in metadata["inputs"]:
         shape = [1 if d == -1 else d for d in i["shape"]]
-        blob = rng.standard_normal(shape, dtype=np.float32).tobytes()
+        blob = random_row(rng, shape, i["datatype"])
         inputs.append({"name": i["name"], "shape": shape, "datatype": i["datatype"],
                        "parameters": {"binary_data_size": len(blob)}})
         blobs.append(blob)
@@ -141,6 +151,56 @@ async def timed(url: str, clients: int, start: float, seconds: float, warmup: fl
     return latencies, errors
 
 
+def one_row_grpc(name: str, metadata: dict) -> bytes:
+    """The serialized gRPC ModelInferRequest of one row of random values (as `one_row`)."""
+    import numpy as np
+
+    from nimble.serve.grpc_protocol import M
+
+    rng, request = np.random.default_rng(0), M["ModelInferRequest"](model_name=name)
+    for i in metadata["inputs"]:
+        shape = [1 if d == -1 else d for d in i["shape"]]
+        request.inputs.add(name=i["name"], datatype=i["datatype"], shape=shape)
+        request.raw_input_contents.append(random_row(rng, shape, i["datatype"]))
+    return request.SerializeToString()
+
+
+async def timed_grpc(target: str, clients: int, start: float, seconds: float, warmup: float, request: bytes,
+                     channels: int = 4) -> tuple[list[float], int]:
+    """`timed` over the KServe v2 gRPC protocol: `clients` closed-loop callers of ModelInfer with
+    the serialized `request`, spread over `channels` HTTP/2 connections to `target` (host:port)."""
+    import grpc
+
+    latencies: list[float] = []
+    errors = 0
+    begin, end = start + warmup, start + warmup + seconds
+    options = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30)]
+    opened = [grpc.aio.insecure_channel(target, options=options) for _ in range(max(1, min(channels, clients)))]
+    calls = [c.unary_unary("/inference.GRPCInferenceService/ModelInfer") for c in opened]  # bytes in, bytes out
+    await asyncio.sleep(max(0.0, start - time.perf_counter()))
+
+    async def client(call):
+        nonlocal errors
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            try:
+                await call(request)
+                ok = True
+            except grpc.aio.AioRpcError:
+                ok = False
+            done = time.perf_counter()
+            if t >= begin and done <= end:
+                if ok:
+                    latencies.append((done - t) * 1e3)
+                else:
+                    errors += 1
+
+    await asyncio.gather(*(client(calls[k % len(calls)]) for k in range(clients)))
+    for c in opened:
+        await c.close()
+    return latencies, errors
+
+
 def load_figures(latencies: list[float], errors: int, clients: int, seconds: float) -> dict:
     """Throughput and latency percentiles of a timed load."""
     latencies = sorted(latencies)
@@ -160,12 +220,14 @@ async def load(url: str, clients: int, seconds: float, warmup: float, request=No
 
 def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: float, request=None) -> dict:
     """`load` with the clients spread over `procs` processes, so that one Python client process does
-    not limit what several replicas can serve; one timed window for all of them."""
+    not limit what several replicas can serve; one timed window for all of them. A `url` without
+    http:// is a gRPC target (host:port), and `request` the serialized ModelInferRequest."""
     import concurrent.futures
     import multiprocessing
 
-    if procs <= 1:
+    if procs <= 1 and url.startswith("http"):
         return asyncio.run(load(url, clients, seconds, warmup, request))
+    procs = max(1, procs)
     shares = [clients // procs + (i < clients % procs) for i in range(procs)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=context) as pool:
@@ -176,7 +238,7 @@ def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: floa
 
 
 def _timed_in_process(job: tuple) -> tuple[list[float], int]:
-    return asyncio.run(timed(*job))
+    return asyncio.run(timed(*job) if job[0].startswith("http") else timed_grpc(*job))
 
 
 def calls(port: int, variant: str) -> dict:

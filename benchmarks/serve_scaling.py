@@ -9,6 +9,11 @@ sampled through each timed window, shows which GPUs were busy and how many proce
 
     python benchmarks/serve_scaling.py resnet50.nimble --replicas 1 auto --clients 64 --client-procs 4 \
         --device cuda --out benchmarks/results
+
+Several replicas on one GPU, over HTTP and gRPC, at several loads, beside the in-process floor:
+
+    python benchmarks/serve_scaling.py resnet50.nimble --replicas auto --per-gpu 1 4 --protocols http grpc \
+        --clients 1 16 64 256 --client-procs 4 --device cuda --in-process --tag grpc --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 import report
-from serve_load import one_row, spread_load
+from serve_load import one_row, one_row_grpc, spread_load
 
 
 def free_port() -> int:
@@ -85,68 +90,120 @@ def gpu_cell(gpus: list[dict]) -> str:
                      f"{len(g['processes'])} process{'es' if len(g['processes']) != 1 else ''}" for g in gpus)
 
 
+def in_process_latency_ms(artifact: Path, device: str) -> float:
+    """The artifact's median latency at one row, called in this process: copy in, run, synchronize."""
+    import torch
+
+    import nimble
+
+    exe = nimble.load(artifact, device)
+    try:
+        x = [torch.randn(1, *v.spec.shape[1:]).to(getattr(torch, v.spec.dtype)) for v in
+             (exe.graph.values[i] for i in exe.graph.inputs)]
+        times = []
+        for _ in range(300):
+            t = time.perf_counter()
+            exe(*x)  # the outputs come back to the host
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+    finally:
+        exe.close()
+    return sorted(times[50:])[len(times[50:]) // 2]
+
+
+def start_server(nimble: list[str], artifact: Path, replicas: str, per_gpu: int, device: str):
+    """`nimble serve` as a user starts it; (process, HTTP port, gRPC port, replicas started)."""
+    port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen([*nimble, "serve", str(artifact), "--port", str(port), "--grpc-port", str(grpc_port),
+                             "--replicas", str(replicas), "--replicas-per-gpu", str(per_gpu), "--device", device,
+                             "--metrics-port", str(free_port())],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started = None
+    for line in proc.stderr:
+        found = re.search(r"on (\d+) (?:GPU|CPU) replica", line)
+        started = int(found.group(1)) if found else started
+        if "ready at" in line:
+            break
+    else:
+        return None
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # the pipe never fills
+    return proc, port, grpc_port, started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--replicas", nargs="+", default=["1", "2"], help="numbers, or auto (one per GPU)")
-    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--per-gpu", nargs="+", type=int, default=[1], help="--replicas-per-gpu values, each "
+                        "with every --replicas")
+    parser.add_argument("--protocols", nargs="+", default=["http"], choices=["http", "grpc"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[16])
     parser.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--warmup", type=float, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--in-process", action="store_true", help="also the artifact's latency at one row, in "
+                        "process (the floor of a served request's)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--tag", default="", help="written as serve_scaling_DEVICE_TAG.md/.json in --out")
     args = parser.parse_args()
     beside = Path(sys.executable).parent / "nimble"
     nimble = [str(beside)] if beside.exists() else [sys.executable, "-c", "from nimble.cli.entry import main; main()"]
     name = args.artifact.name.removesuffix(".nimble")
     watch_gpus = args.device != "cpu" and shutil.which("nvidia-smi") is not None
+    floor = in_process_latency_ms(args.artifact, args.device) if args.in_process else None
+    if floor is not None:
+        print(json.dumps({"in_process_latency_ms_b1": floor}), flush=True)
     rows = []
-    for n in args.replicas:
-        port = free_port()
-        proc = subprocess.Popen([*nimble, "serve", str(args.artifact), "--port", str(port), "--replicas", str(n),
-                                 "--device", args.device, "--metrics-port", str(free_port())],
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        started = None
-        for line in proc.stderr:
-            found = re.search(r"on (\d+) (?:GPU|CPU) replica", line)
-            started = int(found.group(1)) if found else started
-            if "ready at" in line:
-                break
-        else:
-            print(f"{n} replicas: nimble serve did not start", file=sys.stderr)
-            return 1
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # the pipe never fills
-        base = f"http://127.0.0.1:{port}/v2/models/{name}"
-        metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
-        watch = GpuWatch() if watch_gpus else None
-        if watch:  # the timed window, about: the client processes start and wait a little first
-            watch.start_after(args.warmup + 2.0)
-        row = spread_load(f"{base}/infer", args.clients, args.client_procs, args.seconds, args.warmup, one_row(metadata))
-        row["replicas_asked"], row["replicas"] = n, started
-        if watch:
-            row["gpus"] = watch.stop()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-        time.sleep(2)
-    base = rows[0]["throughput_per_s"]
+    for per_gpu in args.per_gpu:
+        for n in args.replicas:
+            server = start_server(nimble, args.artifact, n, per_gpu, args.device)
+            if server is None:
+                print(f"--replicas {n} --replicas-per-gpu {per_gpu}: nimble serve did not start", file=sys.stderr)
+                return 1
+            proc, port, grpc_port, started = server
+            base = f"http://127.0.0.1:{port}/v2/models/{name}"
+            metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
+            for protocol in args.protocols:
+                target, request = (f"{base}/infer", one_row(metadata)) if protocol == "http" else \
+                    (f"127.0.0.1:{grpc_port}", one_row_grpc(name, metadata))
+                for clients in args.clients:
+                    watch = GpuWatch() if watch_gpus else None
+                    if watch:  # the timed window, about: the client processes start and wait a little first
+                        watch.start_after(args.warmup + 2.0)
+                    procs = min(args.client_procs, clients)
+                    row = spread_load(target, clients, procs, args.seconds, args.warmup, request)
+                    row |= {"replicas_asked": n, "replicas": started, "per_gpu": per_gpu, "protocol": protocol,
+                            "client_procs": procs}
+                    if watch:
+                        row["gpus"] = watch.stop()
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=120)
+            time.sleep(2)
     machine = f"{platform.node() or 'this machine'} ({os.cpu_count()} CPU cores"
     if watch_gpus:
         names = [n for (n,) in GpuWatch._query("gpu=name")]
         machine += f", {len(names)} x {names[0]}, torch {importlib.metadata.version('torch')}" if names else ""
-    lines = [f"`nimble serve {args.artifact.name} --replicas N --device {args.device}` on {machine}), "
-             f"{time.strftime('%Y-%m-%d')}; {args.clients} closed-loop clients sending one row "
-             f"each ({args.client_procs} client process{'es' if args.client_procs != 1 else ''}), {args.seconds:g} s "
-             f"timed after {args.warmup:g} s. Command: `python benchmarks/serve_scaling.py {' '.join(sys.argv[1:])}`.", "",
-             "| --replicas | replicas started | requests/s | vs first row | p50 ms | p99 ms | errors |"
-             + (" nvidia-smi in the timed window |" if watch_gpus else ""),
-             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
+    lines = [f"`nimble serve {args.artifact.name} --replicas N --replicas-per-gpu K --device {args.device}` on "
+             f"{machine}), {time.strftime('%Y-%m-%d')}; closed-loop clients sending one row each over HTTP (binary "
+             f"KServe v2) or gRPC (ModelInfer, raw contents), spread over up to {args.client_procs} client "
+             f"process(es) on the same machine, {args.seconds:g} s timed after {args.warmup:g} s. Command: "
+             f"`python benchmarks/serve_scaling.py {' '.join(sys.argv[1:])}`."]
+    if floor is not None:
+        lines.append(f"In-process latency of the artifact at one row (copy in, run, synchronize; median): {floor:.3f} ms.")
+    lines += ["", "| --replicas | per GPU | replicas started | protocol | clients | requests/s | p50 ms | p99 ms | errors |"
+              + (" nvidia-smi in the timed window |" if watch_gpus else ""),
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
     for r in rows:
-        lines.append(f"| {r['replicas_asked']} | {r['replicas']} | {r['throughput_per_s']:.1f} | "
-                     f"{r['throughput_per_s'] / base:.2f}x | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |"
+        cells = " | ".join(f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("p50_ms", "p99_ms"))
+        lines.append(f"| {r['replicas_asked']} | {r['per_gpu']} | {r['replicas']} | {r['protocol']} | {r['clients']} | "
+                     f"{r['throughput_per_s']:.1f} | {cells} | {r['errors']} |"
                      + (f" {gpu_cell(r['gpus'])} |" if watch_gpus else ""))
-    report.write(args.out, f"serve_scaling_{args.device}", lines, {"rows": rows, "command": sys.argv})
+    report.write(args.out, f"serve_scaling_{args.device}" + (f"_{args.tag}" if args.tag else ""), lines,
+                 {"rows": rows, "command": sys.argv, "in_process_latency_ms_b1": floor})
     print("\n".join(lines))
     return 0
 

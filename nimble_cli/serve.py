@@ -19,9 +19,17 @@ def serve_command(
                              "stats and metrics stay on 127.0.0.1; Ray's own services and its metrics port listen on "
                              "every interface (Ray binds them so): firewall them on a shared network."),
     port: int = typer.Option(8000, "--port", help="HTTP port."),
+    grpc_port: int = typer.Option(8001, "--grpc-port", help="Port of the KServe v2 gRPC service (Triton's "
+                                  "inference.GRPCInferenceService, e.g. for tritonclient.grpc), on --host beside "
+                                  "HTTP; 0: none. Served by the haproxy ingress of a local Ray only."),
     replicas: str = typer.Option("auto", "--replicas", metavar="N|auto", help="Replicas per model, each loading "
-                                 "the artifact once and holding one GPU; auto: one per GPU the Ray cluster has, "
-                                 "or one on the CPU where it has none."),
+                                 "the artifact once and holding one GPU (or its share, --replicas-per-gpu); auto: "
+                                 "--replicas-per-gpu on each GPU the Ray cluster has, or one on the CPU where it "
+                                 "has none."),
+    per_gpu: int = typer.Option(1, "--replicas-per-gpu", metavar="N", help="Replicas that share one GPU, each a "
+                                "process with its own copy of the model: more requests decoded and batched at "
+                                "once, and their CUDA graphs overlap on the GPU (docs/commands.md has measured "
+                                "figures)."),
     delay_ms: float = typer.Option(2.0, "--max-batch-delay-ms", metavar="MS", help="How long a request may wait "
                                    "for others to batch with, up to the artifact's largest batch size "
                                    "(compile --batch-sizes)."),
@@ -37,11 +45,11 @@ def serve_command(
                                 "spread over its machines and GPUs. The cluster's own listeners are then its "
                                 "business: Ray's nodes talk over the network, and each replica serves HTTP on its "
                                 "node's address, so run it on a network you trust."),
-    ingress: str = typer.Option("haproxy", "--ingress", metavar="haproxy|proxy", help="What takes the HTTP "
+    ingress: str = typer.Option("haproxy", "--ingress", metavar="haproxy|proxy", help="What takes the "
                                 "requests on a local Ray: haproxy (Ray Serve's HAProxy ingress, in front of replicas "
-                                "that serve HTTP themselves) or proxy (Ray Serve's Python HTTP proxy, one per node: "
-                                "about 17 ms per 600 KB request). A cluster (--address) uses what it was started "
-                                "with."),
+                                "that serve HTTP and gRPC themselves) or proxy (Ray Serve's Python HTTP proxy, one "
+                                "per node: about 17 ms per 600 KB request; no gRPC). A cluster (--address) uses "
+                                "what it was started with, and gets no gRPC from nimble."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
                                      "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms), on "
                                      "every interface."),
@@ -62,10 +70,10 @@ def serve_command(
     tune: TuneOption = "cached",
     debug: DebugOption = False,
 ) -> None:
-    """Serve artifacts over HTTP with the KServe v2 protocol (as Triton Inference Server does).
+    """Serve artifacts over HTTP and gRPC with the KServe v2 protocol (as Triton Inference Server does).
 
     Requests are batched dynamically into the artifact's batch sizes. Clients that speak the
-    protocol work unchanged, e.g. tritonclient.http. Stop with Ctrl-C or SIGTERM: the requests in
+    protocol work unchanged, e.g. tritonclient.http and tritonclient.grpc. Stop with Ctrl-C or SIGTERM: the requests in
     flight finish first. Needs the serve extra: pip install 'nimble-gpu[serve]'.
 
     Examples: nimble compile resnet50.pt -s 1x3x224x224 --batch-sizes 1,2,4,8,16, then
@@ -89,10 +97,15 @@ def serve_command(
                              f"{len(kernels)} pack(s))")
         for pack in kernels or []:
             check_pack(pack)
-        if not 1 <= port <= 65535 or not 1 <= metrics_port <= 65535:
-            raise UsageError("--port and --metrics-port take a TCP port from 1 to 65535")
+        if not 1 <= port <= 65535 or not 1 <= metrics_port <= 65535 or not 0 <= grpc_port <= 65535:
+            raise UsageError("--port and --metrics-port take a TCP port from 1 to 65535, --grpc-port one from 0 "
+                             "(none) to 65535")
+        if grpc_port and grpc_port in (port, metrics_port):
+            raise UsageError(f"--grpc-port {grpc_port} is also --port or --metrics-port; give each its own port")
         if ingress not in ("haproxy", "proxy"):
             raise UsageError(f"--ingress {ingress!r}: use haproxy or proxy")
+        if not 1 <= per_gpu <= 16:
+            raise UsageError(f"--replicas-per-gpu {per_gpu}: give 1 to 16 replicas per GPU")
         if delay_ms < 0 or max_queue < 1 or max_ongoing < 0 or max_body < 1:
             raise UsageError("--max-batch-delay-ms must not be negative; --max-queue and --max-body must be positive")
         if not (0 < body_timeout <= 600 and 0 <= drain_timeout <= 3600):
@@ -110,8 +123,9 @@ def serve_command(
         def say(line: str) -> None:
             console.print(f"... {line}")
 
-        options = app.Options(host=host, port=port, replicas=replicas, delay_ms=delay_ms, max_queue=max_queue,
-                              max_ongoing=max_ongoing, address=address, device=device, tune=tune,
+        options = app.Options(host=host, port=port, grpc_port=grpc_port, replicas=replicas, per_gpu=per_gpu,
+                              delay_ms=delay_ms, max_queue=max_queue, max_ongoing=max_ongoing, address=address,
+                              device=device, tune=tune,
                               max_body=max_body, metrics_port=metrics_port, ingress=ingress,
                               body_timeout_s=body_timeout, drain_s=drain_timeout,
                               kernels=tuple(str(k.resolve()) for k in kernels or ()))
@@ -121,7 +135,8 @@ def serve_command(
             models = ", ".join(f"{literal(n)} (batch sizes {','.join(map(str, b)) or 'fixed'})"
                                for n, b in started["models"].items())
             metrics = f"; metrics at {started['metrics']}" if started["metrics"] else ""
-            console.print(f"nimble serve: ready at {started['url']}: {models}; {started['replicas']} replica(s) per "
+            grpc = f" and gRPC at {started['grpc']}" if started["grpc"] else ""
+            console.print(f"nimble serve: ready at {started['url']}{grpc}: {models}; {started['replicas']} replica(s) per "
                           f"model on {started['device']}{metrics}. Ctrl-C stops.")
             name = app.wait_for_signal()
             console.print(f"{name}: shutting down: new requests get 503, the requests in flight finish")

@@ -35,9 +35,11 @@ from starlette.responses import Response
 
 from .. import __version__
 from . import ingress
-from .protocol import HEADER_LENGTH, ProtocolError, decode, encode, error_body
+from . import grpc_protocol
+from .protocol import HEADER_LENGTH, InferRequest, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
 MODEL_ROUTE = re.compile(r"^(?:/versions/1)?(/ready|/infer|/stats)?/?$")
 
 
@@ -104,25 +106,30 @@ async def _body(request: Request, limit: int) -> bytes:
 SHUTDOWN = {"graceful_shutdown_timeout_s": 5.0, "graceful_shutdown_wait_loop_s": 0.2}
 
 
-def internal_grpc_on_loopback() -> None:
-    """Ray Serve binds each replica's inter-deployment gRPC server to `[::]:0`, every interface,
-    with no option (ray/serve/_private/replica.py, `_on_initialized`, Ray 2.60). On a Ray whose node
-    is 127.0.0.1 (the one `nimble serve` starts: `ingress.LOOPBACK_RAY`), this replica binds it to
-    127.0.0.1 instead, where the other replicas reach it. Called in the replica's own process, in
-    its deployment's `__init__`, which Ray Serve runs before it starts that server; where Ray's code
+def replica_grpc_on_loopback() -> None:
+    """Ray Serve binds each replica's gRPC servers to `[::]`, every interface, with no option (Ray
+    2.60, ray/serve/_private: the inter-deployment one in replica.py `_on_initialized`, port 0; the
+    direct-ingress one that HAProxy forwards gRPC requests to, in grpc_util.py `start_grpc_server`
+    through default_impl.add_grpc_address). On a Ray whose node is 127.0.0.1 (the one `nimble
+    serve` starts: `ingress.LOOPBACK_RAY`), this replica binds both to 127.0.0.1 instead, where
+    the other replicas and HAProxy reach them. Called in the replica's own process, in its
+    deployment's `__init__`, which Ray Serve runs before it starts either server; where Ray's code
     differs, nothing changes (and `tests/serve/test_server.py` fails on the listener it sees)."""
     import ray
-    from ray.serve._private import replica
+    from ray.serve._private import default_impl, replica
 
-    real = getattr(replica, "add_port_to_grpc_server", None)
-    if real is None or getattr(real, "on_loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+    if ray.util.get_node_ip_address() != "127.0.0.1":
         return
+    for module, name in ((replica, "add_port_to_grpc_server"), (default_impl, "add_grpc_address")):
+        real = getattr(module, name, None)
+        if real is None or getattr(real, "on_loopback", False):
+            continue
 
-    def on_loopback(server, address: str):
-        return real(server, "127.0.0.1:0" if address == "[::]:0" else address)
+        def on_loopback(server, address: str, real=real):
+            return real(server, "127.0.0.1:" + address[len("[::]:"):] if address.startswith("[::]:") else address)
 
-    on_loopback.on_loopback = True
-    replica.add_port_to_grpc_server = on_loopback
+        on_loopback.on_loopback = True
+        setattr(module, name, on_loopback)
 
 
 @serve.deployment(**SHUTDOWN)
@@ -130,8 +137,8 @@ class Model:
     """One artifact behind /v2/models/<name>."""
 
     def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
-                 threads: int, folder: str, body_timeout_s: float, kernels: str | None = None):
-        internal_grpc_on_loopback()
+                 threads: int, folder: str, body_timeout_s: float, kernels: str | None = None, models: tuple = ()):
+        replica_grpc_on_loopback()
         import threading
         import uuid
 
@@ -156,6 +163,7 @@ class Model:
         self._busy = 0  # requests this replica is running or batching (one event loop: no lock needed)
         self._held = 0  # requests this replica answers now, their bodies still arriving included
         self._folder, self._body_timeout_s = folder, body_timeout_s
+        self._models = list(models) or [name]  # every model of the server, for the repository index
         self._marker = ingress.idle_marker(folder, uuid.uuid4().hex)
         threading.Thread(target=self._watch_drain, daemon=True).start()
 
@@ -214,6 +222,11 @@ class Model:
     async def _infer(self, request: Request) -> Response:
         body = await _body_within(request, self._max_body, self._body_timeout_s)
         decoded = decode(body, request.headers.get(HEADER_LENGTH.lower()), self.info)
+        content, headers = encode(self.info, decoded, await self._answer(decoded))
+        return Response(content, headers=headers)
+
+    async def _answer(self, decoded: InferRequest) -> list:
+        """The outputs of one decoded request (ProtocolError if it cannot run)."""
         decoded.received = time.perf_counter()
         self._busy += 1
         try:  # a request that finds the replica idle runs at once: waiting could batch it with nothing
@@ -223,8 +236,85 @@ class Model:
             self._busy -= 1
         if isinstance(answer, ProtocolError):
             raise answer
-        content, headers = encode(self.info, decoded, answer)
-        return Response(content, headers=headers)
+        return answer
+
+    # The KServe v2 gRPC methods (grpc_protocol.METHODS), which Ray Serve calls by name. The ingress
+    # routes a request naming a model to that model's replicas, and the others (the server's
+    # health and metadata, the repository index, an unknown model) to the first model's.
+
+    async def ModelInfer(self, request, grpc_context=None):
+        async def infer():
+            self._known(request.model_name)
+            decoded = grpc_protocol.decode(request, self.info)
+            return grpc_protocol.encode(self.info, decoded, await self._answer(decoded))
+        return await self._grpc(grpc_context, "ModelInferResponse", infer, serving=True)
+
+    async def ModelMetadata(self, request, grpc_context=None):
+        async def answer():
+            self._known(request.name)
+            return grpc_protocol.metadata(self.info)
+        return await self._grpc(grpc_context, "ModelMetadataResponse", answer)
+
+    async def ModelReady(self, request, grpc_context=None):
+        async def answer():
+            self._known(request.name)
+            return grpc_protocol.M["ModelReadyResponse"](ready=not ingress.draining(self._folder))
+        return await self._grpc(grpc_context, "ModelReadyResponse", answer)
+
+    async def ModelStatistics(self, request, grpc_context=None):
+        async def answer():
+            self._known(request.name)
+            return grpc_protocol.statistics(self.replica.stats.document(self.info.name))
+        return await self._grpc(grpc_context, "ModelStatisticsResponse", answer)
+
+    async def ServerLive(self, request, grpc_context=None):
+        return grpc_protocol.M["ServerLiveResponse"](live=True)
+
+    async def ServerReady(self, request, grpc_context=None):
+        return grpc_protocol.M["ServerReadyResponse"](ready=not ingress.draining(self._folder))
+
+    async def ServerMetadata(self, request, grpc_context=None):
+        return grpc_protocol.M["ServerMetadataResponse"](name="nimble", version=__version__, extensions=EXTENSIONS)
+
+    async def RepositoryIndex(self, request, grpc_context=None):
+        async def answer():
+            if request.repository_name:
+                raise ProtocolError(404, f"there is no repository '{request.repository_name[:100]}'; leave "
+                                    "repository_name empty: this server has one")
+            return grpc_protocol.M["RepositoryIndexResponse"](
+                models=[grpc_protocol.M["ModelIndex"](**row)
+                        for row in await asyncio.to_thread(index, self._models, request.ready)])
+        return await self._grpc(grpc_context, "RepositoryIndexResponse", answer)
+
+    def _known(self, name: str) -> None:
+        if name != self.info.name:
+            known = ", ".join(self._models)
+            raise ProtocolError(404, f"unknown model '{name[:100]}'; this server has {known}" if name else
+                                f"the request names no model; this server has {known}")
+
+    async def _grpc(self, context, response: str, answer, serving: bool = False):
+        """`answer()`'s message, or the empty `response` with the gRPC status of its error (one line)."""
+        if serving and ingress.draining(self._folder):
+            error = ProtocolError(503, "the server is shutting down; send the request again (to another server)")
+        else:
+            self._held += 1
+            try:
+                return await answer()
+            except ProtocolError as e:
+                error = e
+            except Exception as e:  # a fault of nimble's: one line for the client, the traceback in the replica's log
+                import logging
+
+                logging.getLogger("ray.serve").exception("nimble serve: gRPC %s failed", response)
+                error = ProtocolError(500, f"internal error ({type(e).__name__}); the replica's log has the traceback")
+            finally:
+                self._held -= 1
+        if context is not None:
+            import grpc
+
+            context.set_code(grpc_protocol.CODES.get(error.status, grpc.StatusCode.INTERNAL))
+            context.set_details(str(error))
+        return grpc_protocol.M[response]()
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, **SHUTDOWN)
@@ -232,7 +322,7 @@ class Server:
     """The server's own routes under /v2, and a JSON 404 for an unknown model."""
 
     def __init__(self, models: list[str], folder: str):
-        internal_grpc_on_loopback()
+        replica_grpc_on_loopback()
         self.models, self._folder = models, folder
 
     async def __call__(self, request: Request) -> Response:
@@ -241,8 +331,7 @@ class Server:
         if path == "/health/ready" and ingress.draining(self._folder):
             return _unavailable()
         if path in ("", "/v2") and request.method == "GET":
-            return _json({"name": "nimble", "version": __version__, "extensions": ["binary_tensor_data",
-                                                                                    "statistics", "model_repository"]})
+            return _json({"name": "nimble", "version": __version__, "extensions": EXTENSIONS})
         if path in ("/health/live", "/health/ready"):
             return _json({})
         if path.startswith("/repository/"):
@@ -267,7 +356,7 @@ class Server:
         if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
             return _error(400, "the request body must be a JSON object whose \"ready\", if given, is true or false")
         if path == "/repository/index":
-            return _json(self._index(doc.get("ready", False)))
+            return _json(index(self.models, doc.get("ready", False)))
         action = re.fullmatch(r"/repository/models/([^/]+)/(load|unload)", path)
         if action is None:
             return _error(404, f"no route {request.url.path[:200]}; the repository routes are POST "
@@ -277,23 +366,24 @@ class Server:
         return _error(400, f"{known}this server's models are fixed when it starts ({', '.join(self.models)}), so it "
                       f"does not {verb} models; start nimble serve again with the artifacts (or folder) you want")
 
-    def _index(self, ready_only: bool) -> list[dict]:
-        """Each model with its state: READY where its application runs, else LOADING or UNAVAILABLE
-        (with Ray Serve's reason); `ready_only` keeps the READY ones."""
-        try:
-            apps = serve.status().applications
-        except Exception as e:  # the controller did not answer: say so per model rather than guess
-            apps, why = {}, f"Ray Serve's status is unavailable ({type(e).__name__})"
-        else:
-            why = "not deployed"
-        rows = []
-        for name in self.models:
-            app = apps.get(name)
-            status = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
-            state = {"RUNNING": "READY", "DEPLOYING": "LOADING", "NOT_STARTED": "LOADING"}.get(status, "UNAVAILABLE")
-            row = {"name": name, "version": "1", "state": state}
-            if state == "UNAVAILABLE":
-                row["reason"] = (getattr(app, "message", "") or status.lower() or why)[:200]
-            if state == "READY" or not ready_only:
-                rows.append(row)
-        return rows
+
+def index(models: list[str], ready_only: bool) -> list[dict]:
+    """Each model with its state: READY where its application runs, else LOADING or UNAVAILABLE
+    (with Ray Serve's reason); `ready_only` keeps the READY ones."""
+    try:
+        apps = serve.status().applications
+    except Exception as e:  # the controller did not answer: say so per model rather than guess
+        apps, why = {}, f"Ray Serve's status is unavailable ({type(e).__name__})"
+    else:
+        why = "not deployed"
+    rows = []
+    for name in models:
+        app = apps.get(name)
+        status = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
+        state = {"RUNNING": "READY", "DEPLOYING": "LOADING", "NOT_STARTED": "LOADING"}.get(status, "UNAVAILABLE")
+        row = {"name": name, "version": "1", "state": state}
+        if state == "UNAVAILABLE":
+            row["reason"] = (getattr(app, "message", "") or status.lower() or why)[:200]
+        if state == "READY" or not ready_only:
+            rows.append(row)
+    return rows

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import tempfile
@@ -68,11 +69,12 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def haproxy_environment(folder: Path, real_binary: str) -> dict[str, str]:
-    """Environment for Ray Serve's HAProxy ingress, confined as the module says."""
+def haproxy_environment(folder: Path, real_binary: str, models: list[str] = ()) -> dict[str, str]:
+    """Environment for Ray Serve's HAProxy ingress, confined as the module says, with gRPC
+    requests routed by the model they name (`grpc_routes`)."""
     stats, metrics = free_port(), free_port()
     wrapper = folder / "haproxy"
-    edits = [
+    edits = grpc_routes(models) + [
         r"s/^\(\s*stats socket \S*\) mode [0-7]* /\1 mode 600 /",
         rf"s/^\(\s*bind \)\*\{{0,1\}}:\({stats}\|{metrics}\)\s*$/\1127.0.0.1:\2/",
         # the headers, and the body's first buffer (16 KiB), must arrive within HEADER_TIMEOUT_S before
@@ -105,10 +107,46 @@ def haproxy_environment(folder: Path, real_binary: str) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder / "state"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "state" / "server-state"),
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
+        # the head node's fallback proxy (Ray's own, for what HAProxy does not route): on ports free now,
+        # not Ray's fixed 8500 and 9500, which a second server on the machine would find taken
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         # Ray waits 30 s for HAProxy to answer on its admin socket, and on a busy 2-core machine
         # (Ray's own processes starting beside other work) that start failed once in CI's tests
         "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": os.environ.get("RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S", "120"),
     }
+
+
+def grpc_routes(models: list[str]) -> list[str]:
+    """sed edits of Ray's config that send a gRPC request to the replicas of the model it names.
+
+    Ray Serve routes a gRPC request by its `application` header, which the protocol's clients
+    (tritonclient.grpc) never send: with several applications, each unmatched request would get
+    NOT_FOUND. Every request of the protocol that concerns one model names it in its message's
+    first field, so the body, which HAProxy buffers (`option http-buffer-request`), starts, after
+    gRPC's 5-byte frame header, with `grpc_protocol.model_name_prefix`. Each model's backend gains
+    a rule on those bytes, and the rest (the server's health and metadata, the repository index,
+    an unknown model) go to the first model's replicas, which answer them, or NOT_FOUND."""
+    from .grpc_protocol import model_name_prefix
+
+    edits = []
+    for name in models:
+        prefix, pattern = model_name_prefix(name), name.replace(".", r"\.")  # names: letters, digits, _ . -
+        edits.append(rf"s/^\(\s*\)acl is_\(\S*\) req.hdr(application) -m str {pattern}\s*$/&\n"
+                     rf"\1acl nimble_model_\2 req.body,bytes(5,{len(prefix)}) -m bin {prefix.hex()}\n"
+                     rf"\1use_backend \2 if nimble_model_\2/")
+    if models:  # by name at run time (%[...]): before the first model is deployed, its backend does not exist,
+        # and HAProxy then takes the default backend (Ray's NOT_FOUND) where a plain name would not start
+        edits.append(rf"/^frontend grpc_frontend/,/^backend /s/^\(\s*\)default_backend default_grpc_backend\s*$/"
+                     rf"\1use_backend %[str({grpc_backend(models[0])})]\n&/")
+    return edits
+
+
+def grpc_backend(app: str) -> str:
+    """The name Ray Serve's HAProxy config gives the gRPC backend of application `app`."""
+    from ray.serve._private.haproxy import HAProxyManager
+
+    return HAProxyManager.get_safe_name(f"grpc-{app}")
 
 
 def real_haproxy() -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ray import serve
 
 from ..errors import ExecutionError, NimbleError, first_line
-from . import ingress, reaper
+from . import grpc_protocol, ingress, reaper
 from .app import Model, Server
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -24,7 +24,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 class Options:
     host: str = "127.0.0.1"
     port: int = 8000
-    replicas: str = "auto"  # a number, or auto: one per visible GPU, else one on the CPU
+    grpc_port: int = 8001  # the KServe v2 gRPC service, through the HAProxy ingress; 0: none
+    replicas: str = "auto"  # a number, or auto: per_gpu per visible GPU, else one on the CPU
+    per_gpu: int = 1  # replicas that share one GPU (each takes 1/per_gpu of it in Ray's count)
     delay_ms: float = 2.0
     max_queue: int = 256
     max_ongoing: int = 0  # per replica; 0: twice the largest batch size, at least 16
@@ -74,7 +76,9 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     for name, p in names.items():  # checked here, in one line, before any replica tries
         art = read_artifact(p)
         batches[name] = art.batch_sizes
+    grpc = grpc_served(options)
     wanted = [("--port", options.host, options.port)]  # a local Ray's metrics bind every interface
+    wanted += [("--grpc-port", options.host, options.grpc_port)] if grpc else []
     wanted += [("--metrics-port", "0.0.0.0", options.metrics_port)] if options.address is None else []
     for what, host, port in wanted:
         if why := ingress.port_in_use(host, port):
@@ -87,7 +91,9 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     if options.address is None and options.ingress == "haproxy":
         # Ray Serve's HAProxy ingress: HAProxy in front of replicas that serve HTTP themselves,
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
-        os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy()))
+        os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy(), list(names)))
+    if grpc:  # a gRPC request is parsed whole before it is checked: never more than --max-body bytes
+        os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(options.max_body)
     if options.address is None:  # a Ray of its own, on loopback: every listener on 127.0.0.1 (ingress.LOOPBACK_RAY)
         # Ray's processes start ignoring SIGINT: a Ctrl-C reaches the terminal's whole process group,
         # and they must outlive the drain it starts (nimble ends them after it)
@@ -96,7 +102,8 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
             # Ray's own folder (its sockets and logs) inside the private one: /tmp/ray is world-writable
             ingress.keep_local_ray_on_loopback()  # for the processes Ray starts; the driver's is checked below
             ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1",
-                     _metrics_export_port=options.metrics_port, _temp_dir=str(options.folder / "ray"))
+                     _metrics_export_port=options.metrics_port, _temp_dir=str(options.folder / "ray"),
+                     runtime_env={"worker_process_setup_hook": "nimble.serve.app.replica_grpc_on_loopback"})
         finally:
             signal.signal(signal.SIGINT, before)
         if ray.util.get_node_ip_address() != "127.0.0.1":  # Ray was imported before nimble could set it
@@ -110,7 +117,7 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     cpu_only = options.device == "cpu" or gpus == 0
     if options.replicas == "auto":
-        replicas = 1 if cpu_only else gpus
+        replicas = 1 if cpu_only else gpus * options.per_gpu
     elif options.replicas.isdigit() and int(options.replicas) >= 1:
         replicas = int(options.replicas)
     else:
@@ -120,7 +127,9 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     threads = 0 if not cpu_only else max(1, (os.cpu_count() or 1) // (replicas * len(names)))
     device = "cpu" if cpu_only else "cuda"
     try:
-        serve.start(http_options={"host": options.host, "port": options.port},
+        grpc_options = {"port": options.grpc_port, "grpc_servicer_functions": [grpc_protocol.SERVICER],
+                        "enable_reflection": False} if grpc else None
+        serve.start(http_options={"host": options.host, "port": options.port}, grpc_options=grpc_options,
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         packs = dict(zip(names, options.kernels))
         for name, p in names.items():
@@ -128,12 +137,12 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
             say(f"loading {name} on {replicas} {'CPU' if cpu_only else 'GPU'} replica(s)")
             app = Model.options(
                 name=name, num_replicas=replicas,
-                ray_actor_options={"num_gpus": 0 if cpu_only else 1, "num_cpus": 0},
+                ray_actor_options={"num_gpus": 0 if cpu_only else 1 / options.per_gpu, "num_cpus": 0},
                 max_ongoing_requests=options.max_ongoing or max(16, 2 * largest),
                 max_queued_requests=options.max_queue,
                 **backpressure(),
             ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads,
-                   str(options.folder), options.body_timeout_s, packs.get(name))
+                   str(options.folder), options.body_timeout_s, packs.get(name), tuple(names))
             serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
         serve.run(Server.bind(list(names), str(options.folder)), name="nimble", route_prefix="/v2")
     except NimbleError:
@@ -141,9 +150,18 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     except Exception as e:  # Ray's own failures (a task's error wraps its cause): one line, with what to try
         raise ExecutionError(start_failure(e, options)) from None
     return {"url": f"http://{options.host}:{options.port}/v2", "models": {n: batches[n] for n in names},
+            "grpc": f"{options.host}:{options.grpc_port}" if grpc else None,
             "replicas": replicas, "device": device,
             "metrics": None if options.address else f"http://127.0.0.1:{options.metrics_port}/metrics",
             "replicas_total": replicas * len(names)}
+
+
+def grpc_served(options: Options) -> bool:
+    """Whether the server takes gRPC: on the HAProxy ingress of a local Ray, which routes each
+    request to its model's replicas and listens on --host only. (Ray's Python proxy routes gRPC by
+    an `application` header that the protocol's clients do not send, and listens on every
+    interface; a cluster's ingress is the cluster's.)"""
+    return bool(options.grpc_port) and options.ingress == "haproxy" and options.address is None
 
 
 RETRY_AFTER_S = 1  # what a 503 past the queue bound tells the client to wait

@@ -58,11 +58,11 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(artifacts, tmp_path_factory):
-    port, metrics = free_port(), free_port()
+    port, metrics, grpc_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([NIMBLE, "serve", str(artifacts),  # a model repository: the folder's two artifacts
-                                 "--port", str(port), "--metrics-port", str(metrics),
+                                 "--port", str(port), "--metrics-port", str(metrics), "--grpc-port", str(grpc_port),
                                  "--max-batch-delay-ms", "50", "--max-ongoing", "4", "--max-queue", "2",
                                  "--max-body", str(MAX_BODY), "--device", "cpu"],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -72,7 +72,7 @@ def server(artifacts, tmp_path_factory):
             proc.kill()
             pytest.fail(f"nimble serve did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
-    yield proc, port, log
+    yield proc, port, log, grpc_port
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
 
@@ -243,6 +243,79 @@ def test_a_folder_is_a_model_repository_whose_index_lists_its_models(server):
     assert got.value.code == 405
 
 
+def grpc_client(server):
+    import tritonclient.grpc as tg
+
+    return tg.InferenceServerClient(f"127.0.0.1:{server[3]}")
+
+
+def grpc_input(x: np.ndarray, name: str = "x"):
+    import tritonclient.grpc as tg
+
+    i = tg.InferInput(name, list(x.shape), {np.float32: "FP32", np.int64: "INT64"}[x.dtype.type])
+    i.set_data_from_numpy(x)
+    return i
+
+
+def test_grpc_health_metadata_and_index_through_the_official_client(server):
+    """The KServe v2 gRPC service beside HTTP, through tritonclient.grpc: each request that names
+    a model reaches that model's replicas (the ingress routes on the name), the rest any."""
+    c = grpc_client(server)
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.is_model_ready("resnet") and c.is_model_ready("bert")
+    meta = c.get_server_metadata()
+    assert meta.name == "nimble" and "model_repository" in meta.extensions
+    resnet, bert = c.get_model_metadata("resnet", as_json=True), c.get_model_metadata("bert", as_json=True)
+    assert resnet["name"] == "resnet" and resnet["inputs"] == [{"name": "x", "datatype": "FP32",
+                                                                "shape": ["-1", "3", "64", "64"]}]
+    assert bert["name"] == "bert" and [i["name"] for i in bert["inputs"]] == ["input_ids", "attention_mask"]
+    index = c.get_model_repository_index(as_json=True)["models"]
+    assert [(m["name"], m["state"]) for m in index] == [("bert", "READY"), ("resnet", "READY")]
+
+
+def test_grpc_answers_equal_http_and_nimble_run(server, artifacts, tmp_path):
+    x = image(3, seed=5)
+    np.save(tmp_path / "x.npy", x)
+    done = nimble("run", str(artifacts / "resnet.nimble"), "--device", "cpu", "-i", str(tmp_path / "x.npy"),
+                  "-o", str(tmp_path / "y.safetensors"))
+    assert done.returncode == 0, done.stderr
+    want = next(iter(load_file(str(tmp_path / "y.safetensors")).values()))
+    got = grpc_client(server).infer("resnet", [grpc_input(x)], request_id="r7")
+    assert got.get_response().id == "r7" and got.get_response().model_name == "resnet"
+    np.testing.assert_allclose(got.as_numpy("output"), want, rtol=1e-5, atol=1e-6)
+    over_http = client(server).infer("resnet", [infer_input(x)]).as_numpy("output")
+    np.testing.assert_array_equal(got.as_numpy("output"), over_http)
+    ids = np.random.default_rng(3).integers(0, 100, (2, 16)).astype(np.int64)
+    mask = np.ones((2, 16), dtype=np.int64)
+    bert = grpc_client(server).infer("bert", [grpc_input(ids, "input_ids"), grpc_input(mask, "attention_mask")])
+    bert_http = client(server).infer("bert", [infer_input(ids, "input_ids"), infer_input(mask, "attention_mask")])
+    for name in ("output_0", "output_1"):
+        np.testing.assert_array_equal(bert.as_numpy(name), bert_http.as_numpy(name))
+
+
+def test_grpc_bad_requests_get_their_own_status_and_nothing_else_is_affected(server):
+    from tritonclient.utils import InferenceServerException
+
+    c = grpc_client(server)
+    x = image(1, seed=6)
+    cases = [
+        (lambda: c.infer("nope", [grpc_input(x)]), "NOT_FOUND", "unknown model 'nope'; this server has bert, resnet"),
+        (lambda: c.infer("resnet", [grpc_input(x[:, :, :, :63])]), "INVALID_ARGUMENT", "must have shape [B, 3, 64, 64]"),
+        (lambda: c.infer("resnet", [grpc_input(x, "y")]), "INVALID_ARGUMENT", "unknown input 'y'"),
+        (lambda: c.infer("resnet", [grpc_input(image(5))]), "INVALID_ARGUMENT", "B from 1 to 4"),
+        (lambda: c.infer("bert", [grpc_input(np.zeros((1, 16), np.int64), "input_ids")]), "INVALID_ARGUMENT",
+         "missing input 'attention_mask'"),
+        (lambda: c.get_model_metadata("zzz"), "NOT_FOUND", "unknown model 'zzz'"),
+        (lambda: c.get_model_config("resnet"), "UNIMPLEMENTED", ""),  # a method of Triton's this server has not
+        (lambda: c.infer("resnet", [grpc_input(np.zeros((1, 3, 300, 300), np.float32))]), "RESOURCE_EXHAUSTED", ""),
+    ]
+    for call, code, says in cases:
+        with pytest.raises(InferenceServerException) as got:
+            call()
+        assert got.value.status() == f"StatusCode.{code}" and says in got.value.message(), got.value
+    assert c.infer("resnet", [grpc_input(x)]).as_numpy("output").shape == (1, 10)
+
+
 def test_overload_answers_503_and_every_request_gets_an_answer(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -291,11 +364,11 @@ def _listeners_of(pids: set[int]) -> set[tuple[str, int]]:
 def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(server):
     from nimble.serve.lifecycle import _haproxy_below
 
-    proc, port, _ = server
+    proc, port, _, grpc_port = server
     haproxy = _haproxy_below(proc.pid)
     assert haproxy
     listening = _listeners_of(haproxy)
-    assert ("127.0.0.1", port) in listening and all(a == "127.0.0.1" for a, _ in listening), listening
+    assert {("127.0.0.1", port), ("127.0.0.1", grpc_port)} <= listening and all(a == "127.0.0.1" for a, _ in listening), listening
     assert not {8404, 9101} & {p for _, p in listening}  # no fixed ports a leftover could hold
     folders = [p for p in Path(tempfile.gettempdir()).glob("nimble-serve-*") if p.stat().st_uid == os.getuid()]
     assert folders and all(p.stat().st_mode & 0o077 == 0 for p in folders)
@@ -304,9 +377,9 @@ def test_the_ingress_listens_on_loopback_only_and_its_admin_socket_is_private(se
 
 def test_every_process_of_the_server_listens_on_loopback_only(server):
     """Not only the ingress: Ray's own servers (GCS, raylet, workers, the object manager, metrics)
-    and each replica, with Ray Serve's inter-deployment gRPC server (`app.internal_grpc_on_loopback`):
-    every listener of every process that carries the server's mark (`reaper.py`)."""
-    proc, port, _ = server
+    and each replica, with Ray Serve's gRPC servers (`app.replica_grpc_on_loopback`; its fallback
+    proxy's too): every listener of every process that carries the server's mark (`reaper.py`)."""
+    proc, port, _, _ = server
     mine = set()
     for entry in Path("/proc").iterdir():
         try:
@@ -418,7 +491,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
 
     from nimble.serve.lifecycle import _haproxy_below
 
-    proc, port, log = server
+    proc, port, log, _ = server
     haproxy = _haproxy_below(proc.pid)
     body, headers = binary_request("x", [1, 3, 64, 64], "FP32", image(1).tobytes())
     seen, stop = [], []
