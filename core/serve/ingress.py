@@ -69,6 +69,22 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def refuse_taken_port(address: str) -> None:
+    """RuntimeError (from the OSError) where `address` ("host:port", "[::]:port") is held by
+    another socket, SO_REUSEPORT ones included: bound without that option, a probe fails where
+    any socket holds the port. Port 0 is never taken. Ray Serve tries another port on this error."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    if port == "0":
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        try:
+            probe.bind((host, int(port)))
+        except OSError as e:
+            raise RuntimeError(f"port {port} is held by another process") from e
+
+
 def haproxy_environment(folder: Path, real_binary: str, models: list[str] = ()) -> dict[str, str]:
     """Environment for Ray Serve's HAProxy ingress, confined as the module says, with gRPC
     requests routed by the model they name (`grpc_routes`)."""

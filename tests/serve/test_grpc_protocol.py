@@ -149,3 +149,31 @@ def test_the_servicer_registers_every_method_the_server_answers():
     assert set(seen) == {f"/{g.SERVICE}/{m}" for m in g.METHODS}
     handler = seen[f"/{g.SERVICE}/ModelInfer"]
     assert handler.request_deserializer(official(1)).model_name == "m"
+
+
+def test_a_port_another_grpc_server_holds_is_refused_even_where_it_shares_ports():
+    """gRPC servers set SO_REUSEPORT unless told not to, and Ray Serve's 'not' is lost (a string
+    where gRPC reads an integer): the replica's own check refuses such a port, so that Ray Serve
+    takes another, rather than share it with another server's replica."""
+    import asyncio
+
+    import grpc
+
+    from nimble.serve.ingress import refuse_taken_port
+
+    async def held():
+        server = grpc.aio.server(options=[("grpc.so_reuseport", "0")])  # as Ray 2.60 asks
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            second = grpc.aio.server(options=[("grpc.so_reuseport", "0")])
+            assert second.add_insecure_port(f"127.0.0.1:{port}") == port  # what the check is for
+            for address in (f"127.0.0.1:{port}", f"[::]:{port}"):
+                with pytest.raises(RuntimeError, match=f"port {port} is held") as got:
+                    refuse_taken_port(address)
+                assert isinstance(got.value.__cause__, OSError)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(held())
+    refuse_taken_port("127.0.0.1:0")  # any free port: never refused

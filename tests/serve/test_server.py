@@ -316,6 +316,35 @@ def test_grpc_bad_requests_get_their_own_status_and_nothing_else_is_affected(ser
     assert c.infer("resnet", [grpc_input(x)]).as_numpy("output").shape == (1, 10)
 
 
+def test_a_second_server_on_the_machine_answers_its_own_grpc_requests(server, tmp_path):
+    """Two servers of one user, each with a model named resnet (different input shapes): every
+    gRPC request to the second is answered by its own replica. Before its replicas refused a port
+    another process held (`ingress.refuse_taken_port`), the second server's replica shared the
+    first one's port, and about half of its requests reached the first server's resnet."""
+    done = nimble("compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "-o", str(tmp_path / "resnet.nimble"))
+    assert done.returncode == 0, done.stderr
+    grpc_port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([NIMBLE, "serve", str(tmp_path / "resnet.nimble"), "--port", str(free_port()),
+                                 "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()), "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while "ready at" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        import tritonclient.grpc as tg
+
+        second, x = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}"), image(1)[:, :, :32, :32].copy()
+        shapes = [second.infer("resnet", [grpc_input(x)]).as_numpy("output").shape for _ in range(24)]
+        assert shapes == [(1, 10)] * 24
+        assert grpc_client(server).infer("resnet", [grpc_input(image(1))]).as_numpy("output").shape == (1, 10)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
 def test_overload_answers_503_and_every_request_gets_an_answer(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -486,7 +515,8 @@ def test_a_replica_killed_under_load_leaves_no_request_unanswered_and_is_replace
 def test_sigterm_drains_then_leaves_nothing_behind(server):
     """Under load from clients that honour Retry-After: every request gets 200, or 503 with
     Retry-After once the stop began, or (after the ingress closed) a refused connection; never a
-    404, a reset or no answer."""
+    404, a reset or no answer. gRPC clients alongside get OK or UNAVAILABLE, never a deadline
+    passed without an answer."""
     from concurrent.futures import ThreadPoolExecutor
 
     from nimble.serve.lifecycle import _haproxy_below
@@ -514,8 +544,22 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
             except OSError as e:  # a reset after the request went out: no answer
                 seen.append(repr(e))
 
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(load, k) for k in range(4)]
+    def load_grpc(_):  # gRPC clients beside them: OK, or UNAVAILABLE (draining, or the port closed)
+        import tritonclient.grpc as tg
+        from tritonclient.utils import InferenceServerException
+
+        c = tg.InferenceServerClient(f"127.0.0.1:{server[3]}")
+        while not stop:
+            try:
+                c.infer("resnet", [grpc_input(image(1))], client_timeout=60)
+                seen_grpc.append("OK")
+            except InferenceServerException as e:
+                seen_grpc.append(e.status())
+                time.sleep(0.05)
+
+    seen_grpc: list = []
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(load, k) for k in range(4)] + [pool.submit(load_grpc, k) for k in range(2)]
         time.sleep(1.0)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
@@ -524,6 +568,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
             f.result()
     # nimble's 503s carry Retry-After; Ray's own, from a replica already shutting down, may not
     assert set(seen) <= {200, (503, "1"), (503, None), "refused"} and 200 in seen and (503, "1") in seen, set(seen)
+    assert set(seen_grpc) <= {"OK", "StatusCode.UNAVAILABLE"} and "OK" in seen_grpc, set(seen_grpc)
     text = log.read_text()
     assert "SIGTERM: shutting down" in text and text.rstrip().endswith("stopped")
     assert "Traceback" not in text
@@ -538,7 +583,7 @@ def test_a_server_killed_outright_leaves_nothing_behind(artifacts, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([NIMBLE, "serve", str(artifacts / "resnet.nimble"), "--port", str(port),
-                                 "--metrics-port", str(free_port()), "--device", "cpu"],
+                                 "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--device", "cpu"],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.time() + 240
     while "ready at" not in log.read_text():
