@@ -119,25 +119,21 @@ def one_row(metadata: dict) -> tuple[bytes, dict]:
     return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
 
 
-async def timed(url: str, clients: int, start: float, seconds: float, warmup: float, request=None) -> tuple[list[float], int]:
-    """`clients` closed-loop clients posting `request` (body, headers; default one 1x3x224x224 image
-    for input x) from `start` (a `time.perf_counter()` reading, which is one clock for every process
-    of the machine) for `warmup` + `seconds`: the latencies in ms and the errors of the timed part."""
-    import aiohttp
-
-    body, headers = request or one_row({"inputs": [{"name": "x", "shape": [-1, 3, 224, 224], "datatype": "FP32"}]})
+async def closed_loop(send, clients: int, start: float, seconds: float, warmup: float) -> tuple[list[float], int]:
+    """`clients` closed-loop callers of `send(k)` (an async call for client k that says whether the
+    answer was good) from `start` (a `time.perf_counter()` reading, which is one clock for every
+    process of the machine) for `warmup` + `seconds`: the latencies in ms and the errors of the
+    timed part."""
     latencies: list[float] = []
     errors = 0
     begin, end = start + warmup, start + warmup + seconds
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
 
-    async def client(session):
+    async def client(k):
         nonlocal errors
         while time.perf_counter() < end:
             t = time.perf_counter()
-            async with session.post(url, data=body, headers=headers) as r:
-                await r.read()
-                ok = r.status == 200
+            ok = await send(k)
             done = time.perf_counter()
             if t >= begin and done <= end:
                 if ok:
@@ -145,10 +141,24 @@ async def timed(url: str, clients: int, start: float, seconds: float, warmup: fl
                 else:
                     errors += 1
 
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return latencies, errors
+
+
+async def timed(url: str, clients: int, start: float, seconds: float, warmup: float, request=None) -> tuple[list[float], int]:
+    """`closed_loop` over HTTP: each client posts `request` (body, headers; default one
+    1x3x224x224 image for input x) to `url`."""
+    import aiohttp
+
+    body, headers = request or one_row({"inputs": [{"name": "x", "shape": [-1, 3, 224, 224], "datatype": "FP32"}]})
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(client(session) for _ in range(clients)))
-    return latencies, errors
+        async def send(_):
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                return r.status == 200
+
+        return await closed_loop(send, clients, start, seconds, warmup)
 
 
 def one_row_grpc(name: str, metadata: dict) -> bytes:
@@ -167,38 +177,27 @@ def one_row_grpc(name: str, metadata: dict) -> bytes:
 
 async def timed_grpc(target: str, clients: int, start: float, seconds: float, warmup: float, request: bytes,
                      channels: int = 4) -> tuple[list[float], int]:
-    """`timed` over the KServe v2 gRPC protocol: `clients` closed-loop callers of ModelInfer with
-    the serialized `request`, spread over `channels` HTTP/2 connections to `target` (host:port)."""
+    """`closed_loop` over the KServe v2 gRPC protocol: each client calls ModelInfer with the
+    serialized `request`, the clients spread over `channels` HTTP/2 connections to `target`
+    (host:port)."""
     import grpc
 
-    latencies: list[float] = []
-    errors = 0
-    begin, end = start + warmup, start + warmup + seconds
     options = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30)]
     opened = [grpc.aio.insecure_channel(target, options=options) for _ in range(max(1, min(channels, clients)))]
     calls = [c.unary_unary("/inference.GRPCInferenceService/ModelInfer") for c in opened]  # bytes in, bytes out
-    await asyncio.sleep(max(0.0, start - time.perf_counter()))
 
-    async def client(call):
-        nonlocal errors
-        while time.perf_counter() < end:
-            t = time.perf_counter()
-            try:
-                await call(request)
-                ok = True
-            except grpc.aio.AioRpcError:
-                ok = False
-            done = time.perf_counter()
-            if t >= begin and done <= end:
-                if ok:
-                    latencies.append((done - t) * 1e3)
-                else:
-                    errors += 1
+    async def send(k):
+        try:
+            await calls[k % len(calls)](request)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
 
-    await asyncio.gather(*(client(calls[k % len(calls)]) for k in range(clients)))
-    for c in opened:
-        await c.close()
-    return latencies, errors
+    try:
+        return await closed_loop(send, clients, start, seconds, warmup)
+    finally:
+        for c in opened:
+            await c.close()
 
 
 def load_figures(latencies: list[float], errors: int, clients: int, seconds: float) -> dict:

@@ -112,6 +112,26 @@ def in_process_latency_ms(artifact: Path, device: str) -> float:
     return sorted(times[50:])[len(times[50:]) // 2]
 
 
+RUNNING: list[subprocess.Popen] = []  # the servers started, stopped on any exit (`stop_servers`)
+
+
+def stop_servers() -> None:
+    """SIGTERM each server still running (its whole session: it started one of its own), then wait:
+    a benchmark cut by a timeout must leave no server holding the GPU and its ports."""
+    for proc in RUNNING:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for proc in RUNNING:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    RUNNING.clear()
+
+
 def start_server(nimble: list[str], artifact: Path, replicas: str, per_gpu: int, device: str):
     """`nimble serve` as a user starts it; (process, HTTP port, gRPC port, replicas started)."""
     port, grpc_port = free_port(), free_port()
@@ -119,6 +139,7 @@ def start_server(nimble: list[str], artifact: Path, replicas: str, per_gpu: int,
                              "--replicas", str(replicas), "--replicas-per-gpu", str(per_gpu), "--device", device,
                              "--metrics-port", str(free_port())],
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    RUNNING.append(proc)
     started = None
     for line in proc.stderr:
         found = re.search(r"on (\d+) (?:GPU|CPU) replica", line)
@@ -156,12 +177,22 @@ def main() -> int:
     if floor is not None:
         print(json.dumps({"in_process_latency_ms_b1": floor}), flush=True)
     rows = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` sends it: the finally below still runs
+    try:
+        measure(args, nimble, name, watch_gpus, rows)
+    finally:
+        stop_servers()
+    write_tables(args, rows, floor, watch_gpus)
+    return 0
+
+
+def measure(args, nimble: list[str], name: str, watch_gpus: bool, rows: list) -> None:
+    """Every configuration's rows, appended to `rows` as they are measured."""
     for per_gpu in args.per_gpu:
         for n in args.replicas:
             server = start_server(nimble, args.artifact, n, per_gpu, args.device)
             if server is None:
-                print(f"--replicas {n} --replicas-per-gpu {per_gpu}: nimble serve did not start", file=sys.stderr)
-                return 1
+                raise SystemExit(f"--replicas {n} --replicas-per-gpu {per_gpu}: nimble serve did not start")
             proc, port, grpc_port, started = server
             base = f"http://127.0.0.1:{port}/v2/models/{name}"
             metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
@@ -180,9 +211,11 @@ def main() -> int:
                         row["gpus"] = watch.stop()
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-            os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=120)
+            stop_servers()
             time.sleep(2)
+
+
+def write_tables(args, rows: list, floor: float | None, watch_gpus: bool) -> None:
     machine = f"{platform.node() or 'this machine'} ({os.cpu_count()} CPU cores"
     if watch_gpus:
         names = [n for (n,) in GpuWatch._query("gpu=name")]
@@ -205,7 +238,6 @@ def main() -> int:
     report.write(args.out, f"serve_scaling_{args.device}" + (f"_{args.tag}" if args.tag else ""), lines,
                  {"rows": rows, "command": sys.argv, "in_process_latency_ms_b1": floor})
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from ..ir import ITEMSIZE
 from ..ops import types
-from .protocol import DATATYPES, InferRequest, ModelInfo, ProtocolError, _from_json, _shape
+from .protocol import DATATYPES, InferRequest, ModelInfo, ProtocolError, _from_json, _shape, in_order
 
 SERVICE = "inference.GRPCInferenceService"
 SERVICER = "nimble.serve.grpc_protocol.add_servicer_to_server"  # what Ray Serve's gRPC options import
@@ -199,12 +199,7 @@ def decode(message, model: ModelInfo) -> InferRequest:
                 how = f"in contents.{field} or " if field else ""
                 raise ProtocolError(400, f"input '{info.name}' has no values; send them {how}in raw_input_contents")
             given[k] = _from_json(values, shape, info)
-    missing = [t.name for k, t in enumerate(model.inputs) if k not in given]
-    if missing:
-        raise ProtocolError(400, f"missing input {', '.join(repr(m) for m in missing)}")
-    rows = {t.shape[0] for t in given.values()} if model.batched else {1}
-    if len(rows) > 1:
-        raise ProtocolError(400, f"the inputs have different batch sizes ({', '.join(map(str, sorted(rows)))})")
+    tensors, rows = in_order(given, model)
     names = {t.name: k for k, t in enumerate(model.outputs)}
     outputs = []
     for entry in message.outputs:
@@ -213,8 +208,7 @@ def decode(message, model: ModelInfo) -> InferRequest:
         if any(k == names[entry.name] for k, _ in outputs):
             raise ProtocolError(400, f"output '{entry.name}' is asked for twice; name each output once")
         outputs.append((names[entry.name], True))
-    return InferRequest(message.id or None, [given[k] for k in range(len(given))], rows.pop(),
-                        outputs or [(k, True) for k in range(len(model.outputs))])
+    return InferRequest(message.id or None, tensors, rows, outputs or [(k, True) for k in range(len(model.outputs))])
 
 
 def encode(model: ModelInfo, request: InferRequest, outputs: list[torch.Tensor]):

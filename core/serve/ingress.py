@@ -11,7 +11,9 @@
   within `HEADER_TIMEOUT_S`, buffered by HAProxy before any replica sees the request (a body that
   drips in never takes a replica's slot), an idle client cut after `CLIENT_TIMEOUT_S`.
 - The drain: a flag file in the folder that every replica reads (`draining`), and the file each
-  replica keeps there while it holds no request (`idle_marker`).
+  replica keeps there while it holds no request (`idle_marker`). Once it is there, the wrapper
+  below starts no HAProxy: Ray Serve restarts an HAProxy that exits, and the stop's soft-stopped
+  one exits before Ray does.
 - No reuse of HAProxy's connections to the replicas (`http-reuse never`; Ray writes `always`). A
   request sent on a reused connection to a replica that then dies is closed without an answer,
   which HAProxy does so that a browser retries: a client of this server saw "remote end closed
@@ -106,6 +108,10 @@ def haproxy_environment(folder: Path, real_binary: str, models: list[str] = ()) 
         'if [ -n "$cfg" ] && ! grep -q "^# confined by nimble" "$cfg"; then',
         f'    sed -i {" ".join("-e " + shlex.quote(e) for e in edits)} "$cfg" && echo "# confined by nimble" >> "$cfg"',
         "fi",
+        # once the server drains, no HAProxy starts again: Ray Serve restarts one that exits, and the stop's
+        # soft-stopped HAProxy exits before Ray does; a new one would answer for models being taken down
+        f'if [ -e {shlex.quote(str(folder / DRAIN_FLAG))} ]; then echo "nimble serve is stopping: HAProxy is not '
+        'started again" >&2; exit 1; fi',
         f'exec {shlex.quote(real_binary)} "$@"',
         "",
     ])
@@ -152,9 +158,24 @@ def grpc_routes(models: list[str]) -> list[str]:
                      rf"\1acl nimble_model_\2 req.body,bytes(5,{len(prefix)}) -m bin {prefix.hex()}\n"
                      rf"\1use_backend \2 if nimble_model_\2/")
     if models:  # by name at run time (%[...]): before the first model is deployed, its backend does not exist,
-        # and HAProxy then takes the default backend (Ray's NOT_FOUND) where a plain name would not start
+        # and HAProxy then takes the default backend where a plain name would not start
         edits.append(rf"/^frontend grpc_frontend/,/^backend /s/^\(\s*\)default_backend default_grpc_backend\s*$/"
                      rf"\1use_backend %[str({grpc_backend(models[0])})]\n&/")
+        # ... whose answer to a request without an `application` header, Ray's NOT_FOUND, is then wrong: here
+        # it means that no model's backend is in HAProxy's config (the server is starting, or stopping), which
+        # a client should retry: UNAVAILABLE
+        edits.append(r's/^\(\s*http-request return status 200 content-type application\/grpc hdr grpc-status \)5'
+                     r'\( hdr grpc-message \)"Application metadata not set[^"]*"\s*$/\114\2"no model is served now '
+                     r'(the server is starting or stopping); send the request again"/')
+        # and a model whose replicas HAProxy sees down (a drain) falls back to Ray's Python proxy, which routes
+        # gRPC by the header tritonclient never sends, and so answered NOT_FOUND ("Application metadata not
+        # set"): the gRPC backends lose that fallback, and such a request gets HAProxy's 503, UNAVAILABLE
+        edits.append(r"/^\s*server \S* \S* proto h2 check backup\s*$/d")
+        # with no replica up, HAProxy's own 503 (which Ray's config serves as a 500) reaches a gRPC client as
+        # UNKNOWN: each gRPC backend answers UNAVAILABLE itself then
+        edits.append(r'/^backend grpc-/{n;s/^\(\s*\)mode http\s*$/&\n\1http-request return status 200 content-type '
+                     r'application\/grpc hdr grpc-status 14 hdr grpc-message "no replica of this model is up now; send '
+                     r'the request again" if { nbsrv lt 1 }/}')
     return edits
 
 

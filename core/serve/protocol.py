@@ -126,15 +126,21 @@ def decode(body: bytes, header_length: str | None, model: ModelInfo) -> InferReq
     if offset != len(binary):
         raise ProtocolError(400, f"{len(binary) - offset} bytes of binary data follow the inputs that no input "
                             "claims")
+    tensors, rows = in_order(given, model)
+    request_id = doc.get("id")
+    return InferRequest(request_id if isinstance(request_id, str) else None, tensors, rows, _outputs(doc, model))
+
+
+def in_order(given: dict[int, torch.Tensor], model: ModelInfo) -> tuple[list[torch.Tensor], int]:
+    """The decoded inputs (input index -> tensor) in the model's order, and their rows; 400 where
+    one is missing or their batch sizes differ."""
     missing = [t.name for k, t in enumerate(model.inputs) if k not in given]
     if missing:
         raise ProtocolError(400, f"missing input {', '.join(repr(m) for m in missing)}")
     rows = {t.shape[0] for t in given.values()} if model.batched else {1}
     if len(rows) > 1:
         raise ProtocolError(400, f"the inputs have different batch sizes ({', '.join(map(str, sorted(rows)))})")
-    request_id = doc.get("id")
-    return InferRequest(request_id if isinstance(request_id, str) else None, [given[k] for k in range(len(given))],
-                        rows.pop(), _outputs(doc, model))
+    return [given[k] for k in range(len(given))], rows.pop()
 
 
 def _not_json(constant: str):

@@ -177,3 +177,45 @@ def test_a_port_another_grpc_server_holds_is_refused_even_where_it_shares_ports(
 
     asyncio.run(held())
     refuse_taken_port("127.0.0.1:0")  # any free port: never refused
+
+
+def test_the_ingress_edits_route_by_model_and_answer_unavailable_where_no_model_is_served(tmp_path):
+    """The edits applied by sed, as the ingress's wrapper applies them, to the lines of Ray's
+    HAProxy config they concern (its shape in Ray 2.60)."""
+    import subprocess
+
+    from nimble.serve import ingress
+
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("\n".join([
+        "frontend grpc_frontend",
+        "    acl is_grpc-bert req.hdr(application) -m str bert",
+        "    use_backend grpc-bert if is_grpc-bert",
+        "    default_backend default_grpc_backend",
+        "backend default_grpc_backend",
+        '    http-request return status 200 content-type application/grpc hdr grpc-status 5 hdr grpc-message '
+        '"Application metadata not set. Ping /ray.serve.RayServeAPIService/ListApplications for available '
+        'applications."',
+        "backend grpc-bert",
+        "    mode http",
+        "    server r1 127.0.0.1:40001 proto h2 check",
+        "    server fallback 127.0.0.1:9500 proto h2 check backup",
+        "backend grpc-resnet",
+        "    mode http",
+        "    server r2 127.0.0.1:40002 proto h2 check",
+        "backend http-bert",
+        "    server fallback 127.0.0.1:8500 track http-bert/r1 backup", ""]))
+    subprocess.run(["sed", "-i", *[a for e in ingress.grpc_routes(["bert", "resnet"]) for a in ("-e", e)], str(config)],
+                   check=True)
+    lines = [line.strip() for line in config.read_text().splitlines()]
+    assert lines[1:6] == ["acl is_grpc-bert req.hdr(application) -m str bert",
+                          f"acl nimble_model_grpc-bert req.body,bytes(5,6) -m bin {g.model_name_prefix('bert').hex()}",
+                          "use_backend grpc-bert if nimble_model_grpc-bert", "use_backend grpc-bert if is_grpc-bert",
+                          "use_backend %[str(grpc-bert)]"]
+    status = next(line for line in lines if "grpc-status" in line)
+    assert "grpc-status 14" in status and "starting or stopping" in status, status
+    unavailable = ('http-request return status 200 content-type application/grpc hdr grpc-status 14 hdr grpc-message '
+                   '"no replica of this model is up now; send the request again" if { nbsrv lt 1 }')
+    assert lines[-10:] == ["backend grpc-bert", "mode http", unavailable, "server r1 127.0.0.1:40001 proto h2 check",
+                           "backend grpc-resnet", "mode http", unavailable, "server r2 127.0.0.1:40002 proto h2 check",
+                           "backend http-bert", "server fallback 127.0.0.1:8500 track http-bert/r1 backup"]

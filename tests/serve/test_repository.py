@@ -10,6 +10,8 @@ import pytest
 from nimble.errors import ArtifactError
 from nimble.model_files import MAX_REPOSITORY, repository
 
+from ..conftest import SAMPLES
+
 NIMBLE = str(Path(sys.executable).parent / "nimble")
 
 
@@ -54,5 +56,28 @@ def test_serve_refuses_a_repository_it_cannot_serve_in_one_line_before_ray(tmp_p
     says = {"empty folder": "no .nimble artifacts in it", "folder with --kernels": "cannot be matched to",
             "same name twice": "would both be model 'resnet'"}[case]
     assert done.returncode != 0 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "starting Ray" not in done.stderr
+    assert len([ln for ln in done.stderr.splitlines() if ln.strip()]) == 1, done.stderr
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    path = tmp_path_factory.mktemp("one") / "resnet.nimble"
+    done = subprocess.run([NIMBLE, "compile", str(SAMPLES / "resnet.pt"), "-s", "1x3x32x32", "-o", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--grpc-port", "70000"], "--grpc-port one from 0 (none) to 65535"),
+    (["--port", "18123", "--grpc-port", "18123"], "--grpc-port 18123 is also --port or --metrics-port"),
+    (["--replicas-per-gpu", "0"], "give 1 to 16 replicas per GPU"),
+    (["--replicas-per-gpu", "17"], "give 1 to 16 replicas per GPU"),
+])
+def test_serve_refuses_bad_ports_and_replica_counts_in_one_line_before_ray(artifact, flags, says):
+    done = subprocess.run([NIMBLE, "serve", str(artifact), *flags, "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "starting Ray" not in done.stderr
     assert len([ln for ln in done.stderr.splitlines() if ln.strip()]) == 1, done.stderr
