@@ -27,9 +27,9 @@ def serve_command(
                                  "--replicas-per-gpu on each GPU the Ray cluster has, or one on the CPU where it "
                                  "has none."),
     per_gpu: int = typer.Option(1, "--replicas-per-gpu", metavar="N", help="Replicas that share one GPU, each a "
-                                "process with its own copy of the model: more requests decoded and batched at "
-                                "once, and their CUDA graphs overlap on the GPU (docs/commands.md has measured "
-                                "figures)."),
+                                "process with its own copy of the model: a replica's request path, not the GPU, "
+                                "limits what it serves, so more of them serve more (8 on one H200 served 6.8 times "
+                                "one's resnet50 requests: docs/serve.md), at some latency when idle."),
     delay_ms: float = typer.Option(2.0, "--max-batch-delay-ms", metavar="MS", help="How long a request may wait "
                                    "for others to batch with, up to the artifact's largest batch size "
                                    "(compile --batch-sizes)."),

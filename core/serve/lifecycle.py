@@ -77,6 +77,8 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
         art = read_artifact(p)
         batches[name] = art.batch_sizes
     grpc = grpc_served(options)
+    if options.grpc_port and not grpc:
+        say("no gRPC: it is served through the haproxy ingress of a local Ray only (--ingress haproxy, no --address)")
     wanted = [("--port", options.host, options.port)]  # a local Ray's metrics bind every interface
     wanted += [("--grpc-port", options.host, options.grpc_port)] if grpc else []
     wanted += [("--metrics-port", "0.0.0.0", options.metrics_port)] if options.address is None else []
