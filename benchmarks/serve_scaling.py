@@ -193,7 +193,7 @@ def measure(args, nimble: list[str], name: str, watch_gpus: bool, rows: list) ->
             server = start_server(nimble, args.artifact, n, per_gpu, args.device)
             if server is None:
                 raise SystemExit(f"--replicas {n} --replicas-per-gpu {per_gpu}: nimble serve did not start")
-            proc, port, grpc_port, started = server
+            _, port, grpc_port, started = server
             base = f"http://127.0.0.1:{port}/v2/models/{name}"
             metadata = json.loads(urllib.request.urlopen(base, timeout=60).read())
             for protocol in args.protocols:

@@ -24,6 +24,7 @@ Routes (the KServe v2 protocol, and Triton's statistics extension):
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
 import time
@@ -257,28 +258,21 @@ class Model:
 
     async def ModelInfer(self, request, grpc_context=None):
         async def infer():
-            self._known(request.model_name)
             decoded = grpc_protocol.decode(request, self.info)
             return grpc_protocol.encode(self.info, decoded, await self._answer(decoded))
-        return await self._grpc(grpc_context, "ModelInferResponse", infer, serving=True)
+        return await self._grpc(grpc_context, "ModelInferResponse", infer, model=request.model_name, serving=True)
 
     async def ModelMetadata(self, request, grpc_context=None):
-        async def answer():
-            self._known(request.name)
-            return grpc_protocol.metadata(self.info)
-        return await self._grpc(grpc_context, "ModelMetadataResponse", answer)
+        return await self._grpc(grpc_context, "ModelMetadataResponse", lambda: grpc_protocol.metadata(self.info),
+                                model=request.name)
 
     async def ModelReady(self, request, grpc_context=None):
-        async def answer():
-            self._known(request.name)
-            return grpc_protocol.M["ModelReadyResponse"](ready=not ingress.draining(self._folder))
-        return await self._grpc(grpc_context, "ModelReadyResponse", answer)
+        return await self._grpc(grpc_context, "ModelReadyResponse", lambda: grpc_protocol.M["ModelReadyResponse"](
+            ready=not ingress.draining(self._folder)), model=request.name)
 
     async def ModelStatistics(self, request, grpc_context=None):
-        async def answer():
-            self._known(request.name)
-            return grpc_protocol.statistics(self.replica.stats.document(self.info.name))
-        return await self._grpc(grpc_context, "ModelStatisticsResponse", answer)
+        return await self._grpc(grpc_context, "ModelStatisticsResponse", lambda: grpc_protocol.statistics(
+            self.replica.stats.document(self.info.name)), model=request.name)
 
     async def ServerLive(self, request, grpc_context=None):
         return grpc_protocol.M["ServerLiveResponse"](live=True)
@@ -294,9 +288,8 @@ class Model:
             if request.repository_name:
                 raise ProtocolError(404, f"there is no repository '{request.repository_name[:100]}'; leave "
                                     "repository_name empty: this server has one")
-            return grpc_protocol.M["RepositoryIndexResponse"](
-                models=[grpc_protocol.M["ModelIndex"](**row)
-                        for row in await asyncio.to_thread(index, self._models, request.ready)])
+            rows = await asyncio.to_thread(index, self._models, request.ready)
+            return grpc_protocol.M["RepositoryIndexResponse"](models=[grpc_protocol.M["ModelIndex"](**r) for r in rows])
         return await self._grpc(grpc_context, "RepositoryIndexResponse", answer)
 
     def _known(self, name: str) -> None:
@@ -305,14 +298,18 @@ class Model:
             raise ProtocolError(404, f"unknown model '{name[:100]}'; this server has {known}" if name else
                                 f"the request names no model; this server has {known}")
 
-    async def _grpc(self, context, response: str, answer, serving: bool = False):
-        """`answer()`'s message, or the empty `response` with the gRPC status of its error (one line)."""
+    async def _grpc(self, context, response: str, answer, model: str | None = None, serving: bool = False):
+        """`answer()`'s message (awaited where it is a coroutine), for the request naming `model`
+        where given; or the empty `response` with the gRPC status of its error (one line)."""
         if serving and ingress.draining(self._folder):
             error = ProtocolError(503, "the server is shutting down; send the request again (to another server)")
         else:
             self._held += 1
             try:
-                return await answer()
+                if model is not None:
+                    self._known(model)
+                message = answer()
+                return await message if inspect.isawaitable(message) else message
             except ProtocolError as e:
                 error = e
             except Exception as e:  # a fault of nimble's: one line for the client, the traceback in the replica's log
@@ -323,9 +320,7 @@ class Model:
             finally:
                 self._held -= 1
         if context is not None:
-            import grpc
-
-            context.set_code(grpc_protocol.CODES.get(error.status, grpc.StatusCode.INTERNAL))
+            context.set_code(grpc_protocol.CODES.get(error.status, grpc_protocol.CODES[500]))
             context.set_details(str(error))
         return grpc_protocol.M[response]()
 

@@ -136,10 +136,7 @@ def _camel(name: str) -> str:
 def _classes() -> dict[str, type]:
     pool = descriptor_pool.DescriptorPool()  # its own pool: never clashes with a tritonclient imported beside it
     pool.Add(_schema())
-    get = getattr(message_factory, "GetMessageClass", None)
-    factory = None if get is not None else message_factory.MessageFactory(pool)
-    return {name: get(pool.FindMessageTypeByName(f"inference.{name}")) if get is not None else
-            factory.GetPrototype(pool.FindMessageTypeByName(f"inference.{name}")) for name in MESSAGES}
+    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"inference.{name}")) for name in MESSAGES}
 
 
 M = _classes()  # message name -> its class
@@ -157,7 +154,7 @@ def add_servicer_to_server(servicer, server) -> None:
 # a ProtocolError's HTTP status -> the gRPC status a client sees
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 422: grpc.StatusCode.FAILED_PRECONDITION,
-         503: grpc.StatusCode.UNAVAILABLE}
+         500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
 
 # a datatype -> the InferTensorContents field its values may come in (FP16 and BF16 only as raw bytes)
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -252,5 +249,6 @@ def model_name_prefix(name: str) -> bytes:
     5-byte gRPC frame header: field 1 (tag 0x0a), the name's length, the name. The ingress routes
     on them (`ingress.haproxy_environment`); a name is at most 64 bytes, so its length is one byte."""
     data = name.encode()
-    assert len(data) < 128
+    if len(data) >= 128:  # names are checked to 64 (lifecycle.NAME): a longer one would need a longer varint
+        raise ValueError(f"model name {name[:80]!r} is over 127 bytes")
     return b"\x0a" + bytes([len(data)]) + data
