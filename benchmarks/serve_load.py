@@ -213,8 +213,9 @@ def load_figures(latencies: list[float], errors: int, clients: int, seconds: flo
 
 async def load(url: str, clients: int, seconds: float, warmup: float, request=None) -> dict:
     """`clients` closed-loop clients in this process for `warmup` + `seconds`; what the timed part saw."""
-    latencies, errors = await timed(url, clients, time.perf_counter(), seconds, warmup, request)
-    return load_figures(latencies, errors, clients, seconds)
+    start = time.perf_counter()
+    latencies, errors = await timed(url, clients, start, seconds, warmup, request)
+    return load_figures(latencies, errors, clients, seconds) | {"window": [start + warmup, start + warmup + seconds]}
 
 
 def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: float, request=None) -> dict:
@@ -233,7 +234,8 @@ def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: floa
         list(pool.map(time.sleep, [0.5] * procs))  # every worker started and its imports done
         start = time.perf_counter() + 1.0
         parts = list(pool.map(_timed_in_process, [(url, n, start, seconds, warmup, request) for n in shares if n]))
-    return load_figures([ms for lat, _ in parts for ms in lat], sum(e for _, e in parts), clients, seconds)
+    return load_figures([ms for lat, _ in parts for ms in lat], sum(e for _, e in parts), clients, seconds) \
+        | {"window": [start + warmup, start + warmup + seconds]}  # on time.perf_counter(): one clock for all processes
 
 
 def _timed_in_process(job: tuple) -> tuple[list[float], int]:

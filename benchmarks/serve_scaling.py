@@ -29,12 +29,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import report
+from nimble.serve import timeline
 from serve_load import one_row, one_row_grpc, spread_load
 
 
@@ -90,6 +92,12 @@ def gpu_cell(gpus: list[dict]) -> str:
                      f"{len(g['processes'])} process{'es' if len(g['processes']) != 1 else ''}" for g in gpus)
 
 
+def busy_cell(busy: dict[str, float], names: dict[str, str]) -> str:
+    """Each device's busy part: GPUs by nvidia-smi's index where `names` maps their UUIDs."""
+    return "; ".join(f"{names.get(d, d[:12])}: {part * 100:.0f} %" for d, part in sorted(
+        busy.items(), key=lambda item: names.get(item[0], item[0]))) or "-"
+
+
 def in_process_latency_ms(artifact: Path, device: str) -> float:
     """The artifact's median latency at one row, called in this process: copy in, run, synchronize."""
     import torch
@@ -132,12 +140,13 @@ def stop_servers() -> None:
     RUNNING.clear()
 
 
-def start_server(nimble: list[str], artifact: Path, replicas: str, per_gpu: int, device: str):
-    """`nimble serve` as a user starts it; (process, HTTP port, gRPC port, replicas started)."""
+def start_server(nimble: list[str], artifact: Path, replicas: str, per_gpu: int, device: str, timeline: Path):
+    """`nimble serve` as a user starts it, each replica writing its calls to `timeline`; (process,
+    HTTP port, gRPC port, replicas started)."""
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([*nimble, "serve", str(artifact), "--port", str(port), "--grpc-port", str(grpc_port),
                              "--replicas", str(replicas), "--replicas-per-gpu", str(per_gpu), "--device", device,
-                             "--metrics-port", str(free_port())],
+                             "--metrics-port", str(free_port()), "--timeline", str(timeline)],
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     RUNNING.append(proc)
     started = None
@@ -190,7 +199,8 @@ def measure(args, nimble: list[str], name: str, watch_gpus: bool, rows: list) ->
     """Every configuration's rows, appended to `rows` as they are measured."""
     for per_gpu in args.per_gpu:
         for n in args.replicas:
-            server = start_server(nimble, args.artifact, n, per_gpu, args.device)
+            folder = Path(tempfile.mkdtemp(prefix="nimble-timeline-"))
+            server = start_server(nimble, args.artifact, n, per_gpu, args.device, folder)
             if server is None:
                 raise SystemExit(f"--replicas {n} --replicas-per-gpu {per_gpu}: nimble serve did not start")
             _, port, grpc_port, started = server
@@ -206,12 +216,13 @@ def measure(args, nimble: list[str], name: str, watch_gpus: bool, rows: list) ->
                     procs = min(args.client_procs, clients)
                     row = spread_load(target, clients, procs, args.seconds, args.warmup, request)
                     row |= {"replicas_asked": n, "replicas": started, "per_gpu": per_gpu, "protocol": protocol,
-                            "client_procs": procs}
+                            "client_procs": procs, "busy": timeline.busy(folder, *row["window"])}
                     if watch:
                         row["gpus"] = watch.stop()
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             stop_servers()
+            shutil.rmtree(folder, ignore_errors=True)
             time.sleep(2)
 
 
@@ -227,13 +238,18 @@ def write_tables(args, rows: list, floor: float | None, watch_gpus: bool) -> Non
              f"`python benchmarks/serve_scaling.py {' '.join(sys.argv[1:])}`."]
     if floor is not None:
         lines.append(f"In-process latency of the artifact at one row (copy in, run, synchronize; median): {floor:.3f} ms.")
-    lines += ["", "| --replicas | per GPU | replicas started | protocol | clients | requests/s | p50 ms | p99 ms | errors |"
-              + (" nvidia-smi in the timed window |" if watch_gpus else ""),
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
+    lines.append("Busy: per device, the part of the timed window in which some replica's call ran there, from the "
+                 "replicas' own timelines (`nimble serve --timeline`: on a GPU, CUDA events around each call's copy "
+                 "in, replay and copy out; on the CPU, the call on the host); calls of replicas that share a GPU "
+                 "count once where they overlap.")
+    lines += ["", "| --replicas | per GPU | replicas started | protocol | clients | requests/s | p50 ms | p99 ms | errors "
+              "| busy (replicas' timelines) |" + (" nvidia-smi in the timed window |" if watch_gpus else ""),
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
+    names = {uuid: f"GPU {index}" for index, uuid in GpuWatch._query("gpu=index,uuid")} if watch_gpus else {}
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("p50_ms", "p99_ms"))
         lines.append(f"| {r['replicas_asked']} | {r['per_gpu']} | {r['replicas']} | {r['protocol']} | {r['clients']} | "
-                     f"{r['throughput_per_s']:.1f} | {cells} | {r['errors']} |"
+                     f"{r['throughput_per_s']:.1f} | {cells} | {r['errors']} | {busy_cell(r['busy'], names)} |"
                      + (f" {gpu_cell(r['gpus'])} |" if watch_gpus else ""))
     report.write(args.out, f"serve_scaling_{args.device}" + (f"_{args.tag}" if args.tag else ""), lines,
                  {"rows": rows, "command": sys.argv, "in_process_latency_ms_b1": floor})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -66,6 +67,11 @@ def serve_command(
                                        "trust a program you run; a pack for another GPU, Triton or nimble is not "
                                        "used (one line in the replica's log says why). With NIMBLE_KERNEL_KEY set, "
                                        "the signed pack beside each artifact is used without --kernels."),
+    timeline: Path = typer.Option(None, "--timeline", metavar="DIR", help="For profiling: each replica writes a "
+                                  "line per call to DIR/replica-<pid>.jsonl (when its first request arrived, when "
+                                  "the call ran on the host and, on a GPU, there, from CUDA events; its rows). "
+                                  "benchmarks/serve_scaling.py reads them for how busy the GPUs were. A local Ray "
+                                  "only."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",
     debug: DebugOption = False,
@@ -110,6 +116,16 @@ def serve_command(
             raise UsageError("--max-batch-delay-ms must not be negative; --max-queue and --max-body must be positive")
         if not (0 < body_timeout <= 600 and 0 <= drain_timeout <= 3600):
             raise UsageError("--body-timeout takes seconds from above 0 to 600, --drain-timeout from 0 to 3600")
+        if timeline is not None:
+            if address is not None:
+                raise UsageError("--timeline needs the replicas on this machine: leave out --address")
+            try:
+                timeline.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--timeline {timeline}: cannot make the folder ({e.strerror}); name a folder you "
+                                 "can write") from None
+            if not os.access(timeline, os.W_OK | os.X_OK):
+                raise UsageError(f"--timeline {timeline}: the folder is not writable; name a folder you can write")
         if address is None:  # before Ray is imported: the Ray it starts listens on loopback only
             from nimble.serve.ingress import keep_local_ray_on_loopback
 
@@ -128,7 +144,8 @@ def serve_command(
                               device=device, tune=tune,
                               max_body=max_body, metrics_port=metrics_port, ingress=ingress,
                               body_timeout_s=body_timeout, drain_s=drain_timeout,
-                              kernels=tuple(str(k.resolve()) for k in kernels or ()))
+                              kernels=tuple(str(k.resolve()) for k in kernels or ()),
+                              timeline=timeline.resolve() if timeline is not None else None)
         started = None
         try:
             started = app.start(artifacts, options, say)

@@ -150,8 +150,8 @@ def replica_grpc_on_loopback() -> None:
 class Model:
     """One artifact behind /v2/models/<name>."""
 
-    def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int,
-                 threads: int, folder: str, body_timeout_s: float, kernels: str | None = None, models: tuple = ()):
+    def __init__(self, path: str, name: str, device: str, tune: str, delay_s: float, max_body: int, threads: int,
+                 folder: str, body_timeout_s: float, kernels: str | None = None, models: tuple = (), timeline=None):
         replica_grpc_on_loopback()
         import threading
         import uuid
@@ -168,8 +168,9 @@ class Model:
                                         [0.5, 1, 2, 5, 10, 20, 50, 100, 500], tags)
         self._gpu = metrics.Histogram("nimble_compute_ms", "time one call took on the device, ms",
                                       [0.5, 1, 2, 5, 10, 20, 50, 100, 500], tags)
+        self._busy_ms = metrics.Counter("nimble_device_busy_ms", "GPU time of the replica's calls, ms", tags)
         self._tags = {"model": name}
-        self.replica = Replica(path, name, device, tune, observe=self._observe, kernels=kernels)
+        self.replica = Replica(path, name, device, tune, observe=self._observe, kernels=kernels, timeline=timeline)
         self.info = self.replica.info
         self._max_body = max_body
         self.infer_batch.set_max_batch_size(self.info.max_batch)
@@ -191,10 +192,12 @@ class Model:
                 else:
                     Path(self._marker).unlink(missing_ok=True)
 
-    def _observe(self, rows: int, queue_s: float, compute_s: float) -> None:
+    def _observe(self, rows: int, queue_s: float, compute_s: float, device_s: float | None) -> None:
         self._rows.observe(rows, self._tags)
         self._queue.observe(queue_s * 1e3, self._tags)
         self._gpu.observe(compute_s * 1e3, self._tags)
+        if device_s is not None:
+            self._busy_ms.inc(device_s * 1e3, self._tags)
 
     @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.002, batch_size_fn=lambda items: sum(r.rows for r in items))
     async def infer_batch(self, requests: list) -> list:

@@ -41,6 +41,7 @@ class Options:
     folder: Path | None = None  # the server's private folder (ingress.private_folder); start makes one
     reaper: object = None  # the process that cleans up after a server killed outright (reaper.start)
     kernels: tuple = ()  # a trusted kernel pack's path per artifact, in their order (or none)
+    timeline: Path | None = None  # a folder where each replica writes its calls' timeline (timeline.py)
 
 
 def model_names(paths: list[Path]) -> dict[str, Path]:
@@ -144,7 +145,8 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
                 max_queued_requests=options.max_queue,
                 **backpressure(),
             ).bind(str(p.resolve()), name, device, options.tune, options.delay_ms / 1e3, options.max_body, threads,
-                   str(options.folder), options.body_timeout_s, packs.get(name), tuple(names))
+                   str(options.folder), options.body_timeout_s, packs.get(name), tuple(names),
+                   str(options.timeline) if options.timeline else None)
             serve.run(app, name=name, route_prefix=f"/v2/models/{name}")
         serve.run(Server.bind(list(names), str(options.folder)), name="nimble", route_prefix="/v2")
     except NimbleError:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NimbleError
+from . import timeline as timeline_mod
 from .protocol import InferRequest, ModelInfo, ProtocolError, model_info
 
 
@@ -30,6 +31,7 @@ class Stats:
     calls: int = 0
     queue_ns: int = 0
     compute_ns: int = 0
+    device_ns: int = 0  # on a GPU: its calls' time there, from CUDA events (not in Triton's document)
     last_ms: int = 0
     by_rows: dict[int, list[int]] = field(default_factory=dict)  # rows in one call -> [calls, compute ns]
 
@@ -49,11 +51,14 @@ class Stats:
 
 class Replica:
     """An artifact loaded for serving: `infer(requests)` answers each request with its outputs or
-    a ProtocolError. `observe(rows, queue_s, compute_s)` is called once per call (the
-    deployment's metrics)."""
+    a ProtocolError. `observe(rows, queue_s, compute_s, device_s)` is called once per call (the
+    deployment's metrics); `device_s`, the GPU time of the call from CUDA events recorded around
+    it (copy in, replay, copy out), is None on the CPU. With `timeline` (a folder), each call is
+    also written to the replica's timeline file there (`timeline.py`)."""
 
     def __init__(self, path: str | Path, name: str, device: str = "auto", tune: str = "cached",
-                 observe=lambda rows, queue_s, compute_s: None, kernels: str | None = None):
+                 observe=lambda rows, queue_s, compute_s, device_s: None, kernels: str | None = None,
+                 timeline: str | None = None):
         from ..runtime.opening import load
 
         self.exe = load(path, device, tune=tune, verify=True, kernels=kernels)
@@ -64,6 +69,11 @@ class Replica:
         self._sources = sorted({op.source for op in self.exe.graph.ops if op.source}, key=len, reverse=True)
         self._observe = observe
         self._lock = threading.Lock()  # one call at a time: the batch sizes share one arena
+        cuda = self.exe.device.type == "cuda"
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        self._clock = timeline_mod.GpuClock() if cuda and timeline else None
+        self._timeline = timeline_mod.Writer(timeline, timeline_mod.device_name() if cuda else "cpu") \
+            if timeline else None
 
     def check(self, request: InferRequest) -> None:
         """Raise ProtocolError (400) unless the request's tensors can run (index ranges included)."""
@@ -111,9 +121,18 @@ class Replica:
             with self._lock:
                 # each request's rows go straight into the input buffers, checked once as it arrived
                 # (`check`); answers are encoded after the lock is gone: copies, never views of the
-                # buffers the next call writes (.cpu() copies from the GPU once and waits for it; on
-                # the CPU, clone), which the encoder reads without another copy
-                outs = [o.cpu() if o.is_cuda else o.clone() for o in self.exe.run_rows([r.tensors for r in group])]
+                # buffers the next call writes (from the GPU into pinned memory, waited for at the end
+                # event; on the CPU, clone), which the encoder reads without another copy
+                if self._events is None:
+                    outs = [o.clone() for o in self.exe.run_rows([r.tensors for r in group])]
+                    device = None
+                else:
+                    begin, end = self._events
+                    begin.record()
+                    outs = [o.to("cpu", non_blocking=True) for o in self.exe.run_rows([r.tensors for r in group])]
+                    end.record()
+                    end.synchronize()
+                    device = begin.elapsed_time(end) / 1e3
         except NimbleError as e:
             for k in ids:
                 answers[k] = ProtocolError(400, self.for_client(str(e)))
@@ -132,8 +151,12 @@ class Replica:
         s.calls += 1
         s.queue_ns += int(queue * 1e9)
         s.compute_ns += int(compute * 1e9)
+        s.device_ns += int((device or 0.0) * 1e9)
         s.last_ms = int(time.time() * 1000)
         entry = s.by_rows.setdefault(rows, [0, 0])
         entry[0] += 1
         entry[1] += int(compute * 1e9)
-        self._observe(rows, queue / len(group), compute)
+        self._observe(rows, queue / len(group), compute, device)
+        if self._timeline is not None:
+            gpu = (self._clock.seconds(self._events[0]), self._clock.seconds(self._events[1])) if self._clock else None
+            self._timeline.call(min(r.received for r in group), (start, start + compute), gpu, rows)

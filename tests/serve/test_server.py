@@ -64,7 +64,7 @@ def server(artifacts, tmp_path_factory):
         proc = subprocess.Popen([NIMBLE, "serve", str(artifacts),  # a model repository: the folder's two artifacts
                                  "--port", str(port), "--metrics-port", str(metrics), "--grpc-port", str(grpc_port),
                                  "--max-batch-delay-ms", "50", "--max-ongoing", "4", "--max-queue", "2",
-                                 "--max-body", str(MAX_BODY), "--device", "cpu"],
+                                 "--max-body", str(MAX_BODY), "--device", "cpu", "--timeline", str(log.parent / "timeline")],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.time() + 240
     while "ready at" not in log.read_text():
@@ -131,6 +131,21 @@ def test_outputs_equal_nimble_run_for_the_same_inputs(server, artifacts, tmp_pat
                       outputs=[th.InferRequestedOutput("output", binary_data=binary)]).as_numpy("output")
         assert got.shape == (3, 10)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_each_call_is_on_its_replicas_timeline_and_measures_how_busy_the_device_was(server):
+    from nimble.serve import timeline
+
+    folder = server[2].parent / "timeline"
+    begin = time.perf_counter()  # the machine's monotonic clock, the replicas' too
+    client(server).infer("resnet", [infer_input(image(2, seed=3))])
+    end = time.perf_counter()
+    calls = timeline.read(folder)
+    assert set(calls) == {"cpu"} and len(list(folder.glob("replica-*.jsonl"))) == 2  # a replica per model
+    mine = [c for c in calls["cpu"] if begin <= c["host"][0] and c["host"][1] <= end]
+    assert [c["rows"] for c in mine] == [2] and "gpu" not in mine[0]
+    assert begin <= mine[0]["received"] <= mine[0]["host"][0]
+    assert 0 < timeline.busy(folder, begin, end)["cpu"] < 1
 
 
 def test_concurrent_requests_are_batched_together(server):
