@@ -119,33 +119,32 @@ def one_row(metadata: dict) -> tuple[bytes, dict]:
     return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
 
 
-async def closed_loop(send, clients: int, start: float, seconds: float, warmup: float) -> tuple[list[float], int]:
-    """`clients` closed-loop callers of `send(k)` (an async call for client k that says whether the
-    answer was good) from `start` (a `time.perf_counter()` reading, which is one clock for every
-    process of the machine) for `warmup` + `seconds`: the latencies in ms and the errors of the
-    timed part."""
+async def closed_loop(send, clients: int, start: float, seconds: float, warmup: float) -> tuple[list[float], dict]:
+    """`clients` closed-loop callers of `send(k)` (an async call for client k that returns None for a
+    good answer, else the kind of error) from `start` (a `time.perf_counter()` reading, which is one
+    clock for every process of the machine) for `warmup` + `seconds`: the latencies in ms and the
+    count of each kind of error of the timed part."""
     latencies: list[float] = []
-    errors = 0
+    errors: dict[str, int] = {}
     begin, end = start + warmup, start + warmup + seconds
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
 
     async def client(k):
-        nonlocal errors
         while time.perf_counter() < end:
             t = time.perf_counter()
-            ok = await send(k)
+            error = await send(k)
             done = time.perf_counter()
             if t >= begin and done <= end:
-                if ok:
+                if error is None:
                     latencies.append((done - t) * 1e3)
                 else:
-                    errors += 1
+                    errors[error] = errors.get(error, 0) + 1
 
     await asyncio.gather(*(client(k) for k in range(clients)))
     return latencies, errors
 
 
-async def timed(url: str, clients: int, start: float, seconds: float, warmup: float, request=None) -> tuple[list[float], int]:
+async def timed(url: str, clients: int, start: float, seconds: float, warmup: float, request=None) -> tuple[list[float], dict]:
     """`closed_loop` over HTTP: each client posts `request` (body, headers; default one
     1x3x224x224 image for input x) to `url`."""
     import aiohttp
@@ -154,9 +153,12 @@ async def timed(url: str, clients: int, start: float, seconds: float, warmup: fl
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
         async def send(_):
-            async with session.post(url, data=body, headers=headers) as r:
-                await r.read()
-                return r.status == 200
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    return None if r.status == 200 else f"HTTP {r.status}"
+            except aiohttp.ClientError as e:  # a connection refused or cut is an error of the load, not its end
+                return type(e).__name__
 
         return await closed_loop(send, clients, start, seconds, warmup)
 
@@ -176,7 +178,7 @@ def one_row_grpc(name: str, metadata: dict) -> bytes:
 
 
 async def timed_grpc(target: str, clients: int, start: float, seconds: float, warmup: float, request: bytes,
-                     channels: int = 4) -> tuple[list[float], int]:
+                     channels: int = 4) -> tuple[list[float], dict]:
     """`closed_loop` over the KServe v2 gRPC protocol: each client calls ModelInfer with the
     serialized `request`, the clients spread over `channels` HTTP/2 connections to `target`
     (host:port)."""
@@ -189,9 +191,9 @@ async def timed_grpc(target: str, clients: int, start: float, seconds: float, wa
     async def send(k):
         try:
             await calls[k % len(calls)](request)
-            return True
-        except grpc.aio.AioRpcError:
-            return False
+            return None
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {(e.details() or '')[:80]}"
 
     try:
         return await closed_loop(send, clients, start, seconds, warmup)
@@ -200,14 +202,15 @@ async def timed_grpc(target: str, clients: int, start: float, seconds: float, wa
             await c.close()
 
 
-def load_figures(latencies: list[float], errors: int, clients: int, seconds: float) -> dict:
-    """Throughput and latency percentiles of a timed load."""
+def load_figures(latencies: list[float], errors: dict[str, int], clients: int, seconds: float) -> dict:
+    """Throughput and latency percentiles of a timed load, and its errors by kind."""
     latencies = sorted(latencies)
 
     def pct(p):
         return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] if latencies else None
 
-    return {"clients": clients, "requests": len(latencies), "errors": errors, "seconds": seconds,
+    return {"clients": clients, "requests": len(latencies), "errors": sum(errors.values()), "error_kinds": errors,
+            "seconds": seconds,
             "throughput_per_s": len(latencies) / seconds, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99)}
 
 
@@ -234,11 +237,15 @@ def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: floa
         list(pool.map(time.sleep, [0.5] * procs))  # every worker started and its imports done
         start = time.perf_counter() + 1.0
         parts = list(pool.map(_timed_in_process, [(url, n, start, seconds, warmup, request) for n in shares if n]))
-    return load_figures([ms for lat, _ in parts for ms in lat], sum(e for _, e in parts), clients, seconds) \
+    kinds: dict[str, int] = {}
+    for _, errors in parts:
+        for kind, n in errors.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return load_figures([ms for lat, _ in parts for ms in lat], kinds, clients, seconds) \
         | {"window": [start + warmup, start + warmup + seconds]}  # on time.perf_counter(): one clock for all processes
 
 
-def _timed_in_process(job: tuple) -> tuple[list[float], int]:
+def _timed_in_process(job: tuple) -> tuple[list[float], dict]:
     return asyncio.run(timed(*job) if job[0].startswith("http") else timed_grpc(*job))
 
 

@@ -246,11 +246,16 @@ def write_tables(args, rows: list, floor: float | None, watch_gpus: bool) -> Non
               "| busy (replicas' timelines) |" + (" nvidia-smi in the timed window |" if watch_gpus else ""),
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if watch_gpus else "")]
     names = {uuid: f"GPU {index}" for index, uuid in GpuWatch._query("gpu=index,uuid")} if watch_gpus else {}
+    notes = []
     for r in rows:
+        if r["errors"]:
+            notes.append(f"{r['protocol']} at {r['clients']} clients, --replicas {r['replicas_asked']} --replicas-per-gpu "
+                         f"{r['per_gpu']}: errors {', '.join(f'{k} x {n}' for k, n in r['error_kinds'].items())}.")
         cells = " | ".join(f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("p50_ms", "p99_ms"))
         lines.append(f"| {r['replicas_asked']} | {r['per_gpu']} | {r['replicas']} | {r['protocol']} | {r['clients']} | "
                      f"{r['throughput_per_s']:.1f} | {cells} | {r['errors']} | {busy_cell(r['busy'], names)} |"
                      + (f" {gpu_cell(r['gpus'])} |" if watch_gpus else ""))
+    lines += [""] + notes if notes else []
     report.write(args.out, f"serve_scaling_{args.device}" + (f"_{args.tag}" if args.tag else ""), lines,
                  {"rows": rows, "command": sys.argv, "in_process_latency_ms_b1": floor})
     print("\n".join(lines))

@@ -52,7 +52,8 @@ def serve_command(
                                 "per node: about 17 ms per 600 KB request; no gRPC). A cluster (--address) uses "
                                 "what it was started with, and gets no gRPC from nimble."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
-                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms), on "
+                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms, and on a GPU "
+                                     "nimble_device_busy_ms), on "
                                      "every interface."),
     body_timeout: float = typer.Option(5.0, "--body-timeout", metavar="SECONDS", help="How long a request body may "
                                        "take to arrive, plus 2 s per MiB it declares (60 s at most); a slower one "
@@ -68,7 +69,7 @@ def serve_command(
                                        "used (one line in the replica's log says why). With NIMBLE_KERNEL_KEY set, "
                                        "the signed pack beside each artifact is used without --kernels."),
     timeline: Path = typer.Option(None, "--timeline", metavar="DIR", help="For profiling: each replica writes a "
-                                  "line per call to DIR/replica-<pid>.jsonl (when its first request arrived, when "
+                                  "line per call to DIR/replica-PID.jsonl (when its first request arrived, when "
                                   "the call ran on the host and, on a GPU, there, from CUDA events; its rows). "
                                   "benchmarks/serve_scaling.py reads them for how busy the GPUs were. A local Ray "
                                   "only."),

@@ -74,6 +74,8 @@ def artifact(tmp_path_factory):
     (["--port", "18123", "--grpc-port", "18123"], "--grpc-port 18123 is also --port or --metrics-port"),
     (["--replicas-per-gpu", "0"], "give 1 to 16 replicas per GPU"),
     (["--replicas-per-gpu", "17"], "give 1 to 16 replicas per GPU"),
+    (["--timeline", "/proc/self/nimble-timeline"], "--timeline /proc/self/nimble-timeline: cannot make the folder"),
+    (["--timeline", "/tmp", "--address", "auto"], "--timeline needs the replicas on this machine"),
 ])
 def test_serve_refuses_bad_ports_and_replica_counts_in_one_line_before_ray(artifact, flags, says):
     done = subprocess.run([NIMBLE, "serve", str(artifact), *flags, "--device", "cpu"], capture_output=True, text=True,
