@@ -32,7 +32,7 @@ def test_readme_has_exactly_two_setup_commands():
     commands = re.findall(r"```bash\n(.+?)\n```", setup, re.S)
     assert commands == [
         "pip install -e . && nimble compile sample_models/inception.pt --shape 1x3x224x224",
-        "pip install -e '.[test]' && pytest",
+        "pip install -e '.[test]' && pytest -n 2 --dist loadfile",
     ]
 
 

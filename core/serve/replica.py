@@ -125,14 +125,15 @@ class Replica:
                 # event; on the CPU, clone), which the encoder reads without another copy
                 if self._events is None:
                     outs = [o.clone() for o in self.exe.run_rows([r.tensors for r in group])]
-                    device = None
-                else:
+                    device = gpu = None
+                else:  # the events are read before the next call (another thread's) records them again
                     begin, end = self._events
                     begin.record()
                     outs = [o.to("cpu", non_blocking=True) for o in self.exe.run_rows([r.tensors for r in group])]
                     end.record()
                     end.synchronize()
                     device = begin.elapsed_time(end) / 1e3
+                    gpu = (self._clock.seconds(begin), self._clock.seconds(end)) if self._clock else None
         except NimbleError as e:
             for k in ids:
                 answers[k] = ProtocolError(400, self.for_client(str(e)))
@@ -158,5 +159,4 @@ class Replica:
         entry[1] += int(compute * 1e9)
         self._observe(rows, queue / len(group), compute, device)
         if self._timeline is not None:
-            gpu = (self._clock.seconds(self._events[0]), self._clock.seconds(self._events[1])) if self._clock else None
             self._timeline.call(min(r.received for r in group), (start, start + compute), gpu, rows)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -46,13 +47,16 @@ class Writer:
         # never through a link planted at that name: the file is the replica's own
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         self._file = os.fdopen(fd, "w", buffering=1)
+        self._lock = threading.Lock()  # a replica's calls end on its worker threads
         self._file.write(json.dumps({"device": device, "pid": os.getpid()}) + "\n")
 
     def call(self, received: float, host: tuple[float, float], gpu: tuple[float, float] | None, rows: int) -> None:
         line = {"received": round(received, 7), "host": [round(t, 7) for t in host], "rows": rows}
         if gpu is not None:
             line["gpu"] = [round(t, 7) for t in gpu]
-        self._file.write(json.dumps(line) + "\n")
+        text = json.dumps(line) + "\n"
+        with self._lock:
+            self._file.write(text)
 
 
 def device_name(index: int = 0) -> str:
