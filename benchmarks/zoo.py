@@ -33,6 +33,7 @@ after every model).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib
 import importlib.util
@@ -40,6 +41,7 @@ import json
 import logging
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -407,12 +409,16 @@ def main() -> int:
     parser.add_argument("--require-ok", action="store_true", help="exit 1 unless every model passes in every frontend "
                         "with the same op kinds and counts in both (for CI)")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--jobs", type=int, default=1, help="models swept at once, each in processes of its own "
+                        "(compile times are then shared-machine times)")
     parser.add_argument("--batch-sizes", help="compile each model with --batch-sizes (e.g. 1,2,4): the multi-batch "
                         "artifact's row-by-row proof and checks, model by model")
     parser.add_argument("--machine", default="the CPU builder", help="where this runs, for the table's header")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--build", nargs=3, metavar=("GROUP", "MODEL", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs takes 1 or more")
     import warnings
 
     warnings.simplefilter("ignore")
@@ -451,13 +457,19 @@ def main() -> int:
             "frontends": args.frontends, "batch_sizes": args.batch_sizes,
             "command": "python benchmarks/zoo.py " + shlex.join(sys.argv[1:])}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for group, name in work:
-            rows.append(sweep_one(torchvision, group, name, args.frontends, args.timeout, Path(tmp), args.batch_sizes))
-            print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        def one(k: int, group: str, name: str) -> dict:  # each model in a folder of its own, removed after it
+            folder = Path(tmp) / str(k)
+            folder.mkdir()
+            try:
+                return sweep_one(torchvision, group, name, args.frontends, args.timeout, folder, args.batch_sizes)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+        for row in pool.map(one, range(len(work)), *zip(*work)) if work else []:  # in the models' order
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             write(args.out, meta, rows)
-            for p in Path(tmp).iterdir():
-                p.unlink()
     failed = [f"{r['model']} ({f}: {r[f]['status']})" for r in rows for f in args.frontends
               if f in r and r[f]["status"] != "ok"] + [r["model"] for r in rows if r["status"].startswith("not built")]
     failed += [f"{r['model']} (the frontends' op kinds differ)" for r in rows if r.get("same_op_kinds") is False]
