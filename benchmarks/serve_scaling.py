@@ -4,8 +4,10 @@ GPU the replicas run on the CPU, each with its share of the cores:
 
     python benchmarks/serve_scaling.py ARTIFACT --replicas 1 2 --clients 16 --device cpu --out benchmarks/results
 
-On a machine with GPUs, `--replicas 1 auto` compares one replica with one per GPU, and nvidia-smi,
-sampled through each timed window, shows which GPUs were busy and how many processes each held:
+Each server is started with `--timeline`: the replicas' own record of their calls gives, per
+device, the part of each timed window in which one of them ran (the busy column). On a machine
+with GPUs, `--replicas 1 auto` compares one replica with one per GPU, and nvidia-smi, sampled
+through each timed window, shows beside it which GPUs were busy and how many processes each held:
 
     python benchmarks/serve_scaling.py resnet50.nimble --replicas 1 auto --clients 64 --client-procs 4 \
         --device cuda --out benchmarks/results
