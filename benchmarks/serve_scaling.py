@@ -218,7 +218,8 @@ def measure(args, nimble: list[str], name: str, watch_gpus: bool, rows: list) ->
                     procs = min(args.client_procs, clients)
                     row = spread_load(target, clients, procs, args.seconds, args.warmup, request)
                     row |= {"replicas_asked": n, "replicas": started, "per_gpu": per_gpu, "protocol": protocol,
-                            "client_procs": procs, "busy": timeline.busy(folder, *row["window"])}
+                            "client_procs": procs, "busy": timeline.busy(folder, *row["window"]),
+                            "stages": timeline.stages(folder, *row["window"])}
                     if watch:
                         row["gpus"] = watch.stop()
                     rows.append(row)
@@ -258,6 +259,17 @@ def write_tables(args, rows: list, floor: float | None, watch_gpus: bool) -> Non
                      f"{r['throughput_per_s']:.1f} | {cells} | {r['errors']} | {busy_cell(r['busy'], names)} |"
                      + (f" {gpu_cell(r['gpus'])} |" if watch_gpus else ""))
     lines += [""] + notes if notes else []
+    lines += ["", "Where a request's time goes (medians, ms; the replicas' timelines): the client's p50, the part "
+              "in the replica from its handler taking the request to the answer encoded, and the rest (the "
+              "proxy's and Ray Serve's, both ways; from medians, so an estimate).", "",
+              f"| --replicas | per GPU | protocol | clients | client p50 | outside the replica | in the replica | "
+              f"{' | '.join(timeline.STAGES)} |", "|" + " --- |" * (7 + len(timeline.STAGES))]
+    for r in rows:
+        st = r.get("stages")
+        if st and r["p50_ms"] is not None:
+            lines.append(f"| {r['replicas_asked']} | {r['per_gpu']} | {r['protocol']} | {r['clients']} | "
+                         f"{r['p50_ms']:.2f} | {r['p50_ms'] - st['in the replica']:.2f} | {st['in the replica']:.2f} | "
+                         + " | ".join(f"{st[k]:.2f}" for k in timeline.STAGES) + " |")
     report.write(args.out, f"serve_scaling_{args.device}" + (f"_{args.tag}" if args.tag else ""), lines,
                  {"rows": rows, "command": sys.argv, "in_process_latency_ms_b1": floor})
     print("\n".join(lines))

@@ -70,8 +70,9 @@ def serve_command(
                                        "the signed pack beside each artifact is used without --kernels."),
     timeline: Path = typer.Option(None, "--timeline", metavar="DIR", help="For profiling: each replica writes a "
                                   "line per call to DIR/replica-PID.jsonl (when its first request arrived, when "
-                                  "the call ran on the host and, on a GPU, there, from CUDA events; its rows). "
-                                  "benchmarks/serve_scaling.py reads them for how busy the GPUs were. A local Ray "
+                                  "the call ran on the host and, on a GPU, there, from CUDA events; its rows) and "
+                                  "one per request (taken, decoded, its call, encoded). benchmarks/serve_scaling.py "
+                                  "reads them: how busy the GPUs were, where a request's time went. A local Ray "
                                   "only."),
     device: DeviceOption = "auto",
     tune: TuneOption = "cached",

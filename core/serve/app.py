@@ -35,8 +35,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import __version__
-from . import ingress
-from . import grpc_protocol
+from . import grpc_protocol, ingress
+from .loopback import replica_grpc_on_loopback
 from .protocol import HEADER_LENGTH, InferRequest, ProtocolError, decode, encode, error_body
 from .replica import Replica
 
@@ -108,42 +108,6 @@ async def _body(request: Request, limit: int) -> bytes:
 # file for every request: about 4 % of a replica's time under load)
 SHUTDOWN = {"graceful_shutdown_timeout_s": 5.0, "graceful_shutdown_wait_loop_s": 0.2,
             "logging_config": {"log_level": "WARNING", "enable_access_log": False}}
-
-
-def replica_grpc_on_loopback() -> None:
-    """Ray Serve binds each replica's gRPC servers to `[::]`, every interface, with no option (Ray
-    2.60, ray/serve/_private: the inter-deployment one in replica.py `_on_initialized`, port 0; the
-    direct-ingress one that HAProxy forwards gRPC requests to, in grpc_util.py `start_grpc_server`
-    through default_impl.add_grpc_address). On a Ray whose node is 127.0.0.1 (the one `nimble
-    serve` starts: `ingress.LOOPBACK_RAY`), this replica binds both to 127.0.0.1 instead, where
-    the other replicas and HAProxy reach them. Called in every process of that Ray as it starts
-    (a worker setup hook: the fallback proxy's gRPC server too) and in each replica's `__init__`,
-    before either server starts; where Ray's code differs, nothing changes (and
-    `tests/serve/test_server.py` fails on the listener it sees).
-
-    The direct-ingress server also takes only a port no other process holds
-    (`ingress.refuse_taken_port`): Ray asks gRPC for no SO_REUSEPORT with a string where gRPC
-    reads an integer, so the option is lost, and every nimble server of a machine numbers its
-    replicas' ports alike (from 40000): a second server's replica bound the first one's port, and
-    the kernel then split the second server's gRPC requests between both servers' replicas."""
-    import ray
-    from ray.serve._private import default_impl, replica
-
-    local = ray.util.get_node_ip_address() == "127.0.0.1"
-    for module, name in ((replica, "add_port_to_grpc_server"), (default_impl, "add_grpc_address")):
-        real = getattr(module, name, None)
-        if real is None or getattr(real, "on_loopback", False):
-            continue
-
-        def on_loopback(server, address: str, real=real, name=name):
-            if local and address.startswith("[::]:"):
-                address = "127.0.0.1:" + address[len("[::]:"):]
-            if name == "add_grpc_address":
-                ingress.refuse_taken_port(address)
-            return real(server, address)
-
-        on_loopback.on_loopback = True
-        setattr(module, name, on_loopback)
 
 
 @serve.deployment(**SHUTDOWN)
@@ -237,9 +201,12 @@ class Model:
             self._held -= 1
 
     async def _infer(self, request: Request) -> Response:
+        arrived = time.perf_counter()
         body = await _body_within(request, self._max_body, self._body_timeout_s)
         decoded = decode(body, request.headers.get(HEADER_LENGTH.lower()), self.info)
+        decoded.arrived = arrived
         content, headers = encode(self.info, decoded, await self._answer(decoded))
+        self.replica.answered(decoded)
         return Response(content, headers=headers)
 
     async def _answer(self, decoded: InferRequest) -> list:
@@ -260,9 +227,14 @@ class Model:
     # health and metadata, the repository index, an unknown model) to the first model's.
 
     async def ModelInfer(self, request, grpc_context=None):
+        arrived = time.perf_counter()
+
         async def infer():
             decoded = grpc_protocol.decode(request, self.info)
-            return grpc_protocol.encode(self.info, decoded, await self._answer(decoded))
+            decoded.arrived = arrived
+            message = grpc_protocol.encode(self.info, decoded, await self._answer(decoded))
+            self.replica.answered(decoded)
+            return message
         return await self._grpc(grpc_context, "ModelInferResponse", infer, model=request.model_name, serving=True)
 
     async def ModelMetadata(self, request, grpc_context=None):

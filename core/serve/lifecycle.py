@@ -106,7 +106,7 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
             ingress.keep_local_ray_on_loopback()  # for the processes Ray starts; the driver's is checked below
             ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1",
                      _metrics_export_port=options.metrics_port, _temp_dir=str(options.folder / "ray"),
-                     runtime_env={"worker_process_setup_hook": "nimble.serve.app.replica_grpc_on_loopback"})
+                     runtime_env={"worker_process_setup_hook": "nimble.serve.loopback.replica_grpc_on_loopback"})
         finally:
             signal.signal(signal.SIGINT, before)
         if ray.util.get_node_ip_address() != "127.0.0.1":  # Ray was imported before nimble could set it

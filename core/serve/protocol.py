@@ -79,6 +79,8 @@ class InferRequest:
     rows: int  # the batch: the first dimension of every input (1 for a model of fixed shapes)
     outputs: list[tuple[int, bool]] = field(default_factory=list)  # (output index, as binary data)
     received: float = 0.0  # time.perf_counter() when it was decoded (queue time)
+    arrived: float = 0.0  # ... when the replica's handler took it, before its body was read (the timeline)
+    ran: tuple[float, float] | None = None  # ... when the call that answered it began and ended (the timeline)
 
 
 def decode(body: bytes, header_length: str | None, model: ModelInfo) -> InferRequest:

@@ -82,6 +82,11 @@ class Replica:
         except NimbleError as e:
             raise ProtocolError(400, self.for_client(str(e))) from None
 
+    def answered(self, request: InferRequest) -> None:
+        """Called once a request's answer is encoded: its stages go to the timeline, if any."""
+        if self._timeline is not None and request.ran is not None:
+            self._timeline.request(request.arrived, request.received, request.ran, time.perf_counter())
+
     def for_client(self, message: str) -> str:
         """`message` without the artifact's recorded source paths."""
         for source in self._sources:
@@ -144,6 +149,7 @@ class Replica:
         for r, k in zip(group, ids):
             answers[k] = [o[at:at + r.rows] for o in outs] if self.info.batched else outs
             at += r.rows
+            r.ran = (start, start + compute)
         rows = sum(r.rows for r in group)
         queue = sum(start - r.received for r in group)
         s = self.stats

@@ -7,6 +7,9 @@ out), all on the machine's monotonic clock (`time.perf_counter()`, one clock for
 a Linux machine), and its rows. A GPU event's time on that clock is the time a reference event
 completed (`GpuClock`, taken when the replica started) plus the device time between the two.
 
+Each request answered is a line too: when the replica's handler took it, when it was decoded,
+when its call began and ended, and when its answer was encoded (`stages` gives their medians).
+
 `busy(DIR, begin, end)` reads every replica's file and measures, per GPU, the union of its calls'
 device intervals inside [begin, end] over the window: how much of the time some replica's work ran
 on it. Replicas that share a GPU overlap; their sum would count the overlap twice.
@@ -54,6 +57,14 @@ class Writer:
         line = {"received": round(received, 7), "host": [round(t, 7) for t in host], "rows": rows}
         if gpu is not None:
             line["gpu"] = [round(t, 7) for t in gpu]
+        self._write(line)
+
+    def request(self, arrived: float, decoded: float, ran: tuple[float, float], encoded: float) -> None:
+        """One request's stages: taken by the replica's handler, decoded, its call's start and end,
+        its answer encoded."""
+        self._write({"request": [round(t, 7) for t in (arrived, decoded, *ran, encoded)]})
+
+    def _write(self, line: dict) -> None:
         text = json.dumps(line) + "\n"
         with self._lock:
             self._file.write(text)
@@ -67,10 +78,9 @@ def device_name(index: int = 0) -> str:
     return f"GPU-{uuid}" if uuid is not None else f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', index)}"
 
 
-def read(folder: str | Path) -> dict[str, list[dict]]:
-    """device -> its replicas' call lines, from every timeline file in `folder` (lines that are not
-    a call of ours, and a last line cut short, are skipped)."""
-    calls: dict[str, list[dict]] = {}
+def _lines(folder: str | Path):
+    """(device, line) for every line of every timeline file in `folder` after its first (lines
+    that are not a JSON object, a last line cut short, and lines over MAX_LINE are skipped)."""
     for path in sorted(Path(folder).glob("replica-*.jsonl")):
         device = None
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -86,9 +96,43 @@ def read(folder: str | Path) -> dict[str, list[dict]]:
                 if device is None:
                     device = str(line.get("device", path.name))[:200]
                     continue
-                if _interval(line.get("gpu")) is not None or _interval(line.get("host")) is not None:
-                    calls.setdefault(device, []).append(line)
+                yield device, line
+
+
+def read(folder: str | Path) -> dict[str, list[dict]]:
+    """device -> its replicas' call lines, from every timeline file in `folder` (lines that are not
+    a call of ours are skipped)."""
+    calls: dict[str, list[dict]] = {}
+    for device, line in _lines(folder):
+        if _interval(line.get("gpu")) is not None or _interval(line.get("host")) is not None:
+            calls.setdefault(device, []).append(line)
     return calls
+
+
+STAGES = ("taken to decoded", "decoded to call", "call", "call to encoded")
+
+
+def stages(folder: str | Path, begin: float, end: float) -> dict[str, float] | None:
+    """The medians, in ms, of where the requests that the replicas took within [begin, end] spent
+    their time inside the replica (STAGES: the body read and decoded; waiting for a call, i.e.
+    batch formation and the lock; the call: copy in, replay, copy out; the answer back on the
+    event loop and encoded), their sum as "in the replica", and "requests"; None if there were none.
+    What a client sees beyond "in the replica" is the proxy's and Ray Serve's."""
+    spans = []
+    for _, line in _lines(folder):
+        times = line.get("request")
+        if isinstance(times, list) and len(times) == 5 and all(isinstance(t, (int, float)) for t in times) \
+                and all(a <= b for a, b in zip(times, times[1:])) and begin <= times[0] and times[4] <= end:
+            spans.append(times)
+    if not spans:
+        return None
+
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        return values[len(values) // 2] * 1e3
+
+    out = {name: median([t[k + 1] - t[k] for t in spans]) for k, name in enumerate(STAGES)}
+    return out | {"in the replica": median([t[4] - t[0] for t in spans]), "requests": len(spans)}
 
 
 def _interval(value) -> tuple[float, float] | None:

@@ -107,3 +107,22 @@ def test_a_link_planted_where_a_replica_writes_its_timeline_is_refused(tmp_path)
     with pytest.raises(OSError):
         timeline.Writer(tmp_path, "cpu")
     assert target.read_text() == "keep"
+
+
+def test_a_requests_stages_are_the_medians_of_well_formed_lines_inside_the_window(tmp_path):
+    from nimble.serve import timeline
+
+    lines = [{"device": "cpu"},
+             {"request": [1.0, 1.001, 1.002, 1.006, 1.007]},  # 1 ms to decode, 1 to wait, 4 of call, 1 back
+             {"request": [2.0, 2.003, 2.004, 2.008, 2.009]},
+             {"request": [2.5, 2.503, 2.504, 2.508, 2.509]},
+             {"request": [0.5, 0.6, 0.7, 0.8, 0.9]},  # taken before the window
+             {"request": [3.0, 2.0, 3.1, 3.2, 3.3]},  # runs backwards
+             {"request": [3.0, 3.1, "x", 3.2, 3.3]}, {"request": [3.0]}, {"host": [1.0, 1.5], "rows": 1}]
+    (tmp_path / "replica-1.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    got = timeline.stages(tmp_path, 1.0, 3.0)
+    assert got["requests"] == 3
+    assert got["taken to decoded"] == pytest.approx(3.0) and got["call"] == pytest.approx(4.0)
+    assert got["decoded to call"] == pytest.approx(1.0) and got["call to encoded"] == pytest.approx(1.0)
+    assert got["in the replica"] == pytest.approx(9.0)
+    assert timeline.stages(tmp_path, 5.0, 6.0) is None
