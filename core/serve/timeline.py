@@ -42,8 +42,9 @@ class GpuClock:
 
 
 class Writer:
-    """One replica's timeline file, a line a call, written as the call ends (line-buffered: a
-    replica killed outright loses at most the line it was writing)."""
+    """One replica's timeline file: a line a call, written as the call ends, and a line a request,
+    written once its answer is encoded (line-buffered: a replica killed outright loses at most the
+    line it was writing)."""
 
     def __init__(self, folder: str | Path, device: str):
         path = Path(folder) / f"replica-{os.getpid()}.jsonl"
