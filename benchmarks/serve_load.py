@@ -202,15 +202,16 @@ async def timed_grpc(target: str, clients: int, start: float, seconds: float, wa
             await c.close()
 
 
-def load_figures(latencies: list[float], errors: dict[str, int], clients: int, seconds: float) -> dict:
-    """Throughput and latency percentiles of a timed load, and its errors by kind."""
+def load_figures(latencies: list[float], errors: dict[str, int], clients: int, begin: float, seconds: float) -> dict:
+    """Throughput and latency percentiles of a load timed from `begin` (on `time.perf_counter()`: one
+    clock for every process of the machine) for `seconds`, and its errors by kind."""
     latencies = sorted(latencies)
 
     def pct(p):
         return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] if latencies else None
 
     return {"clients": clients, "requests": len(latencies), "errors": sum(errors.values()), "error_kinds": errors,
-            "seconds": seconds,
+            "seconds": seconds, "window": [begin, begin + seconds],
             "throughput_per_s": len(latencies) / seconds, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99)}
 
 
@@ -218,7 +219,7 @@ async def load(url: str, clients: int, seconds: float, warmup: float, request=No
     """`clients` closed-loop clients in this process for `warmup` + `seconds`; what the timed part saw."""
     start = time.perf_counter()
     latencies, errors = await timed(url, clients, start, seconds, warmup, request)
-    return load_figures(latencies, errors, clients, seconds) | {"window": [start + warmup, start + warmup + seconds]}
+    return load_figures(latencies, errors, clients, start + warmup, seconds)
 
 
 def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: float, request=None) -> dict:
@@ -241,8 +242,7 @@ def spread_load(url: str, clients: int, procs: int, seconds: float, warmup: floa
     for _, errors in parts:
         for kind, n in errors.items():
             kinds[kind] = kinds.get(kind, 0) + n
-    return load_figures([ms for lat, _ in parts for ms in lat], kinds, clients, seconds) \
-        | {"window": [start + warmup, start + warmup + seconds]}  # on time.perf_counter(): one clock for all processes
+    return load_figures([ms for lat, _ in parts for ms in lat], kinds, clients, start + warmup, seconds)
 
 
 def _timed_in_process(job: tuple) -> tuple[list[float], dict]:

@@ -458,7 +458,8 @@ def main() -> int:
             "command": "python benchmarks/zoo.py " + shlex.join(sys.argv[1:])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        def one(k: int, group: str, name: str) -> dict:  # each model in a folder of its own, removed after it
+        def one(item: tuple[int, tuple[str, str]]) -> dict:  # each model in a folder of its own, removed after it
+            k, (group, name) = item
             folder = Path(tmp) / str(k)
             folder.mkdir()
             try:
@@ -466,7 +467,7 @@ def main() -> int:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
 
-        for row in pool.map(one, range(len(work)), *zip(*work)) if work else []:  # in the models' order
+        for row in pool.map(one, enumerate(work)):  # in the models' order
             rows.append(row)
             print(json.dumps(row), flush=True)
             write(args.out, meta, rows)

@@ -52,9 +52,8 @@ def serve_command(
                                 "per node: about 17 ms per 600 KB request; no gRPC). A cluster (--address) uses "
                                 "what it was started with, and gets no gRPC from nimble."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Where a local Ray exports Prometheus metrics "
-                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms, and on a GPU "
-                                     "nimble_device_busy_ms), on "
-                                     "every interface."),
+                                     "(Ray Serve's, and nimble_batch_rows, nimble_queue_ms, nimble_compute_ms, and "
+                                     "on a GPU nimble_device_busy_ms), on every interface."),
     body_timeout: float = typer.Option(5.0, "--body-timeout", metavar="SECONDS", help="How long a request body may "
                                        "take to arrive, plus 2 s per MiB it declares (60 s at most); a slower one "
                                        "is answered 408 and its slot freed."),

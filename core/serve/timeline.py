@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -105,7 +106,7 @@ def read(folder: str | Path) -> dict[str, list[dict]]:
     a call of ours are skipped)."""
     calls: dict[str, list[dict]] = {}
     for device, line in _lines(folder):
-        if _interval(line.get("gpu")) is not None or _interval(line.get("host")) is not None:
+        if _times(line.get("gpu"), 2) is not None or _times(line.get("host"), 2) is not None:
             calls.setdefault(device, []).append(line)
     return calls
 
@@ -119,27 +120,19 @@ def stages(folder: str | Path, begin: float, end: float) -> dict[str, float] | N
     batch formation and the lock; the call: copy in, replay, copy out; the answer back on the
     event loop and encoded), their sum as "in the replica", and "requests"; None if there were none.
     What a client sees beyond "in the replica" is the proxy's and Ray Serve's."""
-    spans = []
-    for _, line in _lines(folder):
-        times = line.get("request")
-        if isinstance(times, list) and len(times) == 5 and all(isinstance(t, (int, float)) for t in times) \
-                and all(a <= b for a, b in zip(times, times[1:])) and begin <= times[0] and times[4] <= end:
-            spans.append(times)
+    spans = [t for t in (_times(line.get("request"), 5) for _, line in _lines(folder))
+             if t is not None and begin <= t[0] and t[-1] <= end]
     if not spans:
         return None
-
-    def median(values: list[float]) -> float:
-        values = sorted(values)
-        return values[len(values) // 2] * 1e3
-
-    out = {name: median([t[k + 1] - t[k] for t in spans]) for k, name in enumerate(STAGES)}
-    return out | {"in the replica": median([t[4] - t[0] for t in spans]), "requests": len(spans)}
+    out = {name: statistics.median(t[k + 1] - t[k] for t in spans) * 1e3 for k, name in enumerate(STAGES)}
+    return out | {"in the replica": statistics.median(t[-1] - t[0] for t in spans) * 1e3, "requests": len(spans)}
 
 
-def _interval(value) -> tuple[float, float] | None:
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(t, (int, float)) for t in value) \
-            and value[0] <= value[1]:
-        return float(value[0]), float(value[1])
+def _times(value, count: int) -> tuple[float, ...] | None:
+    """`value` as `count` times that never run backwards, or None where it is anything else."""
+    if isinstance(value, list) and len(value) == count and all(isinstance(t, (int, float)) for t in value) \
+            and all(a <= b for a, b in zip(value, value[1:])):
+        return tuple(float(t) for t in value)
     return None
 
 
@@ -162,6 +155,6 @@ def busy(folder: str | Path, begin: float, end: float) -> dict[str, float]:
         raise ValueError(f"the window [{begin}, {end}] is empty")
     out = {}
     for device, lines in read(folder).items():
-        spans = [_interval(line.get("gpu")) or _interval(line.get("host")) for line in lines]
+        spans = [_times(line.get("gpu"), 2) or _times(line.get("host"), 2) for line in lines]
         out[device] = union_seconds([s for s in spans if s is not None], begin, end) / window
     return out
