@@ -5,8 +5,9 @@ second or more to import sympy and torch._dynamo the first time.
 `infer(target, args, kwargs)` returns the op's results as meta tensors, or None where no rule
 applies (an op without one, or inputs outside what a rule covers: non-contiguous or mixed-dtype
 tensors, integer inputs to ops that promote). The caller then runs the meta kernel. Each rule is
-checked against the meta kernel in tests/test_shapes.py. `without_dynamo_import` makes the
-meta kernels that remain cheaper on their first call.
+checked against the meta kernel in tests/frontend/test_shapes.py; the elementwise rules are in
+`elementwise.py`. `without_dynamo_import` makes the meta kernels that remain cheaper on their
+first call.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Callable
 import torch
 
 from .arguments import flatten_result
-from .strides import elementwise_strides
+from .elementwise import RULES as ELEMENTWISE, broadcast, empty, floats, plain
+from .strides import suggested_format
 from .targets import resolve
 
 _META = torch.device("meta")
@@ -87,81 +89,37 @@ def results(target: str, args: list, kwargs: dict) -> list[torch.Tensor]:
         return flatten_result(resolve(target)(*args, **kwargs))
 
 
-def _empty(shape, dtype, memory_format=torch.contiguous_format) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=_META, memory_format=memory_format)
-
-
-def _plain(*tensors) -> bool:
-    """All contiguous, of one floating dtype."""
-    return _floats(*tensors) and all(t.is_contiguous() for t in tensors)
-
-
-def _floats(*tensors) -> bool:
-    """All of one floating dtype, in any layout (products write a fresh contiguous result)."""
-    return all(t.is_floating_point() and t.dtype == tensors[0].dtype for t in tensors)
-
-
-def _broadcast(*shapes) -> tuple[int, ...]:
-    """torch.broadcast_shapes without its import of sympy."""
-    first = shapes[0]
-    if all(s == first for s in shapes[1:]):
-        return tuple(first)
-    ndim = max(len(s) for s in shapes)
-    out = [1] * ndim
-    for s in shapes:
-        skip = ndim - len(s)
-        for i, n in enumerate(s, skip):
-            if n != 1 and out[i] != n:
-                if out[i] != 1:
-                    raise ValueError(f"shapes {[list(s) for s in shapes]} do not broadcast")
-                out[i] = n
-    return tuple(out)
-
-
-def _unary(x, *args, **kwargs):
-    return _empty(x.shape, x.dtype) if _plain(x) else None
-
-
-def _binary(x, y, *args, **kwargs):
-    if not isinstance(x, torch.Tensor):
-        return None
-    if not isinstance(y, torch.Tensor):
-        if type(y) not in (int, float) or not _plain(x):
-            return None  # a complex or bool scalar can change the dtype
-        return _empty(x.shape, x.dtype)
-    if not (x.is_floating_point() and y.is_floating_point()):
-        return None
-    if x.dtype != y.dtype and (x.dim() == 0) != (y.dim() == 0):  # a 0-d tensor (a traced Python number)
-        dtype = x.dtype if y.dim() == 0 else y.dtype  # defers to a dimensioned one
-    else:
-        dtype = torch.promote_types(x.dtype, y.dtype)
-    shape = _broadcast(tuple(x.shape), tuple(y.shape))
-    return torch.empty_strided(shape, elementwise_strides([x.expand(shape), y.expand(shape)], shape), dtype=dtype,
-                               device=_META)
-
-
 def _linear(x, w, b=None):
-    if not _floats(x, w, *([b] if b is not None else [])) or x.dim() < 1 or w.dim() != 2:
+    if not floats(x, w, *([b] if b is not None else [])) or x.dim() < 1 or w.dim() != 2:
         return None
     if x.shape[-1] != w.shape[1] or (b is not None and tuple(b.shape) not in ((w.shape[0],), ())):
         raise ValueError(f"linear of {list(x.shape)} with a weight of {list(w.shape)}")
-    return _empty((*x.shape[:-1], w.shape[0]), x.dtype)
+    return empty((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
 def _addmm(b, m1, m2, beta=1, alpha=1):
-    if not _plain(b, m1, m2) or m1.dim() != 2 or m2.dim() != 2 or m1.shape[1] != m2.shape[0]:
+    if not plain(b, m1, m2) or m1.dim() != 2 or m2.dim() != 2 or m1.shape[1] != m2.shape[0]:
         return None
-    _broadcast(tuple(b.shape), (m1.shape[0], m2.shape[1]))
-    return _empty((m1.shape[0], m2.shape[1]), m1.dtype)
+    broadcast(tuple(b.shape), (m1.shape[0], m2.shape[1]))
+    return empty((m1.shape[0], m2.shape[1]), m1.dtype)
+
+
+def _mm(m1, m2):
+    """mm and bmm: a fresh contiguous product, in any layout of their operands."""
+    if not floats(m1, m2) or m1.dim() != m2.dim() or m1.dim() not in (2, 3):
+        return None
+    if m1.shape[-1] != m2.shape[-2] or m1.shape[:-2] != m2.shape[:-2]:
+        raise ValueError(f"mm of {list(m1.shape)} and {list(m2.shape)}")
+    return empty((*m1.shape[:-1], m2.shape[-1]), m1.dtype)
 
 
 def _matmul(a, b):
-    if not _floats(a, b) or a.dim() < 2 or b.dim() < 2:
+    if not floats(a, b) or a.dim() < 2 or b.dim() < 2:
         return None
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul of {list(a.shape)} and {list(b.shape)}")
-    batch = _broadcast(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
-    return _empty((*batch, a.shape[-2], b.shape[-1]), a.dtype)
+    batch = broadcast(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    return empty((*batch, a.shape[-2], b.shape[-1]), a.dtype)
 
 
 def _pool_size(n, k, s, p, d, ceil_mode):
@@ -177,7 +135,7 @@ def _pool_size(n, k, s, p, d, ceil_mode):
 
 
 def _pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
-    if not _plain(x) or x.dim() not in (3, 4):
+    if not plain(x) or x.dim() not in (3, 4):
         return None
 
     def pair(a, default=None):
@@ -189,7 +147,7 @@ def _pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     padding, dilation = pair(padding), pair(dilation)
     spatial = [_pool_size(n, k, s, p, d, ceil_mode)
                for n, k, s, p, d in zip(x.shape[-2:], kernel, stride, padding, dilation)]
-    return _empty((*x.shape[:-2], *spatial), x.dtype)
+    return empty((*x.shape[:-2], *spatial), x.dtype)
 
 
 def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
@@ -203,13 +161,17 @@ def _avg_pool2d(x, kernel, stride=(), padding=0, ceil_mode=False, count_include_
 def _adaptive_avg_pool2d(x, output_size):
     size = list(output_size) if isinstance(output_size, (list, tuple)) else [output_size]
     size = size * 2 if len(size) == 1 else size
-    if not _plain(x) or x.dim() not in (3, 4) or len(size) != 2 or min(size) < 1 or min(x.shape[-2:]) < 1:
+    if not floats(x) or x.dim() not in (3, 4) or len(size) != 2 or min(size) < 1 or min(x.shape[-2:]) < 1:
         return None
-    return _empty((*x.shape[:-2], *size), x.dtype)
+    if x.is_contiguous():
+        return empty((*x.shape[:-2], *size), x.dtype)
+    if suggested_format(x) == torch.channels_last:  # swin_t's permuted map: the result follows it
+        return empty((*x.shape[:-2], *size), x.dtype, torch.channels_last)
+    return None
 
 
 def _mean_dim(x, dims, keepdim=False, dtype=None):
-    if not _plain(x) or dtype is not None or dims is None or x.dim() == 0:
+    if not plain(x) or dtype is not None or dims is None or x.dim() == 0:
         return None
     listed = [dims] if isinstance(dims, int) else list(dims)
     axes = {d % x.dim() for d in listed}
@@ -218,7 +180,7 @@ def _mean_dim(x, dims, keepdim=False, dtype=None):
     if len(axes) != len(listed) or any(not -x.dim() <= d < x.dim() for d in listed):
         raise ValueError(f"mean over dimensions {listed} of a {x.dim()}-d tensor")
     shape = [1 if i in axes else n for i, n in enumerate(x.shape) if keepdim or i not in axes]
-    return _empty(shape, x.dtype)
+    return empty(shape, x.dtype)
 
 
 def _norm_dim(x, p, dims, keepdim=False, dtype=None):
@@ -244,7 +206,7 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     scores (..., L, S). Anything else (a mask with is_causal, broadcast batch dims, grouped heads,
     mismatches) goes to the meta kernel, whose first call imports torch._dynamo (a second)."""
     q, k, v = query, key, value
-    if enable_gqa or dropout_p or not _floats(q, k, v) or q.dim() < 3 \
+    if enable_gqa or dropout_p or not floats(q, k, v) or q.dim() < 3 \
             or not (q.dim() == k.dim() == v.dim()) or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2] \
             or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         return None
@@ -254,17 +216,17 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                 or attn_mask.dim() > len(scores):
             return None
         try:
-            if _broadcast(tuple(attn_mask.shape), scores) != scores:
+            if broadcast(tuple(attn_mask.shape), scores) != scores:
                 return None
         except ValueError:
             return None
-    return _empty((*q.shape[:-1], v.shape[-1]), q.dtype)
+    return empty((*q.shape[:-1], v.shape[-1]), q.dtype)
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if weight.dim() != 2 or indices.dtype not in (torch.int64, torch.int32) or not weight.is_floating_point():
         return None
-    return _empty((*indices.shape, weight.shape[1]), weight.dtype)
+    return empty((*indices.shape, weight.shape[1]), weight.dtype)
 
 
 def _like(x, *args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
@@ -272,54 +234,56 @@ def _like(x, *args, dtype=None, layout=None, device=None, pin_memory=None, memor
     if layout not in (None, torch.strided) or memory_format not in (None, torch.preserve_format) \
             or not x.is_contiguous():
         return None
-    return _empty(x.shape, dtype or x.dtype)
+    return empty(x.shape, dtype or x.dtype)
 
 
 def _cat(tensors, dim=0):
     tensors = list(tensors)
-    if not tensors or not _floats(*tensors) or any(t.dim() != tensors[0].dim() for t in tensors) \
+    if not tensors or not floats(*tensors) or any(t.dim() != tensors[0].dim() for t in tensors) \
             or tensors[0].dim() == 0:
         return None
+    form = torch.contiguous_format  # below 4-D, or where any part suggests it
     if tensors[0].dim() in (4, 5) and not all(t.is_contiguous() for t in tensors):
-        return None  # the result may follow its inputs into channels_last; below 4-D it is contiguous
+        formats = {suggested_format(t) for t in tensors}  # the result follows its parts into channels_last
+        form = formats.pop() if len(formats) == 1 else form
     d = dim % tensors[0].dim()
     first = tensors[0].shape
     if any(t.shape[:d] != first[:d] or t.shape[d + 1:] != first[d + 1:] for t in tensors):
         raise ValueError("cat of tensors whose other dimensions differ")
-    return _empty((*first[:d], sum(t.shape[d] for t in tensors), *first[d + 1:]), tensors[0].dtype)
+    return empty((*first[:d], sum(t.shape[d] for t in tensors), *first[d + 1:]), tensors[0].dtype, form)
 
 
 def _softmax(x, dim, dtype=None):
-    return _unary(x) if dtype is None else None
+    return empty(x.shape, x.dtype) if dtype is None and plain(x) else None
 
 
 def _internal_softmax(x, dim, half_to_float):
-    return None if half_to_float else _unary(x)
+    return empty(x.shape, x.dtype) if not half_to_float and plain(x) else None
 
 
 def _layer_norm(x, shape, weight=None, bias=None, eps=1e-5, cudnn=True):
     shape = list(shape)
-    if not _floats(x) or not shape or list(x.shape[-len(shape):]) != shape:
+    if not floats(x) or not shape or list(x.shape[-len(shape):]) != shape:
         return None
     for t in (weight, bias):
-        if t is not None and (not _plain(t) or not _floats(x, t) or list(t.shape) != shape):
+        if t is not None and (not plain(t) or not floats(x, t) or list(t.shape) != shape):
             return None
-    return _empty(x.shape, x.dtype)
+    return empty(x.shape, x.dtype)
 
 
 def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn=True):
     """Inference-mode batch norm (frozen models keep it where no convolution precedes it)."""
     params = [t for t in (weight, bias, mean, var) if t is not None]
-    if training or not _plain(x, *params) or x.dim() < 2 or any(tuple(t.shape) != (x.shape[1],) for t in params):
+    if training or not plain(x, *params) or x.dim() < 2 or any(tuple(t.shape) != (x.shape[1],) for t in params):
         return None
-    return _empty(x.shape, x.dtype)
+    return empty(x.shape, x.dtype)
 
 
 def _conv(x, w, bias=None, stride=1, padding=0, dilation=1, transposed=False, output_padding=0, groups=1,
           unbatched=False):
     """Convolution by its shape rule; None for string padding ('same', 'valid'). The rule covers
     batched inputs, and for conv1d, conv2d and conv3d unbatched ones too."""
-    if isinstance(padding, str) or not _plain(x, w, *([bias] if bias is not None else [])):
+    if isinstance(padding, str) or not plain(x, w, *([bias] if bias is not None else [])):
         return None
     dims = w.dim() - 2
     if not unbatched and x.dim() != dims + 2:
@@ -355,7 +319,7 @@ def _conv(x, w, bias=None, stride=1, padding=0, dilation=1, transposed=False, ou
         return None  # an empty result: torch versions differ on it, so the meta kernel decides
     if bias is not None and tuple(bias.shape) != (channels,):
         raise ValueError(f"convolution bias of shape {list(bias.shape)} for {channels} channels")
-    result = _empty([shape[0], channels, *spatial], x.dtype)
+    result = empty([shape[0], channels, *spatial], x.dtype)
     return result if batched else result.squeeze(0)
 
 
@@ -363,17 +327,12 @@ def _conv_nd(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(x, w, bias, stride, padding, dilation, False, 0, groups, unbatched=True)
 
 
-_UNARY = ("relu", "relu6", "hardtanh", "sigmoid", "tanh", "silu", "gelu", "hardswish", "hardsigmoid",
-          "leaky_relu", "elu", "selu", "mish", "softplus", "clamp", "clamp_min", "clamp_max", "neg", "abs",
-          "exp", "log", "sqrt", "rsqrt", "erf", "reciprocal")
 RULES: dict[str, Callable] = {
-    **{f"aten::{name}.default": _unary for name in _UNARY},
-    **{f"aten::{name}.{kind}": _binary for name in ("add", "sub", "mul", "div") for kind in ("Tensor", "Scalar")},
-    "aten::rsub.Scalar": _binary,
-    "aten::maximum.default": _binary,
-    "aten::minimum.default": _binary,
+    **ELEMENTWISE,
     "aten::linear.default": _linear,
     "aten::addmm.default": _addmm,
+    "aten::mm.default": _mm,
+    "aten::bmm.default": _mm,
     "aten::matmul.default": _matmul,
     "aten::max_pool2d.default": _max_pool2d,
     "aten::avg_pool2d.default": _avg_pool2d,

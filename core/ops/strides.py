@@ -61,3 +61,19 @@ def _physical_order(operands: list[torch.Tensor], shape: tuple) -> list[int]:
             elif comparison < 0:
                 break
     return list(reversed(perm))
+
+
+def suggested_format(t: torch.Tensor) -> torch.memory_format:
+    """Tensor.suggest_memory_format(): channels_last (channels_last_3d) where a 4-D (5-D) tensor's
+    strides run channels fastest, then width, height (depth) and batch, else contiguous
+    (torch._prims_common.are_strides_like_channels_last_or_false, which imports sympy)."""
+    order = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}.get(t.dim())
+    shape, strides = t.shape, t.stride()
+    if order is None or strides[1] == 0:
+        return torch.contiguous_format
+    least = 0
+    for d in order:
+        if shape[d] == 0 or strides[d] < least or (d == 0 and least == strides[1]):
+            return torch.contiguous_format
+        least = strides[d] * shape[d]
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nimble.ops import arguments, shapes, targets
+from nimble.ops.elementwise import COMPARISONS
 
 META = torch.device("meta")
 
@@ -44,6 +45,41 @@ def cases(target, rng):
     if target in ("aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar", "aten::rsub.Scalar"):
         x = t(shape(rng, rng.randint(0, 4), 1, 4), dtype, rng.random() < 0.2)
         return [x, rng.choice([2, 0.5, -3, True])], {}
+    if target == "aten::pow.Tensor_Scalar":
+        return [t(shape(rng, rng.randint(0, 4), 1, 4), dtype, rng.random() < 0.2), rng.choice([2, 3, 0.5, -1.0, True])], {}
+    if name == "roll":
+        x = t(shape(rng, rng.randint(1, 4), 1, 5), dtype, rng.random() < 0.3)
+        if rng.random() < 0.2 and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        dims = rng.sample(range(x.dim()), rng.randint(1, x.dim()))
+        shifts = [rng.randint(-3, 3) for _ in dims] if rng.random() < 0.9 else [1, 2, 3, 4, 5]
+        return ([x, shifts, dims] if rng.random() < 0.8 else [x, shifts[:1]]), {}
+    if name in ("__and__", "__or__", "bitwise_and", "bitwise_or", "logical_and", "logical_or", "logical_not",
+                "bitwise_not", "where", *COMPARISONS):
+        kind = rng.choice([torch.bool, torch.bool, torch.bool, torch.int64, torch.int32, torch.float32, torch.float16])
+        a = shape(rng, rng.randint(0, 4), 1, 4)
+        b = [n if rng.random() < 0.6 else rng.choice([1, 2]) for n in a[rng.randint(0, len(a)):]]
+
+        def operand(s):
+            x = t(s, kind if rng.random() < 0.8 else rng.choice([torch.bool, torch.int64, torch.float32]),
+                  rng.random() < 0.2)
+            if rng.random() < 0.15 and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            return x
+        first, other = operand(a), operand(b)
+        if rng.random() < 0.3:
+            first, other = other, first
+        if name in ("logical_not", "bitwise_not"):
+            return [first], {}
+        if name == "where":
+            condition = t(a if rng.random() < 0.5 else b, torch.bool if rng.random() < 0.9 else torch.uint8)
+            number = rng.choice([0.0, 1.5, 2, -1, True])
+            kinds = {"self": (first, other), "Scalar": (number, rng.choice([0.5, 3, -2.0])),
+                     "ScalarSelf": (number, other), "ScalarOther": (first, number)}
+            return [condition, *kinds[target.split(".")[1]]], {}
+        if target.endswith(".Scalar"):
+            return [first, rng.choice([0, 1.5, -2, True])], {}
+        return [first, other], {}
     if target in ("aten::linear.default",):
         k = rng.randint(1, 6)
         x = t(shape(rng, rng.randint(1, 3)) + [k if rng.random() < 0.9 else k + 1], dtype)
@@ -54,6 +90,12 @@ def cases(target, rng):
     if target == "aten::addmm.default":
         n, m, p = shape(rng, 3)
         return [t(rng.choice([[p], [n, p], [1, p]]), dtype), t([n, m], dtype), t([m if rng.random() < 0.9 else m + 1, p], dtype)], {}
+    if target in ("aten::mm.default", "aten::bmm.default"):
+        batch = [rng.randint(1, 3)] if "bmm" in target else []
+        n, m, p = shape(rng, 3)
+        other = [b if rng.random() < 0.9 else b + 1 for b in batch] + [m if rng.random() < 0.9 else m + 1, p]
+        first = t(batch + [n, m], dtype, rng.random() < 0.3)
+        return [first, t(other, dtype if rng.random() < 0.9 else torch.float16, rng.random() < 0.3)], {}
     if target == "aten::matmul.default":
         batch = shape(rng, rng.randint(0, 2), 1, 3)
         n, m, p = shape(rng, 3)
@@ -68,7 +110,11 @@ def cases(target, rng):
             return [x, [k], s, [p], [rng.randint(1, 2)], rng.random() < 0.5], {}
         return [x, [k], s, [p], rng.random() < 0.5, True, None], {}
     if name == "adaptive_avg_pool2d":
-        return [t(shape(rng, rng.choice([3, 4]), 1, 12), dtype), shape(rng, 2, 1, 5)], {}
+        x = t(shape(rng, rng.choice([3, 4]), 1, 12), dtype)
+        if x.dim() == 4 and rng.random() < 0.4:  # channels_last, or a permuted map as swin_t's
+            x = x.contiguous(memory_format=torch.channels_last) if rng.random() < 0.5 else \
+                t([x.shape[0], x.shape[2], x.shape[3], x.shape[1]], dtype).permute(0, 3, 1, 2)
+        return [x, shape(rng, 2, 1, 5) if rng.random() < 0.7 else [1, 1]], {}
     if target == "aten::mean.dim":
         x = t(shape(rng, rng.randint(1, 4)), dtype)
         return [x, rng.sample(range(-x.dim(), x.dim()), rng.randint(1, x.dim())) if rng.random() < 0.9 else [0, 0],
@@ -107,7 +153,8 @@ def cases(target, rng):
             kwargs["memory_format"] = torch.contiguous_format
         return ([x, 1.5] if name == "full_like" else [x]), kwargs
     if name == "cat":
-        dims = rng.randint(1, 4)
+        dims = rng.choice([1, 2, 3, 4, 4, 4])
+        style = rng.choice(["plain", "channels_last", "channels_last", "sliced", "mixed"])  # of 4-D parts
         base = shape(rng, dims)
         d = rng.randrange(dims)
         parts = []
@@ -120,6 +167,10 @@ def cases(target, rng):
             if rng.random() < 0.2 and dims > 1:  # a strided part: transposed or expanded (ViT's class token)
                 part = t([s[1], s[0], *s[2:]], dtype).transpose(0, 1) if rng.random() < 0.5 \
                     else t([1, *s[1:]], dtype).expand(*s)
+            elif dims == 4 and style != "plain" and rng.random() < 0.9:  # channels_last, or strided (swin_t)
+                part = part.contiguous(memory_format=torch.channels_last) if style == "channels_last" \
+                    or (style == "mixed" and rng.random() < 0.5) \
+                    else t([s[0], 2 * s[1], 2 * s[2], s[3]], dtype)[:, rng.randint(0, 1)::2, rng.randint(0, 1)::2]
             parts.append(part)
         return [parts, d - dims if rng.random() < 0.5 else d], {}
     if target == "aten::softmax.int":

@@ -224,6 +224,48 @@ def test_the_preflight_leaves_no_dynamo_stand_in_behind():
     assert "real True" in out, out
 
 
+class _MaskedWindows(torch.nn.Module):
+    """The ops of Hugging Face's attention masks (comparisons, &, where), GPT-2's GELU (pow),
+    torch.mm, and swin_t's windows (roll, a cat of every other row and column, a pool of a
+    permuted map)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x, mask):
+        keep = (mask > 0) & (mask < 5)
+        bias = torch.where(keep, 0.0, -1e4)
+        y = torch.roll(x, shifts=(1, 1), dims=(1, 2))
+        y = torch.cat([y[:, 0::2, 0::2], y[:, 1::2, 0::2], y[:, 0::2, 1::2], y[:, 1::2, 1::2]], -1)
+        z = torch.mm(y.reshape(16, 16), self.w).pow(3)
+        return z, torch.nn.functional.adaptive_avg_pool2d(y.permute(0, 3, 1, 2), 1), bias
+
+
+def test_the_preflight_of_masks_and_windows_imports_no_sympy(tmp_path):
+    """Every op of `_MaskedWindows` has a shape rule, so the preflight of its artifact in a fresh
+    process imports neither sympy nor torch's symbolic shapes (1.8 s of BERT's, GPT-2's and
+    swin_t's loads on the GPU machine, 2026-11-29)."""
+    import subprocess
+    import sys
+
+    from nimble.formats import write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    x, mask = torch.randn(1, 8, 8, 4), torch.randint(0, 8, (1, 8))
+    torch.jit.trace(_MaskedWindows().eval(), (x, mask)).save(str(tmp_path / "m.pt"))
+    compiled = compile_model(tmp_path / "m.pt", input_specs(["1x8x8x4", "1x8"], ["float32", "int64"]), device="cpu")
+    targets = {op.target for op in compiled.graph.ops}
+    assert {"aten::roll.default", "aten::cat.default", "aten::mm.default", "aten::adaptive_avg_pool2d.default"} <= targets
+    write_artifact(tmp_path / "m.nimble", compiled.artifact())
+    code = ("import sys; from nimble.formats import read_artifact; from nimble.runtime.placed.preflight import preflight; "
+            f"art = read_artifact({str(tmp_path / 'm.nimble')!r}); preflight(art.graph, art.memory); "
+            "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1:] == ["[]"], done.stdout + done.stderr
+
+
 def test_channels_last_re_strides_every_plain_four_d_buffer(artifacts):
     """The frontends record contiguous strides explicitly; channels_last must still take those
     buffers (it once took none, so a channels_last choice changed only the weights)."""
