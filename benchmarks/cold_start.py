@@ -1,7 +1,7 @@
 """Load to first inference on a GPU machine: cold (empty caches), warm, and with a kernel pack.
 
     python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 ...] [--artifacts A.nimble ...]
-                                    [--modes source,warm,pack] [--peers resnet50 ...] [--peer-modes compile,aoti]
+                                    [--modes source,warm,pack] [--profile] [--peers resnet50 ...] [--peer-modes compile,aoti]
 
 Each row is one fresh process (`python -c` of this file's `child`), timed from after `import
 torch` and CUDA's start to the first inference's result on the host:
@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def child(mode: str, artifact: str, pack: str, save: str) -> dict:
+def child(mode: str, artifact: str, pack: str, save: str, profile: str = "") -> dict:
     t0 = time.perf_counter()
     import torch
 
@@ -48,6 +48,12 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
     import nimble
     from nimble.runtime.kernels import generated
 
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None)
     art = exe.artifact
     sample = [t.to("cuda") for t in art.sample_inputs]
@@ -55,6 +61,14 @@ def child(mode: str, artifact: str, pack: str, save: str) -> dict:
     torch.cuda.synchronize()
     first = [o.float().cpu() for o in outs]
     done = time.perf_counter()
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+        Path(profile).write_text(text.getvalue())
     torch.save(first, save)
     p = exe.stats.prebuilt
     return {"mode": mode, "load_to_first_s": round(done - started, 3), "cuda_start_s": round(started - t0, 3),
@@ -117,15 +131,25 @@ def fresh(args: list[str], caches: dict, timeout: int = 560) -> dict:
 
 
 def export(model: str, folder: Path, pack: bool) -> Path:
-    """A torchvision model at batch 1, traced and compiled with its kernel pack, no GPU visible."""
+    """A model of the peers suite (torchvision, the samples, vision transformers, BERT-base, GPT-2)
+    at batch 1, traced and compiled with its kernel pack, no GPU visible; one compiled before in
+    `folder` is used as it is."""
     import torch
-    import torchvision
 
-    m = getattr(torchvision.models, model)().eval()
-    script = folder / f"{model}.pt"
-    torch.jit.trace(m, torch.randn(1, 3, 224, 224)).save(script)
     out = folder / f"{model}.nimble"
-    cmd = [sys.executable, "-c", "from nimble_cli.entry import main; main()", "compile", str(script), "--shape", "1x3x224x224", "-o", str(out),
+    if out.exists() and (Path(f"{out}.kernels").exists() or not pack):
+        return out
+    sys.path.insert(0, str(HERE.parent))
+    from peers import make_inputs
+
+    from nimble.frontend import quiet_torchscript
+
+    m, xs = make_inputs(model, 1)
+    script = folder / f"{model}.pt"
+    with quiet_torchscript(), torch.no_grad():
+        torch.jit.trace(m, tuple(xs), check_trace=False).save(script)
+    inputs = [a for x in xs for a in ("--shape", "x".join(map(str, x.shape)), "--dtype", str(x.dtype).removeprefix("torch."))]
+    cmd = [sys.executable, "-c", "from nimble_cli.entry import main; main()", "compile", str(script), *inputs, "-o", str(out),
            "--device", "cpu"] + (["--gpu-arch", "sm_90"] if pack else [])
     t = time.perf_counter()
     r = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True)
@@ -137,7 +161,7 @@ def export(model: str, folder: Path, pack: bool) -> Path:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("child", "peer"):
-        got = child(*sys.argv[2:6]) if sys.argv[1] == "child" else peer_child(sys.argv[2], sys.argv[3],
+        got = child(*sys.argv[2:7]) if sys.argv[1] == "child" else peer_child(sys.argv[2], sys.argv[3],
                                                                                 int(sys.argv[4]), sys.argv[5])
         print("RESULT " + json.dumps(got), flush=True)
         return
@@ -148,11 +172,16 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=[], help="torchvision models to time the peers on")
     ap.add_argument("--modes", default="source,warm,pack")
     ap.add_argument("--peer-modes", default="compile,aoti", help="the peers to time: compile, aoti or both")
+    ap.add_argument("--work", type=Path, help="where the models are compiled (default a new temporary folder); "
+                    "a model compiled there by an earlier run is used again")
+    ap.add_argument("--profile", action="store_true", help="also run each row under cProfile: DIR/MODEL.MODE.prof.txt "
+                    "(the 60 functions with the most cumulative time; the row's seconds include the profiler's cost)")
     a = ap.parse_args()
     import torch
 
     a.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="cold_start_"))
+    work = a.work or Path(tempfile.mkdtemp(prefix="cold_start_"))
+    work.mkdir(parents=True, exist_ok=True)
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
             "cores": len(os.sched_getaffinity(0))}
@@ -172,15 +201,17 @@ def main() -> None:
             row = {"model": path.stem, "artifact_bytes": path.stat().st_size}
             pack = Path(f"{path}.kernels")
             row["pack_bytes"] = pack.stat().st_size if pack.exists() else None
+            def prof(mode: str, stem: str = path.stem) -> str:
+                return str(a.out / f"{stem}.{mode}.prof.txt") if a.profile else ""
             for mode in a.modes.split(","):
                 if mode == "pack" and not pack.exists():
                     continue
                 if mode == "pack":
                     with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
-                        row[mode] = fresh(["child", mode, str(path), str(pack), str(work / f"{path.stem}.{mode}.pt")],
+                        row[mode] = fresh(["child", mode, str(path), str(pack), str(work / f"{path.stem}.{mode}.pt"), prof(mode)],
                                           {"NIMBLE_CACHE_DIR": d1, "TRITON_CACHE_DIR": d2})
                 else:
-                    row[mode] = fresh(["child", mode, str(path), "", str(work / f"{path.stem}.{mode}.pt")], caches)
+                    row[mode] = fresh(["child", mode, str(path), "", str(work / f"{path.stem}.{mode}.pt"), prof(mode)], caches)
                 print(path.stem, mode, json.dumps(row[mode]), flush=True)
             if (work / f"{path.stem}.pack.pt").exists() and (work / f"{path.stem}.source.pt").exists():
                 a_, b_ = torch.load(work / f"{path.stem}.pack.pt"), torch.load(work / f"{path.stem}.source.pt")
