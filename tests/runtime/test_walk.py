@@ -4,6 +4,7 @@ against, cuDNN's fused convolutions) and that it stays cheap (no torch._dynamo i
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 
@@ -116,3 +117,23 @@ def test_a_walk_imports_no_dynamo(resnet):
     assert done.returncode == 0, done.stderr[-2000:]
     count, dynamo = done.stdout.split()
     assert int(count) > 0 and dynamo == "False"
+
+
+def test_a_product_with_the_op_after_it_is_walked_every_way_its_load_may_take():
+    """A load times the float32 product's tiles (`gemm.TILES`) against PyTorch's product, and runs
+    the elementwise op after it in the product's kernel, with the tile it keeps, or apart where
+    PyTorch's product wins. In a walk every tile ties and PyTorch's never wins, so the walk
+    defines that kernel with each tile and the op's own kernel too (before, only the first tile:
+    the H200 took the other for BERT's and swin_t's products, or ran the op apart, and built those
+    kernels at load, one at a time)."""
+    from nimble.runtime.kernels import gemm
+
+    compiled = compile_model(SAMPLES / "transformer.pt", input_specs(["1x64x128"]), device="cpu")
+    found = prebuild.walk(compiled.artifact(), H100)
+    tiles = collections.Counter()  # the tile is written into the kernel's text: one text per tile
+    for kernel, _, constants in found.values():
+        if "BLOCK_K" in constants and "in0_ptr" in kernel.source:  # a product with an op after it
+            tiles[tuple(constants[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))] += 1
+    assert set(tiles) == set(gemm.TILES) and len(set(tiles.values())) == 1, tiles
+    apart = [kernel for kernel, _, constants in found.values() if set(constants) == {"N", "BLOCK"}]
+    assert len(apart) == tiles[gemm.TILES[0]], [k.source for k in apart]  # each op after a product, alone

@@ -266,9 +266,8 @@ class Gemm:
         x, b, bias, matrix, key, tile = planned
         epilogue = Epilogue(body, operands, at[0], into)
         whole = key + (_signature(into, *operands), at[0])
-        return generated.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(generated.define(source(x, b, bias, matrix, epilogue, tile)), tile),
-                                   (x, b, bias, matrix, epilogue), f"op {self.op_id} with the elementwise op after it")
+        return self._launch(whole, lambda t: launcher(generated.define(source(x, b, bias, matrix, epilogue, t)), t),
+                            (x, b, bias, matrix, epilogue), f"op {self.op_id} with the elementwise op after it", tile)
 
     def through(self, args: list, out: torch.Tensor, into: torch.Tensor) -> bool:
         """Whether the product of `args` was stored into `into` (`source`'s `scatter`: its elements
@@ -283,10 +282,19 @@ class Gemm:
             return False
         x, b, bias, matrix, key, tile = planned
         whole = key + ("through",) + _signature(into)
-        return generated.launch_once(self._with_epilogues, whole,
-                                   lambda: launcher(generated.define(source(x, b, bias, matrix, tile=tile, scatter=into)),
-                                                    tile),
-                                   (x, b, bias, into), f"op {self.op_id} into the copy of its views")
+        return self._launch(whole, lambda t: launcher(generated.define(source(x, b, bias, matrix, tile=t, scatter=into)), t),
+                            (x, b, bias, into), f"op {self.op_id} into the copy of its views", tile)
+
+    def _launch(self, whole: tuple, make, operands: tuple, what: str, tile: tuple) -> bool:
+        """`generated.launch_once` of the kernel `make(tile)` builds. A prebuild's walk, where
+        every tile ties and PyTorch's product never wins, walks each way the load's timing may
+        take: this kernel with every tile, and then (False) the product and the op after it
+        apart (swin_t's and BERT's loads built those one at a time after the prebuild, 2026-11-29)."""
+        if not walking():
+            return generated.launch_once(self._with_epilogues, whole, lambda: make(tile), operands, what)
+        for other in TILES:
+            generated.launch_once(self._with_epilogues, whole + (other,), lambda other=other: make(other), operands, what)
+        return False
 
     def _into(self, args: list, out: torch.Tensor, into: torch.Tensor) -> tuple | None:
         """(x, b, bias, `out` seen as [M, N], the call signature, the tile) where this kernel runs
