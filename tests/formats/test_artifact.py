@@ -142,6 +142,35 @@ def test_changed_hash_is_caught(blob, tmp_path):
         read_bytes(tmp_path, rebuild(blob, {"graph.json": graph}, fix_hashes=False))
 
 
+@pytest.mark.parametrize("damage, match", [
+    ("signature", "graph.json has no local header where the zip's directory points"),
+    ("name", "graph.json's local header disagrees with the zip's directory"),
+    ("method", "graph.json's local header disagrees with the zip's directory"),
+    ("extra", "runs past the end of the file"),
+])
+def test_a_member_whose_local_header_lies_is_refused(blob, tmp_path, damage, match):
+    """Members are read from where their local header says their bytes start (not through
+    zipfile, which copies them and checks a CRC as well): a header that is missing, names another
+    member, says the bytes are compressed, or puts them past the file's end is refused in one line."""
+    data = bytearray(blob)
+    members = zipfile.ZipFile(io.BytesIO(blob)).infolist()
+    info = next(i for i in members if i.filename == "graph.json")
+    if damage == "extra":  # the member stored last: its bytes pushed past the end of the file
+        info = max(members, key=lambda i: i.header_offset)
+        match = f"{info.filename} {match}"
+    at = info.header_offset
+    if damage == "signature":
+        data[at:at + 4] = b"PK\x05\x06"
+    elif damage == "name":
+        data[at + 30] ^= 0x20  # graph.json -> Graph.json
+    elif damage == "method":
+        data[at + 8:at + 10] = zipfile.ZIP_DEFLATED.to_bytes(2, "little")
+    else:
+        data[at + 28:at + 30] = (0xFFFF).to_bytes(2, "little")
+    with pytest.raises(ArtifactError, match=match):
+        read_bytes(tmp_path, bytes(data))
+
+
 NEWER = r"format version 4, newer than the 3 this nimble \(0.1.0\) reads; it was written by nimble 0.1.0: upgrade"
 
 
