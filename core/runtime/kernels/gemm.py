@@ -311,8 +311,12 @@ class Gemm:
     def _tile(self, key: tuple, x, b, bias, out) -> tuple | None:
         """The tile this kernel runs this call signature with, or None where PyTorch's product
         runs: measured on the signature's first call outside a capture."""
-        if walking():  # a prebuild's walk: every tile is tried, and nothing is kept
-            return self._choose(key, x, b, bias, out)
+        if walking():  # a prebuild's walk: the kernel with every tile, nothing compared, timed or kept
+            for tile in TILES:
+                generated.launch_once(_built, (key, tile),
+                                      lambda tile=tile: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
+                                      (x, b, bias, out), f"op {self.op_id} as a float32 product")
+            return TILES[0]
         memo = (key, settings.current().digest())  # chosen under these settings
         if memo not in _chosen:
             if torch.cuda.is_current_stream_capturing():
