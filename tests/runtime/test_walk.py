@@ -112,12 +112,34 @@ def transformer(tmp_path_factory):
     return compiled.artifact(), path
 
 
-@pytest.mark.parametrize("sample", ["resnet", "transformer"])
+class _Windows(torch.nn.Module):
+    """swin_t's layer norm over a permuted convolution's map, then a roll: PyTorch runs them, and
+    their meta kernels are torch._refs that import torch._dynamo on their first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.conv = torch.nn.LayerNorm(16), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return torch.roll(self.norm(self.conv(x).permute(0, 2, 3, 1)), (1, 1), (1, 2)).permute(0, 3, 1, 2) + x
+
+
+@pytest.fixture(scope="module")
+def windows(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("walk")
+    torch.jit.trace(_Windows().eval(), torch.randn(1, 16, 8, 8)).save(str(folder / "windows.pt"))
+    compiled = compile_model(folder / "windows.pt", input_specs(["1x16x8x8"]), device="cpu")
+    write_artifact(folder / "windows.nimble", compiled.artifact())
+    return compiled.artifact(), folder / "windows.nimble"
+
+
+@pytest.mark.parametrize("sample", ["resnet", "transformer", "windows"])
 def test_a_walk_imports_no_dynamo(sample, request):
     """torch's meta kernels of elementwise ops are Python that imports torch._dynamo on first
     use (1.3 to 1.7 s): the walk of a load's critical path makes those results itself. PyTorch's
     attention, the reference generated attention is timed against, is not run on claimed tensors
-    (its math path imported torch._dynamo: 3 s of BERT-base's walk on the CPU builder)."""
+    (its math path imported torch._dynamo: 3 s of BERT-base's walk on the CPU builder); the meta
+    kernels that remain run beside a stand-in torch._dynamo (`shapes.without_dynamo_import`)."""
     path = request.getfixturevalue(sample)[1]
     code = ("import sys, torch\n"
             "from nimble.formats import read_artifact\n"
