@@ -16,8 +16,9 @@ SAVE_HINT = ("save the model with torch.export.save(torch.export.export(model, e
 _ARTIFACT = {"manifest.json", "graph.json", "schedule.json"}  # members every .nimble artifact has
 
 
-def check_model_file(path: str | os.PathLike) -> None:
-    """Refuse, in one line, a path that is no model nimble reads."""
+def check_model_file(path: str | os.PathLike) -> frozenset[str] | None:
+    """Refuse, in one line, a path that is no model nimble reads. Returns the names of its
+    members where it is a zip (the loaders need not read its directory again), else None."""
     path = Path(path)
     if not path.exists():
         raise ModelError(f"{path}: no such file; pass a model saved with torch.export.save (.pt2) or torch.jit.save "
@@ -36,6 +37,8 @@ def check_model_file(path: str | os.PathLike) -> None:
         if _ARTIFACT <= names:
             raise ModelError(f"{path} is a nimble artifact, compiled already: run it with nimble run or nimble "
                              "bench, or look inside with nimble inspect; compile takes the model itself")
+        return frozenset(names)
+    return None
 
 
 MAX_REPOSITORY = 256  # artifacts one folder may hold for `nimble serve`

@@ -173,9 +173,9 @@ def compile_model(path: str | Path, inputs: list[TensorSpec] | None, device: str
                              input_names=input_names, output_names=output_names)
     stages = Stages(progress)
     with stages.stage("load", "loading"):
-        frontend.check_model_file(path)
-        program = frontend.is_program(path)
-        module = frontend.load_program(path) if program else frontend.load_module(path)
+        names = frontend.check_model_file(path)
+        program = frontend.is_program(path, names)
+        module = frontend.load_program(path) if program else frontend.load_module(path, names)
         digest = sha256_file(path)
     if inputs is None and not program:
         raise UsageError(NEED_SHAPES)

@@ -27,14 +27,16 @@ from .archive import check_archive, unpicklers_blocked
 HINT = "save it with torch.export.save(torch.export.export(model, example_inputs), path)"
 
 
-def is_program(path: str | os.PathLike) -> bool:
-    """A zip that holds an exported program (the PT2 archive of torch.export.save)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(n.endswith("archive_format") or n.endswith("serialized_exported_program.json")
-                       for n in z.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
+def is_program(path: str | os.PathLike, names: frozenset[str] | None = None) -> bool:
+    """A zip that holds an exported program (the PT2 archive of torch.export.save). `names`: its
+    members, where `check_model_file` read them already."""
+    if names is None:
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = frozenset(z.namelist())
+        except (OSError, zipfile.BadZipFile):
+            return False
+    return any(n.endswith("archive_format") or n.endswith("serialized_exported_program.json") for n in names)
 
 
 @contextlib.contextmanager

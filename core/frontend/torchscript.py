@@ -15,7 +15,6 @@ import importlib
 import os
 import re
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,16 +45,16 @@ def quiet_torchscript():
         yield
 
 
-def load_module(path: str | os.PathLike) -> torch.jit.ScriptModule:
-    """Load a TorchScript archive on the CPU, in eval mode; one-line ModelError on any defect."""
+def load_module(path: str | os.PathLike, names: frozenset[str] | None = None) -> torch.jit.ScriptModule:
+    """Load a TorchScript archive on the CPU, in eval mode; one-line ModelError on any defect.
+    `names`: its members, where `check_model_file` read them already."""
     path = Path(path)
-    check_model_file(path)
+    if names is None:
+        names = check_model_file(path)
     hint = SAVE_HINT
-    if not zipfile.is_zipfile(path):
+    if names is None:
         raise ModelError(f"{path} is neither a torch.export program nor a TorchScript archive (not a zip file); "
                          f"{hint}")
-    with zipfile.ZipFile(path) as z:
-        names = z.namelist()
     if not any("/code/" in n or n.startswith("code/") for n in names):
         raise ModelError(f"{path} is a torch.save checkpoint (a state_dict or a pickled module), not a saved "
                          f"program; {hint}")
