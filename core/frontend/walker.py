@@ -8,7 +8,6 @@ with known trip counts) are evaluated on the spot; every other node is a device 
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -36,10 +35,8 @@ def source_of(node: torch._C.Node) -> str:
     return _first_model_frame(node.sourceRange())
 
 
-@functools.lru_cache(maxsize=4096)
 def _first_model_frame(text: str) -> str:
-    """Frames are read lazily: the model's own frame usually comes within the first few. A
-    model's blocks repeat their frames, so a text is read once."""
+    """Frames are read lazily: the model's own frame usually comes within the first few."""
     first = None
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     for m in _FRAME.finditer(text):  # both script and trace frame formats, in order
