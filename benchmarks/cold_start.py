@@ -1,7 +1,13 @@
 """Load to first inference on a GPU machine: cold (empty caches), warm, and with a kernel pack.
 
-    python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 ...] [--artifacts A.nimble ...]
-                                    [--modes source,warm,pack] [--profile] [--peers resnet50 ...] [--peer-modes compile,aoti]
+    python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 bert-base ...] [--artifacts A.nimble ...]
+                                    [--modes source,warm,pack] [--work W] [--profile]
+                                    [--peers resnet50 ...] [--peer-modes compile,aoti]
+
+--models takes any model of the peers suite (`peers.py`: torchvision's, the samples, vit_b_16,
+swin_t, bert-base, gpt2), traced at batch 1 and compiled into --work (a new temporary folder by
+default; a model compiled there before is used again). --profile also writes a cProfile of each
+row (DIR/MODEL.MODE.prof.txt; its times then include the profiler's cost).
 
 Each row is one fresh process (`python -c` of this file's `child`), timed from after `import
 torch` and CUDA's start to the first inference's result on the host:
@@ -10,9 +16,8 @@ torch` and CUDA's start to the first inference's result on the host:
   walk) and builds them all at once on the machine's cores;
 - warm: a second process on the caches `source` left;
 - pack: empty caches, `nimble.load(..., kernels=PACK)` with the pack `nimble compile --gpu-arch`
-  built with no GPU visible (`CUDA_VISIBLE_DEVICES=` for torchvision models built here; the
-  sample models' packs are built on the CPU builder and passed with --artifacts A.nimble, the
-  pack beside each). Its outputs on the stored sample input are compared with `source`'s.
+  built with no GPU visible (`CUDA_VISIBLE_DEVICES=` for the --models built here; packs built
+  on the CPU builder are passed with --artifacts A.nimble, the pack beside each). Its outputs on the stored sample input are compared with `source`'s.
 
 With --peers, beside them: torch.compile(mode="reduce-overhead") first call with an empty Inductor
 and Triton cache, then with its portable cache (`torch.compiler.save_cache_artifacts` in the cold
