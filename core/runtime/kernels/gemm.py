@@ -313,9 +313,7 @@ class Gemm:
         runs: measured on the signature's first call outside a capture."""
         if walking():  # a prebuild's walk: the kernel with every tile, nothing compared, timed or kept
             for tile in TILES:
-                generated.launch_once(_built, (key, tile),
-                                      lambda tile=tile: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
-                                      (x, b, bias, out), f"op {self.op_id} as a float32 product")
+                self._product(key, tile, x, b, bias, out)
             return TILES[0]
         memo = (key, settings.current().digest())  # chosen under these settings
         if memo not in _chosen:
@@ -324,6 +322,12 @@ class Gemm:
             with timing.on_stream(out.device):  # PyTorch's reference too: one cuBLAS workspace for all choices
                 _chosen[memo] = self._choose(key, x, b, bias, out)
         return _chosen[memo]
+
+    def _product(self, key: tuple, tile: tuple, x, b, bias, out: torch.Tensor) -> bool:
+        """`generated.launch_once` of this call's product kernel with `tile` (defined on its first launch)."""
+        return generated.launch_once(_built, (key, tile),
+                                     lambda: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
+                                     (x, b, bias, out), f"op {self.op_id} as a float32 product")
 
     def _choose(self, key: tuple, x, b, bias, out: torch.Tensor) -> tuple | None:
         """The tile kept for this call by an earlier load (`recall`), where its result agrees
@@ -341,9 +345,7 @@ class Gemm:
             return None  # nothing to check the kernel against
 
         def agrees(tile) -> bool:
-            if not generated.launch_once(_built, (key, tile),
-                                       lambda: launcher(generated.define(source(x, b, bias, out, tile=tile)), tile),
-                                       (x, b, bias, out), f"op {self.op_id} as a float32 product"):
+            if not self._product(key, tile, x, b, bias, out):
                 return False
             if float((out - ref).abs().max()) > now.gemm_tolerance * max(float(ref.abs().max()), 1e-30):
                 generated.STATS.fallbacks.append(f"op {self.op_id}: the float32 product disagrees with PyTorch's")
