@@ -3,11 +3,13 @@
     python benchmarks/cold_start.py --out DIR [--models resnet50 densenet121 bert-base ...] [--artifacts A.nimble ...]
                                     [--modes source,warm,pack] [--work W] [--profile]
                                     [--peers resnet50 ...] [--peer-modes compile,aoti]
+                                    [--set KEY=VALUE ...] [--tune off|cached|full]
 
 --models takes any model of the peers suite (`peers.py`: torchvision's, the samples, vit_b_16,
 swin_t, bert-base, gpt2), traced at batch 1 and compiled into --work (a new temporary folder by
 default; a model compiled there before is used again). --profile also writes a cProfile of each
-row (DIR/MODEL.MODE.prof.txt; its times then include the profiler's cost).
+row (DIR/MODEL.MODE.prof.txt; its times then include the profiler's cost). --set and --tune load
+nimble's rows with those settings and that tuning mode (to measure what a setting costs a load).
 
 Each row is one fresh process (`python -c` of this file's `child`), timed from after `import
 torch` and CUDA's start to the first inference's result on the host:
@@ -59,7 +61,11 @@ def child(mode: str, artifact: str, pack: str, save: str, profile: str = "") -> 
 
         profiler = cProfile.Profile()
         profiler.enable()
-    exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None)
+    from nimble.runtime.base.settings import Settings
+
+    changed = os.environ.get("COLD_START_SET", "").split()  # --set, --tune: passed through the environment
+    exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None, tune=os.environ.get("COLD_START_TUNE", "cached"),
+                      settings=Settings.parse(changed) if changed else None)
     art = exe.artifact
     sample = [t.to("cuda") for t in art.sample_inputs]
     outs = exe.run(*sample)
@@ -86,7 +92,8 @@ def child(mode: str, artifact: str, pack: str, save: str, profile: str = "") -> 
             "built_at_first_launch": exe.stats.kernels_generated,
             "compiled_at_launch": generated.STATS.compiled,
             "recalled": exe.stats.kernel_binaries_recalled,
-            "choice": exe.stats.choice, "tuning": exe.stats.tuning, "tuning_ms": exe.stats.tuning_ms}
+            "choice": exe.stats.choice, "tuning": exe.stats.tuning, "tuning_ms": exe.stats.tuning_ms,
+            "tuning_s": {k: round(v, 3) for k, v in exe.stats.tuning_seconds.items()}}
 
 
 def peer_child(mode: str, model: str, batch: int, save: str) -> dict:
@@ -180,6 +187,9 @@ def main() -> None:
     ap.add_argument("--peer-modes", default="compile,aoti", help="the peers to time: compile, aoti or both")
     ap.add_argument("--work", type=Path, help="where the models are compiled (default a new temporary folder); "
                     "a model compiled there by an earlier run is used again")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="load settings for nimble's rows (`Settings.parse`), as `nimble bench --set` takes them")
+    ap.add_argument("--tune", default="cached", choices=["off", "cached", "full"], help="nimble's rows' tuning")
     ap.add_argument("--profile", action="store_true", help="also run each row under cProfile: DIR/MODEL.MODE.prof.txt "
                     "(the 100 functions with the most cumulative time, then the 40 with the most own time; the row's seconds include the profiler's cost)")
     a = ap.parse_args()
@@ -200,6 +210,8 @@ def main() -> None:
 
     def save() -> None:  # after every row: a run stopped by its time limit keeps what it measured
         (a.out / "cold_start.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    os.environ.update(COLD_START_SET=" ".join(a.set), COLD_START_TUNE=a.tune)  # the children inherit them
+    meta.update({"set": a.set, "tune": a.tune})
     paths = [Path(p) for p in a.artifacts] + [export(m, work, True) for m in a.models]
     for path in paths:
         with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:

@@ -24,8 +24,7 @@ from ..specs import check_tune_mode
 from ..stages import Stages
 from .base import footprint
 from .base.device import resolve_device
-from .base.settings import Settings, using
-from .base.settings import current as current_settings
+from .base.settings import Settings, current as current_settings, using
 from .assemble import buffers, capture, inputs, lower
 from .assemble.choice import Choice, channels_last_values, every_choice
 from .assemble.order import IssueOrder, issue_order
@@ -50,6 +49,7 @@ class LoadStats:
     tuning: str = ""  # how they were chosen: off, forced, cache hit, or timed
     tuning_ms: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
     tuning_pool_bytes: dict[str, int] = field(default_factory=dict)  # and the bytes of its graph pool
+    tuning_seconds: dict[str, float] = field(default_factory=dict)  # and the seconds its build and timing took
     kernels_generated: int = 0  # fused kernels built in this load
     kernel_source_hits: int = 0  # of which the source was already in the cache folder
     kernel_binaries_recalled: int = 0  # kernels launched from the binary of an earlier process, without Triton
@@ -257,7 +257,7 @@ class Loading:
             self._build(found.choice, graph_dump)
         self.choice = found.choice
         self.stats.choice, self.stats.tuning, self.stats.tuning_ms = found.choice.describe(), found.how, found.timed
-        self.stats.tuning_pool_bytes = found.held
+        self.stats.tuning_pool_bytes, self.stats.tuning_seconds = found.held, found.seconds
 
     def _set_order(self, choice, placed: list[PlacedOp] | None = None) -> None:
         """The issue order, streams, waits and pairs of `choice` (`assemble/order.py`), the pairs among

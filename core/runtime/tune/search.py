@@ -4,6 +4,7 @@ read from it, or taken as forced or as the only one. Building is the caller's (`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ..base import footprint, timing
@@ -18,6 +19,7 @@ class Outcome:
     how: str  # off, forced, only one candidate, cache hit, or timed
     timed: dict[str, float] = field(default_factory=dict)  # GPU-bound ms of each timed candidate
     held: dict[str, int] = field(default_factory=dict)  # and the bytes of its graph pool
+    seconds: dict[str, float] = field(default_factory=dict)  # and the wall seconds its build and timing took
     built: bool = False  # the last candidate built is the choice: it need not be built again
 
 
@@ -36,14 +38,17 @@ def search(artifact, device, options: list, tune: str, forced, settings: Setting
         return Outcome(best, "cache hit")
     timed: dict[str, float] = {}
     held: dict[str, int] = {}
+    seconds: dict[str, float] = {}
     last = None
     with stage_timer:  # its builds' warm-ups and captures count as those
         for stage in choices.stages(options, graphs=cudnn_graph.frontend() is not None):
             for c in stage if isinstance(stage, list) else stage(best):
+                started = time.perf_counter()
                 replay = build(c)
                 timed[c.describe()] = timing.gpu_ms(replay, device)
                 held[c.describe()] = footprint.pool_segments(device, pools())[0]
+                seconds[c.describe()] = time.perf_counter() - started
                 last = c
             best = choices.pick([c for c in options if c.describe() in timed], timed, held, settings)
         choices.store(key, best, timed)
-    return Outcome(best, "timed", timed, held, built=best == last)
+    return Outcome(best, "timed", timed, held, seconds, built=best == last)
