@@ -324,6 +324,46 @@ def test_split_convolutions_are_timed_only_without_cudnn_graphs():
     assert list(tuning.stages(options, graphs=True))[0] == list(tuning.stages(options))[0]
 
 
+@pytest.mark.parametrize("contiguous_ms, searched", [(1.2, True), (1.4, False)])
+def test_contiguous_is_searched_only_where_its_provisional_build_comes_close(monkeypatch, contiguous_ms, searched):
+    """Where cuDNN graphs run, channels_last is built first; contiguous is then built without
+    cuDNN's plan search (`cudnn_graph.provisional`), and with it only where that took at most
+    `provisional_layout` (1.3) times channels_last's time. A provisional build is never the
+    choice, nor stored in the tuning cache."""
+    import contextlib
+
+    from nimble.runtime.base import footprint, timing
+    from nimble.runtime.base.settings import Settings
+    from nimble.runtime.kernels import cudnn_graph
+    from nimble.runtime.tune import choices as tuning
+    from nimble.runtime.tune import search as searching
+
+    built, stored = [], {}
+    ms = {("channels_last", False): 1.0, ("contiguous", True): contiguous_ms, ("contiguous", False): 0.9}
+
+    def build(c):
+        built.append((c, cudnn_graph._provisional.get()))
+        return (c.layout, cudnn_graph._provisional.get(), c.streams)
+
+    monkeypatch.setattr(cudnn_graph, "frontend", lambda: object())
+    monkeypatch.setattr(timing, "gpu_ms", lambda replay, device: ms.get(replay[:2], 2.0))
+    monkeypatch.setattr(footprint, "pool_segments", lambda device, pools: (0, 0))
+    monkeypatch.setattr(tuning, "cache_key", lambda *a: "key")
+    monkeypatch.setattr(tuning, "store", lambda key, choice, timings: stored.update(timings))
+    options = [tuning.Choice(layout, s) for layout in tuning.LAYOUTS for s in ("planned", "serial")]
+    found = searching.search(None, None, options, "full", None, Settings(), build, lambda: [], contextlib.nullcontext())
+    layouts = [(c.layout, provisional) for c, provisional in built if c.streams == "planned"]
+    assert layouts[:3] == [("channels_last", False), ("contiguous", True)] + [("contiguous", False)] * searched
+    assert found.choice.layout == ("contiguous" if searched else "channels_last")
+    assert "contiguous, planned streams, heuristic algorithms, cudnn-fused (provisional)" in found.timed
+    assert not any(k.endswith("(provisional)") for k in stored) and len(stored) == len(found.timed) - 1
+    assert found.built == (built[-1][0] == found.choice and not built[-1][1])
+    built.clear()  # without cuDNN graphs, both layouts are built as they are, contiguous first
+    monkeypatch.setattr(cudnn_graph, "frontend", lambda: None)
+    searching.search(None, None, options, "full", None, Settings(), build, lambda: [], contextlib.nullcontext())
+    assert [(c.layout, p) for c, p in built[:2]] == [("contiguous", False), ("channels_last", False)]
+
+
 def test_a_choice_is_named_by_its_fields_in_order_and_nothing_else_names_one():
     from nimble.runtime.tune import choices as tuning
 

@@ -80,6 +80,9 @@ class Settings:
     # searches every convolution's algorithms once per process; resnet50's warm load on the H200
     # took 2.6 s with them, 1.2 s without)
     benchmark_slower: float = 0.98
+    # where cuDNN graphs can run, contiguous is first timed without cuDNN's plan search, and timed
+    # with it only where it then took at most this times channels_last's time (`tune/search.py`)
+    provisional_layout: float = 1.3
 
     def __post_init__(self):
         for f in fields(self):

@@ -60,6 +60,8 @@ warm-up, outside the captured graph's pool.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import time
 import torch
@@ -76,6 +78,7 @@ from .cudnn_plans import RESIDUAL, Plan, epilogue, frontend  # noqa: F401  (RESI
 MAX_PLAN_TABLE_BYTES = 2**20  # cudnn_plans.json in the cache folder
 
 _chosen: dict[tuple, Plan | None] = {}  # call signature -> the chosen plan, or None: nimble's own way
+_provisional = contextvars.ContextVar("nimble_cudnn_provisional", default=False)
 STATS = {"timed": 0, "chosen": 0, "recalled": 0, "rejected": 0, "too_slow": 0, "failed": []}  # convolutions timed, plans
 # chosen, choices read from the cache folder, plans that disagreed with the reference, plans too
 # slow to time, and why a convolution could not be timed (nimble's own way then runs)
@@ -151,7 +154,7 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
     key = (_signature(p, operands, out), steps, _tf32(out), settings.current().digest(),  # timed under these
            _limit(outside, out.numel() * out.element_size()))  # the limit last: `_decide` reads it
     if key not in _chosen:
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing() or _provisional.get():
             return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
         try:
             _chosen[key] = _decide(key, p, steps, operands, out, reference)
@@ -160,6 +163,17 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
             _chosen[key] = None
     plan = _chosen[key]
     return ConvGraph(plan, workspaces) if plan is not None else None
+
+
+@contextlib.contextmanager
+def provisional():
+    """Within it, a call whose plan is not chosen yet runs nimble's own way, and nothing is timed
+    or recorded for it: a tuning candidate built only to be compared (`tune/search.py`)."""
+    token = _provisional.set(True)
+    try:
+        yield
+    finally:
+        _provisional.reset(token)
 
 
 def _tf32(out: torch.Tensor) -> bool:

@@ -32,7 +32,8 @@ fastest:
   (`benchmarks/results/setting_ab_prologue_2026-11-27.md`).
 
 Timing is greedy: every layout on the planned streams with cuDNN's fused convolutions and
-heuristic algorithms, then the best of those with benchmarked algorithms, then that split, then
+heuristic algorithms (with cuDNN graphs: channels_last first, then contiguous without cuDNN's
+plan search, and with it only where it came close: `search.py`), then the best of those with benchmarked algorithms, then that split, then
 the best so far on at most `CAP` streams and on one, then that with its GEMM biases separate, then
 that with depthwise prologues. Where cuDNN graphs can run (the `cudnn` extra), the split
 candidate is not timed: each conv-led body has then already been timed against its
