@@ -64,8 +64,8 @@ def child(mode: str, artifact: str, pack: str, save: str, profile: str = "") -> 
     from nimble.runtime.base.settings import Settings
 
     changed = os.environ.get("COLD_START_SET", "").split()  # --set, --tune: passed through the environment
-    exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None, tune=os.environ.get("COLD_START_TUNE", "cached"),
-                      settings=Settings.parse(changed) if changed else None)
+    exe = nimble.load(artifact, "cuda", kernels=pack if mode == "pack" else None,
+                      tune=os.environ.get("COLD_START_TUNE", "cached"), settings=Settings.parse(changed) if changed else None)
     art = exe.artifact
     sample = [t.to("cuda") for t in art.sample_inputs]
     outs = exe.run(*sample)

@@ -155,7 +155,8 @@ def choose(p: dict, steps: tuple, operands: tuple, out: torch.Tensor, reference,
            _limit(outside, out.numel() * out.element_size()))  # the limit last: `_decide` reads it
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing() or _provisional.get():
-            return None  # chosen in the warm-up; a call first seen in a capture runs nimble's own way
+            return None  # chosen in the warm-up: a call first seen in a capture, or in a provisional
+            # build (`provisional`), runs nimble's own way
         try:
             _chosen[key] = _decide(key, p, steps, operands, out, reference)
         except Exception as e:  # the package is there but cuDNN refuses it: nimble's own way runs

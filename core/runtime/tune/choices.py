@@ -33,9 +33,9 @@ fastest:
 
 Timing is greedy: every layout on the planned streams with cuDNN's fused convolutions and
 heuristic algorithms (with cuDNN graphs: channels_last first, then contiguous without cuDNN's
-plan search, and with it only where it came close: `search.py`), then the best of those with benchmarked algorithms, then that split, then
-the best so far on at most `CAP` streams and on one, then that with its GEMM biases separate, then
-that with depthwise prologues. Where cuDNN graphs can run (the `cudnn` extra), the split
+plan search, and with it only where it came close: `search.py`), then the best of those with
+benchmarked algorithms, then that split, then the best so far on at most `CAP` streams and on
+one, then that with its GEMM biases separate, then that with depthwise prologues. Where cuDNN graphs can run (the `cudnn` extra), the split
 candidate is not timed: each conv-led body has then already been timed against its
 alternative, a graph against the split way or PyTorch's fused kernel (`cudnn_graph`). On the H100, with graphs, split was 1.14 to 1.33 times the best
 candidate's time on every peers row that had it (googlenet, inception_v3, resnet50,
