@@ -101,7 +101,7 @@ def time_zoo(device: str) -> list[dict]:
 
     from nimble.pipeline import compile_model
     from nimble.specs import input_specs
-    from zoo import RESOLUTION, SKIP, import_torchvision
+    from zoo import SHAPE, SKIP, import_torchvision
 
     tv = import_torchvision()
     rows = []
@@ -109,7 +109,7 @@ def time_zoo(device: str) -> list[dict]:
         for name in sorted(tv.models.list_models(module=tv.models)):
             if name in SKIP:
                 continue
-            size = RESOLUTION.get(name, 224)
+            size = SHAPE.get(name, (1, 3, 224))[-1]
             torch.manual_seed(0)
             try:
                 model = tv.models.get_model(name, weights=None).eval()

@@ -277,6 +277,17 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
     target = local_target(device)
     if pack is not None and _covered(stats, artifact, pack, target):
         return
+    threads = threads or aot.workers()
+    builders = aot.Builders.start(threads) if current().early_builders else None  # ready when the walk ends
+    try:
+        _walk_and_build(stats, artifact, device, target, pack, only, threads, quiet, builders)
+    finally:
+        if builders is not None:
+            builders.close()
+
+
+def _walk_and_build(stats: Prebuilt, artifact, device: torch.device, target, pack, only, threads: int, quiet: bool,
+                    builders) -> None:
     t = time.perf_counter()
     found = walk(artifact, target, device, only)
     stats.found = len(found)
@@ -298,11 +309,10 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
             stats.notes.append(f"{pack.path}: {stats.from_pack} of {stats.found} kernels taken from it; the {len(missing)} "
                                "it lacks build here")
     if missing:
-        threads = threads or aot.workers()
         if not quiet:
             print(f"nimble: building {len(missing)} kernels on {threads} cores...", file=sys.stderr, flush=True)
         major, minor = torch.cuda.get_device_capability(device)
-        built, stats.failed, _ = aot.build_described(missing, major * 10 + minor, threads)
+        built, stats.failed, _ = aot.build_described(missing, major * 10 + minor, threads, builders=builders)
         for (kernel, args, constants), described in built:
             if described is not None and binaries.install(kernel.digest, binaries.specialisation(args, constants),
                                                           *described, device) is not None:

@@ -459,12 +459,21 @@ def test_kernels_built_in_processes_are_the_ones_threads_build(built):
     launches = list(_launches(art).values())[:3]
     apart, failed, _ = aot.build_described(launches, 90, 2, processes=2)
     threads, _, _ = aot.build_described(launches, 90, 2, processes=0)
-    assert not failed and len(apart) == len(threads) == 3
+    # and on processes started before the set was known (a cold load starts them beside its walk)
+    assert aot.Builders.start(2) is None  # not on fewer than PROCESSES_FROM_CORES cores
+    builders = aot.Builders(2)
+    try:
+        early, failed_early, _ = aot.build_described(launches[:2], 90, 2, builders=builders)
+    finally:
+        builders.close()
+    assert not failed and not failed_early and len(apart) == len(threads) == 3 and len(early) == 2
     def name(launch):
         return launch[0].digest, binaries.specialisation(launch[1], launch[2])
     by_launch = {name(launch): got for launch, got in threads}
-    for launch, got in apart:
+    for launch, got in apart + early:
         assert got is not None and got == by_launch[name(launch)]
+    closed, _, _ = aot.build_described(launches[:1], 90, 1, builders=builders)  # a closed pool: the threads build
+    assert len(closed) == 1 and closed[0][1] == by_launch[name(launches[0])]
     assert aot._call_of((torch.empty(4)[1:], 3, None)) == (("tensor", "float32", 4), ("value", 3), ("value", None))
 
 

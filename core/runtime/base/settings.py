@@ -38,6 +38,7 @@ class Settings:
     average_pool_kernel: bool = True  # average pooling generated
     standalone_pointwise: bool = True  # a lone 1x1 convolution's body as one generated product, where faster
     bare_convolution_graphs: bool = True  # a generated body's convolution as a cuDNN graph where one was chosen
+    early_builders: bool = True  # a cold load starts its build processes beside its walk (`kernels/aot.Builders`)
     # load-time pairs (`runtime/pairs/`)
     mean_pairs: bool = True
     depthwise_mean_pairs: bool = True  # a depthwise-led op's mean too (False: the depthwise kernel, the mean apart)

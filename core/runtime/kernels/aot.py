@@ -144,24 +144,66 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
 PROCESSES_FROM_KERNELS, PROCESSES_FROM_CORES = 48, 8
 
 
-def build_described(launches: list, arch: int, threads: int,
-                    processes: int | None = None) -> tuple[list, list[str], float]:
-    """Build every launch (kernel, args, constants) for `arch`: on `processes` processes where
-    given, else on that many where the set and the machine are large (see above), else on
-    `threads` threads. Returns (launch, (record, binary) as `binaries.describe` gives them, or
-    None where the static launcher cannot run it) per built launch, one line per launch that
-    failed to build, and the seconds. A pool that breaks leaves its launches to the threads."""
+class Builders:
+    """Build processes started before it is known what they will build. A process spends 2 to 3 s
+    importing torch and Triton, about as long as a transformer's walk (GPT-2's took 3.2 s on the
+    H200, then its 21 kernels 4.1 s on threads), so a cold load starts them beside its walk
+    (`prebuild.py`) and they are ready when it ends: then any set, however small, builds on them.
+    `close` lets go of them, used or not (a worker still importing exits when it is done)."""
+
+    def __init__(self, processes: int):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.processes = processes
+        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        for _ in range(processes):  # each submission starts a worker, which imports at once
+            self.pool.submit(_ready)
+
+    @classmethod
+    def start(cls, threads: int) -> "Builders | None":
+        """As many processes as a large set would get on `threads` cores (none below
+        PROCESSES_FROM_CORES), or None where processes cannot start here."""
+        if threads < PROCESSES_FROM_CORES:
+            return None
+        try:
+            return cls(min(threads, 16))
+        except (OSError, RuntimeError, ValueError):
+            return None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ready() -> None:
+    """A build process's first job: the imports every build needs."""
+    import torch  # noqa: F401
+    import triton.compiler  # noqa: F401
+
+    from . import binaries, generated  # noqa: F401
+
+
+def build_described(launches: list, arch: int, threads: int, processes: int | None = None,
+                    builders: Builders | None = None) -> tuple[list, list[str], float]:
+    """Build every launch (kernel, args, constants) for `arch`: on `builders` where given, else on
+    `processes` processes where given, else on that many where the set and the machine are
+    large (see above), else on `threads` threads. Returns (launch, (record, binary) as
+    `binaries.describe` gives them, or None where the static launcher cannot run it) per built
+    launch, one line per launch that failed to build, and the seconds. A pool that breaks leaves
+    its launches to the threads."""
     from . import binaries
 
     t = time.perf_counter()
-    if processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
+    if builders is not None:
+        processes = builders.processes
+    elif processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
         processes = min(threads, 16, len(launches) // 4) \
             if len(launches) >= PROCESSES_FROM_KERNELS and threads >= PROCESSES_FROM_CORES else 0
     done: list = []
     failed: list[str] = []
     rest = launches
     if processes > 1 and launches:
-        done, failed, rest = _in_processes(launches, arch, processes)
+        done, failed, rest = _in_processes(launches, arch, processes, builders)
     if rest:
         built, more, _ = build_all(rest, arch, threads)
         failed += more
@@ -174,31 +216,41 @@ def build_described(launches: list, arch: int, threads: int,
     return done, failed, time.perf_counter() - t
 
 
-def _in_processes(launches: list, arch: int, processes: int) -> tuple[list, list[str], list]:
-    """`build_described` on a pool of fresh processes (spawned: a parent with CUDA up must not
-    fork). Each gets the kernel's text and the call as plain values (`_call_of`). Returns the
-    described launches, the failures, and the launches the pool did not get to."""
+def _in_processes(launches: list, arch: int, processes: int,
+                  builders: Builders | None = None) -> tuple[list, list[str], list]:
+    """`build_described` on `builders`, or on a pool of fresh processes (spawned: a parent with
+    CUDA up must not fork). Each gets the kernel's text and the call as plain values
+    (`_call_of`). Returns the described launches, the failures, and the launches the pool did not
+    get to."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     jobs = [(kernel.source, _call_of(args), dict(constants), arch) for kernel, args, constants in launches]
-    done, failed, rest = [], [], []
     try:
+        if builders is not None:
+            return _on(builders.pool, launches, jobs)
         with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_build_one, job) for job in jobs]
-            for launch, future in zip(launches, futures):
-                try:
-                    got = future.result()
-                except BrokenProcessPool:
-                    rest.append(launch)
-                    continue
-                if isinstance(got, str):
-                    failed.append(f"kernel k{launch[0].digest}: {got}")
-                else:
-                    done.append((launch, got))
+            return _on(pool, launches, jobs)
     except (OSError, RuntimeError, BrokenProcessPool):  # no processes here: the threads build them all
         return [], [], list(launches)
+
+
+def _on(pool, launches: list, jobs: list) -> tuple[list, list[str], list]:
+    from concurrent.futures.process import BrokenProcessPool
+
+    done, failed, rest = [], [], []
+    futures = [pool.submit(_build_one, job) for job in jobs]
+    for launch, future in zip(launches, futures):
+        try:
+            got = future.result()
+        except BrokenProcessPool:
+            rest.append(launch)
+            continue
+        if isinstance(got, str):
+            failed.append(f"kernel k{launch[0].digest}: {got}")
+        else:
+            done.append((launch, got))
     return done, failed, rest
 
 
