@@ -278,7 +278,7 @@ def _prebuild(stats: Prebuilt, artifact, device: torch.device, pack, only, threa
     if pack is not None and _covered(stats, artifact, pack, target):
         return
     threads = threads or aot.workers()
-    builders = aot.Builders.start(threads) if current().early_builders else None  # ready when the walk ends
+    builders = aot.start_builders(threads) if current().early_builders else None  # ready when the walk ends
     try:
         _walk_and_build(stats, artifact, device, target, pack, only, threads, quiet, builders)
     finally:

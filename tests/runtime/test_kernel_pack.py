@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -460,7 +462,7 @@ def test_kernels_built_in_processes_are_the_ones_threads_build(built):
     apart, failed, _ = aot.build_described(launches, 90, 2, processes=2)
     threads, _, _ = aot.build_described(launches, 90, 2, processes=0)
     # and on processes started before the set was known (a cold load starts them beside its walk)
-    assert aot.Builders.start(2) is None  # not on fewer than PROCESSES_FROM_CORES cores
+    assert aot.start_builders(2) is None  # not on fewer than PROCESSES_FROM_CORES cores
     builders = aot.Builders(2)
     try:
         early, failed_early, _ = aot.build_described(launches[:2], 90, 2, builders=builders)
@@ -475,6 +477,28 @@ def test_kernels_built_in_processes_are_the_ones_threads_build(built):
     closed, _, _ = aot.build_described(launches[:1], 90, 1, builders=builders)  # a closed pool: the threads build
     assert len(closed) == 1 and closed[0][1] == by_launch[name(launches[0])]
     assert aot._call_of((torch.empty(4)[1:], 3, None)) == (("tensor", "float32", 4), ("value", 3), ("value", None))
+
+
+def test_build_processes_never_run_the_users_script_again(tmp_path):
+    """A script that loads without an `if __name__ == "__main__":` guard runs once: the build
+    processes import nimble's build loop, not the script (`multiprocessing`'s spawned workers
+    would run it again). A job that fails comes back as its one line; closing kills them."""
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "user_script.py"
+    script.write_text(f"""
+import sys
+with open({str(marker)!r}, "a") as f:
+    f.write("ran\\n")
+from nimble.runtime.kernels import aot
+builders = aot.Builders(2)
+answers = builders.run([("not a kernel", (), {{}}, 90), ("nor this", (), {{}}, 90)])
+builders.close()
+print(all(isinstance(a, str) and a for a in answers), builders.run([("x", (), {{}}, 90)]))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "[None]"], done.stdout
+    assert marker.read_text() == "ran\n"
 
 
 def test_a_crafted_walked_field_never_covers_a_load(built):

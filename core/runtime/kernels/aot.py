@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...errors import UsageError, first_line
+from .builders import Builders
 
 ARCH = re.compile(r"sm_?(\d{2,3})a?")
 # the streaming multiprocessors of the common GPU of each architecture: a few kernels split their
@@ -144,43 +146,37 @@ def build_all(launches: list, arch: int, threads: int) -> tuple[list, list[str],
 PROCESSES_FROM_KERNELS, PROCESSES_FROM_CORES = 48, 8
 
 
-class Builders:
-    """Build processes started before it is known what they will build. A process spends 2 to 3 s
-    importing torch and Triton, about as long as a transformer's walk (GPT-2's took 3.2 s on the
-    H200, then its 21 kernels 4.1 s on threads), so a cold load starts them beside its walk
-    (`prebuild.py`) and they are ready when it ends: then any set, however small, builds on them.
-    `close` lets go of them, used or not (a worker still importing exits when it is done)."""
-
-    def __init__(self, processes: int):
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        self.processes = processes
-        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-        for _ in range(processes):  # each submission starts a worker, which imports at once
-            self.pool.submit(_ready)
-
-    @classmethod
-    def start(cls, threads: int) -> "Builders | None":
-        """As many processes as a large set would get on `threads` cores (none below
-        PROCESSES_FROM_CORES), or None where processes cannot start here."""
-        if threads < PROCESSES_FROM_CORES:
-            return None
-        try:
-            return cls(min(threads, 16))
-        except (OSError, RuntimeError, ValueError):
-            return None
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+def start_builders(threads: int) -> Builders | None:
+    """As many build processes as a large set would get on `threads` cores (`builders.py`), none
+    below PROCESSES_FROM_CORES, or None where processes cannot start here."""
+    if threads < PROCESSES_FROM_CORES:
+        return None
+    try:
+        return Builders(min(threads, 16))
+    except (OSError, ValueError):
+        return None
 
 
-def _ready() -> None:
-    """A build process's first job: the imports every build needs."""
+def serve_builds() -> None:
+    """A build process's loop (`builders.py`): the imports every build needs, then each job read
+    from stdin built (`_build_one`) and its answer written to stdout, until stdin closes. What
+    anything else prints goes to stderr, so stdout carries only answers."""
+    from . import builders
+
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import torch  # noqa: F401
     import triton.compiler  # noqa: F401
 
     from . import binaries, generated  # noqa: F401
+
+    while True:
+        try:
+            job = builders.receive(sys.stdin.buffer)
+        except EOFError:
+            return
+        builders.send(out, _build_one(job))
 
 
 def build_described(launches: list, arch: int, threads: int, processes: int | None = None,
@@ -195,7 +191,7 @@ def build_described(launches: list, arch: int, threads: int, processes: int | No
 
     t = time.perf_counter()
     if builders is not None:
-        processes = builders.processes
+        processes = builders.count
     elif processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
         processes = min(threads, 16, len(launches) // 4) \
             if len(launches) >= PROCESSES_FROM_KERNELS and threads >= PROCESSES_FROM_CORES else 0
@@ -218,36 +214,26 @@ def build_described(launches: list, arch: int, threads: int, processes: int | No
 
 def _in_processes(launches: list, arch: int, processes: int,
                   builders: Builders | None = None) -> tuple[list, list[str], list]:
-    """`build_described` on `builders`, or on a pool of fresh processes (spawned: a parent with
-    CUDA up must not fork). Each gets the kernel's text and the call as plain values
-    (`_call_of`). Returns the described launches, the failures, and the launches the pool did not
-    get to."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
+    """`build_described` on `builders`, or on build processes started for it (`builders.py`).
+    Each gets the kernel's text and the call as plain values (`_call_of`). Returns the
+    described launches, the failures, and the launches no process got to."""
     jobs = [(kernel.source, _call_of(args), dict(constants), arch) for kernel, args, constants in launches]
-    try:
-        if builders is not None:
-            return _on(builders.pool, launches, jobs)
-        with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            return _on(pool, launches, jobs)
-    except (OSError, RuntimeError, BrokenProcessPool):  # no processes here: the threads build them all
-        return [], [], list(launches)
-
-
-def _on(pool, launches: list, jobs: list) -> tuple[list, list[str], list]:
-    from concurrent.futures.process import BrokenProcessPool
-
-    done, failed, rest = [], [], []
-    futures = [pool.submit(_build_one, job) for job in jobs]
-    for launch, future in zip(launches, futures):
+    own = None
+    if builders is None:
         try:
-            got = future.result()
-        except BrokenProcessPool:
+            builders = own = Builders(min(processes, len(jobs)))
+        except (OSError, ValueError):  # no processes here: the threads build them all
+            return [], [], list(launches)
+    try:
+        answers = builders.run(jobs)
+    finally:
+        if own is not None:
+            own.close()
+    done, failed, rest = [], [], []
+    for launch, got in zip(launches, answers):
+        if got is None:
             rest.append(launch)
-            continue
-        if isinstance(got, str):
+        elif isinstance(got, str):
             failed.append(f"kernel k{launch[0].digest}: {got}")
         else:
             done.append((launch, got))
