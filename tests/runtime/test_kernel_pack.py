@@ -499,6 +499,14 @@ print(all(isinstance(a, str) and a for a in answers), builders.run([("x", (), {{
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "[None]"], done.stdout
     assert marker.read_text() == "ran\n"
+    # a worker that dies takes no more jobs, and the ones it did not answer come back as None
+    builders = aot.Builders(1)
+    builders._procs[0].kill()
+    builders._procs[0].wait()
+    try:
+        assert builders.run([("x", (), {}, 90), ("y", (), {}, 90)]) == [None, None]
+    finally:
+        builders.close()
 
 
 def test_a_crafted_walked_field_never_covers_a_load(built):
