@@ -75,7 +75,10 @@ class Builders:
             proc.kill()
             proc.wait()
             for pipe in (proc.stdin, proc.stdout):
-                pipe.close()
+                try:
+                    pipe.close()
+                except OSError:  # what was left unsent to a process that is gone
+                    pass
         self._procs = []
 
 
