@@ -153,7 +153,7 @@ def start_builders(threads: int) -> Builders | None:
         return None
     try:
         return Builders(min(threads, 16))
-    except (OSError, ValueError):
+    except OSError:  # `Builders` says so for every way a start can fail
         return None
 
 
@@ -190,15 +190,13 @@ def build_described(launches: list, arch: int, threads: int, processes: int | No
     from . import binaries
 
     t = time.perf_counter()
-    if builders is not None:
-        processes = builders.count
-    elif processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
+    if builders is None and processes is None:  # at most 16 (each holds torch and Triton: about 0.5 GiB), at least 4 kernels each
         processes = min(threads, 16, len(launches) // 4) \
             if len(launches) >= PROCESSES_FROM_KERNELS and threads >= PROCESSES_FROM_CORES else 0
     done: list = []
     failed: list[str] = []
     rest = launches
-    if processes > 1 and launches:
+    if launches and (builders is not None or processes > 1):
         done, failed, rest = _in_processes(launches, arch, processes, builders)
     if rest:
         built, more, _ = build_all(rest, arch, threads)
@@ -212,9 +210,9 @@ def build_described(launches: list, arch: int, threads: int, processes: int | No
     return done, failed, time.perf_counter() - t
 
 
-def _in_processes(launches: list, arch: int, processes: int,
+def _in_processes(launches: list, arch: int, processes: int | None,
                   builders: Builders | None = None) -> tuple[list, list[str], list]:
-    """`build_described` on `builders`, or on build processes started for it (`builders.py`).
+    """`build_described` on `builders`, or on `processes` build processes started for it (`builders.py`).
     Each gets the kernel's text and the call as plain values (`_call_of`). Returns the
     described launches, the failures, and the launches no process got to."""
     jobs = [(kernel.source, _call_of(args), dict(constants), arch) for kernel, args, constants in launches]
@@ -222,7 +220,7 @@ def _in_processes(launches: list, arch: int, processes: int,
     if builders is None:
         try:
             builders = own = Builders(min(processes, len(jobs)))
-        except (OSError, ValueError):  # no processes here: the threads build them all
+        except OSError:  # no processes here: the threads build them all
             return [], [], list(launches)
     try:
         answers = builders.run(jobs)

@@ -41,7 +41,6 @@ class Builders:
         except (OSError, ValueError, TypeError):  # no interpreter to start (sys.executable empty), no processes
             self.close()
             raise OSError("build processes cannot start here") from None
-        self.count = count
 
     def run(self, jobs: list) -> list:
         """Each job's answer, in order, from whichever worker is free; None for a job that a worker
