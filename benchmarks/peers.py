@@ -259,12 +259,14 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), s
     return row
 
 
-def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_inputs: int = 256) -> dict:
+def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_inputs: int = 256,
+                  make=None) -> dict:
     """One model at fp16 or bf16: eager and torch.compile(mode="reduce-overhead") on the module
     cast whole, and nimble compiled with --precision (inputs and outputs in the reduced dtype, as
     the cast module has them; the default tolerance, else --tolerance 1e-2), beside nimble at
     fp32. Each variant's relative L2 error against the fp32 module; for a classifier, the top-1
-    agreement with it over `agreement_inputs` random inputs (in batches of `batch`)."""
+    agreement with it over `agreement_inputs` random inputs (in batches of `batch`). `make(name,
+    batch)` builds the model and its inputs (default `make_inputs`)."""
     import torch
 
     from nimble.errors import MismatchError
@@ -276,7 +278,7 @@ def bench_reduced(name: str, batch: int, precision: str, tmp: Path, agreement_in
     from nimble.specs import input_specs
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    model, xs_cpu = make_inputs(name, batch)
+    model, xs_cpu = (make or make_inputs)(name, batch)
 
     def lower(x):  # token ids and masks stay integers
         return x.to(dtype) if x.is_floating_point() else x

@@ -1,0 +1,340 @@
+"""A GPU sweep of every torchvision classification model: nimble against torch.compile and its kernels.
+
+Run on a GPU machine; the report needs none.
+
+    python benchmarks/sweep.py --out DIR [--shard 0/2] [--models ...] [--batches 1 8] [--budget 540]
+    python benchmarks/sweep.py --precision bf16 --batches 8 --out DIR [--shard ...]
+    python benchmarks/sweep.py --out DIR --skip-done benchmarks/results/sweep_*.jsonl   # go on where it stopped
+    python benchmarks/sweep.py --report DIR/sweep_*.jsonl --out benchmarks/results     # merge, no GPU
+
+Each model runs in a process of its own (a crash, a hang or a leak stays with it) with `--timeout`
+seconds for all its batches; its rows are appended to `DIR/sweep_<precision>_<tag>.jsonl` as they
+come, so a device call cut short keeps what it measured. `--budget` seconds after the start no
+new model begins (a device call's limit is 10 minutes); `--skip-done` skips the models that those
+files already hold at every batch asked for, so the next call goes on. `--shard I/N` takes every
+N-th model of the sorted list from the I-th: one process per GPU, `CUDA_VISIBLE_DEVICES` apart.
+
+fp32 (TF32 in convolutions, PyTorch's default), per model and batch, in one process, each output
+checked against eager:
+- eager PyTorch;
+- `inductor_graph`: torch.compile's kernels without its call path: Inductor with no CUDA graphs of
+  its own, captured by hand into one CUDA graph and replayed;
+- `torch_compile`: torch.compile(mode="reduce-overhead"), with its compile time;
+- `nimble`: the model traced, compiled (checked on the GPU), written and read back as an artifact,
+  loaded with full tuning.
+Two figures each, as medians: GPU-bound (50 back-to-back calls between CUDA events, median of 15)
+and latency (copy in where the variant copies, run, synchronize; median of 200).
+
+bf16: `peers.py`'s reduced-precision row (the module cast whole, eager and torch.compile on it;
+nimble compiled with --precision bf16, reduced inputs and outputs), top-1 agreement over one batch.
+
+The report is one table per precision and batch with nimble's ratio to each peer, the geometric
+mean of the ratios and the worst ten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import report
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SIZE = {"inception_v3": 299}  # the input side where the model needs more than 224
+LAST = ("vit_h_14", "regnet_y_128gf", "vit_l_16", "vit_l_32", "regnet_y_32gf", "efficientnet_b7", "efficientnet_v2_l",
+        "convnext_large", "swin_v2_b", "swin_b", "regnet_x_32gf", "efficientnet_b6", "regnet_y_16gf")  # slowest
+TARGET = {"torch_compile": 0.8, "inductor_graph": 0.9}  # the issue's bound on nimble's GPU-bound ratio
+
+
+def models() -> list[str]:
+    """Every torchvision classification model, the largest (slowest to compile) last."""
+    import zoo
+
+    torchvision = zoo.import_torchvision()
+    names = sorted(torchvision.models.list_models(module=torchvision.models))
+    return [n for n in names if n not in LAST] + [n for n in LAST if n in names]
+
+
+def shard(names: list[str], spec: str) -> list[str]:
+    """`I/N`: every N-th name from the I-th."""
+    try:
+        i, n = (int(p) for p in spec.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--shard {spec}: give I/N with 0 <= I < N, as 0/2") from None
+    return names[i::n]
+
+
+def build(name: str, batch: int):
+    """(the model in eval mode with random weights, its input batch on the CPU)."""
+    import torch
+
+    import zoo
+
+    torchvision = zoo.import_torchvision()
+    kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    side = SIZE.get(name, 224)
+    torch.manual_seed(1)
+    return model, [torch.randn(batch, 3, side, side)]
+
+
+def hand_graph(fn, xs):
+    """`fn(*xs)` captured into one CUDA graph after three warm calls on a side stream: (the graph,
+    its input tensors, its output)."""
+    import torch
+
+    static = [x.clone() for x in xs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, static, out
+
+
+def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
+    import torch
+
+    import peers
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.frontend import quiet_torchscript
+    from nimble.pipeline import compile_model
+    from nimble.runtime.base.compare import compare
+    from nimble.runtime.executable import Executable
+    from nimble.specs import input_specs
+
+    model, xs_cpu = build(name, batch)
+    xs = [x.cuda() for x in xs_cpu]
+    row: dict = {"model": name, "batch": batch, "precision": "fp32", "gpu_bound_ms": {}, "latency_ms": {},
+                 "check": {}, "errors": {}}
+
+    def record(variant, call, sync_call=None):
+        row["gpu_bound_ms"][variant] = peers.gpu_bound_ms(call)
+        row["latency_ms"][variant] = report.median_ms(sync_call or call)
+
+    def check(variant, out):
+        out = [out] if isinstance(out, torch.Tensor) else list(out)
+        row["check"][variant] = compare([o.clone() for o in out], ref, 1e-2, 1e-3).max_rel
+
+    with torch.no_grad():
+        with quiet_torchscript():
+            pt = tmp / f"{name}_{batch}.pt"
+            torch.jit.save(torch.jit.trace(model, tuple(xs_cpu)), str(pt))
+        gpu = model.cuda()
+        ref = gpu(*xs)
+        ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+        record("eager", lambda: gpu(*xs))
+        try:
+            torch._dynamo.reset()
+            plain = torch.compile(gpu)
+            t = time.perf_counter()
+            for _ in range(3):
+                plain(*xs)
+            torch.cuda.synchronize()
+            row["inductor_compile_s"] = time.perf_counter() - t
+            graph, static, out = hand_graph(plain, xs)
+            check("inductor_graph", out)
+            record("inductor_graph", graph.replay, lambda: (static[0].copy_(xs[0]), graph.replay()))
+            graph = static = out = plain = None  # their memory goes before the next variant
+        except Exception as e:  # a model Inductor cannot capture is a result too
+            row["errors"]["inductor_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
+        torch._dynamo.reset()
+        compiled, out = peers.torch_compile(gpu, xs, row, record)
+        check("torch_compile", out)
+        del compiled, out
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu], ["float32"])
+    t = time.perf_counter()
+    c = compile_model(pt, specs, device="cuda")
+    row["nimble_compile_s"] = time.perf_counter() - t
+    path = tmp / f"{name}_{batch}.nimble"
+    write_artifact(path, c.artifact())
+    exe = Executable(read_artifact(path), "cuda", tune="full")
+    check("nimble", exe.run(*xs))
+    record("nimble", exe.replay, lambda: exe(*xs, copy=False))
+    row["nimble_load_s"] = exe.stats.seconds.get("total")
+    row["choice"] = exe.stats.choice
+    row["ops"] = len(c.graph.ops)
+    exe.close()
+    return row
+
+
+def bench_bf16(name: str, batch: int, tmp: Path) -> dict:
+    import peers
+
+    return peers.bench_reduced(name, batch, "bf16", tmp, agreement_inputs=batch, make=build)
+
+
+def child(name: str, batches: list[int], precision: str) -> int:
+    """One model at each batch, a JSON row printed per batch (or {"error": ...})."""
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    one = bench_fp32 if precision == "fp32" else bench_bf16
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in batches:
+            try:
+                row = one(name, batch, Path(tmp))
+            except Exception as e:  # the next batch may still run
+                row = {"model": name, "batch": batch, "precision": precision,
+                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            print("ROW " + json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    return 0
+
+
+def run_model(name: str, batches: list[int], precision: str, timeout: float, log) -> list[dict]:
+    """The model's rows from a process of its own; a timeout or a crash is a row for each batch it
+    left without one."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--precision", precision,
+           "--batches", *map(str, batches)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, why = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}"
+        log.write(proc.stderr[-4000:])
+    except subprocess.TimeoutExpired as e:
+        out, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), f"timeout {timeout:.0f} s"
+    rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
+    done = {r["batch"] for r in rows}
+    rows += [{"model": name, "batch": b, "precision": precision, "error": why or "no row"}
+             for b in batches if b not in done]
+    return rows
+
+
+def ratio(row: dict, peer: str) -> float | None:
+    ms = row.get("gpu_bound_ms", {})
+    return ms["nimble"] / ms[peer] if "nimble" in ms and ms.get(peer) else None
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def summary(rows: list[dict], meta: dict) -> str:
+    """One table per (precision, batch): every model's figures and ratios, then the geometric means
+    and the worst ten by the ratio to torch.compile."""
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"torchvision classification models on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. "
+             f"Command(s): `{meta['command']}`. GPU-bound ms (50 back-to-back calls between CUDA events, "
+             "median of 15); latency ms (copy in, run, synchronize; median of 200). Random weights. "
+             "inductor_graph: torch.compile's kernels with no CUDA graphs of its own, captured by hand into "
+             "one CUDA graph (its kernels without its call path).", ""]
+    for precision, batch in sorted({(r.get("precision", "fp32"), r["batch"]) for r in rows}):
+        part = sorted((r for r in rows if r.get("precision", "fp32") == precision and r["batch"] == batch),
+                      key=lambda r: r["model"])
+        peers_ = ["torch_compile", "inductor_graph"] if precision == "fp32" else ["torch_compile"]
+        lines += [f"## {precision}, batch {batch}", ""]
+        head = ["model", "eager", *peers_, "nimble", *(f"nimble / {p}" for p in peers_),
+                "latency nimble / torch_compile", "note"]
+        body = []
+        for r in part:
+            g, lat = r.get("gpu_bound_ms", {}), r.get("latency_ms", {})
+            lat_ratio = lat["nimble"] / lat["torch_compile"] if "nimble" in lat and lat.get("torch_compile") else None
+            note = r.get("error") or "; ".join(f"{k}: {v}" for k, v in r.get("errors", {}).items())
+            body.append([r["model"], fmt(g.get("eager")), *(fmt(g.get(p)) for p in peers_), fmt(g.get("nimble")),
+                         *(fmt(ratio(r, p)) for p in peers_), fmt(lat_ratio), note])
+        lines += report.table(head, body) + [""]
+        for p in peers_:
+            values = [v for r in part if (v := ratio(r, p)) is not None]
+            over = [r["model"] for r in part if (v := ratio(r, p)) is not None and v > TARGET[p]]
+            lines.append(f"- nimble / {p}: geometric mean {fmt(geomean(values))} over {len(values)} models; "
+                         f"over {TARGET[p]}: {len(over)} ({', '.join(over) or 'none'})")
+        worst = sorted((r for r in part if ratio(r, "torch_compile") is not None),
+                       key=lambda r: -ratio(r, "torch_compile"))[:10]
+        lines.append("- worst ten by nimble / torch_compile: "
+                     + ", ".join(f"{r['model']} {ratio(r, 'torch_compile'):.3f}" for r in worst))
+        failed = [f"{r['model']} ({r['error']})" for r in part if "error" in r]
+        if failed:
+            lines.append(f"- no figures: {'; '.join(failed)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def read_rows(paths: list[Path]) -> list[dict]:
+    """Every row of these JSONL files, a later file's row for a (model, batch, precision) winning."""
+    latest = {}
+    for p in paths:
+        for line in p.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if r.get("meta"):
+                    continue
+                latest[(r["model"], r["batch"], r.get("precision", "fp32"))] = r
+    return list(latest.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=False)
+    parser.add_argument("--models", nargs="*", help="default: every torchvision classification model")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--shard", default="0/1", help="I/N: every N-th model from the I-th")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per model, all its batches")
+    parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model starts")
+    parser.add_argument("--skip-done", type=Path, nargs="*", default=[], help="JSONL files whose models to skip")
+    parser.add_argument("--tag", default="run")
+    parser.add_argument("--report", type=Path, nargs="*", help="merge these JSONL files into sweep.md")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        return child(args.one, args.batches, args.precision)
+    if args.out is None:
+        parser.error("--out DIR is needed")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        rows = read_rows(args.report)
+        metas = [json.loads(p.read_text().splitlines()[0]) for p in args.report]
+        meta = {**metas[0]["meta"], "command": " ; ".join(m["meta"]["command"] for m in metas)}
+        text = summary(rows, meta)
+        report.write(args.out, "sweep", text, {"meta": meta, "rows": rows})
+        print(text)
+        return 0
+    start = time.monotonic()
+    names = shard(args.models or models(), args.shard)
+    done = {(r["model"], r["batch"]) for r in read_rows(args.skip_done) if "error" not in r}
+    names = [n for n in names if not all((n, b) in done for b in args.batches)]
+    sink = args.out / f"sweep_{args.precision}_{args.tag}.jsonl"
+    with sink.open("a") as out, (args.out / f"sweep_{args.precision}_{args.tag}.log").open("a") as log:
+        if sink.stat().st_size == 0:
+            import torch
+
+            meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/sweep.py " + " ".join(sys.argv[1:])}
+            out.write(json.dumps({"meta": meta}) + "\n")
+        for k, name in enumerate(names):
+            if args.budget is not None and time.monotonic() - start > args.budget:
+                print(f"budget spent: {len(names) - k} model(s) left for the next call", flush=True)
+                break
+            t = time.monotonic()
+            for row in run_model(name, args.batches, args.precision, args.timeout, log):
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(f"{name} b{row['batch']}: " + (row.get("error") or " ".join(
+                    f"{p}={ratio(row, p):.3f}" for p in ("torch_compile", "inductor_graph") if ratio(row, p))),
+                    f"({time.monotonic() - t:.0f} s)", flush=True)
+            log.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""benchmarks/sweep.py's bookkeeping, which runs without a GPU: shards, the rows a model that
+fails or hangs still leaves, going on where a call stopped, and the report's ratios."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import sweep  # noqa: E402  (benchmarks/sweep.py: a script, not a package)
+
+
+def row(model, batch, nimble, compiled, graph=None, precision="fp32"):
+    ms = {"nimble": nimble, "torch_compile": compiled, **({"inductor_graph": graph} if graph else {})}
+    return {"model": model, "batch": batch, "precision": precision, "gpu_bound_ms": ms,
+            "latency_ms": {"nimble": 1.0, "torch_compile": 2.0}}
+
+
+def test_shards_cover_every_model_once_and_a_bad_shard_is_one_line():
+    names = [f"m{k}" for k in range(7)]
+    parts = [sweep.shard(names, f"{i}/3") for i in range(3)]
+    assert sorted(sum(parts, [])) == sorted(names) and all(parts)
+    for bad in ("3/3", "a/2", "1"):
+        with pytest.raises(SystemExit, match="--shard"):
+            sweep.shard(names, bad)
+
+
+def test_a_model_that_hangs_leaves_a_row_per_batch_it_did_not_finish(tmp_path, monkeypatch):
+    script = tmp_path / "fake.py"
+    script.write_text("import json, time\nprint('ROW ' + json.dumps({'model': 'm', 'batch': 1}), flush=True)\n"
+                      "time.sleep(30)\n")
+    monkeypatch.setattr(sweep, "__file__", str(script))
+    with (tmp_path / "log").open("w") as log:
+        rows = sweep.run_model("m", [1, 8], "fp32", 3, log)
+    assert rows[0] == {"model": "m", "batch": 1}
+    assert rows[1]["batch"] == 8 and rows[1]["error"].startswith("timeout")
+
+
+def test_the_report_gives_ratios_geometric_means_and_the_worst(tmp_path):
+    sink = tmp_path / "sweep_fp32_a.jsonl"
+    meta = {"gpu": "H200", "torch": "2.11", "date": "2026-11-30", "command": "c"}
+    rows = [row("a", 8, 1.0, 2.0, 1.25), row("b", 8, 3.0, 2.0, 2.0), {"model": "c", "batch": 8, "error": "timeout 3 s"}]
+    sink.write_text("\n".join(json.dumps(r) for r in [{"meta": meta}, *rows]) + "\n")
+    later = tmp_path / "sweep_fp32_b.jsonl"
+    later.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(row("a", 8, 1.0, 4.0, 1.0)) + "\n")
+    got = sweep.read_rows([sink, later])
+    assert {r["model"]: r for r in got}["a"]["gpu_bound_ms"]["torch_compile"] == 4.0  # the later file wins
+    text = sweep.summary(got, meta)
+    assert "nimble / torch_compile: geometric mean 0.612 over 2 models; over 0.8: 1 (b)" in text  # sqrt(0.25 * 1.5)
+    assert "nimble / inductor_graph: geometric mean 1.225 over 2 models; over 0.9: 2 (a, b)" in text
+    assert "worst ten by nimble / torch_compile: b 1.500, a 0.250" in text
+    assert "no figures: c (timeout 3 s)" in text
