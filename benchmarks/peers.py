@@ -56,15 +56,15 @@ def make_model(name: str):
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)(weights=None, **MODELS[name][1]).eval()
         return model, [(3, TORCHVISION[name], TORCHVISION[name])]
-    if name in VISION_TRANSFORMERS:
-        import torchvision
-
-        torch.manual_seed(0)
-        size = VISION_TRANSFORMERS[name]
-        return getattr(torchvision.models, name)(weights=None).eval(), [(3, size, size)]
     from sample_models.build import MODELS as SAMPLES, build_module
 
-    return build_module(name), [s[1:] for s in SAMPLES[name][1]]
+    if name in SAMPLES:
+        return build_module(name), [s[1:] for s in SAMPLES[name][1]]
+    import torchvision  # any other torchvision classification model (sweep.py's), 224 px
+
+    torch.manual_seed(0)
+    size = VISION_TRANSFORMERS.get(name, 224)
+    return torchvision.models.get_model(name, weights=None).eval(), [(3, size, size)]
 
 
 HUGGING_FACE = ("bert-base", "gpt2")  # hf_trust.py's: real configurations, random weights, 128 tokens

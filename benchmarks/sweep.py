@@ -17,8 +17,8 @@ N-th model of the sorted list from the I-th: one process per GPU, `CUDA_VISIBLE_
 fp32 (TF32 in convolutions, PyTorch's default), per model and batch, in one process, each output
 checked against eager:
 - eager PyTorch;
-- `inductor_graph`: torch.compile's kernels without its call path: Inductor with no CUDA graphs of
-  its own, captured by hand into one CUDA graph and replayed;
+- `inductor_graph` (at `--alone-batches`, 8 by default): torch.compile's kernels without its call
+  path: Inductor with no CUDA graphs of its own, captured by hand into one CUDA graph and replayed;
 - `torch_compile`: torch.compile(mode="reduce-overhead"), with its compile time;
 - `nimble`: the model traced, compiled (checked on the GPU), written and read back as an artifact,
   loaded with full tuning.
@@ -109,7 +109,8 @@ def hand_graph(fn, xs):
     return graph, static, out
 
 
-def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
+def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
+    """The row of one model at one batch; `alone`: with Inductor's kernels alone too."""
     import torch
 
     import peers
@@ -122,6 +123,13 @@ def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
 
     model, xs_cpu = build(name, batch)
     xs = [x.cuda() for x in xs_cpu]
+    clock = [time.perf_counter()]
+
+    def stage(what):  # each stage's seconds on stderr: the log says where a slow model's time went
+        now = time.perf_counter()
+        print(f"{name} b{batch}: {what} {now - clock[0]:.1f} s", file=sys.stderr, flush=True)
+        clock[0] = now
+
     row: dict = {"model": name, "batch": batch, "precision": "fp32", "gpu_bound_ms": {}, "latency_ms": {},
                  "check": {}, "errors": {}}
 
@@ -141,7 +149,10 @@ def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
         ref = gpu(*xs)
         ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
         record("eager", lambda: gpu(*xs))
+        stage("eager")
         try:
+            if not alone:
+                raise LookupError("not at this batch")
             torch._dynamo.reset()
             plain = torch.compile(gpu)
             t = time.perf_counter()
@@ -153,11 +164,15 @@ def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
             check("inductor_graph", out)
             record("inductor_graph", graph.replay, lambda: (static[0].copy_(xs[0]), graph.replay()))
             graph = static = out = plain = None  # their memory goes before the next variant
+        except LookupError:
+            pass
         except Exception as e:  # a model Inductor cannot capture is a result too
             row["errors"]["inductor_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
+        stage("inductor_graph")
         torch._dynamo.reset()
         compiled, out = peers.torch_compile(gpu, xs, row, record)
         check("torch_compile", out)
+        stage("torch_compile")
         del compiled, out
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -166,6 +181,7 @@ def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
     t = time.perf_counter()
     c = compile_model(pt, specs, device="cuda")
     row["nimble_compile_s"] = time.perf_counter() - t
+    stage("nimble compile")
     path = tmp / f"{name}_{batch}.nimble"
     write_artifact(path, c.artifact())
     exe = Executable(read_artifact(path), "cuda", tune="full")
@@ -175,6 +191,7 @@ def bench_fp32(name: str, batch: int, tmp: Path) -> dict:
     row["choice"] = exe.stats.choice
     row["ops"] = len(c.graph.ops)
     exe.close()
+    stage("nimble")
     return row
 
 
@@ -184,12 +201,12 @@ def bench_bf16(name: str, batch: int, tmp: Path) -> dict:
     return peers.bench_reduced(name, batch, "bf16", tmp, agreement_inputs=batch, make=build)
 
 
-def child(name: str, batches: list[int], precision: str) -> int:
+def child(name: str, batches: list[int], precision: str, alone: list[int]) -> int:
     """One model at each batch, a JSON row printed per batch (or {"error": ...})."""
     import torch
 
     torch.backends.cudnn.benchmark = False
-    one = bench_fp32 if precision == "fp32" else bench_bf16
+    one = (lambda n, b, t: bench_fp32(n, b, t, b in alone)) if precision == "fp32" else bench_bf16
     with tempfile.TemporaryDirectory() as tmp:
         for batch in batches:
             try:
@@ -202,17 +219,19 @@ def child(name: str, batches: list[int], precision: str) -> int:
     return 0
 
 
-def run_model(name: str, batches: list[int], precision: str, timeout: float, log) -> list[dict]:
+def run_model(name: str, batches: list[int], precision: str, timeout: float, log, alone=(8,)) -> list[dict]:
     """The model's rows from a process of its own; a timeout or a crash is a row for each batch it
     left without one."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--precision", precision,
-           "--batches", *map(str, batches)]
+           "--batches", *map(str, batches), "--alone-batches", *map(str, alone)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out, why = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}"
         log.write(proc.stderr[-4000:])
     except subprocess.TimeoutExpired as e:
-        out, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), f"timeout {timeout:.0f} s"
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out, why = text(e.stdout), f"timeout {timeout:.0f} s"
+        log.write(text(e.stderr)[-4000:])
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
     done = {r["batch"] for r in rows}
     rows += [{"model": name, "batch": b, "precision": precision, "error": why or "no row"}
@@ -289,6 +308,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--shard", default="0/1", help="I/N: every N-th model from the I-th")
+    parser.add_argument("--alone-batches", type=int, nargs="*", default=[8],
+                        help="fp32: the batches where Inductor's kernels alone are timed too")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per model, all its batches")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model starts")
     parser.add_argument("--skip-done", type=Path, nargs="*", default=[], help="JSONL files whose models to skip")
@@ -297,7 +318,7 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        return child(args.one, args.batches, args.precision)
+        return child(args.one, args.batches, args.precision, args.alone_batches)
     if args.out is None:
         parser.error("--out DIR is needed")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +347,7 @@ def main() -> int:
                 print(f"budget spent: {len(names) - k} model(s) left for the next call", flush=True)
                 break
             t = time.monotonic()
-            for row in run_model(name, args.batches, args.precision, args.timeout, log):
+            for row in run_model(name, args.batches, args.precision, args.timeout, log, args.alone_batches):
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(f"{name} b{row['batch']}: " + (row.get("error") or " ".join(
