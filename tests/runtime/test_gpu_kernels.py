@@ -286,3 +286,42 @@ def test_a_generated_kernel_reads_a_broadcast_scale_even_a_0d_one(layout, scale_
     got = kernels.FusedKernel(op)([(("aten::mul.Tensor", (x, scale), ()),)], out)
     assert got is out and len(generated.STATS.fallbacks) == fallbacks, generated.STATS.fallbacks[fallbacks:]
     torch.testing.assert_close(out, x * scale, rtol=0, atol=0)
+
+
+class ConvNeXtBlock(nn.Module):
+    """torchvision's CNBlock: a 7x7 depthwise convolution, its channels moved last for a layer
+    norm and two linears, moved back, scaled and added to the block's input."""
+
+    def __init__(self, dim: int = 48):
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.scale = nn.Parameter(torch.full((dim, 1, 1), 0.5))
+
+    def forward(self, x):
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.scale * self.down(F.gelu(self.up(y))).permute(0, 3, 1, 2)
+
+
+def test_a_layer_norm_over_a_channels_first_map_s_channels_is_one_kernel(tmp_path):
+    """In NCHW, ConvNeXt's permute then layer norm: PyTorch makes the permuted map dense, normalises
+    it and copies the result into its buffer; `norms.LAYER_NORM_CHANNELS` reads it where it lies
+    and writes the buffer, one kernel. The setting off gives PyTorch's three, in the same process."""
+    import re
+
+    from nimble.runtime.base.settings import Settings
+
+    torch.manual_seed(0)
+    module = ConvNeXtBlock().eval().cuda()
+    x = torch.randn(2, 48, 14, 14, device="cuda")
+    artifact = nimble.Nimble(module).prepare(x)._runner.artifact
+    with torch.no_grad():
+        want = module(x)
+    nodes = []
+    for chosen in (None, Settings(channels_norm_kernel=False)):
+        dump = tmp_path / f"graph{len(nodes)}.dot"
+        exe = Executable(artifact, "cuda", choice=tuning.Choice("contiguous"), graph_dump=str(dump), settings=chosen)
+        assert compare([exe(x)], [want], rtol=1e-2, atol=1e-3).passed
+        nodes.append(len(re.findall(r"\b(?:KERNEL|MEMCPY)\b", dump.read_text(errors="replace"))))
+    assert nodes[0] + 2 == nodes[1], nodes

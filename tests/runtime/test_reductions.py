@@ -1,5 +1,5 @@
-"""The generated reduction kernels (`runtime/kernels/reductions.py`: layer norm, max and average pooling,
-the spatial mean): on the CPU their sources run through `triton_shim` against torch; on the GPU
+"""The generated reduction kernels (`runtime/kernels/norms.py`'s layer norms; `reductions.py`'s max
+and average pooling and the spatial mean): on the CPU their sources run through `triton_shim` against torch; on the GPU
 the runtime's substitutes run them into planned buffers, and decline what they do not cover."""
 
 from hypothesis import assume, given, settings
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import pytest
 import torch
 
-from nimble.runtime.kernels import codegen, reductions
+from nimble.runtime.kernels import codegen, norms, reductions
 from nimble.runtime.kernels import generated
 
 from .. import triton_shim
@@ -17,7 +17,7 @@ def shim_layer_norm(x, weight, bias, eps=1e-5):
     n = weight.numel() if weight is not None else x.shape[-1]
     out = torch.empty_like(x)
     block = generated.triton_block(n)
-    triton_shim.run_grid(reductions.LAYER_NORM, x.numel() // n, x, x if weight is None else weight,
+    triton_shim.run_grid(norms.LAYER_NORM, x.numel() // n, x, x if weight is None else weight,
                          x if bias is None else bias, out, eps, N=n, HAS_W=weight is not None,
                          HAS_B=bias is not None, WIDE=False, BLOCK=block)
     return out
@@ -45,9 +45,53 @@ def test_a_row_of_nan_stays_nan_and_other_rows_are_untouched():
 
 def test_the_substitute_declines_the_cpu_and_what_it_does_not_cover():
     x = torch.randn(4, 8)
-    assert reductions.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(4, 8)) is None
+    assert norms.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(4, 8)) is None
     meta = torch.empty(4, 8, device="meta")
-    assert reductions.layer_norm([meta, [8]], torch.empty_like(meta)) is None  # too few arguments
+    assert norms.layer_norm([meta, [8]], torch.empty_like(meta)) is None  # too few arguments
+
+
+def shim_channels_norm(x, weight, bias, eps=1e-6):
+    """`x` (N, C, ...) normalised over C as LAYER_NORM_CHANNELS does it, seen channels last."""
+    seen = x.movedim(1, -1)
+    out = torch.full(seen.shape, 7.0)
+    grid, args, constants = norms.channels_launch(seen, out, weight, bias, eps)
+    constants.pop("num_warps")
+    triton_shim.run_grid(norms.LAYER_NORM_CHANNELS, grid[0], *args, **constants)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 96, 7, 7), (1, 5, 3), (3, 40, 2, 9), (1, 768, 1, 1), (2, 3, 200)])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_the_channels_norm_source_computes_a_permuted_layer_norm(shape, affine):
+    """ConvNeXt's permute(0, 2, 3, 1) then layer norm, on the map where it lies: positions that do
+    not fill the last tile, one position, channels that are not a power of two."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 3 + 1
+    c = shape[1]
+    weight = torch.randn(c, generator=g) if affine != "none" else None
+    bias = torch.randn(c, generator=g) if affine == "both" else None
+    got = shim_channels_norm(x, weight, bias)
+    want = torch.nn.functional.layer_norm(x.movedim(1, -1), (c,), weight, bias, 1e-6)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_channels_norm_tiles_keep_to_their_budget():
+    for c, positions in ((96, 3136), (768, 49), (4096, 1), (3, 5)):
+        seen = torch.empty(2, c, positions).movedim(1, -1)
+        grid, args, constants = norms.channels_launch(seen, torch.empty(seen.shape), None, None, 1e-6)
+        assert constants["BLOCK_C"] >= c and constants["BLOCK_C"] * constants["BLOCK_P"] <= norms.CHANNELS_TILE
+        assert grid == (2 * -(-positions // constants["BLOCK_P"]),) and args[-1] * constants["BLOCK_P"] >= positions
+
+
+def test_only_a_channels_first_map_seen_channels_last_takes_the_channels_kernel():
+    x = torch.randn(2, 8, 3, 3)
+    assert norms.channels_first(x.permute(0, 2, 3, 1), 8)
+    assert not norms.channels_first(x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1), 8)  # dense rows
+    assert not norms.channels_first(x.permute(0, 2, 3, 1), 4)  # not over the channels
+    assert not norms.channels_first(x.permute(0, 3, 2, 1), 8)  # positions out of order
+    assert not norms.channels_first(torch.randn(8, 6).t(), 8)  # a transposed matrix
+    assert not norms.channels_first(x[:, :, :2].permute(0, 2, 3, 1), 8)  # a slice: not dense
 
 
 gpu = pytest.mark.gpu
@@ -66,7 +110,7 @@ def test_the_layer_norm_kernel_matches_eager_on_the_gpu(dtype, shape, normalized
     bias = torch.randn(*normalized, device="cuda", generator=g).to(dtype)
     for w, b in ((weight, bias), (None, None), (weight, None)):
         out = torch.full_like(x, float("nan"))
-        got = reductions.layer_norm([x, list(normalized), w, b, 1e-5, True], out)
+        got = norms.layer_norm([x, list(normalized), w, b, 1e-5, True], out)
         assert got is out
         want = torch.nn.functional.layer_norm(x.float(), normalized, None if w is None else w.float(),
                                               None if b is None else b.float(), 1e-5)
@@ -75,11 +119,35 @@ def test_the_layer_norm_kernel_matches_eager_on_the_gpu(dtype, shape, normalized
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 96, 56, 56), (1, 768, 7, 7), (2, 3, 5, 4)])
+def test_the_channels_norm_kernel_matches_eager_on_the_gpu(dtype, shape):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.runtime.base import settings
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(*shape, device="cuda", generator=g) * 3 + 1).to(dtype).permute(0, 2, 3, 1)
+    c = shape[1]
+    weight = torch.randn(c, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(c, device="cuda", generator=g).to(dtype)
+    for w, b in ((weight, bias), (None, None)):
+        out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
+        assert norms.layer_norm([x, [c], w, b, 1e-6, True], out) is out
+        want = torch.nn.functional.layer_norm(x.float(), (c,), None if w is None else w.float(),
+                                              None if b is None else b.float(), 1e-6)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    with settings.using(settings.Settings(channels_norm_kernel=False)):
+        assert norms.layer_norm([x, [c], weight, bias, 1e-6, True], torch.empty(x.shape, device="cuda", dtype=dtype)) is None
+
+
+@gpu
 def test_the_substitute_declines_strided_input_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     x = torch.randn(8, 6, device="cuda").t()  # (6, 8), not row-major
-    assert reductions.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(6, 8, device="cuda")) is None
+    assert norms.layer_norm([x, [8], None, None, 1e-5, True], torch.empty(6, 8, device="cuda")) is None
 
 
 def shim_max_pool(x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False, channels_last=False):

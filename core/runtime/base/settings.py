@@ -36,6 +36,7 @@ class Settings:
     depthwise_kernel: bool = True  # a channels_last depthwise convolution and its body generated
     pointwise_kernel: bool = True  # a 1x1 convolution computing its input's elementwise op as it loads
     average_pool_kernel: bool = True  # average pooling generated
+    channels_norm_kernel: bool = True  # a layer norm over a channels-first map's channels generated (`kernels/norms.py`)
     standalone_pointwise: bool = True  # a lone 1x1 convolution's body as one generated product, where faster
     bare_convolution_graphs: bool = True  # a generated body's convolution as a cuDNN graph where one was chosen
     early_builders: bool = True  # a cold load starts its build processes beside its walk (`kernels/aot.Builders`)

@@ -345,7 +345,7 @@ def epilogue_lines(body: list, operands: list[torch.Tensor], offsets: list[str],
 
 def norm_source(body: list, x: torch.Tensor, operands: list[torch.Tensor], norm) -> str:
     """A row kernel: the body over one row of `x` (row-major), its result stored where
-    `norm.store`, then that row normalised as `reductions.LAYER_NORM` does (float32 mean and
+    `norm.store`, then that row normalised as `norms.LAYER_NORM` does (float32 mean and
     variance of the values as stored) into `norm.out`."""
     shape = tuple(x.shape)
     order = list(range(x.dim()))

@@ -1,18 +1,5 @@
-"""Generated kernels that reduce, on CUDA: layer norm along rows, max and average pooling over
-windows, and the mean over a feature map's height and width.
-
-PyTorch's layer norm has no out= kernel (its out= overload computes, then copies), so a planned
-layer norm took two kernels: the norm, then a copy into its arena buffer. `layer_norm(args, out)`
-is the runtime's substitute for `aten::layer_norm` (`placed/substitutes.SUBSTITUTES`): one Triton kernel,
-one program per row, that reads the row once, computes its mean and variance in float32 and
-writes the normalised, scaled and shifted row straight into the planned buffer.
-
-It runs where the input and the buffer are dense in row-major order, and the weight and bias
-(where given) dense over the normalised shape; anything else returns None and the op is computed
-and copied as before. Rows longer than `generated.MAX_NORM_ROW` are left to PyTorch too (a row lives in registers).
-The source is fixed text compiled through `generated.define` (cached and counted as every generated
-kernel is); if Triton is missing or the kernel cannot be built, `generated.STATS` records why and
-PyTorch computes the op.
+"""Generated kernels that reduce, on CUDA: max and average pooling over windows, and the mean over
+a feature map's height and width (the layer norms are `norms.py`'s).
 
 `max_pool2d(args, out)` is the substitute for `aten::max_pool2d`. On CUDA, PyTorch computes it
 as max_pool2d_with_indices and drops the indices: it allocates the result and an int64 index per
@@ -59,30 +46,6 @@ from . import codegen
 from . import generated
 from ..base import settings
 
-
-LAYER_NORM = '''import triton
-import triton.language as tl
-
-
-@triton.jit
-def kernel(x_ptr, w_ptr, b_ptr, out_ptr, eps, N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-           WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    if WIDE:
-        row = row.to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    d = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(d * d, axis=0) / N
-    y = d * tl.rsqrt(var + eps)
-    if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, y, mask=mask)
-'''
 
 POOL = '''import triton
 import triton.language as tl
@@ -207,29 +170,8 @@ class FixedKernel:
         return True
 
 
-_layer_norm = FixedKernel(LAYER_NORM, "layer norm")
 _pool = FixedKernel(POOL, "pooling")
 _spatial_mean = FixedKernel(SPATIAL_MEAN, "spatial mean")
-
-
-def layer_norm(args: list, out: torch.Tensor) -> torch.Tensor | None:
-    """aten::layer_norm(input, normalized_shape, weight, bias, eps, ...) into `out`, or None where
-    this kernel does not apply (see the module docstring)."""
-    if len(args) < 5:
-        return None
-    x, shape, weight, bias, eps = args[:5]
-    norm = generated.NormAfter(tuple(shape), weight, bias, eps, out, store=False)
-    if not norm.fits(x) or _layer_norm.failed:
-        return None
-    rows = x.numel() // norm.n
-    if not rows:
-        return out
-    block = generated.triton_block(norm.n)
-    done = _layer_norm.launch((rows,), x, x if weight is None else weight, x if bias is None else bias, out,
-                              float(eps), N=norm.n, HAS_W=weight is not None, HAS_B=bias is not None,
-                              WIDE=x.numel() + block > codegen.INT32_LIMIT, BLOCK=block,
-                              num_warps=generated.row_warps(block))
-    return out if done else None
 
 
 def pool_params(args: list, dilated: bool = True) -> tuple[list[int], ...] | None:

@@ -18,7 +18,8 @@ from ...ops import fusion
 from ..base import settings
 from ..kernels.convolution import conv_into
 from ..kernels.movement import roll
-from ..kernels.reductions import avg_pool2d, layer_norm, max_pool2d, spatial_mean
+from ..kernels.norms import layer_norm
+from ..kernels.reductions import avg_pool2d, max_pool2d, spatial_mean
 
 RESHAPES = frozenset({"aten::view.default", "aten::reshape.default", "aten::_unsafe_view.default"})
 
