@@ -26,7 +26,7 @@ def params(x, w, bias, stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=No
 
 
 def shim(body, out, x, w, operands, bias, p):
-    block_p, block_c = depthwise_conv.blocks(out.shape[1])
+    block_p, block_c = depthwise_conv.blocks(out.shape[1], depthwise_conv.channels_last(out))
     text = depthwise_conv.source(body, out, x, w, operands, bias, p)
     positions = out.shape[0] * out.shape[2] * out.shape[3]
     triton_shim.run_grid(text, (-(-positions // block_p), -(-out.shape[1] // block_c)), out, x, w, *operands,
@@ -38,15 +38,18 @@ def shim(body, out, x, w, operands, bias, p):
     (1, 24, (12, 12), 3, (2, 2), (1, 1), (1, 1)),  # mobilenet_v2's downsampling
     (1, 40, (11, 10), 5, (2, 2), (2, 2), (1, 1)),  # efficientnet_b0's 5x5
     (3, 5, (6, 8), 3, (1, 2), (0, 1), (2, 1)),  # a channel count no tile divides, uneven arguments
+    (2, 12, (9, 9), 7, (1, 1), (3, 3), (1, 1)),  # ConvNeXt's 7x7
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_convolution_and_its_relu6_are_what_torch_computes(n, c, size, k, stride, padding, dilation, with_bias):
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+def test_the_convolution_and_its_relu6_are_what_torch_computes(n, c, size, k, stride, padding, dilation, with_bias,
+                                                                layout):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, c, *size, generator=g).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(n, c, *size, generator=g).contiguous(memory_format=layout)
     w = torch.randn(c, 1, k, k, generator=g)
     b = torch.randn(c, generator=g) if with_bias else None
     want = F.hardtanh(F.conv2d(x, w, b, stride, padding, dilation, groups=c), 0.0, 6.0)
-    out = torch.full_like(want, 7.0).contiguous(memory_format=torch.channels_last)
+    out = torch.full_like(want, 7.0).contiguous(memory_format=layout)
     p = params(x, w, b, stride, padding, dilation)
     operands = [b.reshape(1, -1, 1, 1)] if with_bias else []
     node = ("aten::convolution.default", (x, w, b, stride, padding, dilation, False, (0, 0), c), ())
@@ -104,17 +107,21 @@ def test_an_epilogue_that_reads_more_than_a_value_per_channel_is_not_applied_on_
         assert depthwise_conv.prologue_fits(depthwise_conv.Prologue(body, (t,), False), bare) is fits, t.shape
 
 
-def test_only_depthwise_convolutions_into_channels_last_results_qualify(monkeypatch, use_settings):
+def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use_settings):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # `fits` reads only shapes here
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(8, 1, 3, 3), torch.randn(8)
     out = torch.empty(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     assert depthwise_conv.fits(params(x, w, b), out)
-    assert not depthwise_conv.fits(params(x, w, b), torch.empty(2, 8, 6, 6))  # a contiguous result
+    nchw = torch.empty(2, 8, 6, 6)
+    assert depthwise_conv.fits(params(x, w, b), nchw) and not depthwise_conv.channels_last(nchw)
+    assert not depthwise_conv.fits(params(x, w, b), torch.empty(2, 8, 12, 6)[:, :, ::2])  # dense in no order
     assert not depthwise_conv.fits(params(x, torch.randn(8, 2, 3, 3), b, groups=4), out)  # grouped, not depthwise
     assert not depthwise_conv.fits(params(x, torch.randn(8, 1, 9, 9), b, padding=(4, 4)), out)  # past MAX_TAPS
     assert not depthwise_conv.fits(params(x, w, b, stride=(2, 2)), out)  # not the shape it computes
     assert not depthwise_conv.fits(params(x.double(), w.double(), b.double()), out.double())
+    use_settings(depthwise_nchw=False)
+    assert depthwise_conv.fits(params(x, w, b), out) and not depthwise_conv.fits(params(x, w, b), nchw)
     use_settings(depthwise_kernel=False)
     assert not depthwise_conv.fits(params(x, w, b), out)
 
@@ -330,3 +337,28 @@ def test_a_depthwise_op_is_paired_with_its_producer_only_where_the_epilogue_can_
         assert graph.values[graph.ops[consumer].args[0][0][1][0].id].producer == producer
         assert pairs.prologue_pairs(graph, placed, {producer}) == {}
         assert pairs.prologue_pairs(graph, placed, {consumer}) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_convnext_s_7x7_depthwise_convolution_in_nchw_agrees_with_eager(tmp_path, monkeypatch, batch):
+    """ConvNeXt's block runs in NCHW (its layer norms over channels make it): its 7x7 depthwise
+    convolution and bias are one generated kernel tiled along positions, against cuDNN's
+    convolution and a bias kernel with `depthwise_nchw` off."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from nimble.formats import read_artifact, write_artifact
+    from nimble.pipeline import compile_model
+    from nimble.specs import input_specs
+
+    from .test_gpu_kernels import ConvNeXtBlock
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    path = tmp_path / "block.pt"
+    torch.jit.save(torch.jit.trace(ConvNeXtBlock().eval(), torch.randn(batch, 48, 14, 14)), str(path))
+    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x48x14x14"]), device="cpu").artifact())
+    choice = tuning.Choice(layout="contiguous", streams="serial")
+    kernels_with, kernels_without = with_and_without("depthwise_nchw", read_artifact(tmp_path / "b.nimble"), choice,
+                                                     tmp_path)
+    assert kernels_with < kernels_without
