@@ -114,6 +114,7 @@ def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use
     out = torch.empty(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     assert depthwise_conv.fits(params(x, w, b), out)
     nchw = torch.empty(2, 8, 6, 6)
+    use_settings(depthwise_nchw=True)
     assert depthwise_conv.fits(params(x, w, b), nchw) and not depthwise_conv.channels_last(nchw)
     assert not depthwise_conv.fits(params(x, w, b), torch.empty(2, 8, 12, 6)[:, :, ::2])  # dense in no order
     assert not depthwise_conv.fits(params(x, torch.randn(8, 2, 3, 3), b, groups=4), out)  # grouped, not depthwise
@@ -122,7 +123,7 @@ def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use
     assert not depthwise_conv.fits(params(x.double(), w.double(), b.double()), out.double())
     use_settings(depthwise_nchw=False)
     assert depthwise_conv.fits(params(x, w, b), out) and not depthwise_conv.fits(params(x, w, b), nchw)
-    use_settings(depthwise_kernel=False)
+    use_settings(depthwise_kernel=False, depthwise_nchw=True)
     assert not depthwise_conv.fits(params(x, w, b), out)
 
 

@@ -14,8 +14,11 @@ A channels_last result (the layout nimble's tuning picks for mobilenet and effic
 with its channels side by side. An NCHW result (ConvNeXt's 7x7 depthwise convolutions, in the
 layout its layer norms over channels make it run in) is tiled with its positions side by side, so
 that the loads of each tap coalesce there; cuDNN's grouped direct kernel took 38 us for each of
-convnext_tiny's at batch 8 on the H200. The `depthwise_kernel` setting off turns the kernel off,
-`depthwise_nchw` off leaves NCHW results to cuDNN, for comparisons.
+convnext_tiny's at batch 8 on the H200. The NCHW tiling is off by default (setting
+`depthwise_nchw`): it is checked against torch on the CPU through the Triton stand-in, but has
+not yet run on a GPU, so neither its speed against cuDNN nor its results there are measured
+(`tools/setting_ab.py --set depthwise_nchw=True --models convnext_tiny` is the check). The
+`depthwise_kernel` setting off turns the kernel off, for comparisons.
 """
 
 from __future__ import annotations
