@@ -94,19 +94,19 @@ def gpu_bound_ms(call, calls: int = 50, repeats: int = 15) -> float:
 
 
 
-def torch_compile(module, xs, row: dict, record):
-    """torch.compile(mode="reduce-overhead") of `module`: its first three calls (the compile) timed
-    into row["torch_compile_s"], then `record`ed; (the compiled module, its last output)."""
+def torch_compile(module, xs, row: dict, record, mode: str = "reduce-overhead", variant: str = "torch_compile"):
+    """torch.compile(mode=`mode`) of `module`: its first three calls (the compile) timed into
+    row[f"{variant}_s"], then `record`ed as `variant`; (the compiled module, its last output)."""
     import torch
 
     torch._dynamo.reset()
-    compiled = torch.compile(module, mode="reduce-overhead")
+    compiled = torch.compile(module, mode=mode)
     t = time.perf_counter()
     for _ in range(3):
         out = compiled(*xs)
     torch.cuda.synchronize()
-    row["torch_compile_s"] = time.perf_counter() - t
-    record("torch_compile", lambda: compiled(*xs))
+    row[f"{variant}_s"] = time.perf_counter() - t
+    record(variant, lambda: compiled(*xs))
     return compiled, out
 
 

@@ -5,6 +5,8 @@ Run on a GPU machine; the report needs none.
     python benchmarks/sweep.py --out DIR [--shard 0/2] [--models ...] [--batches 1 8] [--budget 540]
     python benchmarks/sweep.py --precision bf16 --batches 8 --out DIR [--shard ...]
     python benchmarks/sweep.py --out DIR --skip-done benchmarks/results/sweep_*.jsonl   # go on where it stopped
+    python benchmarks/sweep.py --peer max-autotune --models resnet50 inception_v3 bert-base --batches 8 \
+                               --timeout 580 --out DIR        # the next peer, one model a device call
     python benchmarks/sweep.py --report DIR/sweep_*.jsonl --out benchmarks/results     # merge, no GPU
 
 Each model runs in a process of its own (a crash, a hang or a leak stays with it) with `--timeout`
@@ -25,6 +27,12 @@ checked against eager:
 Two figures each, as medians: GPU-bound (50 back-to-back calls between CUDA events, median of 15)
 and latency (copy in where the variant copies, run, synchronize; median of 200); eager, a reference
 and no peer, with fewer (10 calls, median of 5; median of 40).
+
+`--peer max-autotune` compares with torch.compile(mode="max-autotune") instead (its variant
+`max_autotune`, its compile time beside it; Inductor alone is not run): it tunes its convolution and
+matrix-multiply templates for minutes per model, so give each model a device call of its own and
+keep Inductor's cache (TORCHINDUCTOR_CACHE_DIR) between calls where the machine stays warm.
+BERT-base and GPT-2 are there too, built as `peers.py` builds them.
 
 bf16: `peers.py`'s reduced-precision row (the module cast whole, eager and torch.compile on it;
 nimble compiled with --precision bf16, reduced inputs and outputs), top-1 agreement over one batch.
@@ -54,7 +62,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SIZE = {"inception_v3": 299}  # the input side where the model needs more than 224
 LAST = ("vit_h_14", "regnet_y_128gf", "vit_l_16", "vit_l_32", "regnet_y_32gf", "efficientnet_b7", "efficientnet_v2_l",
         "convnext_large", "swin_v2_b", "swin_b", "regnet_x_32gf", "efficientnet_b6", "regnet_y_16gf")  # slowest
-TARGET = {"torch_compile": 0.8, "inductor_graph": 0.9}  # the issue's bound on nimble's GPU-bound ratio
+TARGET = {"torch_compile": 0.8, "inductor_graph": 0.9, "max_autotune": 0.9}  # the issue's bounds on nimble's GPU-bound ratio
+PEERS = {"reduce-overhead": "torch_compile", "max-autotune": "max_autotune"}  # --peer: torch.compile's mode -> variant
 
 
 def models() -> list[str]:
@@ -90,9 +99,13 @@ def _model(name: str):
 
 def build(name: str, batch: int):
     """(the model in eval mode with random weights, on the CPU, built once per process; its input
-    batch on the CPU)."""
+    batch on the CPU). BERT-base and GPT-2 (`--peer max-autotune`'s) as `peers.py` builds them."""
     import torch
 
+    import peers
+
+    if name in peers.HUGGING_FACE:
+        return peers.make_inputs(name, batch)
     model = _model(name).cpu()
     side = SIZE.get(name, 224)
     torch.manual_seed(1)
@@ -119,8 +132,9 @@ def hand_graph(fn, xs):
     return graph, static, out
 
 
-def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
-    """The row of one model at one batch; `alone`: with Inductor's kernels alone too."""
+def bench_fp32(name: str, batch: int, tmp: Path, alone: bool, peer: str = "reduce-overhead") -> dict:
+    """The row of one model at one batch; `alone`: with Inductor's kernels alone too; `peer`:
+    torch.compile's mode (max-autotune: its variant is `max_autotune`, and Inductor alone is not run)."""
     import torch
 
     import peers
@@ -140,8 +154,8 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
         print(f"{name} b{batch}: {what} {now - clock[0]:.1f} s", file=sys.stderr, flush=True)
         clock[0] = now
 
-    row: dict = {"model": name, "batch": batch, "precision": "fp32", "gpu_bound_ms": {}, "latency_ms": {},
-                 "check": {}, "errors": {}}
+    row: dict = {"model": name, "batch": batch, "precision": "fp32", "peer": peer, "gpu_bound_ms": {},
+                 "latency_ms": {}, "check": {}, "errors": {}}
 
     def record(variant, call, sync_call=None, short=False):  # short: eager, a reference figure, not a peer
         row["gpu_bound_ms"][variant] = peers.gpu_bound_ms(call, *((10, 5) if short else ()))
@@ -161,8 +175,8 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
         record("eager", lambda: gpu(*xs), short=True)
         stage("eager")
         try:
-            if not alone:
-                raise LookupError("not at this batch")
+            if not alone or peer != "reduce-overhead":
+                raise LookupError("not at this batch, or not beside this peer")
             torch._dynamo.reset()
             plain = torch.compile(gpu)
             t = time.perf_counter()
@@ -172,7 +186,7 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
             row["inductor_compile_s"] = time.perf_counter() - t
             graph, static, out = hand_graph(plain, xs)
             check("inductor_graph", out)
-            record("inductor_graph", graph.replay, lambda: (static[0].copy_(xs[0]), graph.replay()))
+            record("inductor_graph", graph.replay, lambda: ([s.copy_(x) for s, x in zip(static, xs)], graph.replay()))
             graph = static = out = plain = None  # their memory goes before the next variant
         except LookupError:
             pass
@@ -180,14 +194,15 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool) -> dict:
             row["errors"]["inductor_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
         stage("inductor_graph")
         torch._dynamo.reset()
-        compiled, out = peers.torch_compile(gpu, xs, row, record)
-        check("torch_compile", out)
-        stage("torch_compile")
+        variant = PEERS[peer]
+        compiled, out = peers.torch_compile(gpu, xs, row, record, peer, variant)
+        check(variant, out)
+        stage(variant)
         del compiled, out
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 
-    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu], ["float32"])
+    specs = input_specs(["x".join(map(str, x.shape)) for x in xs_cpu], [str(x.dtype).removeprefix("torch.") for x in xs_cpu])
     t = time.perf_counter()
     c = compile_model(pt, specs, device="cuda")
     row["nimble_compile_s"] = time.perf_counter() - t
@@ -211,12 +226,12 @@ def bench_bf16(name: str, batch: int, tmp: Path) -> dict:
     return peers.bench_reduced(name, batch, "bf16", tmp, agreement_inputs=batch, make=build)
 
 
-def child(name: str, batches: list[int], precision: str, alone: list[int]) -> int:
+def child(name: str, batches: list[int], precision: str, alone: list[int], peer: str) -> int:
     """One model at each batch, a JSON row printed per batch (or {"error": ...})."""
     import torch
 
     torch.backends.cudnn.benchmark = False
-    one = (lambda n, b, t: bench_fp32(n, b, t, b in alone)) if precision == "fp32" else bench_bf16
+    one = (lambda n, b, t: bench_fp32(n, b, t, b in alone, peer)) if precision == "fp32" else bench_bf16
     with tempfile.TemporaryDirectory() as tmp:
         for batch in batches:
             try:
@@ -229,11 +244,12 @@ def child(name: str, batches: list[int], precision: str, alone: list[int]) -> in
     return 0
 
 
-def run_model(name: str, batches: list[int], precision: str, timeout: float, log, alone=(8,)) -> list[dict]:
+def run_model(name: str, batches: list[int], precision: str, timeout: float, log, alone=(8,),
+              peer: str = "reduce-overhead") -> list[dict]:
     """The model's rows from a process of its own; a timeout or a crash is a row for each batch it
     left without one."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--precision", precision,
-           "--batches", *map(str, batches), "--alone-batches", *map(str, alone)]
+           "--batches", *map(str, batches), "--alone-batches", *map(str, alone), "--peer", peer]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out, why = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -244,7 +260,7 @@ def run_model(name: str, batches: list[int], precision: str, timeout: float, log
         log.write(text(e.stderr)[-4000:])
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
     done = {r["batch"] for r in rows}
-    rows += [{"model": name, "batch": b, "precision": precision, "error": why or "no row"}
+    rows += [{"model": name, "batch": b, "precision": precision, "peer": peer, "error": why or "no row"}
              for b in batches if b not in done]
     return rows
 
@@ -258,26 +274,33 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+def kind(r: dict) -> tuple[str, str]:
+    """(precision, torch.compile's mode) of a row: the table it belongs to."""
+    return r.get("precision", "fp32"), r.get("peer", "reduce-overhead")
+
+
 def summary(rows: list[dict], meta: dict) -> str:
-    """One table per (precision, batch): every model's figures and ratios, then the geometric means
-    and the worst ten by the ratio to torch.compile."""
+    """One table per (precision, torch.compile's mode, batch): every model's figures and ratios,
+    then the geometric means and the worst ten by the ratio to torch.compile."""
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = [f"torchvision classification models on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. "
+    lines = [f"Models on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. "
              f"Command(s): `{meta['command']}`. GPU-bound ms (50 back-to-back calls between CUDA events, "
              "median of 15); latency ms (copy in, run, synchronize; median of 200). Random weights. "
              "inductor_graph: torch.compile's kernels with no CUDA graphs of its own, captured by hand into "
              "one CUDA graph (its kernels without its call path).", ""]
-    for precision, batch in sorted({(r.get("precision", "fp32"), r["batch"]) for r in rows}):
-        part = sorted((r for r in rows if r.get("precision", "fp32") == precision and r["batch"] == batch),
+    for (precision, peer), batch in sorted({(kind(r), r["batch"]) for r in rows}):
+        part = sorted((r for r in rows if kind(r) == (precision, peer) and r["batch"] == batch),
                       key=lambda r: r["model"])
-        peers_ = ["torch_compile", "inductor_graph"] if precision == "fp32" else ["torch_compile"]
-        lines += [f"## {precision}, batch {batch}", ""]
+        first = PEERS[peer]
+        peers_ = [first] + (["inductor_graph"] if first == "torch_compile" and precision == "fp32" else [])
+        lines += [f"## {precision}, batch {batch}" + (f", torch.compile(mode=\"{peer}\")" if peer != "reduce-overhead"
+                                                     else ""), ""]
         head = ["model", "eager", *peers_, "nimble", *(f"nimble / {p}" for p in peers_),
-                "latency nimble / torch_compile", "note"]
+                f"latency nimble / {first}", "note"]
         body = []
         for r in part:
             g, lat = r.get("gpu_bound_ms", {}), r.get("latency_ms", {})
-            lat_ratio = lat["nimble"] / lat["torch_compile"] if "nimble" in lat and lat.get("torch_compile") else None
+            lat_ratio = lat["nimble"] / lat[first] if "nimble" in lat and lat.get(first) else None
             note = r.get("error") or "; ".join(f"{k}: {v}" for k, v in r.get("errors", {}).items())
             body.append([r["model"], fmt(g.get("eager")), *(fmt(g.get(p)) for p in peers_), fmt(g.get("nimble")),
                          *(fmt(ratio(r, p)) for p in peers_), fmt(lat_ratio), note])
@@ -287,10 +310,12 @@ def summary(rows: list[dict], meta: dict) -> str:
             over = [r["model"] for r in part if (v := ratio(r, p)) is not None and v > TARGET[p]]
             lines.append(f"- nimble / {p}: geometric mean {fmt(geomean(values))} over {len(values)} models; "
                          f"over {TARGET[p]}: {len(over)} ({', '.join(over) or 'none'})")
-        worst = sorted((r for r in part if ratio(r, "torch_compile") is not None),
-                       key=lambda r: -ratio(r, "torch_compile"))[:10]
-        lines.append("- worst ten by nimble / torch_compile: "
-                     + ", ".join(f"{r['model']} {ratio(r, 'torch_compile'):.3f}" for r in worst))
+        worst = sorted((r for r in part if ratio(r, first) is not None), key=lambda r: -ratio(r, first))[:10]
+        lines.append(f"- worst ten by nimble / {first}: "
+                     + ", ".join(f"{r['model']} {ratio(r, first):.3f}" for r in worst))
+        compile_s = [f"{r['model']} {r[first + '_s']:.0f} s" for r in part if first + "_s" in r]
+        if peer != "reduce-overhead" and compile_s:
+            lines.append(f"- torch.compile(mode=\"{peer}\")'s compile (its first three calls): {', '.join(compile_s)}")
         failed = [f"{r['model']} ({r['error']})" for r in part if "error" in r]
         if failed:
             lines.append(f"- no figures: {'; '.join(failed)}")
@@ -299,7 +324,7 @@ def summary(rows: list[dict], meta: dict) -> str:
 
 
 def read_rows(paths: list[Path]) -> list[dict]:
-    """Every row of these JSONL files, a later file's row for a (model, batch, precision) winning."""
+    """Every row of these JSONL files, a later file's row for a (model, batch, precision, mode) winning."""
     latest = {}
     for p in paths:
         for line in p.read_text().splitlines():
@@ -307,7 +332,7 @@ def read_rows(paths: list[Path]) -> list[dict]:
                 r = json.loads(line)
                 if r.get("meta"):
                     continue
-                latest[(r["model"], r["batch"], r.get("precision", "fp32"))] = r
+                latest[(r["model"], r["batch"], *kind(r))] = r
     return list(latest.values())
 
 
@@ -320,6 +345,9 @@ def main() -> int:
     parser.add_argument("--shard", default="0/1", help="I/N: every N-th model from the I-th")
     parser.add_argument("--alone-batches", type=int, nargs="*", default=[8],
                         help="fp32: the batches where Inductor's kernels alone are timed too")
+    parser.add_argument("--peer", choices=list(PEERS), default="reduce-overhead",
+                        help="fp32: torch.compile's mode to compare with (max-autotune: slow to compile; give "
+                             "TORCHINDUCTOR_CACHE_DIR a folder kept between calls, and a --timeout to match)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per model, all its batches")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model starts")
     parser.add_argument("--skip-done", type=Path, nargs="*", default=[], help="JSONL files whose models to skip")
@@ -328,7 +356,7 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        return child(args.one, args.batches, args.precision, args.alone_batches)
+        return child(args.one, args.batches, args.precision, args.alone_batches, args.peer)
     if args.out is None:
         parser.error("--out DIR is needed")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -342,7 +370,8 @@ def main() -> int:
         return 0
     start = time.monotonic()
     names = shard(args.models or models(), args.shard)
-    done = {(r["model"], r["batch"]) for r in read_rows(args.skip_done) if "error" not in r}
+    done = {(r["model"], r["batch"]) for r in read_rows(args.skip_done)
+            if "error" not in r and kind(r) == (args.precision, args.peer)}
     names = [n for n in names if not all((n, b) in done for b in args.batches)]
     sink = args.out / f"sweep_{args.precision}_{args.tag}.jsonl"
     with sink.open("a") as out, (args.out / f"sweep_{args.precision}_{args.tag}.log").open("a") as log:
@@ -357,11 +386,11 @@ def main() -> int:
                 print(f"budget spent: {len(names) - k} model(s) left for the next call", flush=True)
                 break
             t = time.monotonic()
-            for row in run_model(name, args.batches, args.precision, args.timeout, log, args.alone_batches):
+            for row in run_model(name, args.batches, args.precision, args.timeout, log, args.alone_batches, args.peer):
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(f"{name} b{row['batch']}: " + (row.get("error") or " ".join(
-                    f"{p}={ratio(row, p):.3f}" for p in ("torch_compile", "inductor_graph") if ratio(row, p))),
+                    f"{p}={ratio(row, p):.3f}" for p in (*PEERS.values(), "inductor_graph") if ratio(row, p))),
                     f"({time.monotonic() - t:.0f} s)", flush=True)
             log.flush()
     return 0

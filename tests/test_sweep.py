@@ -53,3 +53,20 @@ def test_the_report_gives_ratios_geometric_means_and_the_worst(tmp_path):
     assert "nimble / inductor_graph: geometric mean 1.225 over 2 models; over 0.9: 2 (a, b)" in text
     assert "worst ten by nimble / torch_compile: b 1.500, a 0.250" in text
     assert "no figures: c (timeout 3 s)" in text
+
+
+def test_max_autotune_rows_make_a_table_of_their_own_and_skip_done_keeps_the_modes_apart(tmp_path):
+    meta = {"gpu": "H200", "torch": "2.11", "date": "2026-11-30", "command": "c"}
+    tuned = {"model": "a", "batch": 8, "precision": "fp32", "peer": "max-autotune", "max_autotune_s": 241.0,
+             "gpu_bound_ms": {"nimble": 0.9, "max_autotune": 1.0}, "latency_ms": {"nimble": 1.0, "max_autotune": 1.0}}
+    rows = sweep.read_rows([_jsonl(tmp_path / "x.jsonl", meta, row("a", 8, 1.0, 2.0), tuned)])
+    assert len(rows) == 2  # the same model and batch under two modes: two rows
+    text = sweep.summary(rows, meta)
+    assert '## fp32, batch 8, torch.compile(mode="max-autotune")' in text
+    assert "nimble / max_autotune: geometric mean 0.900 over 1 models; over 0.9: 0 (none)" in text
+    assert "compile (its first three calls): a 241 s" in text
+
+
+def _jsonl(path, meta, *rows):
+    path.write_text("\n".join(json.dumps(r) for r in [{"meta": meta}, *rows]) + "\n")
+    return path
