@@ -26,11 +26,9 @@ def params(x, w, bias, stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=No
 
 
 def shim(body, out, x, w, operands, bias, p):
-    block_p, block_c = depthwise_conv.blocks(out.shape[1], depthwise_conv.channels_last(out))
+    grid, block_p, block_c = depthwise_conv.grid(out)
     text = depthwise_conv.source(body, out, x, w, operands, bias, p)
-    positions = out.shape[0] * out.shape[2] * out.shape[3]
-    triton_shim.run_grid(text, (-(-positions // block_p), -(-out.shape[1] // block_c)), out, x, w, *operands,
-                         BLOCK_P=block_p, BLOCK_C=block_c)
+    triton_shim.run_grid(text, grid, out, x, w, *operands, BLOCK_P=block_p, BLOCK_C=block_c)
 
 
 @pytest.mark.parametrize("n, c, size, k, stride, padding, dilation", [
@@ -39,6 +37,7 @@ def shim(body, out, x, w, operands, bias, p):
     (1, 40, (11, 10), 5, (2, 2), (2, 2), (1, 1)),  # efficientnet_b0's 5x5
     (3, 5, (6, 8), 3, (1, 2), (0, 1), (2, 1)),  # a channel count no tile divides, uneven arguments
     (2, 12, (9, 9), 7, (1, 1), (3, 3), (1, 1)),  # ConvNeXt's 7x7
+    (2, 6, (7, 9), 3, (1, 1), (2, 2), (2, 2)),  # dilated, as wide as its input
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
@@ -125,6 +124,19 @@ def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use
     assert depthwise_conv.fits(params(x, w, b), out) and not depthwise_conv.fits(params(x, w, b), nchw)
     use_settings(depthwise_kernel=False, depthwise_nchw=True)
     assert not depthwise_conv.fits(params(x, w, b), out)
+
+
+def test_an_nchw_plane_s_taps_read_runs_of_positions_where_the_convolution_keeps_the_width():
+    """Stride 1 and the input's width: a tap's address is the position's plus a constant (no row
+    and column arithmetic in it), so a plane's positions load as one run; else rows and columns."""
+    x, w = torch.randn(2, 8, 14, 14), torch.randn(8, 1, 7, 7)
+    out = torch.empty(2, 8, 14, 14)
+    same = depthwise_conv.source([("aten::convolution.default", (), ())], out, x, w, [], False, params(x, w, None, padding=(3, 3)))
+    assert "img * 1568 + p + (kh * 1 - 3) * 14 + kw * 1 - 3" in same
+    down = depthwise_conv.source([("aten::convolution.default", (), ())], torch.empty(2, 8, 7, 7), x, w, [], False,
+                                 params(x, w, None, stride=(2, 2), padding=(3, 3)))
+    assert "ih * 14 + iw * 1" in down
+    assert depthwise_conv.grid(out) == ((16, 1), 256, 1)  # a plane per image's channel, 196 positions in one tile
 
 
 @pytest.mark.parametrize("channels, block_c", [(96, 32), (144, 16), (32, 32), (5, 8), (1280, 64)])

@@ -12,8 +12,9 @@ its product with the tap's weights in float32, then runs the rest of the body
 
 A channels_last result (the layout nimble's tuning picks for mobilenet and efficientnet) is tiled
 with its channels side by side. An NCHW result (ConvNeXt's 7x7 depthwise convolutions, in the
-layout its layer norms over channels make it run in) is tiled with its positions side by side, so
-that the loads of each tap coalesce there; cuDNN's grouped direct kernel took 38 us for each of
+layout its layer norms over channels make it run in) gives each program one image's channel, a
+run of its positions side by side; where the convolution has stride 1 and keeps the width, each
+tap's loads are then one dense run too. cuDNN's grouped direct kernel took 38 us for each of
 convnext_tiny's at batch 8 on the H200. The NCHW tiling is off by default (setting
 `depthwise_nchw`): it is checked against torch on the CPU through the Triton stand-in, but has
 not yet run on a GPU, so neither its speed against cuDNN nor its results there are measured
@@ -32,7 +33,7 @@ from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_li
 from ..base import settings
 
 TILE = 2048  # output elements of one program
-NCHW_CHANNELS = 8  # channels of one program's tile of an NCHW result
+PLANE_TILE = 1024  # positions of one program's tile of an NCHW result (one image's channel)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,10 @@ def channels_last(out: torch.Tensor) -> bool:
     return out.is_contiguous(memory_format=torch.channels_last)
 
 
-def blocks(channels: int, side_by_side: bool = True) -> tuple[int, int]:
-    """(positions, channels) of one program's tile. Channels side by side (channels_last): the
-    widest power of two up to 64 that divides the channels (else the next power of two above them,
-    up to 64), and positions to fill TILE. Positions side by side (NCHW): NCHW_CHANNELS channels."""
-    if not side_by_side:
-        return TILE // NCHW_CHANNELS, NCHW_CHANNELS
+def blocks(channels: int) -> tuple[int, int]:
+    """(positions, channels) of one program's tile of a channels_last result: the widest power of
+    two up to 64 that divides the channels (else the next power of two above them, up to 64), and
+    positions to fill TILE."""
     block_c = next((b for b in (64, 32, 16, 8) if channels % b == 0), min(64, 1 << (channels - 1).bit_length()))
     return TILE // block_c, block_c
 
@@ -131,17 +130,36 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
                     f"            xv = tl.where(inside[:, None] & cmask[None, :], pv{len(before.body) - 1}, 0.0)"]
     channel_loads = [f"    cin{k} = tl.load(pin{k}_ptr + c * {t.expand(x.shape).stride(1)}, mask=cmask, "
                      "other=0.0).to(tl.float32)[None, :]" for k, t in enumerate(extra)]
+    if channels_last(out):  # a tile of positions by channels, the channels side by side
+        index = [f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
+                 "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
+                 f"    pmask = p < {n * oh * ow}",
+                 f"    cmask = c < {c}",
+                 f"    img = p // {oh * ow}",
+                 f"    oh = (p // {ow}) % {oh}",
+                 f"    ow = p % {ow}"]
+        flat = f"    i = p[:, None] * {c} + c[None, :]"  # the flat index in out's memory order
+    else:  # NCHW: one plane (image, channel) per program along the first axis, its positions side by side
+        index = [f"    plane = {first}",
+                 f"    img = plane // {c}",
+                 f"    c = plane % {c} + tl.arange(0, BLOCK_C)",
+                 "    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)",
+                 f"    pmask = p < {oh * ow}",
+                 f"    cmask = c < {c}",
+                 f"    oh = p // {ow}",
+                 f"    ow = p % {ow}"]
+        flat = f"    i = img * {c * oh * ow} + c[None, :] * {oh * ow} + p[:, None]"
+    if not channels_last(out) and (sh, sw) == (1, 1) and ow == width and xs[3] == 1 and xs[2] == width:
+        # a stride-1 convolution as wide as its input, rows dense: each tap's address is the
+        # position's plus a constant, so the loads of a plane's run of positions are one run too
+        address = f"img * {xs[0]} + p + (kh * {dh} - {ph}) * {width} + kw * {dw} - {pw}"
+    else:
+        address = f"img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]}"
     lines = [*HEADER,
              f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"
              + "".join(f"pin{k}_ptr, " for k in range(len(extra)))
              + "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):",
-             f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
-             "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-             f"    pmask = p < {n * oh * ow}",
-             f"    cmask = c < {c}",
-             f"    img = p // {oh * ow}",
-             f"    oh = (p // {ow}) % {oh}",
-             f"    ow = p % {ow}",
+             *index,
              "    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)",
              *channel_loads,
              f"    for kh in tl.static_range({w.shape[2]}):",
@@ -149,24 +167,33 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
              f"        for kw in tl.static_range({w.shape[3]}):",
              f"            iw = ow * {sw} - {pw} + kw * {dw}",
              f"            inside = pmask & (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {width})",
-             f"            xv = tl.load(x_ptr + (img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]})[:, None] + c[None, :] * {xs[1]},",
+             f"            xv = tl.load(x_ptr + ({address})[:, None] + c[None, :] * {xs[1]},",
              "                         mask=inside[:, None] & cmask[None, :], other=0.0)",
              *prologue,
              f"            wv = tl.load(w_ptr + c * {ws[0]} + kh * {ws[2]} + kw * {ws[3]}, mask=cmask, other=0.0)",
              "            acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]",
-             f"    i = p[:, None] * {c} + c[None, :]" if channels_last(out) else  # the flat index in out's memory order
-             f"    i = img[:, None] * {c * oh * ow} + c[None, :] * {oh * ow} + (p % {oh * ow})[:, None]",
+             flat,
              "    mask = pmask[:, None] & cmask[None, :]",
              f"    o = {out_offset}"]
     return finish(lines, body, out, operands, offsets, "acc", bias)
 
 
+def grid(out: torch.Tensor) -> tuple[tuple[int, int], int, int]:
+    """(the grid, BLOCK_P, BLOCK_C) of `source`'s kernel for `out`: tiles of positions by channels
+    (channels_last); else a plane of each image's channel per program along the first axis (the
+    one with room for batch times channels) and tiles of its positions along the second."""
+    n, c, oh, ow = out.shape
+    if channels_last(out):
+        block_p, block_c = blocks(c)
+        return (-(-(n * oh * ow) // block_p), -(-c // block_c)), block_p, block_c
+    block_p = min(PLANE_TILE, max(16, 1 << (oh * ow - 1).bit_length()))
+    return (n * c, -(-(oh * ow) // block_p)), block_p, 1
+
+
 def launcher(kernel):
     """A launcher for `source`'s kernel (as `generated.define` returns it)."""
     def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, operands: list[torch.Tensor]) -> None:
-        block_p, block_c = blocks(out.shape[1], channels_last(out))
-        positions = out.shape[0] * out.shape[2] * out.shape[3]
-        kernel[(-(-positions // block_p), -(-out.shape[1] // block_c))](out, x, w, *operands, BLOCK_P=block_p,
-                                                                         BLOCK_C=block_c)
+        shape, block_p, block_c = grid(out)
+        kernel[shape](out, x, w, *operands, BLOCK_P=block_p, BLOCK_C=block_c)
 
     return launch
