@@ -253,7 +253,7 @@ def bench_one(name: str, batch: int, tmp: Path, without: tuple[str, ...] = (), s
                     del other
                 if name == "inception_v3" and batch == 1:
                     row["first_inference_s"] = first_inference_s(path, tmp / "probe-cache")
-            del exe
+            exe = None  # its memory goes before the next variant loads
             torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
     return row

@@ -187,7 +187,7 @@ def test_with_prologue_pairs_the_expansion_s_epilogue_runs_in_the_depthwise_kern
         pytest.skip("no CUDA device")
     from nimble.formats import read_artifact, write_artifact
     from nimble.pipeline import compile_model
-    from nimble.runtime.kernels import fused as kernels, generated
+    from nimble.runtime.kernels import generated
     from nimble.runtime.base.compare import compare
     from nimble.runtime.executable import Executable
     from nimble.runtime.base.streams import count_kernels
