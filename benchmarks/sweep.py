@@ -79,9 +79,10 @@ def shard(names: list[str], spec: str) -> list[str]:
     """`I/N`: every N-th name from the I-th."""
     try:
         i, n = (int(p) for p in spec.split("/"))
-        assert 0 <= i < n
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--shard {spec}: give I/N with 0 <= I < N, as 0/2") from None
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {spec}: give I/N with 0 <= I < N, as 0/2")
     return names[i::n]
 
 
@@ -324,16 +325,38 @@ def summary(rows: list[dict], meta: dict) -> str:
 
 
 def read_rows(paths: list[Path]) -> list[dict]:
-    """Every row of these JSONL files, a later file's row for a (model, batch, precision, mode) winning."""
+    """Every row of these JSONL files, a later file's row for a (model, batch, precision, mode)
+    winning. A file that is not this script's rows ends the run in one line."""
     latest = {}
     for p in paths:
-        for line in p.read_text().splitlines():
-            if line.strip():
+        for k, line in enumerate(read_lines(p), 1):
+            try:
                 r = json.loads(line)
-                if r.get("meta"):
-                    continue
-                latest[(r["model"], r["batch"], *kind(r))] = r
+                if not r.get("meta"):
+                    latest[(r["model"], r["batch"], *kind(r))] = r
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise SystemExit(f"{p}: line {k} is not a row of benchmarks/sweep.py; give the "
+                                 "sweep_*.jsonl files it wrote") from None
     return list(latest.values())
+
+
+def read_lines(path: Path) -> list[str]:
+    """The non-blank lines of `path`, or one line saying why it cannot be read."""
+    try:
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path}: cannot be read ({type(e).__name__}); give the sweep_*.jsonl files "
+                         "benchmarks/sweep.py wrote") from None
+
+
+def first_meta(path: Path) -> dict:
+    """The run description on the first line of a sweep file, or one line saying it has none."""
+    lines = read_lines(path)
+    try:
+        meta = json.loads(lines[0])["meta"]
+        return {k: str(meta[k]) for k in ("gpu", "torch", "date", "command")}
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise SystemExit(f"{path}: its first line is not the run description benchmarks/sweep.py writes") from None
 
 
 def main() -> int:
@@ -362,8 +385,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         rows = read_rows(args.report)
-        metas = [json.loads(p.read_text().splitlines()[0]) for p in args.report]
-        meta = {**metas[0]["meta"], "command": " ; ".join(m["meta"]["command"] for m in metas)}
+        metas = [first_meta(p) for p in args.report]
+        meta = {**metas[0], "command": " ; ".join(m["command"] for m in metas)}
         text = summary(rows, meta)
         report.write(args.out, "sweep", text, {"meta": meta, "rows": rows})
         print(text)

@@ -70,3 +70,18 @@ def test_max_autotune_rows_make_a_table_of_their_own_and_skip_done_keeps_the_mod
 def _jsonl(path, meta, *rows):
     path.write_text("\n".join(json.dumps(r) for r in [{"meta": meta}, *rows]) + "\n")
     return path
+
+
+@pytest.mark.parametrize("text", ["not json\n", '{"meta": {}}\n[1, 2]\n', '{"meta": {}}\n{"batch": 8}\n', "\xff\xfe"])
+def test_a_file_that_is_not_sweep_rows_is_one_line(tmp_path, text):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SystemExit, match="bad.jsonl: (line|cannot)"):
+        sweep.read_rows([bad])
+
+
+def test_report_refuses_a_file_without_its_run_description(tmp_path):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(json.dumps(row("a", 8, 1.0, 2.0)) + "\n")
+    with pytest.raises(SystemExit, match="first line is not the run description"):
+        sweep.first_meta(bad)
