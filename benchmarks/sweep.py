@@ -59,7 +59,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-SIZE = {"inception_v3": 299}  # the input side where the model needs more than 224
 LAST = ("vit_h_14", "regnet_y_128gf", "vit_l_16", "vit_l_32", "regnet_y_32gf", "efficientnet_b7", "efficientnet_v2_l",
         "convnext_large", "swin_v2_b", "swin_b", "regnet_x_32gf", "efficientnet_b6", "regnet_y_16gf")  # slowest
 TARGET = {"torch_compile": 0.8, "inductor_graph": 0.9, "max_autotune": 0.9}  # the issue's bounds on nimble's GPU-bound ratio
@@ -88,29 +87,25 @@ def shard(names: list[str], spec: str) -> list[str]:
 
 @functools.cache
 def _model(name: str):
-    import torch
+    """`peers.make_model(name)`, built once per process: (the model, its input shapes)."""
+    import peers
 
-    import zoo
-
-    torchvision = zoo.import_torchvision()
-    kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
-    torch.manual_seed(0)
-    return torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    return peers.make_model(name)
 
 
 def build(name: str, batch: int):
-    """(the model in eval mode with random weights, on the CPU, built once per process; its input
-    batch on the CPU). BERT-base and GPT-2 (`--peer max-autotune`'s) as `peers.py` builds them."""
+    """(the model in eval mode with random weights, on the CPU; its input batch on the CPU), as
+    `peers.py` builds them (any torchvision classification model; BERT-base and GPT-2 for
+    `--peer max-autotune`), a model once per process."""
     import torch
 
     import peers
 
     if name in peers.HUGGING_FACE:
         return peers.make_inputs(name, batch)
-    model = _model(name).cpu()
-    side = SIZE.get(name, 224)
+    model, shapes = _model(name)
     torch.manual_seed(1)
-    return model, [torch.randn(batch, 3, side, side)]
+    return model.cpu(), [torch.randn(batch, *s) for s in shapes]
 
 
 def hand_graph(fn, xs):

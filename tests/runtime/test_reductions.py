@@ -439,7 +439,7 @@ def test_the_wide_form_of_the_spatial_mean_builds_and_agrees_on_the_gpu():
         pytest.skip("no CUDA device")
     x = torch.randn(8, 32, 112, 112, device="cuda").contiguous(memory_format=torch.channels_last)
     out = torch.full((8, 32, 1, 1), float("nan"), device="cuda")
-    kernel = reductions.FixedKernel(reductions.SPATIAL_MEAN, "spatial mean, wide")
+    kernel = generated.FixedKernel(reductions.SPATIAL_MEAN, "spatial mean, wide")
     launches = reductions.mean_launches(x, out, torch.cuda.get_device_properties(0).multi_processor_count)
     assert len(launches) == 2  # both launches, in the wide form
     assert all(kernel.launch(grid, *args, **{**constants, "WIDE": True}) for grid, args, constants in launches)

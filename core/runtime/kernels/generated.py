@@ -202,3 +202,33 @@ def elementwise_launcher(source: str):
         kernel[(-(-numel // BLOCK),)](out, *operands, N=numel, BLOCK=BLOCK)
 
     return launch
+
+
+class FixedKernel:
+    """A kernel of fixed source, built on its first launch through `generated.define` (cached and
+    counted as every generated kernel is). Where that first launch fails, `STATS` records
+    why and every launch declines from then on, so PyTorch computes the op."""
+
+    def __init__(self, source: str, what: str):
+        self.source, self.what, self.kernel, self.failed = source, what, None, False
+
+    def launch(self, grid: tuple, *args, **constants) -> bool:
+        """Run it over `grid`; False where it cannot be built."""
+        if self.failed:
+            return False
+        first = self.kernel is None
+        t = time.perf_counter()
+        try:
+            if first:
+                self.kernel = define(self.source)
+            self.kernel[grid](*args, **constants)
+        except Exception as e:
+            if not first:
+                raise
+            STATS.fallbacks.append(f"{self.what}: {type(e).__name__}: {first_line(e)}")
+            self.failed = True
+            return False
+        finally:
+            if first:
+                STATS.seconds += time.perf_counter() - t
+        return True

@@ -16,7 +16,6 @@ import torch
 
 from . import codegen
 from . import generated
-from .reductions import FixedKernel
 
 ROLL = '''import triton
 import triton.language as tl
@@ -49,7 +48,7 @@ def kernel(x_ptr, out_ptr, numel, S1, S2, S3, sx0, sx1, sx2, sx3, so0, so1, so2,
 '''
 ROLL_BLOCK = 1024
 
-_roll = FixedKernel(ROLL, "roll")
+_roll = generated.FixedKernel(ROLL, "roll")
 
 
 def roll_launch(x: torch.Tensor, out: torch.Tensor, shifts, dims) -> tuple[tuple, dict] | None:

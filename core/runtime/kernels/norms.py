@@ -33,7 +33,6 @@ import torch
 from ..base import settings
 from . import codegen
 from . import generated
-from .reductions import FixedKernel
 
 LAYER_NORM = '''import triton
 import triton.language as tl
@@ -89,8 +88,8 @@ def kernel(x_ptr, w_ptr, b_ptr, out_ptr, eps, P, TILES, C: tl.constexpr, HAS_W: 
 CHANNELS_MAX = 4096  # channels of one LAYER_NORM_CHANNELS tile (a program holds them for each of its positions)
 CHANNELS_TILE = 8192  # elements of one LAYER_NORM_CHANNELS program's tile: channels times positions
 
-_layer_norm = FixedKernel(LAYER_NORM, "layer norm")
-_channels = FixedKernel(LAYER_NORM_CHANNELS, "layer norm over channels")
+_layer_norm = generated.FixedKernel(LAYER_NORM, "layer norm")
+_channels = generated.FixedKernel(LAYER_NORM_CHANNELS, "layer norm over channels")
 
 
 def channels_first(x: torch.Tensor, n: int) -> bool:

@@ -37,11 +37,8 @@ Indexing is 64-bit where an element offset can pass 2**31 - 1, as in `kernels.py
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ...errors import first_line
 from . import codegen
 from . import generated
 from ..base import settings
@@ -140,38 +137,8 @@ MEAN_STEPS = 8  # the fewest steps of a part, where the positions are split
 FUSED_MEAN_STEPS = 2
 
 
-class FixedKernel:
-    """A kernel of fixed source, built on its first launch through `generated.define` (cached and
-    counted as every generated kernel is). Where that first launch fails, `generated.STATS` records
-    why and every launch declines from then on, so PyTorch computes the op."""
-
-    def __init__(self, source: str, what: str):
-        self.source, self.what, self.kernel, self.failed = source, what, None, False
-
-    def launch(self, grid: tuple, *args, **constants) -> bool:
-        """Run it over `grid`; False where it cannot be built."""
-        if self.failed:
-            return False
-        first = self.kernel is None
-        t = time.perf_counter()
-        try:
-            if first:
-                self.kernel = generated.define(self.source)
-            self.kernel[grid](*args, **constants)
-        except Exception as e:
-            if not first:
-                raise
-            generated.STATS.fallbacks.append(f"{self.what}: {type(e).__name__}: {first_line(e)}")
-            self.failed = True
-            return False
-        finally:
-            if first:
-                generated.STATS.seconds += time.perf_counter() - t
-        return True
-
-
-_pool = FixedKernel(POOL, "pooling")
-_spatial_mean = FixedKernel(SPATIAL_MEAN, "spatial mean")
+_pool = generated.FixedKernel(POOL, "pooling")
+_spatial_mean = generated.FixedKernel(SPATIAL_MEAN, "spatial mean")
 
 
 def pool_params(args: list, dilated: bool = True) -> tuple[list[int], ...] | None:
