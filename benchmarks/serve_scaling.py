@@ -28,7 +28,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,13 +38,8 @@ from pathlib import Path
 
 import report
 from nimble.serve import timeline
+from nimble.serve.ingress import free_port  # where the server's own processes take none unasked
 from serve_load import one_row, one_row_grpc, spread_load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GpuWatch:

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 import torch
+
+from nimble.serve.ingress import free_port  # where the server's own processes take none unasked
 
 from hf_trust import ByName  # the model called on (ids, mask) by name
 
@@ -81,12 +82,6 @@ def run(cmd: list[str], timeout: float) -> tuple[int, str, float]:
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip() and not line.startswith("... ")]
     return lines[-1][:300] if lines else ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_check(name: str, artifact: Path, device: str, seq: int, rows: int) -> str:

@@ -53,10 +53,50 @@ def keep_local_ray_on_loopback() -> None:
     os.environ.update(LOOPBACK_RAY)
 
 
+# Ports that other processes take on their own while a server starts: Ray's workers (10002 to
+# 19999), the direct-ingress ports of Ray Serve's replicas (30000 to 31000 for HTTP, 40000 to 41000
+# for gRPC), and whatever the kernel hands to a bind of port 0 (its ephemeral range, 32768 to 60999
+# by default). A port picked free from those can be taken before HAProxy binds it, seconds later,
+# and HAProxy then exits at its start: once in CI's tests. `free_port` picks below all of them.
+QUIET_PORTS = range(20000, 30000)
+DIRECT_INGRESS = {"HTTP": (30000, 31000), "GRPC": (40000, 41000)}
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on `host` now, from `QUIET_PORTS` less the kernel's ephemeral range (where a
+    machine has widened that range over them, one the kernel picks)."""
+    import random
+
+    ephemeral = _ephemeral_ports()
+    quiet = [p for p in random.sample(QUIET_PORTS, 200) if p not in ephemeral]
+    for port in quiet:
+        if port_in_use(host, port) is None:
+            return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def direct_ingress_ports(taken: list[int]) -> dict[str, str]:
+    """Ray Serve's direct-ingress port ranges for the replicas, moved (in steps of their width)
+    off the ports that HAProxy must bind later (`taken`): a replica that starts first on the
+    user's --grpc-port, say, would make HAProxy exit at its start."""
+    env = {}
+    for kind, (low, high) in DIRECT_INGRESS.items():
+        width = high - low
+        while any(low <= port <= high for port in taken):
+            low, high = low + width + 1, high + width + 1
+        env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{kind}_PORT"] = str(low)
+        env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{kind}_PORT"] = str(high)
+    return env
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -86,9 +126,11 @@ def refuse_taken_port(address: str) -> None:
             raise RuntimeError(f"port {port} is held by another process") from e
 
 
-def haproxy_environment(folder: Path, real_binary: str, models: list[str] = ()) -> dict[str, str]:
+def haproxy_environment(folder: Path, real_binary: str, models: list[str] = (),
+                        ports: list[int] = ()) -> dict[str, str]:
     """Environment for Ray Serve's HAProxy ingress, confined as the module says, with gRPC
-    requests routed by the model they name (`grpc_routes`)."""
+    requests routed by the model they name (`grpc_routes`); `ports` are the ones HAProxy serves
+    the models on, which no replica may take first (`direct_ingress_ports`)."""
     stats, metrics = free_port(), free_port()
     wrapper = folder / "haproxy"
     edits = grpc_routes(models) + [
@@ -118,6 +160,7 @@ def haproxy_environment(folder: Path, real_binary: str, models: list[str] = ()) 
     wrapper.chmod(0o700)
     (folder / "state").mkdir(mode=0o700, exist_ok=True)
     return {
+        **direct_ingress_ports([*ports, stats, metrics]),
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(wrapper),

@@ -94,7 +94,8 @@ def start(paths: list[Path], options: Options, say=print) -> dict:
     if options.address is None and options.ingress == "haproxy":
         # Ray Serve's HAProxy ingress: HAProxy in front of replicas that serve HTTP themselves,
         # instead of Ray's one Python proxy per node (17 ms per 600 KB request, about 120 requests/s)
-        os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy(), list(names)))
+        os.environ.update(ingress.haproxy_environment(options.folder, ingress.real_haproxy(), list(names),
+                                                     [port for _, _, port in wanted]))
     if grpc:  # a gRPC request is parsed whole before it is checked: never more than --max-body bytes
         os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(options.max_body)
     if options.address is None:  # a Ray of its own, on loopback: every listener on 127.0.0.1 (ingress.LOOPBACK_RAY)
@@ -187,9 +188,11 @@ def start_failure(e: BaseException, options: Options) -> str:
     while getattr(e, "cause", None) is not None and e.cause is not e:
         e = e.cause
     text = first_line(e)[:300].strip()
-    alerts = [line.split("]", 1)[-1].strip() for log in sorted(Path(options.folder).glob("*.stderr.log"))
-              for line in log.read_text(errors="replace").splitlines() if "[ALERT]" in line] \
+    logs = [log.read_text(errors="replace") for log in sorted(Path(options.folder).glob("*.stderr.log"))] \
         if options.folder is not None else []
+    # HAProxy's lines come in Ray's message (the tail of its stderr, first a version banner) or its logs
+    alerts = [re.sub(r"^\s*\(\d+\)\s*:", "", line.split("[ALERT]", 1)[1]).strip()
+              for text in [str(e), *logs] for line in text.splitlines() if "[ALERT]" in line]
     if alerts:  # HAProxy's own words (a port in use, say), not its version banner
         text = f"HAProxy: {alerts[-1][:300]}"
     advice = "serve with --ingress proxy (Ray Serve's own HTTP proxy), or try again" \

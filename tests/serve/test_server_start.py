@@ -98,6 +98,36 @@ def test_a_failure_inside_ray_serve_s_start_is_one_line_with_its_innermost_cause
     assert line == ("Ray Serve did not start the models (RuntimeError: HAProxy (pid=7) did not take over the admin "
                     "socket within 30 seconds. stderr:); serve with --ingress proxy (Ray Serve's own HTTP proxy), "
                     "or try again")
+    crashed = TaskError(RuntimeError("HAProxy crashed during startup: [NOTICE]   (6558) : haproxy version is 2.8.25\n"
+                                     "[NOTICE]   (6558) : path to executable is /usr/sbin/haproxy\n"
+                                     "[ALERT]    (6558) : Binding [cfg:12] for frontend http: cannot bind socket "
+                                     "(Address already in use) for [127.0.0.1:41001]"))
+    said = start_failure(crashed, Options(ingress="haproxy"))
+    assert said.startswith("Ray Serve did not start the models (RuntimeError: HAProxy: Binding [cfg:12] for frontend "
+                           "http: cannot bind socket (Address already in use) for [127.0.0.1:41001]); serve with"), said
     other = start_failure(TaskError(ValueError("bad config")), Options(ingress="proxy"))
     assert other.startswith("Ray Serve did not start the models (ValueError: bad config); run it again with --debug")
     assert "\n" not in line + other
+
+
+def test_ports_picked_for_a_server_are_free_and_where_no_other_process_takes_them_unasked():
+    """`free_port` picks below the ranges that Ray's workers, its replicas' direct ingress and the
+    kernel's port-0 binds draw from; the replicas' ranges move off the ports HAProxy will bind."""
+    import socket
+
+    from nimble.serve import ingress
+
+    ephemeral = ingress._ephemeral_ports()
+    picked = {ingress.free_port() for _ in range(20)}
+    for port in picked:
+        assert ingress.port_in_use("127.0.0.1", port) is None
+        if ingress.QUIET_PORTS.start < ephemeral.start:
+            assert port in ingress.QUIET_PORTS and port not in ephemeral
+    with socket.socket() as held:  # a port already held is never picked
+        held.bind(("127.0.0.1", min(picked)))
+        assert min(picked) not in {ingress.free_port() for _ in range(50)}
+    env = ingress.direct_ingress_ports([8000, 40500])
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == \
+        ("30000", "31000")
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == \
+        ("41001", "42001")
