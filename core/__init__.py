@@ -27,6 +27,7 @@ _API = {
     "CaptureError": "errors",
     "MismatchError": "errors",
     "NimbleWarning": "errors",
+    "TrainStep": "train",
 }
 
 __all__ = ["__version__", *_API]

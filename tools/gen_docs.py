@@ -23,7 +23,8 @@ def supported_ops() -> str:
              "rejected at compile time with its name and source line. `prim` host ops are folded away.", ""]
     for group, names in SUPPORTED.items():
         lines.append(f"- **{group}**: " + ", ".join(f"`{n}`" for n in names))
-    lines += ["", "Training only (`prepare(..., training=True)`; inference graphs never contain them): "
+    lines += ["", "Training only (`prepare(..., training=True)` and TrainStep; inference graphs and artifacts never "
+              "contain them): "
               + ", ".join(f"`{n}`" for n in TRAINING_ONLY) + "."]
     return "\n".join(lines) + "\n"
 

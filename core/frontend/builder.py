@@ -255,7 +255,9 @@ class GraphBuilder:
             raise UnsupportedError(f"{self.name}: {target} at {source} writes in place a tensor that a view shares "
                                    "storage with, where nimble's layout made that view a copy; export the model "
                                    "without the in-place write")
-        if not writes and len(results) == 1 and id(results[0]) in passed:
+        missing = [k for k, t in enumerate(results) if t is None]  # results the op was asked not to give
+        results = [t for t in results if t is not None]
+        if not writes and len(results) == 1 and id(results[0]) in passed and not missing:
             # The op hands back its own input (contiguous on a contiguous tensor, a no-op .to):
             # nothing to run.
             return Ref(passed[id(results[0])])
@@ -276,6 +278,8 @@ class GraphBuilder:
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
                            tuple(r.id for r in out_refs), tuple(writes), (), source))
+        for k in missing:
+            out_refs.insert(k, None)
         return out_refs
 
     def _copied_view(self, ins: list, source: str) -> Ref | list[Ref]:
@@ -300,7 +304,7 @@ class GraphBuilder:
         call_args = [arguments.to_torch(a, tensors, device) for a in args]
         call_kwargs = {k: arguments.to_torch(v, tensors, device) for k, v in kwargs}
         inferred = shapes.infer(target, call_args, call_kwargs) if device == _META and target else None
-        results = inferred if inferred is not None else arguments.flatten_result(fn(*call_args, **call_kwargs))
+        results = inferred if inferred is not None else arguments.flatten_result(fn(*call_args, **call_kwargs), True)
         return results, {r: tensors[r] for r in refs}
 
     def _cpu_example(self, vid: int) -> torch.Tensor:

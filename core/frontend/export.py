@@ -172,16 +172,7 @@ class _Lowering:
         for node in self.program.graph.nodes:
             try:
                 if node.op == "placeholder":
-                    spec = kinds[node.name]
-                    if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
-                        self.env[node] = w.add_input(node.name, next(user))
-                    elif spec.target in state and isinstance(state[spec.target], torch.Tensor):
-                        tensor = state[spec.target].detach()
-                        w.name_constant(tensor, spec.target)
-                        self.env[node] = tensor
-                    else:
-                        raise UnsupportedError(f"{self.name}: input '{node.name}' is a {spec.kind.name.lower()}, "
-                                               "which nimble does not take")
+                    self.env[node] = self._placeholder(node, kinds[node.name], user, state)
                 elif node.op == "call_function":
                     self.env[node] = self._call(node)
                 elif node.op == "output":
@@ -194,6 +185,17 @@ class _Lowering:
                 raise UnsupportedError(f"{self.name}: could not lower {node.target} at {_source(node)}: "
                                        f"{first_line(e)}") from e
         return finalize(w.values, w.ops, w.inputs, outputs, w.weights)
+
+    def _placeholder(self, node, spec, user, state):
+        """A user input becomes a graph input; parameters, buffers and constants are host tensors."""
+        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
+            return self.builder.add_input(node.name, next(user))
+        if spec.target in state and isinstance(state[spec.target], torch.Tensor):
+            tensor = state[spec.target].detach()
+            self.builder.name_constant(tensor, spec.target)
+            return tensor
+        raise UnsupportedError(f"{self.name}: input '{node.name}' is a {spec.kind.name.lower()}, which nimble "
+                               "does not take")
 
     def _value(self, arg):
         if isinstance(arg, torch.fx.Node):

@@ -66,16 +66,20 @@ def from_ivalue(value, type_str: str):
     raise UnsupportedError(f"constant of type {type(value).__name__} ({type_str}) is not supported")
 
 
-def flatten_result(result) -> list:
+def flatten_result(result, keep_none: bool = False) -> list:
     """An op's or a model's return value as a flat list of tensors (tuples, Tensor[] lists and
-    dicts flattened; a dict by its values, in order)."""
+    dicts flattened; a dict by its values, in order). A result left out (None, as
+    `convolution_backward` gives for a gradient it was not asked for) is dropped, or kept as None
+    with `keep_none`."""
     if isinstance(result, torch.Tensor):
         return [result]
+    if result is None:
+        return [None] if keep_none else []
     if isinstance(result, dict):
         result = list(result.values())
     out = []
     for r in result:
-        out.extend(flatten_result(r))
+        out.extend(flatten_result(r, keep_none))
     return out
 
 

@@ -1,0 +1,140 @@
+"""A training step as one graph: forward, loss and backward, from torch's own export for training
+(`torch.export.export`, then its joint forward-backward decomposition), lowered through the same
+builder as inference (`export._Lowering`).
+
+The joint program's inputs are the module's parameters and buffers, then the step's inputs and
+targets; its outputs are the buffers' new values (batch norm's running statistics), the loss, and
+one gradient per parameter that needs one. Here the parameters and buffers become graph inputs,
+not weights: they change every step, so nothing that reads them may fold on the host. Lifted
+constants (a tensor the model builds in its forward) stay weights.
+
+Batch norm comes in functional form and its backward decomposed into pointwise ops and
+reductions, which fusion takes as it takes any other; the activation gradients come as `where`
+and `le` on the saved results.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedError, UsageError, first_line
+from ..ir import TensorSpec
+from ..ops import types
+from .export import _Lowering
+from .quiet import quiet_torch
+from .torchscript import Lowered
+
+PARAMETER, BUFFER, DATA = "parameter", "buffer", "data"  # what a joint graph input is
+BUFFER_UPDATE, LOSS, GRADIENT = "buffer", "loss", "gradient"  # what a joint graph output is
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one input or output of the joint graph stands for: its kind and, for a parameter or
+    buffer (or its update or gradient), the module's qualified name of it."""
+
+    kind: str
+    target: str = ""
+
+
+@dataclass
+class Joint:
+    lowered: Lowered
+    inputs: list[Role]
+    outputs: list[Role]
+
+
+class _WithLoss(torch.nn.Module):
+    """The module and its loss as one module that returns the loss alone."""
+
+    def __init__(self, module: torch.nn.Module, loss, inputs: int):
+        super().__init__()
+        self.module, self.loss, self.inputs = module, loss, inputs
+
+    def forward(self, *args):
+        out = self.module(*args[:self.inputs])
+        loss = self.loss(out, *args[self.inputs:])
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise UsageError(f"the loss function returned {type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}; "
+                             "it must return one scalar tensor")
+        return (loss,)
+
+
+def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+                 name: str) -> torch.export.ExportedProgram:
+    """The joint forward-backward program of `loss(module(*inputs), *targets)`, traced on these
+    tensors (their values are not kept). The module's buffers and the RNG are left as they were."""
+    from torch.export.experimental import _export_forward_backward
+
+    wrapped = _WithLoss(module, loss, len(inputs))
+    buffers = list(module.buffers())
+    saved = [b.clone() for b in buffers]
+    try:
+        with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            program = torch.export.export(wrapped, (*inputs, *targets))
+            return _export_forward_backward(program, joint_loss_index=0)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UnsupportedError(f"{name}: torch.export could not trace its training step ({first_line(e)}); "
+                               "prepare it with Nimble(module).prepare(x, training=True) instead") from e
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+
+
+class _JointLowering(_Lowering):
+    def __init__(self, program: torch.export.ExportedProgram, name: str):
+        super().__init__(program, name)
+        self.builder.training = True  # random ops (dropout) stay ops of the step
+
+    def _placeholder(self, node, spec, user, state):
+        kind = spec.kind.name
+        if kind not in ("PARAMETER", "BUFFER"):
+            return super()._placeholder(node, spec, user, state)
+        tensor = state.get(spec.target)
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsupportedError(f"{self.name}: {kind.lower()} '{spec.target}' is not a tensor of the module")
+        if not tensor.is_contiguous():
+            raise UnsupportedError(f"{self.name}: {kind.lower()} '{spec.target}' is not contiguous; make the module's "
+                                   "tensors contiguous before preparing its training step")
+        return self.builder.add_input(node.name, TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype)))
+
+    def _outputs(self, node) -> list[int]:
+        out = []
+        for obj in self._value(node.args[0]):
+            obj = self.builder.as_ref(obj) if isinstance(obj, torch.Tensor) else obj
+            if not hasattr(obj, "id"):
+                raise UnsupportedError(f"{self.name}: its training step returns a {type(obj).__name__}, not a tensor")
+            out.append(obj.id)
+        return out
+
+
+_INPUT_ROLES = {"PARAMETER": PARAMETER, "BUFFER": BUFFER, "USER_INPUT": DATA}
+_OUTPUT_ROLES = {"BUFFER_MUTATION": BUFFER_UPDATE, "LOSS_OUTPUT": LOSS, "GRADIENT_TO_PARAMETER": GRADIENT}
+
+
+def lower_joint(program: torch.export.ExportedProgram, specs: list[TensorSpec], name: str) -> Joint:
+    """The joint program as an IR graph, with the role of each of its inputs and outputs."""
+    sig = program.graph_signature
+    inputs, outputs = [], []
+    for s in sig.input_specs:
+        if s.kind.name in _INPUT_ROLES:
+            inputs.append(Role(_INPUT_ROLES[s.kind.name], s.target or ""))
+        elif s.kind.name != "CONSTANT_TENSOR":
+            raise UnsupportedError(f"{name}: its training step takes a {s.kind.name.lower()} input, which nimble "
+                                   "does not take")
+    for s in sig.output_specs:
+        if s.kind.name not in _OUTPUT_ROLES:
+            raise UnsupportedError(f"{name}: its training step returns a {s.kind.name.lower()} ({s.target or s.arg}), "
+                                   "which nimble does not take; return the loss alone")
+        outputs.append(Role(_OUTPUT_ROLES[s.kind.name], s.target or ""))
+    with torch.no_grad():
+        graph, weights = _JointLowering(program, name).run(specs)
+    return Joint(Lowered(graph, weights, None), inputs, outputs)

@@ -1,0 +1,210 @@
+"""A whole training step as one planned graph: `TrainStep(module, loss, inputs, targets)`.
+
+    step = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y,
+                            optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, fused=True))
+    for x, y in loader:
+        loss = step(x, y)  # forward, loss, backward, the all-reduce of the gradients, the optimizer
+
+The forward, the loss and the backward come from torch's own export for training as one joint
+graph (`frontend/joint.py`), which goes through nimble's passes, its schedule and its memory plan
+whole: the activations the backward keeps are planned buffers like any other
+(`memory_plan.arena_bytes`). A call runs that graph on the module's own parameters and buffers
+(`runtime/joint.py`), sets each parameter's `.grad` to this step's gradient (as after
+`zero_grad()` and `backward()`: gradients are not added up across calls), writes batch norm's
+running statistics back into its buffers, and then calls `optimizer.step()` where an optimizer
+was given. torch.optim's `fused=True` runs the update of every parameter as one kernel.
+
+Data parallel: where `torch.distributed` is initialized with more than one process (`torchrun`),
+the module's parameters and buffers are first broadcast from rank 0, as DistributedDataParallel
+does, and each call averages the gradients over the processes with `torch.distributed`'s
+all-reduce (NCCL on GPUs, gloo on the CPU). The gradients go in buckets of about `bucket_mb` MB
+in the order the backward produces them, each all-reduced asynchronously as soon as its last
+gradient exists, while the rest of the backward runs.
+
+A module changed after it was prepared (a parameter replaced, or given new storage) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import guards, passes
+from .errors import ShapeError, UsageError
+from .frontend import joint
+from .ir import TensorSpec
+from .ops import types
+from .pipeline import PASSES
+from .plan.memory import plan
+from .plan.schedule import assign_streams
+from .plan.verify import check_plan
+from .runtime.joint import JointRunner
+from .specs import parse_streams
+from .stages import Stages
+
+# A joint graph takes inference's passes, fusion's included, less those that assume frozen weights
+# and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode).
+JOINT_PASSES: tuple = tuple(p for p in PASSES if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
+
+
+def _tensors(obj, what: str) -> list[torch.Tensor]:
+    objs = list(obj) if isinstance(obj, (tuple, list)) else [obj]
+    if not objs or not all(isinstance(t, torch.Tensor) for t in objs):
+        raise UsageError(f"{what} must be a tensor or a tuple of tensors")
+    return objs
+
+
+class TrainStep:
+    def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
+                 optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
+                 broadcast_buffers: bool = True):
+        """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
+        tensor) for inputs and targets shaped like the examples, on their device. Data parallel
+        (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and
+        `broadcast_buffers` sends rank 0's buffers (batch norm's running statistics) to every
+        process before each step, as DistributedDataParallel does by default."""
+        xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
+        device = xs[0].device
+        if any(t.device != device for t in xs + ys):
+            raise UsageError("example_inputs and example_targets are on different devices; put them on one device")
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        if any(t.device != device for t in state.values()):
+            raise UsageError(f"the module's tensors are not all on {device}, where the examples are; move both to one "
+                             "device")
+        if bucket_mb <= 0:
+            raise UsageError(f"bucket_mb is {bucket_mb}; give a positive size in MB")
+        self.module, self.optimizer, self.device = module, optimizer, device
+        self.name = type(module).__name__
+        self.specs = [TensorSpec(tuple(t.shape), types.dtype_name(t.dtype)) for t in xs + ys]
+        self._count = len(xs)
+        module.train()
+        program = joint.export_joint(module, loss, xs, ys, self.name)
+        lowered = joint.lower_joint(program, self.specs, self.name)
+        graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
+                                             passes.REWRITES_WEIGHTS, "lowered")
+        self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
+        self.memory_plan = plan(graph, self.schedule)
+        check_plan(graph, self.schedule, self.memory_plan)
+        prefix = "module."
+        names = [r.target.removeprefix(prefix) for r in lowered.inputs]
+        missing = [n for r, n in zip(lowered.inputs, names) if r.kind != joint.DATA and n not in state]
+        if missing:
+            raise UsageError(f"{self.name}: the exported step reads '{missing[0]}', which the module does not have")
+        self._bound = [state[n] if r.kind != joint.DATA else None for r, n in zip(lowered.inputs, names)]
+        self._outputs = [(r.kind, state.get(r.target.removeprefix(prefix))) for r in lowered.outputs]
+        self.runner = JointRunner(graph, self.schedule.order, device)
+        self.runner.bind_weights(weights)
+        self._guard = guards.EveryTensor(module, versions=False)
+        self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
+
+    def __call__(self, inputs, targets) -> torch.Tensor:
+        """One step on these inputs and targets; returns the loss (a scalar tensor)."""
+        self._guard.check()
+        given = _tensors(inputs, "inputs") + _tensors(targets, "targets")
+        if len(given) != len(self.specs):
+            raise UsageError(f"the step takes {self._count} input(s) and {len(self.specs) - self._count} target(s), "
+                             f"as prepared; got {len(given)} tensors in all")
+        for k, (t, spec) in enumerate(zip(given, self.specs)):
+            if tuple(t.shape) != spec.shape or types.dtype_name(t.dtype) != spec.dtype or t.device != self.device:
+                raise ShapeError(f"tensor {k} of the step is {'x'.join(map(str, t.shape))} {types.dtype_name(t.dtype)} "
+                                 f"on {t.device}, but the step was prepared for {'x'.join(map(str, spec.shape))} "
+                                 f"{spec.dtype} on {self.device}; prepare another TrainStep for it")
+        self._data.before()
+        data = iter(given)
+        bound = [t if t is not None else next(data) for t in self._bound]
+        results = self.runner(bound, self._data.ready)
+        grads = self._data.finish(results)
+        loss = None
+        with torch.no_grad():
+            for (kind, target), value in zip(self._outputs, results):
+                if kind == joint.LOSS:
+                    loss = value
+                elif kind == joint.BUFFER_UPDATE:
+                    target.copy_(value)
+            for p, g in grads:  # in the parameter's own layout, as autograd gives it (fused optimizers assume it)
+                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach()
+
+
+class _DataParallel:
+    """The gradients of a step: as they are, or averaged over the processes of
+    `torch.distributed` in buckets all-reduced while the backward runs (see the module)."""
+
+    def __init__(self, step: TrainStep, bucket_mb: float, broadcast_buffers: bool):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        graph = step.graph
+        self.gradients = [(k, p) for k, (kind, p) in enumerate(step._outputs) if kind == joint.GRADIENT]
+        self.ready, self.graph, self.buffers = None, graph, []
+        self._pending: list = []  # (bucket, its flat gradients, the all-reduce's work) of the step running
+        self._have: dict[int, torch.Tensor] = {}  # output index -> gradient, as they come
+        if self.world == 1:
+            return
+        self._broadcast([*step.module.parameters(), *step.module.buffers()])  # rank 0's module, as DDP does
+        self.buffers = list(step.module.buffers()) if broadcast_buffers else []
+        # buckets in the order the backward makes the gradients (the schedule's order of their producers)
+        position = {i: k for k, i in enumerate(step.schedule.order)}
+        outputs = graph.outputs
+        made = sorted(self.gradients, key=lambda kp: position.get(graph.values[outputs[kp[0]]].producer, -1))
+        limit = bucket_mb * 2**20
+        self.buckets: list[list[int]] = [[]]
+        size = 0
+        for k, p in made:
+            if self.buckets[-1] and size + p.numel() * p.element_size() > limit:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(k)
+            size += p.numel() * p.element_size()
+        self._value_of = {outputs[k]: k for k, _ in made}
+        self._bucket_of = {k: b for b, ks in enumerate(self.buckets) for k in ks}
+        self.ready = self._ready
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values of `tensors` in every process: one broadcast per dtype."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        kinds: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            kinds.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in kinds.values():
+                flat = _flatten_dense_tensors([t.detach() for t in group])
+                self.dist.broadcast(flat, src=0)
+                for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(value)
+
+    def before(self) -> None:
+        """Before a step: rank 0's buffers everywhere, where asked."""
+        if self.world > 1 and self.buffers:
+            self._broadcast(self.buffers)
+
+    def _ready(self, op: int, results: list[torch.Tensor]) -> None:
+        graph = self.graph
+        for vid, t in zip(graph.ops[op].outputs, results):
+            k = self._value_of.get(vid)
+            if k is None:
+                continue
+            self._have[k] = t
+            b = self._bucket_of[k]
+            if all(j in self._have for j in self.buckets[b]):
+                flat = torch.cat([self._have[j].reshape(-1) for j in self.buckets[b]])
+                self._pending.append((b, flat, self.dist.all_reduce(flat, async_op=True)))
+
+    def finish(self, results: list[torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient) pairs of this step, averaged over the processes where there are several."""
+        if self.world == 1:
+            return [(p, results[k]) for k, p in self.gradients]
+        grads = {}
+        for b, flat, work in self._pending:
+            work.wait()
+            flat.div_(self.world)
+            offset = 0
+            for k in self.buckets[b]:
+                n = results[k].numel()
+                grads[k] = flat[offset:offset + n].view_as(results[k])
+                offset += n
+        self._pending, self._have = [], {}
+        return [(p, grads[k]) for k, p in self.gradients]

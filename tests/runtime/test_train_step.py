@@ -1,0 +1,175 @@
+"""`nimble.TrainStep` on the CPU: the joint forward-backward graph and its plan, each of 100 steps
+against eager PyTorch on a ResNet-18 and a MobileNetV2-style net, fused optimizers, data parallel
+over two gloo processes against DistributedDataParallel, and one-line errors."""
+
+from __future__ import annotations
+
+import copy
+
+import nimble
+import pytest
+import torch
+import torch.nn.functional as F
+from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
+from torch import nn
+
+from tests.models import DataDependentIf, MobileNetV2Small, ResNet18
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no bias before batch norm: its gradient would be rounding noise alone, which Adam scales up to
+        # full steps (in eager against eager too)
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def batch(n: int = 4, size: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def test_the_joint_graph_holds_the_forward_the_loss_and_the_backward_under_one_memory_plan():
+    torch.manual_seed(0)
+    net = Small()
+    step = nimble.TrainStep(net, F.cross_entropy, *batch())
+    targets = {op.target for op in step.graph.ops}
+    assert "aten::convolution_backward.default" in targets  # the backward is ops of the graph
+    assert "aten::_native_batch_norm_legit_functional.default" in targets
+    assert "nimble::fused" in targets  # fusion saw it: the batch norm backward's pointwise ops, say
+    plan = step.memory_plan
+    assert 0 < plan.lower_bound_bytes <= plan.arena_bytes < plan.no_reuse_bytes  # buffers reused across the step
+    # every parameter gets a gradient, every buffer its update, and there is one loss
+    kinds = [kind for kind, _ in step._outputs]
+    assert kinds.count("gradient") == len(list(net.parameters()))
+    assert kinds.count("buffer") == len(list(net.buffers())) and kinds.count("loss") == 1
+
+
+@pytest.mark.parametrize("make, size", [(lambda: ResNet18(classes=10), 32), (MobileNetV2Small, 32)],
+                         ids=["resnet18", "mobilenet_v2_small"])
+def test_each_of_100_steps_gives_eager_s_loss_gradients_and_running_statistics(make, size):
+    """Each step starts the eager module from nimble's parameters and buffers (training is chaotic:
+    a difference of 1e-7 in the weights grew to 18 % in the loss within 10 steps of eager against
+    eager), then the two are held to float32 rounding: loss and every gradient within 1e-4
+    (relative), running statistics within 1e-5, and the step counts equal."""
+    torch.manual_seed(0)
+    net = make()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, size), optimizer=opt)
+    for k in range(100):
+        x, t = batch(4, size, seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x), t)
+        expected.backward()
+        grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        loss = step(x, t)  # its gradients are left in .grad, then the optimizer steps
+        assert abs(float(loss) - float(expected.detach())) <= 1e-4 * abs(float(expected.detach())), k
+        # all gradients as one vector within 1e-4; each one within 1e-4 of the largest's size (a
+        # gradient that sums terms which nearly cancel, to 1e-6, keeps float32's rounding of them)
+        scale = max(float(g.abs().max()) for g in grads.values())
+        for n, p in net.named_parameters():
+            assert float((p.grad - grads[n]).abs().max()) <= 1e-4 * scale, (k, n)
+        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                        torch.cat([grads[n].reshape(-1) for n, _ in net.named_parameters()])) <= 1e-4, k
+        for (n, b), r in zip(net.named_buffers(), ref.buffers()):
+            if b.is_floating_point():
+                assert torch.allclose(b, r, atol=1e-5, rtol=1e-5), (k, n)
+            else:
+                assert torch.equal(b, r), (k, n)
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+], ids=["sgd_fused", "adam_fused", "adamw_foreach"])
+def test_a_step_with_a_fused_optimizer_moves_the_weights_as_eager_does(optimizer):
+    torch.manual_seed(0)
+    net = Small()
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(), optimizer=optimizer(net.parameters()))
+    ref_opt = optimizer(ref.parameters())
+    for k in range(5):
+        x, t = batch(seed=k + 1)
+        step(x, t)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), t).backward()
+        ref_opt.step()
+    for (n, p), r in zip(net.named_parameters(), ref.parameters()):
+        assert relative(p.detach(), r.detach()) <= 1e-5, n
+        assert p.grad.stride() == p.stride()  # in the parameter's layout, as autograd leaves it
+
+
+def _data_parallel_worker(rank: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(rank)  # different weights in each process: the step starts from rank 0's
+        net = MobileNetV2Small()
+        eager = nn.parallel.DistributedDataParallel(copy.deepcopy(net))  # broadcasts rank 0's too
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
+        step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 32), optimizer=opt, bucket_mb=0.02)
+        assert len(step._data.buckets) > 1  # so that buckets go while the backward still runs
+        for k in range(4):
+            x, t = batch(4, 32, seed=100 * rank + k)  # each process its own half of the batch
+            with torch.no_grad():
+                for p, q in zip(eager.module.parameters(), net.parameters()):
+                    p.copy_(q)
+                for p, q in zip(eager.module.buffers(), net.buffers()):
+                    p.copy_(q)
+            eager.zero_grad(set_to_none=True)
+            expected = F.cross_entropy(eager(x), t)
+            expected.backward()  # DDP averages the gradients over the two processes
+            grads = [p.grad.clone() for p in eager.module.parameters()]
+            loss = step(x, t)
+            assert abs(float(loss) - float(expected.detach())) <= 1e-4 * abs(float(expected.detach())), (rank, k)
+            scale = max(float(g.abs().max()) for g in grads)
+            for (n, p), g in zip(net.named_parameters(), grads):
+                assert float((p.grad - g).abs().max()) <= 1e-4 * scale, (rank, k, n)
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        both = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(both, flat)
+        assert torch.equal(both[0], both[1])  # the processes' weights stayed one
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_over_two_gloo_processes_averages_gradients_as_distributed_data_parallel_does(tmp_path):
+    torch.multiprocessing.spawn(_data_parallel_worker, args=(str(tmp_path),), nprocs=2, join=True)
+
+
+def test_bad_steps_are_one_line_each():
+    torch.manual_seed(0)
+    net = Small()
+    x, t = batch()
+    with pytest.raises(UsageError, match="it must return one scalar tensor"):
+        nimble.TrainStep(net, lambda out, t: F.cross_entropy(out, t, reduction="none"), x, t)
+    with pytest.raises(UsageError, match="example_targets must be a tensor"):
+        nimble.TrainStep(net, F.cross_entropy, x, "labels")
+    with pytest.raises(UsageError, match="bucket_mb"):
+        nimble.TrainStep(net, F.cross_entropy, x, t, bucket_mb=0)
+    step = nimble.TrainStep(net, F.cross_entropy, x, t)
+    with pytest.raises(ShapeError, match="prepared for 4x3x8x8 float32"):
+        step(torch.randn(2, 3, 8, 8), t[:2])
+    with pytest.raises(UsageError, match="1 input"):
+        step((x, x), t)
+    net.fc.weight = nn.Parameter(net.fc.weight.detach().clone())  # changed after prepare
+    with pytest.raises(ModelError, match="fc.weight"):
+        step(x, t)
+
+
+def test_a_model_torch_export_cannot_trace_is_refused_with_the_way_out():
+    net = DataDependentIf()
+    x = torch.randn(2, 4)
+    with pytest.raises(UnsupportedError, match="torch.export could not trace its training step"):
+        nimble.TrainStep(net, lambda out, t: F.mse_loss(out, t), x, torch.randn(2, 4))
