@@ -46,6 +46,9 @@ from .stages import Stages
 JOINT_PASSES: tuple = tuple(p for p in PASSES if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)
+
+
 def _tensors(obj, what: str) -> list[torch.Tensor]:
     objs = list(obj) if isinstance(obj, (tuple, list)) else [obj]
     if not objs or not all(isinstance(t, torch.Tensor) for t in objs):
@@ -56,12 +59,14 @@ def _tensors(obj, what: str) -> list[torch.Tensor]:
 class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, precision: str = "fp32"):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. Data parallel
         (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and
         `broadcast_buffers` sends rank 0's buffers (batch norm's running statistics) to every
-        process before each step, as DistributedDataParallel does by default."""
+        process before each step, as DistributedDataParallel does by default. `precision` "bf16"
+        trains with bfloat16 compute and float32 weights, gradients and optimizer: the forward and
+        the loss run under `torch.autocast(dtype=torch.bfloat16)`, with its float32 list."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
         device = xs[0].device
         if any(t.device != device for t in xs + ys):
@@ -70,6 +75,9 @@ class TrainStep:
         if any(t.device != device for t in state.values()):
             raise UsageError(f"the module's tensors are not all on {device}, where the examples are; move both to one "
                              "device")
+        if precision not in PRECISIONS:
+            raise UsageError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)} (bf16 computes in bfloat16 "
+                             "under torch.autocast, with float32 weights)")
         if bucket_mb <= 0:
             raise UsageError(f"bucket_mb is {bucket_mb}; give a positive size in MB")
         self.module, self.optimizer, self.device = module, optimizer, device
@@ -77,7 +85,8 @@ class TrainStep:
         self.specs = [TensorSpec(tuple(t.shape), types.dtype_name(t.dtype)) for t in xs + ys]
         self._count = len(xs)
         module.train()
-        program = joint.export_joint(module, loss, xs, ys, self.name)
+        self.precision = precision
+        program = joint.export_joint(module, loss, xs, ys, self.name, PRECISIONS[precision])
         lowered = joint.lower_joint(program, self.specs, self.name)
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")

@@ -50,13 +50,16 @@ class Joint:
 class _WithLoss(torch.nn.Module):
     """The module and its loss as one module that returns the loss alone."""
 
-    def __init__(self, module: torch.nn.Module, loss, inputs: int):
+    def __init__(self, module: torch.nn.Module, loss, inputs: int, autocast: tuple[str, torch.dtype] | None):
         super().__init__()
-        self.module, self.loss, self.inputs = module, loss, inputs
+        self.module, self.loss, self.inputs, self.autocast = module, loss, inputs, autocast
 
     def forward(self, *args):
-        out = self.module(*args[:self.inputs])
-        loss = self.loss(out, *args[self.inputs:])
+        if self.autocast is None:
+            loss = self.loss(self.module(*args[:self.inputs]), *args[self.inputs:])
+        else:  # as a torch.autocast training loop runs it: the forward and the loss under autocast
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+                loss = self.loss(self.module(*args[:self.inputs]), *args[self.inputs:])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise UsageError(f"the loss function returned {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}; "
@@ -65,12 +68,15 @@ class _WithLoss(torch.nn.Module):
 
 
 def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targets: list[torch.Tensor],
-                 name: str) -> torch.export.ExportedProgram:
+                 name: str, autocast: torch.dtype | None = None) -> torch.export.ExportedProgram:
     """The joint forward-backward program of `loss(module(*inputs), *targets)`, traced on these
-    tensors (their values are not kept). The module's buffers and the RNG are left as they were."""
+    tensors (their values are not kept), under `torch.autocast` to `autocast` where given: the
+    ops autocast lowers take their inputs cast from the float32 parameters, its float32 list stays
+    float32, and the gradients come back float32. The module's buffers and the RNG are left as
+    they were."""
     from torch.export.experimental import _export_forward_backward
 
-    wrapped = _WithLoss(module, loss, len(inputs))
+    wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast))
     buffers = list(module.buffers())
     saved = [b.clone() for b in buffers]
     try:

@@ -87,6 +87,34 @@ def test_each_of_100_steps_gives_eager_s_loss_gradients_and_running_statistics(m
                 assert torch.equal(b, r), (k, n)
 
 
+@pytest.mark.parametrize("make", [lambda: ResNet18(classes=10), MobileNetV2Small], ids=["resnet18", "mobilenet_v2_small"])
+def test_bf16_steps_give_what_eager_autocast_gives_with_float32_weights_and_gradients(make):
+    """precision="bf16" is torch.autocast's recipe: each step against eager under
+    `torch.autocast(dtype=torch.bfloat16)` from the same weights gives the same loss (to 1e-3) and
+    gradients within 2e-2 as one vector (bfloat16 keeps 8 bits: the backward's sums, decomposed
+    here, round in another order), float32 like the parameters, and the same running statistics."""
+    torch.manual_seed(0)
+    net = make()
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 32), precision="bf16")
+    assert "bfloat16" in {v.spec.dtype for v in step.graph.values}  # its convolutions compute in bf16
+    for k in range(20):
+        x, t = batch(4, 32, seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = F.cross_entropy(ref(x), t)
+        expected.backward()
+        loss = step(x, t)
+        assert loss.dtype == torch.float32
+        assert abs(float(loss) - float(expected.detach())) <= 1e-3 * abs(float(expected.detach())), k
+        assert all(p.grad.dtype == torch.float32 for p in net.parameters())
+        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 2e-2, k
+        for (n, b), r in zip(net.named_buffers(), ref.buffers()):
+            assert torch.allclose(b.float(), r.float(), atol=1e-3, rtol=1e-3), (k, n)
+
+
 @pytest.mark.parametrize("optimizer", [
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
@@ -156,6 +184,8 @@ def test_bad_steps_are_one_line_each():
         nimble.TrainStep(net, lambda out, t: F.cross_entropy(out, t, reduction="none"), x, t)
     with pytest.raises(UsageError, match="example_targets must be a tensor"):
         nimble.TrainStep(net, F.cross_entropy, x, "labels")
+    with pytest.raises(UsageError, match="precision 'fp8': use one of fp32, bf16"):
+        nimble.TrainStep(net, F.cross_entropy, x, t, precision="fp8")
     with pytest.raises(UsageError, match="bucket_mb"):
         nimble.TrainStep(net, F.cross_entropy, x, t, bucket_mb=0)
     step = nimble.TrainStep(net, F.cross_entropy, x, t)
