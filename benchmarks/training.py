@@ -10,6 +10,8 @@ with momentum (torch.optim, foreach), as a user writes it. Every variant starts 
 weights; the figure is the median wall time of one step, synchronized, after a warm-up.
 
 Variants: eager; nimble with the auto schedule and with one stream (`prepare(..., streams=1)`);
+`nimble.TrainStep` (the joint forward-backward graph, its ops run one after another on the GPU,
+not yet captured; the same SGD, fused);
 torch.compile(mode="reduce-overhead") for --compile-batches only (it compiles for minutes). For
 nimble, prepare time is recorded, and its forward and backward graphs are replayed alone, with
 auto and with one stream, to measure whether the backward inherits the forward's parallelism.
@@ -110,6 +112,24 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool) -> dict:
         del model, runner, net
         torch.cuda.empty_cache()
 
+    net = copy.deepcopy(base)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, device="cuda", generator=gen)
+    y = torch.randint(0, 10, (batch,), device="cuda", generator=gen)
+    t = time.perf_counter()
+    train = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y,
+                             optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
+    torch.cuda.synchronize()
+    row["step_prepare_s"] = time.perf_counter() - t
+    losses = []
+    for i in range(3):
+        torch.manual_seed(i)
+        losses.append(train(x, y).item())
+    row["step_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, eager_losses)]
+    row["step_ms"] = median_ms(lambda: train(x, y), iters)
+    del train, net
+    torch.cuda.empty_cache()
+
     if compile_it:
         net = copy.deepcopy(base)
         compiled = torch.compile(net, mode="reduce-overhead")
@@ -133,17 +153,19 @@ def summary(rows: list[dict], meta: dict) -> str:
              "Median ms per full step (zero_grad, forward, cross-entropy, backward, SGD with momentum), fp32,",
              "32x32 inputs, 10 classes. `python benchmarks/training.py`. nimble = `prepare(..., training=True)`",
              "with the auto schedule; 1-stream = `streams=1`. fwd/bwd = the captured graphs replayed alone.", "",
-             "| model | batch | eager | torch.compile | nimble | nimble 1-stream | × eager | target | "
+             "TrainStep = `nimble.TrainStep` (one joint graph, its ops issued one by one, not captured).", "",
+             "| model | batch | eager | torch.compile | nimble | nimble 1-stream | TrainStep | × eager | target | "
              "fwd auto / 1 | bwd auto / 1 | streams | prepare s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else len(MODELS), r["batch"]))
     for r in rows:
         target = TARGETS.get((r["model"], r["batch"]))
         met = "" if target is None else f"≥ {target} ({'met' if r['speedup_vs_eager'] >= target else 'missed'})"
         comp = f"{r['compile_ms']:.2f}" if "compile_ms" in r else "n/a"
+        step = f"{r['step_ms']:.2f}" if "step_ms" in r else "n/a"  # rows from before TrainStep have none
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['eager_ms']:.2f} | {comp} | {r['nimble_ms']:.2f} | "
-            f"{r['nimble_1stream_ms']:.2f} | {r['speedup_vs_eager']:.2f} | {met} | "
+            f"{r['nimble_1stream_ms']:.2f} | {step} | {r['speedup_vs_eager']:.2f} | {met} | "
             f"{r['nimble_forward_ms']:.2f} / {r['nimble_1stream_forward_ms']:.2f} | "
             f"{r['nimble_backward_ms']:.2f} / {r['nimble_1stream_backward_ms']:.2f} | {r['nimble_streams']} | "
             f"{r['nimble_prepare_s']:.1f} |")
