@@ -127,7 +127,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool) -> dict:
         losses.append(train(x, y).item())
     row["step_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, eager_losses)]
     row["step_ms"] = median_ms(lambda: train(x, y), iters)
-    del train, net
+    train = net = None  # dropped before the next variant (rebound, not deleted: the lambda names it)
     torch.cuda.empty_cache()
 
     if compile_it:
