@@ -9,10 +9,11 @@ The forward, the loss and the backward come from torch's own export for training
 graph (`frontend/joint.py`), which goes through nimble's passes, its schedule and its memory plan
 whole: the activations the backward keeps are planned buffers like any other
 (`memory_plan.arena_bytes`). A call runs that graph on the module's own parameters and buffers
-(`runtime/joint.py`), sets each parameter's `.grad` to this step's gradient (as after
-`zero_grad()` and `backward()`: gradients are not added up across calls), writes batch norm's
-running statistics back into its buffers, and then calls `optimizer.step()` where an optimizer
-was given. torch.optim's `fused=True` runs the update of every parameter as one kernel.
+(`runtime/joint.py`), every activation in its planned arena buffer, sets each parameter's
+`.grad` to this step's gradient (as after `zero_grad()` and `backward()`: gradients are not added
+up across calls; `.grad` is the step's arena buffer, the same tensor on every call), writes batch
+norm's running statistics back into its buffers, and then calls `optimizer.step()` where an
+optimizer was given. torch.optim's `fused=True` runs the update of every parameter as one kernel.
 
 Data parallel: where `torch.distributed` is initialized with more than one process (`torchrun`),
 the module's parameters and buffers are first broadcast from rank 0, as DistributedDataParallel
@@ -100,7 +101,7 @@ class TrainStep:
             raise UsageError(f"{self.name}: the exported step reads '{missing[0]}', which the module does not have")
         self._bound = [state[n] if r.kind != joint.DATA else None for r, n in zip(lowered.inputs, names)]
         self._outputs = [(r.kind, state.get(r.target.removeprefix(prefix))) for r in lowered.outputs]
-        self.runner = JointRunner(graph, self.schedule.order, device)
+        self.runner = JointRunner(graph, self.schedule, self.memory_plan, device)
         self.runner.bind_weights(weights)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
@@ -133,7 +134,7 @@ class TrainStep:
                 p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
         if self.optimizer is not None:
             self.optimizer.step()
-        return loss.detach()
+        return loss.clone()  # the arena's copy is the next step's
 
 
 class _DataParallel:

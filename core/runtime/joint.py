@@ -3,9 +3,12 @@ run on tensors bound to its inputs: the module's own parameters and buffers, rea
 the step's inputs.
 
 The ops run in the schedule's order, one after another on the current stream, with no autograd:
-the backward is ops of the graph like any other. Each value is dropped once its last reader has
-run, so what the step holds at any moment is what the graph still needs, as the memory plan
-counts it. `ready(op, results)`, where given, hears of each op's results as they come: a
+the backward is ops of the graph like any other. Every activation, the saved ones the backward
+reads included, is written into its buffer of the memory plan, in one arena allocated once
+(`placed/`: an op's out= overload where it has one, else computed and copied in); a value
+outside the arena (a view, a result of an op with no buffer) is dropped once its last reader has
+run. The graph's outputs (loss, gradients, new buffers) are arena buffers too, which the next
+call overwrites. `ready(op, results)`, where given, hears of each op's results as they come: a
 data-parallel step starts the all-reduce of a bucket of gradients while the rest of the backward
 runs (`train.py`).
 """
@@ -18,64 +21,79 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ir import WEIGHT, Graph
-from ..ops import arguments, fusion, targets
-from ..ops.execute import Executor, run_ops
+from ..ops import fusion, targets
+from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
+from ..plan.memory import MemoryPlan
+from ..plan.schedule import Schedule
+from .placed.placement import PlacedOp, arena_views, out_overload
+from .placed.run import PlacedRun
 
 
 class JointRunner:
-    def __init__(self, graph: Graph, order: list[int], device: torch.device):
-        self.graph, self.order, self.device = graph, list(order), device
-        self._fns = [run_fused if op.target == fusion.FUSED else targets.resolve(op.target, training=True)
-                     for op in graph.ops]
+    def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, device: torch.device):
+        self.graph, self.order, self.device = graph, list(schedule.order), device
+        self.placed = [_placed(op) for op in graph.ops]
+        self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
+        self.views = arena_views(graph, memory, self.arena)
         outputs = set(graph.outputs)
-        last: dict[int, int] = {}  # value id -> the position of the last op that reads it
-        for position, i in enumerate(self.order):
+        last: dict[int, int] = {}  # value id -> the last op that reads it (or makes it, where none reads it)
+        for i in self.order:
             for r in graph.ops[i].refs():
-                last[r] = position
-        self._drop: list[list[int]] = [[] for _ in self.order]
-        for position, i in enumerate(self.order):  # a result no op reads: dropped as it comes
-            last.update({o: position for o in graph.ops[i].outputs if o not in last})
-        for vid, position in last.items():
+                last[r] = i
+        for i in self.order:
+            last.update({o: i for o in graph.ops[i].outputs if o not in last})
+        self.release: dict[int, list[int]] = {}
+        for vid, i in last.items():
             if vid not in outputs and vid not in graph.inputs:
-                self._drop[position].append(vid)
+                self.release.setdefault(i, []).append(vid)
         self._weights: dict[str, torch.Tensor] = {}
-
-    def __call__(self, inputs: list[torch.Tensor],
-                 ready: Callable[[int, list[torch.Tensor]], None] | None = None) -> list[torch.Tensor]:
-        """The graph's outputs for these inputs (bound as they are, never copied)."""
-        env: dict[int, torch.Tensor] = {}
-        for vid, v in enumerate(self.graph.values):
-            if v.kind == WEIGHT:
-                env[vid] = self._weights[v.name]
-        env.update(zip(self.graph.inputs, inputs))
-        with torch.no_grad():
-            run_ops(self.graph.ops, _Step(self, env, ready), self.order)
-        return [env[o] for o in self.graph.outputs]
 
     def bind_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The graph's constants (tensors the model builds in its forward), on the step's device."""
         self._weights = {k: t.to(self.device) for k, t in weights.items()}
 
+    def __call__(self, inputs: list[torch.Tensor],
+                 ready: Callable[[int, list[torch.Tensor]], None] | None = None) -> list[torch.Tensor]:
+        """The graph's outputs for these inputs (bound as they are, never copied): views of the
+        arena, which the next call overwrites."""
+        env: dict[int, torch.Tensor] = {}
+        for vid, v in enumerate(self.graph.values):
+            if v.kind == WEIGHT:
+                env[vid] = self._weights[v.name]
+        env.update(zip(self.graph.inputs, inputs))
+        kept = frozenset(t.untyped_storage().data_ptr() for t in [self.arena, *env.values()])
+        with torch.no_grad():
+            run_ops(self.placed, _Step(env, self.views, self.device, self.release, kept, ready), self.order)
+        return [env[o] for o in self.graph.outputs]
 
-class _Step(Executor):
-    def __init__(self, runner: JointRunner, env: dict[int, torch.Tensor], ready):
-        self.runner, self.env, self.ready = runner, env, ready
-        self.position = {i: k for k, i in enumerate(runner.order)}
 
-    def arguments(self, op):
-        return arguments.op_arguments(op, self.env, self.runner.device)
+def _placed(op) -> PlacedOp:
+    """`op` to run into its planned buffer: by its out= overload where it has one that gives
+    every result it was asked for (`convolution_backward` asked for two of its three has none that
+    fits), else computed and copied in. No kernel substitutes yet: aten's own kernels."""
+    if op.target == fusion.FUSED:
+        return PlacedOp(op, run_fused, None, [], None)
+    found = out_overload(op.target, training=True)
+    if found is not None and len(found[1]) != len(op.outputs):
+        found = None
+    return PlacedOp(op, targets.resolve(op.target, training=True), found[0] if found else None,
+                    list(found[1]) if found else [], None)
 
-    def call(self, op, args, kwargs):
-        return arguments.flatten_result(self.runner._fns[op.id](*args, **kwargs))
 
-    def bind(self, op, results):
-        self.env.update(zip(op.outputs, results))
+class _Step(PlacedRun):
+    """A placed run that reports each op's results (`ready`) and names a failing op as a
+    training step's."""
+
+    def __init__(self, env, views, device, release, kept, ready):
+        super().__init__(env, views, device, release=release, kept=kept)
+        self.ready = ready
+
+    def bind(self, p: PlacedOp, results) -> None:
         if self.ready is not None:
-            self.ready(op.id, results)
-        for vid in self.runner._drop[self.position[op.id]]:
-            self.env.pop(vid, None)
+            self.ready(p.op.id, results)
+        super().bind(p, results)
 
-    def failed(self, op, error):
-        return ExecutionError(f"op {op.id} ({op.target}, from {op.source}) fails on {self.runner.device} in the "
+    def failed(self, p: PlacedOp, error):
+        return ExecutionError(f"op {p.op.id} ({p.op.target}, from {p.op.source}) fails on {self.device} in the "
                               f"training step: {first_line(error)}")

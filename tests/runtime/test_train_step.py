@@ -46,6 +46,12 @@ def test_the_joint_graph_holds_the_forward_the_loss_and_the_backward_under_one_m
     assert "nimble::fused" in targets  # fusion saw it: the batch norm backward's pointwise ops, say
     plan = step.memory_plan
     assert 0 < plan.lower_bound_bytes <= plan.arena_bytes < plan.no_reuse_bytes  # buffers reused across the step
+    step(*batch(seed=1))
+    arena = step.runner.arena
+    assert arena.numel() == plan.arena_bytes
+    start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    for n, p in net.named_parameters():  # the gradients are planned buffers: views of the step's one arena
+        assert start <= p.grad.data_ptr() < end, n
     # every parameter gets a gradient, every buffer its update, and there is one loss
     kinds = [kind for kind, _ in step._outputs]
     assert kinds.count("gradient") == len(list(net.parameters()))

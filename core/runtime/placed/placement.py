@@ -30,10 +30,11 @@ from .substitutes import SUBSTITUTES, BiasedGemm, small_product
 
 
 @functools.lru_cache(maxsize=None)
-def out_overload(target: str):
+def out_overload(target: str, training: bool = False):
     """The `out=` overload that matches a functional overload argument for argument, or None.
-    Returns (overload, names of its out arguments). Cached: a graph repeats few targets."""
-    fn = targets.resolve(target)
+    Returns (overload, names of its out arguments). Cached: a graph repeats few targets.
+    `training`: a training graph's target (`targets.resolve`)."""
+    fn = targets.resolve(target, training)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
     packet = fn.overloadpacket
     for name in sorted(packet.overloads()):
