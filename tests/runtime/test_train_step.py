@@ -146,6 +146,7 @@ def test_a_step_with_a_fused_optimizer_moves_the_weights_as_eager_does(optimizer
 def _data_parallel_worker(rank: int, folder: str) -> None:
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # two processes on a CI machine of two cores, beside the other tests
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     try:
         torch.manual_seed(rank)  # different weights in each process: the step starts from rank 0's

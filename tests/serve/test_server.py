@@ -588,7 +588,12 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
     seen_grpc: list = []
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(load, k) for k in range(4)] + [pool.submit(load_grpc, k) for k in range(2)]
-        time.sleep(1.0)
+        # the stop comes once both protocols have answered (a replica replaced by an earlier test may
+        # still be joining HAProxy's gRPC backend on a busy machine: one fixed second was not always enough)
+        deadline = time.time() + 60
+        while not (200 in seen and "OK" in seen_grpc) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
         stop.append(True)
