@@ -119,7 +119,7 @@ class TrainStep:
                                  f"on {t.device}, but the step was prepared for {'x'.join(map(str, spec.shape))} "
                                  f"{spec.dtype} on {self.device}; prepare another TrainStep for it")
         self._data.before()
-        data = iter(given)
+        data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
         bound = [t if t is not None else next(data) for t in self._bound]
         results = self.runner(bound, self._data.ready)
         grads = self._data.finish(results)

@@ -87,8 +87,13 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
             # torch.export.experimental._export_forward_backward, without its decompositions: batch norm's
             # backward, the activations' and the loss's stay whole ops (a faster prepare: mobilenet_v2's
             # joint trace took 3.3 s instead of 5.1 on a 2-core CPU, with half the nodes)
-            return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table={}, joint_loss_index=0,
-                                               decompose_custom_triton_ops=False)
+            try:
+                return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table={},
+                                                   joint_loss_index=0, decompose_custom_triton_ops=False)
+            except TypeError:  # a torch whose private signature differs: its public experimental call
+                from torch.export.experimental import _export_forward_backward
+
+                return _export_forward_backward(program, joint_loss_index=0)
     except UsageError:
         raise
     except Exception as e:
