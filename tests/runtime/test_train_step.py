@@ -5,6 +5,10 @@ over two gloo processes against DistributedDataParallel, and one-line errors."""
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import nimble
 import pytest
@@ -181,6 +185,21 @@ def _data_parallel_worker(rank: int, folder: str) -> None:
 
 def test_data_parallel_over_two_gloo_processes_averages_gradients_as_distributed_data_parallel_does(tmp_path):
     torch.multiprocessing.spawn(_data_parallel_worker, args=(str(tmp_path),), nprocs=2, join=True)
+
+
+def test_torchrun_launches_data_parallel_training_on_gloo(tmp_path):
+    """The launch a user makes: `torchrun --standalone --nproc-per-node 2 script.py`. Both processes
+    end with the same weights (each trained on its own batches, from different seeds) and
+    different losses."""
+    script = Path(__file__).with_name("torchrun_train.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    found = [re.fullmatch(r"losses (\[.*\]) weights ([0-9a-f]{64})\n", text) for text in said]
+    assert all(found), said
+    assert found[0][2] == found[1][2], said  # one set of weights
+    assert found[0][1] != found[1][1]  # each process its own data
 
 
 def test_bad_steps_are_one_line_each():

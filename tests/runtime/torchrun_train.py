@@ -1,0 +1,38 @@
+"""A data-parallel training script as a user writes it for `torchrun` (run by
+test_train_step.py::test_torchrun_launches_data_parallel_training_on_gloo): each process trains
+its own batches with one `nimble.TrainStep`, then writes its losses and a digest of its weights to
+`rank<N>.txt` in the working folder (a file each: the processes' prints interleave)."""
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import nimble  # noqa: E402
+from tests.models import MobileNetV2Small  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # rank, world size and rendezvous from torchrun's environment
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # each process starts elsewhere: the step takes rank 0's weights
+    net = MobileNetV2Small()
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+               for _ in range(3)]
+    step = nimble.TrainStep(net, F.cross_entropy, *batches[0],
+                            optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
+    losses = [float(step(x, t)) for x, t in batches]
+    weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy().tobytes()
+    Path(f"rank{rank}.txt").write_text(f"losses {losses} weights {hashlib.sha256(weights).hexdigest()}\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
