@@ -273,3 +273,19 @@ class MobileNetV2Small(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.head(self.blocks(self.stem(x)))
         return self.classifier(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class TinyEncoder(nn.Module):
+    """A BERT-shaped classifier, small: token embeddings plus learned positions, one pre-norm
+    transformer encoder layer (attention, layer norm, a GELU MLP), the mean over tokens, a linear."""
+
+    def __init__(self, vocab: int = 50, width: int = 32, tokens: int = 8, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.randn(1, tokens, width) * 0.02)
+        self.layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, activation="gelu",
+                                                batch_first=True, norm_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(ids) + self.position).mean(1))
