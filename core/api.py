@@ -34,7 +34,7 @@ import torch
 
 from . import frontend, guards, watch
 from .errors import MismatchError, NimbleWarning, ShapeError, UnsupportedError, UsageError, first_line
-from .frontend.quiet import quiet_torch
+from .frontend.quiet import buffers_kept, quiet_torch
 from .ir import TensorSpec
 from .specs import check_precision
 from .ops import arguments, types
@@ -165,21 +165,15 @@ class Nimble:
         they were (tracing runs the forward once)."""
         if isinstance(self.module, torch.jit.ScriptModule):
             return self.module
-        buffers = [b for b in self.module.buffers()]
-        saved = [b.clone() for b in buffers]
         rng = [xs[0].device] if xs[0].device.type == "cuda" else []
         try:
             with frontend.quiet_torchscript(), warnings.catch_warnings(record=True) as caught, torch.no_grad(), \
-                    torch.random.fork_rng(devices=rng), quiet_torch():
+                    torch.random.fork_rng(devices=rng), quiet_torch(), buffers_kept(self.module):
                 warnings.simplefilter("always", torch.jit.TracerWarning)
                 traced = torch.jit.trace(self.module, tuple(xs), check_trace=False)
         except Exception as e:
             raise UnsupportedError(f"{type(self.module).__name__} could not be traced ({first_line(e)}); "
                                    "pass a torch.jit.script of it instead") from e
-        finally:
-            with torch.no_grad():
-                for b, s in zip(buffers, saved):
-                    b.copy_(s)
         self._refuse_value_dependence(caught)
         return traced
 

@@ -25,7 +25,7 @@ from ..errors import UnsupportedError, UsageError, first_line
 from ..ir import TensorSpec
 from ..ops import types
 from .export import _Lowering
-from .quiet import quiet_torch
+from .quiet import buffers_kept, quiet_torch
 from .torchscript import Lowered
 
 PARAMETER, BUFFER, DATA = "parameter", "buffer", "data"  # what a joint graph input is
@@ -78,10 +78,8 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     from torch.export.exported_program import _decompose_exported_program
 
     wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast))
-    buffers = list(module.buffers())
-    saved = [b.clone() for b in buffers]
     try:
-        with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]):
+        with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]), buffers_kept(module):
             warnings.simplefilter("ignore")
             program = torch.export.export(wrapped, (*inputs, *targets))
             # torch.export.experimental._export_forward_backward, without its decompositions: batch norm's
@@ -99,10 +97,6 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     except Exception as e:
         raise UnsupportedError(f"{name}: torch.export could not trace its training step ({first_line(e)}); "
                                "prepare it with Nimble(module).prepare(x, training=True) instead") from e
-    finally:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)
 
 
 class _JointLowering(_Lowering):

@@ -1,6 +1,7 @@
-"""What torch's exporter and tracer print while they work, kept off the terminal: a failed
-torch.export writes its partial graph (dozens of lines) to stderr and logs warnings, before nimble
-says in one line why it was refused. `NIMBLE_DEBUG=1` lets all of it through."""
+"""What torch's exporter and tracer leave behind, kept from the user: what they print (a failed
+torch.export writes its partial graph, dozens of lines, to stderr and logs warnings, before nimble
+says in one line why it was refused; `NIMBLE_DEBUG=1` lets all of it through), and the module's
+buffers that a trace's forward updates (`buffers_kept`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import contextlib
 import io
 import logging
 import os
-import sys
 
 
 def debugging() -> bool:
@@ -34,3 +34,19 @@ def quiet_torch():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def buffers_kept(module):
+    """Within: anything; after: `module`'s buffers hold what they held before (a trace runs the
+    forward, which moves batch norm's running statistics)."""
+    import torch
+
+    buffers = list(module.buffers())
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
