@@ -225,6 +225,27 @@ def test_torchrun_launches_data_parallel_training_on_gloo(tmp_path):
     assert found[0][1] != found[1][1]  # each process its own data
 
 
+def test_dropout_draws_fresh_masks_from_torch_s_generator_as_eager_does():
+    """A random op stays an op of the step: each call draws a new mask, from the same generator
+    eager uses, so a seed reproduces eager's step exactly."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    step = nimble.TrainStep(net, F.cross_entropy, x, t)
+    losses = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        losses.append(float(step(x, t)))
+    assert losses[0] == losses[1] != losses[2]
+    torch.manual_seed(1)
+    step(x, t)
+    torch.manual_seed(1)
+    F.cross_entropy(ref(x), t).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_bad_steps_are_one_line_each():
     torch.manual_seed(0)
     net = Small()
