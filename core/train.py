@@ -60,14 +60,17 @@ def _tensors(obj, what: str) -> list[torch.Tensor]:
 class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
-                 broadcast_buffers: bool = True, precision: str = "fp32"):
+                 broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. Data parallel
         (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and
         `broadcast_buffers` sends rank 0's buffers (batch norm's running statistics) to every
         process before each step, as DistributedDataParallel does by default. `precision` "bf16"
         trains with bfloat16 compute and float32 weights, gradients and optimizer: the forward and
-        the loss run under `torch.autocast(dtype=torch.bfloat16)`, with its float32 list."""
+        the loss run under `torch.autocast(dtype=torch.bfloat16)`, with its float32 list.
+        `outputs=True`: a call returns `(loss, outputs)`, the module's outputs beside the loss (for
+        accuracy, say): one tensor, or a tuple of them in the order of the module's output
+        structure, detached copies."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
         device = xs[0].device
         if any(t.device != device for t in xs + ys):
@@ -87,7 +90,8 @@ class TrainStep:
         self._count = len(xs)
         module.train()
         self.precision = precision
-        program = joint.export_joint(module, loss, xs, ys, self.name, PRECISIONS[precision])
+        self.outputs = bool(outputs)
+        program = joint.export_joint(module, loss, xs, ys, self.name, PRECISIONS[precision], self.outputs)
         lowered = joint.lower_joint(program, self.specs, self.name)
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
@@ -106,8 +110,9 @@ class TrainStep:
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
 
-    def __call__(self, inputs, targets) -> torch.Tensor:
-        """One step on these inputs and targets; returns the loss (a scalar tensor)."""
+    def __call__(self, inputs, targets):
+        """One step on these inputs and targets; returns the loss (a scalar tensor), or with
+        `outputs=True` the loss and the module's outputs."""
         self._guard.check()
         given = _tensors(inputs, "inputs") + _tensors(targets, "targets")
         if len(given) != len(self.specs):
@@ -123,18 +128,23 @@ class TrainStep:
         bound = [t if t is not None else next(data) for t in self._bound]
         results = self.runner(bound, self._data.ready)
         grads = self._data.finish(results)
-        loss = None
+        loss, outputs = None, []
         with torch.no_grad():
             for (kind, target), value in zip(self._outputs, results):
                 if kind == joint.LOSS:
                     loss = value
                 elif kind == joint.BUFFER_UPDATE:
                     target.copy_(value)
+                elif kind == joint.OUTPUT:
+                    outputs.append(value.clone())  # the arena's copy is the next step's
             for p, g in grads:  # in the parameter's own layout, as autograd gives it (fused optimizers assume it)
                 p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
         if self.optimizer is not None:
             self.optimizer.step()
-        return loss.clone()  # the arena's copy is the next step's
+        loss = loss.clone()  # the arena's copy is the next step's
+        if not self.outputs:
+            return loss
+        return loss, outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 class _DataParallel:

@@ -16,6 +16,7 @@ as at inference.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from .quiet import buffers_kept, quiet_torch
 from .torchscript import Lowered
 
 PARAMETER, BUFFER, DATA = "parameter", "buffer", "data"  # what a joint graph input is
-BUFFER_UPDATE, LOSS, GRADIENT = "buffer", "loss", "gradient"  # what a joint graph output is
+BUFFER_UPDATE, LOSS, GRADIENT, OUTPUT = "buffer", "loss", "gradient", "output"  # what a joint graph output is
 
 
 @dataclass(frozen=True)
@@ -49,35 +50,44 @@ class Joint:
 
 
 class _WithLoss(torch.nn.Module):
-    """The module and its loss as one module that returns the loss alone."""
+    """The module and its loss as one module that returns the loss, then (with `outputs`) the
+    module's own outputs, detached: torch's joint trace takes no other output that needs a
+    gradient."""
 
-    def __init__(self, module: torch.nn.Module, loss, inputs: int, autocast: tuple[str, torch.dtype] | None):
+    def __init__(self, module: torch.nn.Module, loss, inputs: int, autocast: tuple[str, torch.dtype] | None,
+                 outputs: bool = False):
         super().__init__()
-        self.module, self.loss, self.inputs, self.autocast = module, loss, inputs, autocast
+        self.module, self.loss, self.inputs, self.autocast, self.outputs = module, loss, inputs, autocast, outputs
 
     def forward(self, *args):
-        if self.autocast is None:
-            loss = self.loss(self.module(*args[:self.inputs]), *args[self.inputs:])
-        else:  # as a torch.autocast training loop runs it: the forward and the loss under autocast
-            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
-                loss = self.loss(self.module(*args[:self.inputs]), *args[self.inputs:])
+        with torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext():
+            # as a torch.autocast training loop runs it: the forward and the loss under autocast
+            out = self.module(*args[:self.inputs])
+            loss = self.loss(out, *args[self.inputs:])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise UsageError(f"the loss function returned {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}; "
                              "it must return one scalar tensor")
-        return (loss,)
+        if not self.outputs:
+            return (loss,)
+        leaves = torch.utils._pytree.tree_leaves(out)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise UsageError("outputs=True needs a module that returns tensors (a tensor, or a tuple, list or dict "
+                             "of them)")
+        return (loss, *(t.detach() for t in leaves))
 
 
 def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targets: list[torch.Tensor],
-                 name: str, autocast: torch.dtype | None = None) -> torch.export.ExportedProgram:
+                 name: str, autocast: torch.dtype | None = None, outputs: bool = False) -> torch.export.ExportedProgram:
     """The joint forward-backward program of `loss(module(*inputs), *targets)`, traced on these
     tensors (their values are not kept), under `torch.autocast` to `autocast` where given: the
     ops autocast lowers take their inputs cast from the float32 parameters, its float32 list stays
     float32, and the gradients come back float32. The module's buffers and the RNG are left as
-    they were."""
+    they were. `outputs`: the module's outputs come after the loss, as the step's outputs."""
     from torch.export.exported_program import _decompose_exported_program
 
-    wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast))
+    wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast),
+                        outputs)
     try:
         with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]), buffers_kept(module):
             warnings.simplefilter("ignore")
@@ -127,7 +137,8 @@ class _JointLowering(_Lowering):
 
 
 _INPUT_ROLES = {"PARAMETER": PARAMETER, "BUFFER": BUFFER, "USER_INPUT": DATA}
-_OUTPUT_ROLES = {"BUFFER_MUTATION": BUFFER_UPDATE, "LOSS_OUTPUT": LOSS, "GRADIENT_TO_PARAMETER": GRADIENT}
+_OUTPUT_ROLES = {"BUFFER_MUTATION": BUFFER_UPDATE, "LOSS_OUTPUT": LOSS, "GRADIENT_TO_PARAMETER": GRADIENT,
+                 "USER_OUTPUT": OUTPUT}
 
 
 def lower_joint(program: torch.export.ExportedProgram, specs: list[TensorSpec], name: str) -> Joint:

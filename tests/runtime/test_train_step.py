@@ -31,6 +31,17 @@ class Small(nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
+class Pair(nn.Module):
+    """A module that returns a tensor and a number."""
+
+    def forward(self, x):
+        return x * self.scale, 3
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
 def batch(n: int = 4, size: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -246,6 +257,20 @@ def test_dropout_draws_fresh_masks_from_torch_s_generator_as_eager_does():
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_a_step_can_hand_back_the_module_s_outputs_beside_the_loss():
+    torch.manual_seed(0)
+    net = Small()
+    ref = copy.deepcopy(net)
+    x, t = batch()
+    step = nimble.TrainStep(net, F.cross_entropy, x, t, outputs=True)
+    loss, logits = step(x, t)
+    expected = ref(x)
+    assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-6) and not logits.requires_grad
+    assert torch.allclose(loss, F.cross_entropy(expected, t))
+    step(*batch(seed=3))
+    assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-6)  # the caller's own tensor: no later call writes it
+
+
 def test_bad_steps_are_one_line_each():
     torch.manual_seed(0)
     net = Small()
@@ -256,6 +281,8 @@ def test_bad_steps_are_one_line_each():
         nimble.TrainStep(net, F.cross_entropy, x, "labels")
     with pytest.raises(UsageError, match="precision 'fp8': use one of fp32, bf16"):
         nimble.TrainStep(net, F.cross_entropy, x, t, precision="fp8")
+    with pytest.raises(UsageError, match="outputs=True needs a module that returns tensors"):
+        nimble.TrainStep(Pair(), lambda out, t: F.mse_loss(out[0], t), x, torch.randn(4, 3, 8, 8), outputs=True)
     with pytest.raises(UsageError, match="bucket_mb"):
         nimble.TrainStep(net, F.cross_entropy, x, t, bucket_mb=0)
     step = nimble.TrainStep(net, F.cross_entropy, x, t)
