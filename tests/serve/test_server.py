@@ -542,8 +542,8 @@ def test_a_replica_killed_under_load_leaves_no_request_unanswered_and_is_replace
 def test_sigterm_drains_then_leaves_nothing_behind(server):
     """Under load from clients that honour Retry-After: every request gets 200, or 503 with
     Retry-After once the stop began, or (after the ingress closed) a refused connection; never a
-    404, a reset or no answer. gRPC clients alongside get OK or UNAVAILABLE (or HAProxy's 500 at
-    the very end), never a deadline passed without an answer."""
+    404, a reset or no answer. gRPC clients alongside get OK, UNAVAILABLE, RESOURCE_EXHAUSTED past
+    the queue bound (or HAProxy's 500 at the very end), never a deadline passed without an answer."""
     from concurrent.futures import ThreadPoolExecutor
 
     from nimble.serve.lifecycle import _haproxy_below
@@ -583,7 +583,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
             except InferenceServerException as e:
                 seen_grpc.append(e.status() if e.status() == "StatusCode.UNAVAILABLE" else
                                  f"{e.status()}: {e.message()[:200]}")
-                time.sleep(0.05)
+                time.sleep(0.05 if e.status() != "StatusCode.RESOURCE_EXHAUSTED" else 1.0)  # gRPC's Retry-After
 
     seen_grpc: list = []
     with ThreadPoolExecutor(6) as pool:
@@ -602,9 +602,11 @@ def test_sigterm_drains_then_leaves_nothing_behind(server):
     # nimble's 503s carry Retry-After; Ray's own, from a replica already shutting down, may not
     assert set(seen) <= {200, (503, "1"), (503, None), "refused"} and 200 in seen and (503, "1") in seen, set(seen)
     # gRPC streams keep coming on a connection the soft-stopping HAProxy still holds; one whose replica it
-    # cannot reach then is its 500 (Ray's error page), which a gRPC client reads as UNKNOWN: an answer
+    # cannot reach then is its 500 (Ray's error page), which a gRPC client reads as UNKNOWN: an answer.
+    # Past the queue bound (--max-queue 2, six clients) a gRPC call is refused at once, as HTTP's 503 is
     cut = "StatusCode.UNKNOWN: Received http2 header with status: 500"
-    assert set(seen_grpc) <= {"OK", "StatusCode.UNAVAILABLE", cut} and "OK" in seen_grpc, set(seen_grpc)
+    full = "StatusCode.RESOURCE_EXHAUSTED: Request dropped due to backpressure"
+    assert set(seen_grpc) <= {"OK", "StatusCode.UNAVAILABLE", cut, full} and "OK" in seen_grpc, set(seen_grpc)
     text = log.read_text()
     assert "SIGTERM: shutting down" in text and text.rstrip().endswith("stopped")
     assert "Traceback" not in text
