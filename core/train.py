@@ -62,7 +62,9 @@ class TrainStep:
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
                  broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
-        tensor) for inputs and targets shaped like the examples, on their device. Data parallel
+        tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto",
+        1, or a cap) shapes the schedule the memory plan is proved safe under; the ops run one after
+        another for now (see `runtime/joint.py`). Data parallel
         (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and
         `broadcast_buffers` sends rank 0's buffers (batch norm's running statistics) to every
         process before each step, as DistributedDataParallel does by default. `precision` "bf16"
