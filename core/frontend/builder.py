@@ -255,6 +255,7 @@ class GraphBuilder:
             raise UnsupportedError(f"{self.name}: {target} at {source} writes in place a tensor that a view shares "
                                    "storage with, where nimble's layout made that view a copy; export the model "
                                    "without the in-place write")
+        results = arguments.masked(schema, ins, results)
         missing = [k for k, t in enumerate(results) if t is None]  # results the op was asked not to give
         results = [t for t in results if t is not None]
         if not writes and len(results) == 1 and id(results[0]) in passed and not missing:

@@ -105,6 +105,10 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     except UsageError:
         raise
     except Exception as e:
+        if "did not receive a gradient" in str(e):  # torch's joint trace takes no trainable parameter the loss misses
+            raise UsageError(f"{name}: a parameter that requires grad gets no gradient from the loss; set "
+                             "requires_grad=False on the parameters the loss does not reach (frozen or unused "
+                             "layers)") from e
         raise UnsupportedError(f"{name}: torch.export could not trace its training step ({first_line(e)}); "
                                "prepare it with Nimble(module).prepare(x, training=True) instead") from e
 

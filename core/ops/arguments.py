@@ -115,3 +115,14 @@ def same_view(schema, args, results, used) -> int | None:
     if (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype):
         return args[0].id
     return None
+
+
+def masked(schema, ins: list, results: list) -> list:
+    """`results` with None for each one that the op's `output_mask` (a backward op's: which
+    gradients to compute) leaves out. The kernels give None there, but a meta kernel may give a
+    tensor (`native_batch_norm_backward`'s did)."""
+    names = [a.name for a in schema.arguments]
+    mask = ins[names.index("output_mask")] if "output_mask" in names and len(ins) > names.index("output_mask") else None
+    if not isinstance(mask, (list, tuple)) or len(mask) != len(results):
+        return results
+    return [r if keep else None for r, keep in zip(results, mask)]

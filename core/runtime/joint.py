@@ -22,6 +22,7 @@ import torch
 from ..errors import ExecutionError, first_line
 from ..ir import WEIGHT, Graph
 from ..ops import fusion, targets
+from ..ops.arguments import flatten_result, masked
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
@@ -74,11 +75,18 @@ def _placed(op) -> PlacedOp:
     fits), else computed and copied in. No kernel substitutes yet: aten's own kernels."""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], None)
+    fn = targets.resolve(op.target, training=True)
+    names = [a.name for a in fn._schema.arguments]
+    mask = op.args[names.index("output_mask")] if "output_mask" in names and len(op.args) > names.index("output_mask") \
+        else None
+    if isinstance(mask, (list, tuple)) and not all(mask):  # as the frontend typed it: the left-out results are None
+        return PlacedOp(op, lambda *args, **kwargs: masked(fn._schema, list(args), flatten_result(fn(*args, **kwargs),
+                                                                                                 True)),
+                        None, [], None)
     found = out_overload(op.target, training=True)
     if found is not None and len(found[1]) != len(op.outputs):
         found = None
-    return PlacedOp(op, targets.resolve(op.target, training=True), found[0] if found else None,
-                    list(found[1]) if found else [], None)
+    return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], None)
 
 
 class _Step(PlacedRun):

@@ -271,6 +271,33 @@ def test_a_step_can_hand_back_the_module_s_outputs_beside_the_loss():
     assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-6)  # the caller's own tensor: no later call writes it
 
 
+class WithSpare(Small):
+    """Small with a layer its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(3, 3)
+
+
+def test_frozen_layers_get_no_gradient_and_the_rest_get_eager_s():
+    """Parameters with requires_grad=False (a frozen convolution, an unused layer) get no
+    gradient: the backward ops are asked for fewer results (batch norm's backward then gives no
+    input gradient), and the others match eager."""
+    torch.manual_seed(0)
+    net = WithSpare()
+    net.conv.requires_grad_(False)
+    net.spare.requires_grad_(False)
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch())
+    x, t = batch(seed=1)
+    step(x, t)
+    F.cross_entropy(ref(x), t).backward()
+    assert net.conv.weight.grad is None and net.spare.weight.grad is None
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), n
+
+
 def test_bad_steps_are_one_line_each():
     torch.manual_seed(0)
     net = Small()
@@ -283,6 +310,8 @@ def test_bad_steps_are_one_line_each():
         nimble.TrainStep(net, F.cross_entropy, x, t, precision="fp8")
     with pytest.raises(UsageError, match="outputs=True needs a module that returns tensors"):
         nimble.TrainStep(Pair(), lambda out, t: F.mse_loss(out[0], t), x, torch.randn(4, 3, 8, 8), outputs=True)
+    with pytest.raises(UsageError, match="gets no gradient from the loss; set requires_grad=False"):
+        nimble.TrainStep(WithSpare(), F.cross_entropy, x, t)
     with pytest.raises(UsageError, match="bucket_mb"):
         nimble.TrainStep(net, F.cross_entropy, x, t, bucket_mb=0)
     step = nimble.TrainStep(net, F.cross_entropy, x, t)
