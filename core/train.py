@@ -107,8 +107,7 @@ class TrainStep:
             raise UsageError(f"{self.name}: the exported step reads '{missing[0]}', which the module does not have")
         self._bound = [state[n] if r.kind != joint.DATA else None for r, n in zip(lowered.inputs, names)]
         self._outputs = [(r.kind, state.get(r.target.removeprefix(prefix))) for r in lowered.outputs]
-        self.runner = JointRunner(graph, self.schedule, self.memory_plan, device)
-        self.runner.bind_weights(weights)
+        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
 

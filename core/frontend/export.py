@@ -260,6 +260,10 @@ class _Lowering:
         if any(k != torch.export.graph_signature.OutputKind.USER_OUTPUT for k in kinds):
             raise UnsupportedError(f"{self.name}: the program writes its buffers or inputs in place; nimble "
                                    "takes programs exported in eval mode that only return results")
+        return self._output_ids(node)
+
+    def _output_ids(self, node) -> list[int]:
+        """The value id of each tensor the program returns (a host tensor becomes a weight)."""
         out = []
         for obj in _leaves(self._value(node.args[0])):
             if isinstance(obj, torch.Tensor):

@@ -131,13 +131,7 @@ class _JointLowering(_Lowering):
         return self.builder.add_input(node.name, TensorSpec(tuple(tensor.shape), types.dtype_name(tensor.dtype)))
 
     def _outputs(self, node) -> list[int]:
-        out = []
-        for obj in self._value(node.args[0]):
-            obj = self.builder.as_ref(obj) if isinstance(obj, torch.Tensor) else obj
-            if not hasattr(obj, "id"):
-                raise UnsupportedError(f"{self.name}: its training step returns a {type(obj).__name__}, not a tensor")
-            out.append(obj.id)
-        return out
+        return self._output_ids(node)  # every kind the joint program returns: `lower_joint` names them
 
 
 _INPUT_ROLES = {"PARAMETER": PARAMETER, "BUFFER": BUFFER, "USER_INPUT": DATA}

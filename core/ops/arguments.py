@@ -121,8 +121,15 @@ def masked(schema, ins: list, results: list) -> list:
     """`results` with None for each one that the op's `output_mask` (a backward op's: which
     gradients to compute) leaves out. The kernels give None there, but a meta kernel may give a
     tensor (`native_batch_norm_backward`'s did)."""
-    names = [a.name for a in schema.arguments]
-    mask = ins[names.index("output_mask")] if "output_mask" in names and len(ins) > names.index("output_mask") else None
-    if not isinstance(mask, (list, tuple)) or len(mask) != len(results):
+    mask = output_mask(schema, ins)
+    if mask is None or len(mask) != len(results):
         return results
     return [r if keep else None for r, keep in zip(results, mask)]
+
+
+def output_mask(schema, ins: list) -> list | tuple | None:
+    """The op's `output_mask` argument (which results a backward op computes), where it has one."""
+    names = [a.name for a in schema.arguments]
+    k = names.index("output_mask") if "output_mask" in names else len(ins)
+    mask = ins[k] if k < len(ins) else None
+    return mask if isinstance(mask, (list, tuple)) else None

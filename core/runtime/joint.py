@@ -22,46 +22,32 @@ import torch
 from ..errors import ExecutionError, first_line
 from ..ir import WEIGHT, Graph
 from ..ops import fusion, targets
-from ..ops.arguments import flatten_result, masked
+from ..ops.arguments import flatten_result, masked, output_mask
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
+from .base import streams
 from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
 
 
 class JointRunner:
-    def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, device: torch.device):
+    def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
+                 device: torch.device):
+        """`weights`: the graph's constants (tensors the model builds in its forward)."""
         self.graph, self.order, self.device = graph, list(schedule.order), device
         self.placed = [_placed(op) for op in graph.ops]
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
-        outputs = set(graph.outputs)
-        last: dict[int, int] = {}  # value id -> the last op that reads it (or makes it, where none reads it)
-        for i in self.order:
-            for r in graph.ops[i].refs():
-                last[r] = i
-        for i in self.order:
-            last.update({o: i for o in graph.ops[i].outputs if o not in last})
-        self.release: dict[int, list[int]] = {}
-        for vid, i in last.items():
-            if vid not in outputs and vid not in graph.inputs:
-                self.release.setdefault(i, []).append(vid)
-        self._weights: dict[str, torch.Tensor] = {}
-
-    def bind_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """The graph's constants (tensors the model builds in its forward), on the step's device."""
-        self._weights = {k: t.to(self.device) for k, t in weights.items()}
+        self.release = streams.release_plan(graph, self.order, schedule.stream)
+        self._constants = {vid: weights[v.name].to(device) for vid, v in enumerate(graph.values) if v.kind == WEIGHT}
 
     def __call__(self, inputs: list[torch.Tensor],
                  ready: Callable[[int, list[torch.Tensor]], None] | None = None) -> list[torch.Tensor]:
         """The graph's outputs for these inputs (bound as they are, never copied): views of the
         arena, which the next call overwrites."""
-        env: dict[int, torch.Tensor] = {}
-        for vid, v in enumerate(self.graph.values):
-            if v.kind == WEIGHT:
-                env[vid] = self._weights[v.name]
+        env = dict(self._constants)
         env.update(zip(self.graph.inputs, inputs))
         kept = frozenset(t.untyped_storage().data_ptr() for t in [self.arena, *env.values()])
         with torch.no_grad():
@@ -76,10 +62,8 @@ def _placed(op) -> PlacedOp:
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], None)
     fn = targets.resolve(op.target, training=True)
-    names = [a.name for a in fn._schema.arguments]
-    mask = op.args[names.index("output_mask")] if "output_mask" in names and len(op.args) > names.index("output_mask") \
-        else None
-    if isinstance(mask, (list, tuple)) and not all(mask):  # as the frontend typed it: the left-out results are None
+    mask = output_mask(fn._schema, list(op.args))
+    if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
         return PlacedOp(op, lambda *args, **kwargs: masked(fn._schema, list(args), flatten_result(fn(*args, **kwargs),
                                                                                                  True)),
                         None, [], None)
