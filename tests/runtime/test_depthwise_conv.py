@@ -48,7 +48,7 @@ def test_the_convolution_and_its_relu6_are_what_torch_computes(n, c, size, k, st
     w = torch.randn(c, 1, k, k, generator=g)
     b = torch.randn(c, generator=g) if with_bias else None
     want = F.hardtanh(F.conv2d(x, w, b, stride, padding, dilation, groups=c), 0.0, 6.0)
-    out = torch.full_like(want, 7.0).contiguous(memory_format=layout)
+    out = torch.full_like(want, 7.0).contiguous(memory_format=torch.channels_last)  # the input in either layout
     p = params(x, w, b, stride, padding, dilation)
     operands = [b.reshape(1, -1, 1, 1)] if with_bias else []
     node = ("aten::convolution.default", (x, w, b, stride, padding, dilation, False, (0, 0), c), ())
@@ -112,31 +112,14 @@ def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use
     w, b = torch.randn(8, 1, 3, 3), torch.randn(8)
     out = torch.empty(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     assert depthwise_conv.fits(params(x, w, b), out)
-    nchw = torch.empty(2, 8, 6, 6)
-    use_settings(depthwise_nchw=True)
-    assert depthwise_conv.fits(params(x, w, b), nchw) and not depthwise_conv.channels_last(nchw)
+    assert not depthwise_conv.fits(params(x, w, b), torch.empty(2, 8, 6, 6))  # NCHW stays with cuDNN
     assert not depthwise_conv.fits(params(x, w, b), torch.empty(2, 8, 12, 6)[:, :, ::2])  # dense in no order
     assert not depthwise_conv.fits(params(x, torch.randn(8, 2, 3, 3), b, groups=4), out)  # grouped, not depthwise
     assert not depthwise_conv.fits(params(x, torch.randn(8, 1, 9, 9), b, padding=(4, 4)), out)  # past MAX_TAPS
     assert not depthwise_conv.fits(params(x, w, b, stride=(2, 2)), out)  # not the shape it computes
     assert not depthwise_conv.fits(params(x.double(), w.double(), b.double()), out.double())
-    use_settings(depthwise_nchw=False)
-    assert depthwise_conv.fits(params(x, w, b), out) and not depthwise_conv.fits(params(x, w, b), nchw)
-    use_settings(depthwise_kernel=False, depthwise_nchw=True)
+    use_settings(depthwise_kernel=False)
     assert not depthwise_conv.fits(params(x, w, b), out)
-
-
-def test_an_nchw_plane_s_taps_read_runs_of_positions_where_the_convolution_keeps_the_width():
-    """Stride 1 and the input's width: a tap's address is the position's plus a constant (no row
-    and column arithmetic in it), so a plane's positions load as one run; else rows and columns."""
-    x, w = torch.randn(2, 8, 14, 14), torch.randn(8, 1, 7, 7)
-    out = torch.empty(2, 8, 14, 14)
-    same = depthwise_conv.source([("aten::convolution.default", (), ())], out, x, w, [], False, params(x, w, None, padding=(3, 3)))
-    assert "img * 1568 + p + (kh * 1 - 3) * 14 + kw * 1 - 3" in same
-    down = depthwise_conv.source([("aten::convolution.default", (), ())], torch.empty(2, 8, 7, 7), x, w, [], False,
-                                 params(x, w, None, stride=(2, 2), padding=(3, 3)))
-    assert "ih * 14 + iw * 1" in down
-    assert depthwise_conv.grid(out) == ((16, 1), 256, 1)  # a plane per image's channel, 196 positions in one tile
 
 
 @pytest.mark.parametrize("channels, block_c", [(96, 32), (144, 16), (32, 32), (5, 8), (1280, 64)])
@@ -351,27 +334,3 @@ def test_a_depthwise_op_is_paired_with_its_producer_only_where_the_epilogue_can_
         assert pairs.prologue_pairs(graph, placed, {producer}) == {}
         assert pairs.prologue_pairs(graph, placed, {consumer}) == {}
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8])
-def test_convnext_s_7x7_depthwise_convolution_in_nchw_agrees_with_eager(tmp_path, monkeypatch, batch):
-    """ConvNeXt's block runs in NCHW (its layer norms over channels make it): its 7x7 depthwise
-    convolution and bias are one generated kernel tiled along positions, against cuDNN's
-    convolution and a bias kernel with `depthwise_nchw` off."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from nimble.formats import read_artifact, write_artifact
-    from nimble.pipeline import compile_model
-    from nimble.specs import input_specs
-
-    from .test_gpu_kernels import ConvNeXtBlock
-
-    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    path = tmp_path / "block.pt"
-    torch.jit.save(torch.jit.trace(ConvNeXtBlock().eval(), torch.randn(batch, 48, 14, 14)), str(path))
-    write_artifact(tmp_path / "b.nimble", compile_model(path, input_specs([f"{batch}x48x14x14"]), device="cpu").artifact())
-    choice = tuning.Choice(layout="contiguous", streams="serial")
-    kernels_with, kernels_without = with_and_without("depthwise_nchw", read_artifact(tmp_path / "b.nimble"), choice,
-                                                     tmp_path)
-    assert kernels_with < kernels_without

@@ -34,7 +34,6 @@ class Settings:
     attention_kernel: bool = True  # small attention as one generated kernel
     pooled_kernel: bool = True  # a 1x1 convolution of a 1x1 map (and a linear of few rows) generated
     depthwise_kernel: bool = True  # a depthwise convolution and its body generated
-    depthwise_nchw: bool = False  # ... of an NCHW result too: off until measured on a GPU (kernels/depthwise_conv.py)
     pointwise_kernel: bool = True  # a 1x1 convolution computing its input's elementwise op as it loads
     average_pool_kernel: bool = True  # average pooling generated
     channels_norm_kernel: bool = True  # a layer norm over a channels-first map's channels generated (`kernels/norms.py`)

@@ -10,16 +10,12 @@ input tile (channels are contiguous, so loads coalesce; neighbouring taps hit th
 its product with the tap's weights in float32, then runs the rest of the body
 (`codegen.epilogue_lines`) and stores the tile once.
 
-A channels_last result (the layout nimble's tuning picks for mobilenet and efficientnet) is tiled
-with its channels side by side. An NCHW result (ConvNeXt's 7x7 depthwise convolutions, in the
-layout its layer norms over channels make it run in) gives each program one image's channel, a
-run of its positions side by side; where the convolution has stride 1 and keeps the width, each
-tap's loads are then one dense run too. cuDNN's grouped direct kernel took 38 us for each of
-convnext_tiny's at batch 8 on the H200. The NCHW tiling is off by default (setting
-`depthwise_nchw`): it is checked against torch on the CPU through the Triton stand-in, but has
-not yet run on a GPU, so neither its speed against cuDNN nor its results there are measured
-(`tools/setting_ab.py --set depthwise_nchw=True --models convnext_tiny` is the check). The
-`depthwise_kernel` setting off turns the kernel off, for comparisons.
+The result must be channels_last (the layout nimble's tuning picks for mobilenet and
+efficientnet), tiled with its channels side by side. An NCHW result (ConvNeXt's 7x7 depthwise
+convolutions) stays with cuDNN: a tiling of one image's channel per program, its positions side
+by side, made convnext_tiny's inference at batch 8 1.78 x slower on the H200 (4.73 against 2.65
+ms, torch 2.11, `tools/setting_ab.py`, 2026-11-30), and was removed. The `depthwise_kernel`
+setting off turns the kernel off, for comparisons.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_li
 from ..base import settings
 
 TILE = 2048  # output elements of one program
-PLANE_TILE = 1024  # positions of one program's tile of an NCHW result (one image's channel)
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ def fits(p: dict, out: torch.Tensor) -> bool:
     """Whether convolution `p` (`fusion.conv_params`, tensors in place) is one this kernel runs:
     2-D, each channel convolved alone (groups = input channels = output channels), float operands
     of one dtype, a filter of at most `max_depthwise_taps` positions, and `out` its result in
-    channels_last, or dense NCHW where the `depthwise_nchw` setting allows."""
+    channels_last."""
     x, w, bias = p["input"], p["weight"], p["bias"]
     if not (settings.current().depthwise_kernel and out.is_cuda and x.dim() == 4 and w.dim() == 4 and out.dim() == 4):
         return False
@@ -75,13 +70,6 @@ def fits(p: dict, out: torch.Tensor) -> bool:
             return False
     if out.shape[0] != n or out.numel() == 0:
         return False
-    return out.is_contiguous(memory_format=torch.channels_last) or (
-        settings.current().depthwise_nchw and out.is_contiguous() and out.shape[2] * out.shape[3] > 1)
-
-
-def channels_last(out: torch.Tensor) -> bool:
-    """Whether the kernel tiles `out` (which `fits`) with its channels side by side (where it is
-    dense both ways, one channel or one position, either order of the index is its memory order)."""
     return out.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -130,31 +118,15 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
                     f"            xv = tl.where(inside[:, None] & cmask[None, :], pv{len(before.body) - 1}, 0.0)"]
     channel_loads = [f"    cin{k} = tl.load(pin{k}_ptr + c * {t.expand(x.shape).stride(1)}, mask=cmask, "
                      "other=0.0).to(tl.float32)[None, :]" for k, t in enumerate(extra)]
-    if channels_last(out):  # a tile of positions by channels, the channels side by side
-        index = [f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",
-                 "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-                 f"    pmask = p < {n * oh * ow}",
-                 f"    cmask = c < {c}",
-                 f"    img = p // {oh * ow}",
-                 f"    oh = (p // {ow}) % {oh}",
-                 f"    ow = p % {ow}"]
-        flat = f"    i = p[:, None] * {c} + c[None, :]"  # the flat index in out's memory order
-    else:  # NCHW: one plane (image, channel) per program along the first axis, its positions side by side
-        index = [f"    plane = {first}",
-                 f"    img = plane // {c}",
-                 f"    c = plane % {c} + tl.arange(0, BLOCK_C)",
-                 "    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)",
-                 f"    pmask = p < {oh * ow}",
-                 f"    cmask = c < {c}",
-                 f"    oh = p // {ow}",
-                 f"    ow = p % {ow}"]
-        flat = f"    i = img * {c * oh * ow} + c[None, :] * {oh * ow} + p[:, None]"
-    if not channels_last(out) and (sh, sw) == (1, 1) and ow == width and xs[3] == 1 and xs[2] == width:
-        # a stride-1 convolution as wide as its input, rows dense: each tap's address is the
-        # position's plus a constant, so the loads of a plane's run of positions are one run too
-        address = f"img * {xs[0]} + p + (kh * {dh} - {ph}) * {width} + kw * {dw} - {pw}"
-    else:
-        address = f"img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]}"
+    index = [f"    p = {first} * BLOCK_P + tl.arange(0, BLOCK_P)",  # positions by channels, channels side by side
+             "    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
+             f"    pmask = p < {n * oh * ow}",
+             f"    cmask = c < {c}",
+             f"    img = p // {oh * ow}",
+             f"    oh = (p // {ow}) % {oh}",
+             f"    ow = p % {ow}"]
+    flat = f"    i = p[:, None] * {c} + c[None, :]"  # the flat index in out's memory order
+    address = f"img * {xs[0]} + ih * {xs[2]} + iw * {xs[3]}"
     lines = [*HEADER,
              f"def kernel(out_ptr, x_ptr, w_ptr, {pointers(operands)}"
              + "".join(f"pin{k}_ptr, " for k in range(len(extra)))
@@ -179,15 +151,10 @@ def source(body: list, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, oper
 
 
 def grid(out: torch.Tensor) -> tuple[tuple[int, int], int, int]:
-    """(the grid, BLOCK_P, BLOCK_C) of `source`'s kernel for `out`: tiles of positions by channels
-    (channels_last); else a plane of each image's channel per program along the first axis (the
-    one with room for batch times channels) and tiles of its positions along the second."""
+    """(the grid, BLOCK_P, BLOCK_C) of `source`'s kernel for `out`: tiles of positions by channels."""
     n, c, oh, ow = out.shape
-    if channels_last(out):
-        block_p, block_c = blocks(c)
-        return (-(-(n * oh * ow) // block_p), -(-c // block_c)), block_p, block_c
-    block_p = min(PLANE_TILE, max(16, 1 << (oh * ow - 1).bit_length()))
-    return (n * c, -(-(oh * ow) // block_p)), block_p, 1
+    block_p, block_c = blocks(c)
+    return (-(-(n * oh * ow) // block_p), -(-c // block_c)), block_p, block_c
 
 
 def launcher(kernel):
