@@ -95,15 +95,16 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     row: dict = {"model": name, "batch": batch, "size": size, "precision": precision}
     bf16 = precision == "bf16"
 
+    start = footprint_start()
     eager = copy.deepcopy(base)
     step, last = stepper(eager, eager.parameters(), batch, size, bf16)
     eager_losses = first_losses(step, last)
     row["eager_ms"] = median_ms(step, iters)
+    row["eager_peak_mb"] = footprint_mb(start)
     again = copy.deepcopy(base)  # the control: eager against itself, same weights and batch
     step, last = stepper(again, again.parameters(), batch, size, bf16)
     row["eager_again_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
                                         for a, b in zip(first_losses(step, last), eager_losses)]
-    row["eager_peak_mb"] = peak_mb(step)
     del again, eager
 
     for streams in (() if bf16 else ("auto", 1)):
@@ -125,6 +126,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
         del model, runner, net
         torch.cuda.empty_cache()
 
+    start = footprint_start()
     net = copy.deepcopy(base)
     x, y = data(batch, size)
     t = time.perf_counter()
@@ -139,11 +141,12 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     row["step_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, eager_losses)]
     row["step_ms"] = median_ms(lambda: train(x, y), iters)
     row["step_issue_ms"] = issue_ms(lambda: train(x, y))
-    row["step_peak_mb"] = peak_mb(lambda: train(x, y))
+    row["step_peak_mb"] = footprint_mb(start)
     train = net = None  # dropped before the next variant (rebound, not deleted: the lambda names it)
     torch.cuda.empty_cache()
 
     if compile_it:
+        start = footprint_start()
         net = copy.deepcopy(base)
         compiled = torch.compile(net, mode="reduce-overhead")
         step, _ = stepper(compiled, net.parameters(), batch, size, bf16,
@@ -154,7 +157,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
         torch.cuda.synchronize()
         row["compile_first_steps_s"] = time.perf_counter() - t
         row["compile_ms"] = median_ms(step, iters)
-        row["compile_peak_mb"] = peak_mb(step)
+        row["compile_peak_mb"] = footprint_mb(start)
         del compiled, net
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -181,15 +184,23 @@ def issue_ms(call, n: int = 20) -> float:
     return statistics.median(times)
 
 
-def peak_mb(call) -> float:
-    """Peak GPU memory allocated through one more call, in MiB."""
+def footprint_start() -> int:
+    """Where a variant's footprint starts: the bytes allocated before it is built (the peak
+    counter starts again there)."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    call()
+    return torch.cuda.memory_allocated()
+
+
+def footprint_mb(start: int) -> float:
+    """A variant's peak GPU memory since `footprint_start`, in MiB, less what was allocated before
+    it: its copy of the weights, gradients, optimizer state, activations, arena and graph pools."""
+    import torch
+
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**20
+    return (torch.cuda.max_memory_allocated() - start) / 2**20
 
 
 def _ms(r: dict, key: str, fmt: str = "{:.2f}") -> str:
@@ -202,8 +213,9 @@ def summary(rows: list[dict], meta: dict) -> str:
              "10 classes, synchronized. `python benchmarks/training.py --size S --precision P`. bf16 = eager and",
              "torch.compile under torch.autocast(bfloat16), TrainStep with precision=\"bf16\". nimble =",
              "`prepare(..., training=True)` (fp32 only); TrainStep = `nimble.TrainStep` (one joint graph);",
-             "issue = the host's ms to issue one TrainStep call without waiting for the GPU. Peak = peak GPU",
-             "MiB allocated through one step (weights included).", "",
+             "issue = the host's ms to issue one TrainStep call without waiting for the GPU. Peak = a variant's",
+             "peak GPU MiB from before it was built to after its timing (its weights, gradients, optimizer",
+             "state, activations, graph pools), less what the process held before it.", "",
              "| model | px | batch | precision | eager | torch.compile | nimble | TrainStep | TrainStep / compile | "
              "TrainStep issue | peak MiB eager / compile / TrainStep | TrainStep prepare s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -60,11 +60,15 @@ def _tensors(obj, what: str) -> list[torch.Tensor]:
 class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
-                 broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False):
+                 broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False,
+                 cuda_graphs: bool = True):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto",
-        1, or a cap) shapes the schedule the memory plan is proved safe under; the ops run one after
-        another for now (see `runtime/joint.py`). Data parallel
+        1, or a cap) is the schedule: on CUDA each op runs on its planned stream, and the memory
+        plan is proved safe under it. `cuda_graphs` (CUDA only): the first call runs the ops one by
+        one, the second captures the step (the graph, the gradients' all-reduce and the copies
+        after it) into a CUDA graph, and every later call replays it; the inputs are then copied
+        into the step's own buffers. Data parallel
         (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and
         `broadcast_buffers` sends rank 0's buffers (batch norm's running statistics) to every
         process before each step, as DistributedDataParallel does by default. `precision` "bf16"
@@ -110,6 +114,13 @@ class TrainStep:
         self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
+        self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"
+        # the inputs' own buffers where the step is captured (a graph reads fixed addresses)
+        self._slots = [torch.empty(s.shape, dtype=types.DTYPES[s.dtype], device=device) for s in self.specs] \
+            if self.cuda_graphs else None
+        self._calls = 0
+        self._results: list[torch.Tensor] | None = None  # the captured step's outputs, which each replay writes
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # each parameter's gradient of the step
 
     def __call__(self, inputs, targets):
         """One step on these inputs and targets; returns the loss (a scalar tensor), or with
@@ -125,27 +136,55 @@ class TrainStep:
                                  f"on {t.device}, but the step was prepared for {'x'.join(map(str, spec.shape))} "
                                  f"{spec.dtype} on {self.device}; prepare another TrainStep for it")
         self._data.before()
+        if self._slots is not None:
+            with torch.no_grad():
+                for slot, t in zip(self._slots, given):
+                    slot.copy_(t)
+            given = self._slots
         data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
         bound = [t if t is not None else next(data) for t in self._bound]
-        results = self.runner(bound, self._data.ready)
-        grads = self._data.finish(results)
+        if self._results is not None:
+            self.runner.replay()
+        elif self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
+            self._results = self.runner.capture(bound, self._data.ready, self._after)
+            self.runner.replay()
+        else:
+            self.runner(bound, self._data.ready, self._after)
+        self._calls += 1
+        results = self._results if self._results is not None else self._last
         loss, outputs = None, []
         with torch.no_grad():
-            for (kind, target), value in zip(self._outputs, results):
+            for (kind, _), value in zip(self._outputs, results):
                 if kind == joint.LOSS:
                     loss = value
-                elif kind == joint.BUFFER_UPDATE:
-                    target.copy_(value)
                 elif kind == joint.OUTPUT:
                     outputs.append(value.clone())  # the arena's copy is the next step's
-            for p, g in grads:  # in the parameter's own layout, as autograd gives it (fused optimizers assume it)
-                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+            for p, g in self._grads:
+                if p.grad is not g:
+                    p.grad = g
         if self.optimizer is not None:
             self.optimizer.step()
         loss = loss.clone()  # the arena's copy is the next step's
         if not self.outputs:
             return loss
         return loss, outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+    def _after(self, results: list[torch.Tensor]) -> None:
+        """After the step's ops (and in its CUDA graph, where captured): the gradients averaged
+        over the processes, each in its parameter's own layout (as autograd gives it: fused
+        optimizers assume it), and batch norm's new running statistics in the module's buffers."""
+        self._last = results
+        grads = []
+        for p, g in self._data.finish(results):
+            if g.stride() != p.stride():
+                g = torch.empty_like(p).copy_(g)
+            grads.append((p, g))
+        self._grads = grads
+        updates = [(target, value) for (kind, target), value in zip(self._outputs, results)
+                   if kind == joint.BUFFER_UPDATE]
+        if updates:
+            torch._foreach_copy_([t for t, _ in updates], [v for _, v in updates])
 
 
 class _DataParallel:

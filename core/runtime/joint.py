@@ -2,8 +2,11 @@
 run on tensors bound to its inputs: the module's own parameters and buffers, read in place, and
 the step's inputs.
 
-The ops run in the schedule's order, one after another on the current stream, with no autograd:
-the backward is ops of the graph like any other. Every activation, the saved ones the backward
+The ops run in the schedule's order with no autograd: the backward is ops of the graph like any
+other. On CUDA each op runs on its planned stream after the ops it waits for (`base/streams.issue`,
+the rules inference follows), and `capture` records one such run, with whatever the caller does
+after it (`after`), into a CUDA graph that `replay` then runs with no Python per op; elsewhere
+they run one after another. Every activation, the saved ones the backward
 reads included, is written into its buffer of the memory plan, in one arena allocated once
 (`placed/`: an op's out= overload where it has one, else computed and copied in); a value
 outside the arena (a view, a result of an op with no buffer) is dropped once its last reader has
@@ -36,23 +39,49 @@ class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
                  device: torch.device):
         """`weights`: the graph's constants (tensors the model builds in its forward)."""
-        self.graph, self.order, self.device = graph, list(schedule.order), device
+        self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
+        self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
+        self.captured: torch.cuda.CUDAGraph | None = None
         self.placed = [_placed(op) for op in graph.ops]
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
         self.release = streams.release_plan(graph, self.order, schedule.stream)
         self._constants = {vid: weights[v.name].to(device) for vid, v in enumerate(graph.values) if v.kind == WEIGHT}
 
-    def __call__(self, inputs: list[torch.Tensor],
-                 ready: Callable[[int, list[torch.Tensor]], None] | None = None) -> list[torch.Tensor]:
+    def __call__(self, inputs: list[torch.Tensor], ready: Callable[[int, list[torch.Tensor]], None] | None = None,
+                 after: Callable[[list[torch.Tensor]], None] | None = None) -> list[torch.Tensor]:
         """The graph's outputs for these inputs (bound as they are, never copied): views of the
-        arena, which the next call overwrites."""
+        arena, which the next call overwrites. `after(outputs)`, where given, runs once the ops
+        are issued."""
         env = dict(self._constants)
         env.update(zip(self.graph.inputs, inputs))
         kept = frozenset(t.untyped_storage().data_ptr() for t in [self.arena, *env.values()])
         with torch.no_grad():
-            run_ops(self.placed, _Step(env, self.views, self.device, self.release, kept, ready), self.order)
-        return [env[o] for o in self.graph.outputs]
+            run_ops(self.placed, _Step(env, self.views, self.device, self.release, kept, ready), self.order,
+                    self._place if self.streams else None)
+            outputs = [env[o] for o in self.graph.outputs]
+            if after is not None:
+                after(outputs)
+        return outputs
+
+    def _place(self, order, step) -> None:
+        s = self.schedule
+        streams.issue(order, step, self.device, self.streams, s.stream, s.waits)
+
+    def capture(self, inputs: list[torch.Tensor], ready=None, after=None) -> list[torch.Tensor]:
+        """Record a call (as `__call__`, which must have run eagerly once before, creating each
+        stream's library handles) into a CUDA graph without running it: the outputs it returns are
+        the tensors every `replay` writes, and `inputs` must keep their storage (a caller copies
+        new data into them)."""
+        graph = streams.new_graph()
+        with streams.capturing(graph, self.streams[0], self.device, "the training step",
+                               "prepare the step with cuda_graphs=False"):
+            outputs = self(inputs, ready, after)
+        self.captured = graph
+        return outputs
+
+    def replay(self) -> None:
+        self.captured.replay()
 
 
 def _placed(op) -> PlacedOp:

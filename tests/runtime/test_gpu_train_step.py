@@ -5,6 +5,10 @@ MobileNetV2-style net. (The CPU tests: test_train_step.py.)"""
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import nimble
 import pytest
@@ -19,7 +23,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, 3e-2)])
 @pytest.mark.parametrize("make", [lambda: ResNet18(classes=10), MobileNetV2Small], ids=["resnet18", "mobilenet_v2_small"])
-def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, loss_tol, grad_tol):
+@pytest.mark.parametrize("graphs, streams", [(True, "auto"), (False, 1)], ids=["captured", "eager-1stream"])
+def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, loss_tol, grad_tol, graphs, streams):
+    """Step 1 runs op by op, step 2 captures, the rest replay (with `graphs`); on the planned
+    streams, or on one."""
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -28,7 +35,9 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, los
         ref = copy.deepcopy(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
         x, t = (v.cuda() for v in batch(8, 32))
-        step = nimble.TrainStep(net, F.cross_entropy, x, t, optimizer=opt, precision=precision)
+        step = nimble.TrainStep(net, F.cross_entropy, x, t, optimizer=opt, precision=precision,
+                                streams=streams, cuda_graphs=graphs)
+        assert step.cuda_graphs is graphs
         for k in range(20):
             x, t = (v.cuda() for v in batch(8, 32, seed=k + 1))
             ref.load_state_dict(net.state_dict())
@@ -40,5 +49,31 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, los
             assert abs(float(loss) - float(expected.detach())) <= loss_tol * abs(float(expected.detach())), k
             assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
                             torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= grad_tol, k
+        if graphs:
+            assert step.runner.captured is not None
+            assert step._grads and all(p.grad is g for p, g in step._grads)  # the captured step's own tensors
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_torchrun_trains_on_two_gpus_over_nccl_captured_as_uncaptured(tmp_path):
+    """`torchrun --nproc-per-node 2 script.py --nccl`: each process on its own GPU, the gradients
+    all-reduced over NCCL inside the captured step. Both processes end with one set of weights,
+    and the captured run ends where the uncaptured one does."""
+    script = Path(__file__).with_name("torchrun_train.py")
+    found = {}
+    for mode in ("--nccl", "--no-graphs"):
+        folder = tmp_path / mode.strip("-")
+        folder.mkdir()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), "--nccl", *([mode] if mode != "--nccl" else [])],
+                              capture_output=True, text=True, timeout=300, cwd=folder)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = [(folder / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+        match = [re.fullmatch(r"losses (\[.*\]) weights ([0-9a-f]{64})\n", text) for text in said]
+        assert all(match), said
+        assert match[0][2] == match[1][2], said  # one set of weights
+        assert match[0][1] != match[1][1]  # each process its own data
+        found[mode] = torch.load(folder / "weights0.pt")
+    assert relative(found["--nccl"], found["--no-graphs"]) <= 1e-4
