@@ -8,10 +8,12 @@
 The forward, the loss and the backward come from torch's own export for training as one joint
 graph (`frontend/joint.py`), which goes through nimble's passes, its schedule and its memory plan
 whole: the activations the backward keeps are planned buffers like any other
-(`memory_plan.arena_bytes`). A call runs that graph on the module's own parameters and buffers
-(`runtime/joint.py`), every activation in its planned arena buffer, sets each parameter's
-`.grad` to this step's gradient (as after `zero_grad()` and `backward()`: gradients are not added
-up across calls; `.grad` is the step's arena buffer, the same tensor on every call), writes batch
+(`memory_plan.arena_bytes`), but for the results of ops that cannot write into a given buffer,
+which are bound as computed (`runtime/joint.loose`). A call runs that graph on the module's own
+parameters and buffers (`runtime/joint.py`), on CUDA captured into a CUDA graph from its second
+call, sets each parameter's `.grad` to this step's gradient (as after `zero_grad()` and
+`backward()`: gradients are not added up across calls; in a captured step `.grad` is the same
+tensor on every call, which each replay overwrites), writes batch
 norm's running statistics back into its buffers, and then calls `optimizer.step()` where an
 optimizer was given. torch.optim's `fused=True` runs the update of every parameter as one kernel.
 
@@ -38,7 +40,7 @@ from .pipeline import PASSES
 from .plan.memory import plan
 from .plan.schedule import assign_streams
 from .plan.verify import check_plan
-from .runtime.joint import JointRunner
+from .runtime.joint import JointRunner, loose, placed_ops
 from .specs import parse_streams
 from .stages import Stages
 
@@ -102,8 +104,10 @@ class TrainStep:
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
         self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
-        self.memory_plan = plan(graph, self.schedule)
-        check_plan(graph, self.schedule, self.memory_plan)
+        placed = placed_ops(graph, device)
+        unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each
+        self.memory_plan = plan(graph, self.schedule, unplanned)
+        check_plan(graph, self.schedule, self.memory_plan, unplanned=unplanned)
         prefix = "module."
         names = [r.target.removeprefix(prefix) for r in lowered.inputs]
         missing = [n for r, n in zip(lowered.inputs, names) if r.kind != joint.DATA and n not in state]
@@ -111,7 +115,7 @@ class TrainStep:
             raise UsageError(f"{self.name}: the exported step reads '{missing[0]}', which the module does not have")
         self._bound = [state[n] if r.kind != joint.DATA else None for r, n in zip(lowered.inputs, names)]
         self._outputs = [(r.kind, state.get(r.target.removeprefix(prefix))) for r in lowered.outputs]
-        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device)
+        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"

@@ -58,10 +58,13 @@ class MemoryPlan:
         return self.offset[root] + v.spec.offset * ITEMSIZE[v.spec.dtype]
 
 
-def plan(graph: Graph, schedule: Schedule) -> MemoryPlan:
-    """Place every activation buffer of `graph` for execution under `schedule`."""
+def plan(graph: Graph, schedule: Schedule, unplanned: frozenset[int] = frozenset()) -> MemoryPlan:
+    """Place every activation buffer of `graph` for execution under `schedule`, but those of the
+    values in `unplanned` (which a runtime leaves to torch's allocator: a training step's results
+    of ops that cannot write into a given buffer, `runtime/joint.loose`)."""
     # buffers in a topological order: a buffer can only follow one produced earlier
-    roots = sorted((v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None),
+    roots = sorted((v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None
+                    and v.id not in unplanned),
                    key=lambda r: (schedule.position[graph.values[r].producer], r))
     size = {r: _align(graph.values[r].spec.storage_nbytes) for r in roots}
     producer = {r: graph.values[r].producer for r in roots}

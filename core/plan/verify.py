@@ -28,25 +28,26 @@ MAX_STREAMS = 4096  # vector clocks cost streams^2 entries at worst
 
 
 def check_plan(graph: Graph, schedule: Schedule, memory: MemoryPlan,
-               held: dict[int, list[int]] | None = None) -> None:
+               held: dict[int, list[int]] | None = None, unplanned: frozenset[int] = frozenset()) -> None:
     """The schedule enforces every dependency, and the memory plan is safe under it: every
     activation buffer is placed and exactly as large as its tensor needs (aligned); nothing else
     has a buffer; overlapping buffers are ordered (every use of one happens-before the other's
     producer); graph outputs overlap nothing. One pass over the issue order checks both. `held`
     (op -> values) counts each listed value as used by that op too: the runtime proves with it
-    that a plan holds the inputs of an op whose reads it moves to a later op.
+    that a plan holds the inputs of an op whose reads it moves to a later op. The activations in
+    `unplanned` must have no buffer (`memory.plan`'s argument).
 
     The schedule's capped candidates (`capped.py`) are checked the same way, each as capture
     would issue it: the one memory plan must be safe under every one of them."""
     capped.check(schedule)
     for _, cuda in schedule.capped:
-        check_plan(graph, capped.as_schedule(schedule, cuda), memory, held)
+        check_plan(graph, capped.as_schedule(schedule, cuda), memory, held, unplanned)
     for v in range(len(graph.ops)):
         for u in schedule.waits[v]:
             if schedule.position[u] >= schedule.position[v]:
                 raise ValueError(f"op {v} waits on op {u}, which is issued after it")
     clocks = Clocks(schedule, MAX_STREAMS)
-    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in unplanned]
     is_root = set(roots)
     for v in graph.values:
         if memory.offset[v.id] is not None and v.id not in is_root:

@@ -7,10 +7,13 @@ other. On CUDA each op runs on its planned stream after the ops it waits for (`b
 the rules inference follows), and `capture` records one such run, with whatever the caller does
 after it (`after`), into a CUDA graph that `replay` then runs with no Python per op; elsewhere
 they run one after another. Every activation, the saved ones the backward
-reads included, is written into its buffer of the memory plan, in one arena allocated once
-(`placed/`: an op's out= overload where it has one, else computed and copied in); a value
-outside the arena (a view, a result of an op with no buffer) is dropped once its last reader has
-run. The graph's outputs (loss, gradients, new buffers) are arena buffers too, which the next
+reads included, that an op can write in place is written into its buffer of the memory plan, in one arena
+allocated once (`placed/`: an op's out= overload, or on CUDA the generated kernel of a fused op);
+the results of the other ops (`loose`: convolution_backward asked for two of its three results,
+batch norm's training forward) are bound as they are computed rather than copied into a buffer,
+which would cost a pass over memory each: their memory comes from torch's allocator (in a
+captured step, the graph's own pool). A value outside the arena is dropped once its last reader
+has run. The graph's outputs (loss, gradients, new buffers) are arena buffers too, which the next
 call overwrites. `ready(op, results)`, where given, hears of each op's results as they come: a
 data-parallel step starts the all-reduce of a bucket of gradients while the rest of the backward
 runs (`train.py`).
@@ -23,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..errors import ExecutionError, first_line
-from ..ir import WEIGHT, Graph
+from ..ir import ACTIVATION, WEIGHT, Graph
 from ..ops import fusion, targets
 from ..ops.arguments import flatten_result, masked, output_mask
 from ..ops.execute import run_ops
@@ -31,18 +34,20 @@ from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .base import streams
+from .kernels.fused import FusedKernel
 from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
 
 
 class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
-                 device: torch.device):
-        """`weights`: the graph's constants (tensors the model builds in its forward)."""
+                 device: torch.device, placed: list[PlacedOp]):
+        """`weights`: the graph's constants (tensors the model builds in its forward); `placed`:
+        `placed_ops(graph, device)`, whose `loose` values the memory plan left out."""
         self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
         self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
         self.captured: torch.cuda.CUDAGraph | None = None
-        self.placed = [_placed(op) for op in graph.ops]
+        self.placed = placed
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
         self.release = streams.release_plan(graph, self.order, schedule.stream)
@@ -84,12 +89,31 @@ class JointRunner:
         self.captured.replay()
 
 
-def _placed(op) -> PlacedOp:
+def placed_ops(graph: Graph, device: torch.device) -> list[PlacedOp]:
+    """Each op of `graph` resolved once, as it runs on `device`."""
+    return [_placed(op, device.type == "cuda") for op in graph.ops]
+
+
+def loose(graph: Graph, placed: list[PlacedOp]) -> frozenset[int]:
+    """The activations the runtime binds as computed, with no buffer of the memory plan: every
+    result of an op with neither an out= overload nor a kernel of nimble's (`placed_ops`) that
+    owns its storage (views of other values have no buffer of their own anyway)."""
+    found = set()
+    for p in placed:
+        if p.out_fn is None and p.substitute is None:
+            found.update(v for v in p.op.outputs if graph.values[v].kind == ACTIVATION
+                         and graph.values[v].alias_of is None)
+    return frozenset(found)
+
+
+def _placed(op, cuda: bool) -> PlacedOp:
     """`op` to run into its planned buffer: by its out= overload where it has one that gives
     every result it was asked for (`convolution_backward` asked for two of its three has none that
-    fits), else computed and copied in. No kernel substitutes yet: aten's own kernels."""
+    fits), a fused op on CUDA by its generated kernel (`kernels/fused.FusedKernel`, which declines
+    a body it cannot generate: that body is then computed and copied in), else computed and bound
+    as it is (`loose`)."""
     if op.target == fusion.FUSED:
-        return PlacedOp(op, run_fused, None, [], None)
+        return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
