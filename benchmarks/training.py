@@ -190,6 +190,7 @@ def footprint_start() -> int:
     import torch
 
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
 

@@ -104,7 +104,7 @@ class TrainStep:
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
         self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
-        placed = placed_ops(graph, device)
+        placed = placed_ops(graph)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each
         self.memory_plan = plan(graph, self.schedule, unplanned)
         check_plan(graph, self.schedule, self.memory_plan, unplanned=unplanned)
@@ -189,6 +189,18 @@ class TrainStep:
                    if kind == joint.BUFFER_UPDATE]
         if updates:
             torch._foreach_copy_([t for t, _ in updates], [v for _, v in updates])
+
+
+    def close(self) -> None:
+        """Drop the captured CUDA graph (the next call runs eagerly and captures again). Call it
+        before `torch.distributed.destroy_process_group()`: a graph that holds NCCL's all-reduce
+        keeps that from returning (pytorch/pytorch#115388)."""
+        if self.runner.captured is not None:
+            torch.cuda.synchronize(self.device)
+        self.runner.captured, self._results, self._calls = None, None, 0
+        for p, _ in self._grads:
+            p.grad = None
+        self._grads, self._last = [], None
 
 
 class _DataParallel:

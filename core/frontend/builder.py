@@ -275,6 +275,8 @@ class GraphBuilder:
                 alias = self._root(passed[id(t._base)])
             elif t._is_view():  # a view of a known value, or else of a temporary inside the op
                 alias = self.root_of.get(id(t._base))
+            elif schema.name in ALWAYS_ALIAS and isinstance(args[0], Ref):  # its input's storage, not a view to torch
+                alias = self._root(args[0].id)
             name = f"{short_name(target)}_{op_id}"
             out_refs.append(self._new_value(ACTIVATION, t, name, op_id, alias))
         self.ops.append(Op(op_id, target, tuple(args), tuple(kwargs),
@@ -318,6 +320,11 @@ class GraphBuilder:
     def _root(self, vid: int) -> int:
         alias = self.values[vid].alias_of
         return vid if alias is None else alias
+
+
+# ops whose result is always their input's tensor under another name (`_is_view()` says no: an
+# arena buffer bound as its result would be taken for a buffer of its own)
+ALWAYS_ALIAS = frozenset({"aten::detach", "aten::alias"})
 
 
 def short_name(target: str) -> str:

@@ -8,7 +8,7 @@ the rules inference follows), and `capture` records one such run, with whatever 
 after it (`after`), into a CUDA graph that `replay` then runs with no Python per op; elsewhere
 they run one after another. Every activation, the saved ones the backward
 reads included, that an op can write in place is written into its buffer of the memory plan, in one arena
-allocated once (`placed/`: an op's out= overload, or on CUDA the generated kernel of a fused op);
+allocated once (`placed/`: an op's out= overload);
 the results of the other ops (`loose`: convolution_backward asked for two of its three results,
 batch norm's training forward) are bound as they are computed rather than copied into a buffer,
 which would cost a pass over memory each: their memory comes from torch's allocator (in a
@@ -34,7 +34,6 @@ from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .base import streams
-from .kernels.fused import FusedKernel
 from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
 
@@ -43,11 +42,11 @@ class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
                  device: torch.device, placed: list[PlacedOp]):
         """`weights`: the graph's constants (tensors the model builds in its forward); `placed`:
-        `placed_ops(graph, device)`, whose `loose` values the memory plan left out."""
+        `placed_ops(graph)`, whose `loose` values the memory plan left out."""
         self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
         self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
         self.captured: torch.cuda.CUDAGraph | None = None
-        self.placed = placed
+        self.placed, self.unplanned = placed, loose(graph, placed)
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
         self.release = streams.release_plan(graph, self.order, schedule.stream)
@@ -62,7 +61,8 @@ class JointRunner:
         env.update(zip(self.graph.inputs, inputs))
         kept = frozenset(t.untyped_storage().data_ptr() for t in [self.arena, *env.values()])
         with torch.no_grad():
-            run_ops(self.placed, _Step(env, self.views, self.device, self.release, kept, ready), self.order,
+            run_ops(self.placed, _Step(env, self.views, self.device, self.release, kept, ready, self.arena,
+                                       self.unplanned), self.order,
                     self._place if self.streams else None)
             outputs = [env[o] for o in self.graph.outputs]
             if after is not None:
@@ -89,31 +89,41 @@ class JointRunner:
         self.captured.replay()
 
 
-def placed_ops(graph: Graph, device: torch.device) -> list[PlacedOp]:
-    """Each op of `graph` resolved once, as it runs on `device`."""
-    return [_placed(op, device.type == "cuda") for op in graph.ops]
+def placed_ops(graph: Graph) -> list[PlacedOp]:
+    """Each op of `graph` resolved once."""
+    return [_placed(op) for op in graph.ops]
+
+
+# ops whose result can share its input's storage though their schema does not say so
+UNMARKED_VIEWS = frozenset({"aten::_unsafe_view.default"})
 
 
 def loose(graph: Graph, placed: list[PlacedOp]) -> frozenset[int]:
     """The activations the runtime binds as computed, with no buffer of the memory plan: every
     result of an op with neither an out= overload nor a kernel of nimble's (`placed_ops`) that
-    owns its storage (views of other values have no buffer of their own anyway)."""
+    owns its storage (views of other values have no buffer of their own anyway), but for ops
+    that may return their input itself or a view of it (`reshape`, `contiguous`: their schema
+    marks it; `UNMARKED_VIEWS`): bound as returned, such a result would hold an arena buffer past
+    the end the plan gave it, so it is copied into a buffer of its own."""
     found = set()
     for p in placed:
-        if p.out_fn is None and p.substitute is None:
+        schema = getattr(p.fn, "_schema", None)  # a fused op's body (`run_fused`) has none: its ops compute
+        if p.out_fn is None and p.substitute is None and p.op.target not in UNMARKED_VIEWS \
+                and not (schema is not None and any(r.alias_info is not None for r in schema.returns)):
             found.update(v for v in p.op.outputs if graph.values[v].kind == ACTIVATION
                          and graph.values[v].alias_of is None)
     return frozenset(found)
 
 
-def _placed(op, cuda: bool) -> PlacedOp:
+def _placed(op) -> PlacedOp:
     """`op` to run into its planned buffer: by its out= overload where it has one that gives
     every result it was asked for (`convolution_backward` asked for two of its three has none that
-    fits), a fused op on CUDA by its generated kernel (`kernels/fused.FusedKernel`, which declines
-    a body it cannot generate: that body is then computed and copied in), else computed and bound
-    as it is (`loose`)."""
+    fits), else computed and bound as it is (`loose`). A fused op runs its body op by op: with
+    inference's generated kernels (`kernels/fused.FusedKernel`) a captured resnet18 step's
+    gradients once left eager's by 2.3e-3 for one step in twelve, and by none without them (H200,
+    2026-11-30); until that is understood the training step does without them."""
     if op.target == fusion.FUSED:
-        return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
+        return PlacedOp(op, run_fused, None, [], None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
@@ -130,9 +140,16 @@ class _Step(PlacedRun):
     """A placed run that reports each op's results (`ready`) and names a failing op as a
     training step's."""
 
-    def __init__(self, env, views, device, release, kept, ready):
+    def __init__(self, env, views, device, release, kept, ready, arena, unplanned):
         super().__init__(env, views, device, release=release, kept=kept)
-        self.ready = ready
+        self.ready, self.arena, self.unplanned = ready, arena.untyped_storage().data_ptr(), unplanned
+
+    def call(self, p: PlacedOp, args, kwargs) -> list[torch.Tensor]:
+        results = super().call(p, args, kwargs)
+        # a result bound as computed must own its memory: one inside the arena (an op that
+        # returned a view of its input after all) would outlive its bytes' plan
+        return [t.clone() if v in self.unplanned and isinstance(t, torch.Tensor) and t.numel()
+                and t.untyped_storage().data_ptr() == self.arena else t for v, t in zip(p.op.outputs, results)]
 
     def bind(self, p: PlacedOp, results) -> None:
         if self.ready is not None:

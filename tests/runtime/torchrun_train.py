@@ -5,6 +5,7 @@ its own batches with one `nimble.TrainStep`, then writes its losses and a digest
 `--nccl` each process trains on its own GPU (cuda:RANK) over NCCL, its step captured into a CUDA
 graph unless `--no-graphs` (test_gpu_train_step.py)."""
 
+import faulthandler
 import hashlib
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ from tests.models import MobileNetV2Small  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     nccl = "--nccl" in sys.argv
+    if nccl:  # a process that hangs (a collective one rank never joins) ends with where it was
+        faulthandler.dump_traceback_later(60, exit=True)
     dist.init_process_group("nccl" if nccl else "gloo")  # rank, world size and rendezvous from torchrun's environment
     rank = dist.get_rank()
     device = torch.device(f"cuda:{rank}" if nccl else "cpu")
@@ -39,6 +42,7 @@ def main() -> None:
     torch.save(flat, f"weights{rank}.pt")
     weights = flat.numpy().tobytes()
     Path(f"rank{rank}.txt").write_text(f"losses {losses} weights {hashlib.sha256(weights).hexdigest()}\n")
+    step.close()  # a captured all-reduce would keep the process group from closing
     dist.destroy_process_group()
 
 

@@ -33,12 +33,13 @@ from .substitutes import SUBSTITUTES, BiasedGemm, small_product
 def out_overload(target: str, training: bool = False):
     """The `out=` overload that matches a functional overload argument for argument, or None.
     Returns (overload, names of its out arguments). Cached: a graph repeats few targets.
-    `training`: a training graph's target (`targets.resolve`)."""
+    `training`: a training graph's target (`targets.resolve`), whose backward ops name their out=
+    overloads otherwise too (`threshold_backward.grad_input`)."""
     fn = targets.resolve(target, training)
     functional = [(a.name, str(a.type)) for a in fn._schema.arguments]
     packet = fn.overloadpacket
     for name in sorted(packet.overloads()):
-        if "out" not in name:
+        if "out" not in name and not (training and name.startswith("grad_")):
             continue
         schema = getattr(packet, name)._schema
         outs = [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
