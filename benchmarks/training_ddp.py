@@ -80,6 +80,7 @@ def worker(args) -> None:
         row[f"{key}_images_per_s"] = world * args.batch / row[f"{key}_ms"] * 1e3
     if rank == 0:
         Path(args.out, f"ddp_{world}.json").write_text(json.dumps(row) + "\n")
+    step.close()  # a captured all-reduce would keep the process group from closing
     dist.destroy_process_group()
 
 
