@@ -6,17 +6,17 @@ The ops run in the schedule's order with no autograd: the backward is ops of the
 other. On CUDA each op runs on its planned stream after the ops it waits for (`base/streams.issue`,
 the rules inference follows), and `capture` records one such run, with whatever the caller does
 after it (`after`), into a CUDA graph that `replay` then runs with no Python per op; elsewhere
-they run one after another. Every activation, the saved ones the backward
-reads included, that an op can write in place is written into its buffer of the memory plan, in one arena
-allocated once (`placed/`: an op's out= overload);
-the results of the other ops (`loose`: convolution_backward asked for two of its three results,
-batch norm's training forward) are bound as they are computed rather than copied into a buffer,
-which would cost a pass over memory each: their memory comes from torch's allocator (in a
-captured step, the graph's own pool). A value outside the arena is dropped once its last reader
-has run. The graph's outputs (loss, gradients, new buffers) are arena buffers too, which the next
-call overwrites. `ready(op, results)`, where given, hears of each op's results as they come: a
-data-parallel step starts the all-reduce of a bucket of gradients while the rest of the backward
-runs (`train.py`).
+they run one after another. Every activation an op can write in place (`placed/`: by its out=
+overload), the saved ones the backward reads included, is written into its buffer of the memory
+plan, in one arena allocated once. The results of the other ops (`loose`: convolution_backward
+asked for two of its three results, batch norm's training forward, a fused op's body) are bound
+as they are computed rather than copied into a buffer, which would cost a pass over memory each:
+their memory comes from torch's allocator (in a captured step, the graph's own pool). A value
+outside the arena is dropped once its last reader has run. The graph's outputs (loss, gradients,
+new buffers) are arena buffers or such results, which the next call overwrites or replaces (a
+captured step's replays overwrite them in place). `ready(op, results)`, where given, hears of
+each op's results as they come: a data-parallel step starts the all-reduce of a bucket of
+gradients while the rest of the backward runs (`train.py`).
 """
 
 from __future__ import annotations

@@ -357,3 +357,25 @@ def test_a_plan_whose_max_flow_runs_out_says_its_bound_is_the_live_set_bound(mon
     assert (exact.lower_bound, live.lower_bound) == ("exact", "live-set")
     assert live.lower_bound_bytes <= exact.lower_bound_bytes <= live.arena_bytes
     check_plan(graph, schedule, live)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 40), st.integers(1, 3), st.integers(0, 2**32))
+def test_values_left_to_the_allocator_get_no_buffer_and_the_rest_stay_safe(n, streams, seed):
+    """`plan(..., unplanned)`: a training step's results bound as computed (`runtime/joint.loose`)
+    have no buffer; the others are placed and checked as ever, and a plan that gave one of them
+    a buffer is refused."""
+    from nimble.plan.verify import check_plan as verify
+
+    rng = random.Random(seed)
+    graph = random_graph(rng, n)
+    schedule = random_schedule(rng, graph, streams)
+    roots = [v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None]
+    unplanned = frozenset(rng.sample(roots, len(roots) // 2))
+    memory = plan(graph, schedule, unplanned)
+    assert all(memory.offset[v] is None for v in unplanned)
+    assert all(memory.offset[v] is not None for v in roots if v not in unplanned)
+    verify(graph, schedule, memory, unplanned=unplanned)
+    if unplanned:
+        with pytest.raises(ValueError, match="has a buffer"):
+            verify(graph, schedule, plan(graph, schedule), unplanned=unplanned)

@@ -1,14 +1,11 @@
 """`nimble.TrainStep` on CUDA: each of 20 steps against eager PyTorch from the same weights, in
 fp32 (TF32 off, so both sides round alike) and in bf16 under autocast, on ResNet-18 and a
-MobileNetV2-style net. (The CPU tests: test_train_step.py.)"""
+MobileNetV2-style net, captured into a CUDA graph (on the planned streams, or on one) and not;
+and `torchrun` over NCCL on two GPUs where there are two. (The CPU tests: test_train_step.py.)"""
 
 from __future__ import annotations
 
 import copy
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import nimble
 import pytest
@@ -16,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import MobileNetV2Small, ResNet18
-from tests.runtime.test_train_step import batch, relative
+from tests.runtime.test_train_step import batch, relative, torchrun_trains_alike
 
 pytestmark = pytest.mark.gpu
 
@@ -62,19 +59,10 @@ def test_torchrun_trains_on_two_gpus_over_nccl_captured_as_uncaptured(tmp_path):
     """`torchrun --nproc-per-node 2 script.py --nccl`: each process on its own GPU, the gradients
     all-reduced over NCCL inside the captured step. Both processes end with one set of weights,
     and the captured run ends where the uncaptured one does."""
-    script = Path(__file__).with_name("torchrun_train.py")
     found = {}
     for mode in ("--nccl", "--no-graphs"):
         folder = tmp_path / mode.strip("-")
         folder.mkdir()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(script), "--nccl", *([mode] if mode != "--nccl" else [])],
-                              capture_output=True, text=True, timeout=150, cwd=folder)
-        assert done.returncode == 0, done.stderr[-3000:]
-        said = [(folder / f"rank{rank}.txt").read_text() for rank in (0, 1)]
-        match = [re.fullmatch(r"losses (\[.*\]) weights ([0-9a-f]{64})\n", text) for text in said]
-        assert all(match), said
-        assert match[0][2] == match[1][2], said  # one set of weights
-        assert match[0][1] != match[1][1]  # each process its own data
+        torchrun_trains_alike(folder, ["--nccl", *([mode] if mode != "--nccl" else [])], timeout=150)
         found[mode] = torch.load(folder / "weights0.pt")
     assert relative(found["--nccl"], found["--no-graphs"]) <= 1e-4

@@ -235,11 +235,17 @@ def test_torchrun_launches_data_parallel_training_on_gloo(tmp_path):
     """The launch a user makes: `torchrun --standalone --nproc-per-node 2 script.py`. Both processes
     end with the same weights (each trained on its own batches, from different seeds) and
     different losses."""
+    torchrun_trains_alike(tmp_path, [], timeout=600)
+
+
+def torchrun_trains_alike(folder: Path, flags: list[str], timeout: int) -> None:
+    """`torchrun --standalone --nproc-per-node 2 torchrun_train.py FLAGS` in `folder`: it exits
+    cleanly, both processes end with one set of weights and each trained on its own data."""
     script = Path(__file__).with_name("torchrun_train.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                           str(script), *flags], capture_output=True, text=True, timeout=timeout, cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
-    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    said = [(folder / f"rank{rank}.txt").read_text() for rank in (0, 1)]
     found = [re.fullmatch(r"losses (\[.*\]) weights ([0-9a-f]{64})\n", text) for text in said]
     assert all(found), said
     assert found[0][2] == found[1][2], said  # one set of weights
