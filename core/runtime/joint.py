@@ -121,7 +121,8 @@ def _placed(op) -> PlacedOp:
     fits), else computed and bound as it is (`loose`). A fused op runs its body op by op: with
     inference's generated kernels (`kernels/fused.FusedKernel`) a captured resnet18 step's
     gradients once left eager's by 2.3e-3 for one step in twelve, and by none without them (H200,
-    2026-11-30); until that is understood the training step does without them."""
+    2026-11-30; `tools/train_step_drift.py` measures it); until that is understood the training step does
+    without them."""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], None)
     fn = targets.resolve(op.target, training=True)

@@ -1,0 +1,96 @@
+"""A captured `nimble.TrainStep` against eager PyTorch, step by step: the relative difference of
+all gradients after each step, to find the step that goes wrong (a GPU instrument).
+
+    python tools/train_step_drift.py [--steps 12] [--streams 1 auto] [--graphs on off]
+                                     [--fused-kernels off on] [--model resnet18|mobilenet_v2_small]
+
+Each variant trains its own copy of the model from the same weights (SGD with momentum, fused),
+on batches 8x3x32x32 drawn per step from fixed seeds; before each step the eager copy takes the
+step's parameters and buffers, so every figure is one step's error alone. fp32 with TF32 off: a
+clean step is within about 1e-5. `--fused-kernels on` runs fused ops through inference's
+generated kernels (`kernels/fused.FusedKernel`), which training leaves off (`runtime/joint.py`
+says why: one step in twelve once left eager's gradients by 2.3e-3, H200, 2026-11-30).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "cuda") -> list[float]:
+    """Each step's relative gradient difference from eager, for one variant."""
+    import nimble
+    import nimble.runtime.joint as joint
+    import torch
+    import torch.nn.functional as F
+    from nimble.runtime.kernels.fused import FusedKernel
+
+    from tests.runtime.test_train_step import batch, relative
+
+    placed = joint._placed
+
+    def with_kernels(op):
+        p = placed(op)
+        if op.target == joint.fusion.FUSED:
+            p.substitute = FusedKernel(op)
+        return p
+
+    joint._placed = with_kernels if fused else placed
+    try:
+        torch.manual_seed(0)
+        net = make().to(device)
+        ref = copy.deepcopy(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
+        x, t = (v.to(device) for v in batch(8, 32))
+        step = nimble.TrainStep(net, F.cross_entropy, x, t, optimizer=opt, streams=streams, cuda_graphs=graphs)
+        errors = []
+        for k in range(steps):
+            x, t = (v.to(device) for v in batch(8, 32, seed=k + 1))
+            ref.load_state_dict(net.state_dict())
+            ref.zero_grad(set_to_none=True)
+            F.cross_entropy(ref(x), t).backward()
+            step(x, t)
+            errors.append(relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                                   torch.cat([p.grad.reshape(-1) for p in ref.parameters()])))
+        step.close()
+        return errors
+    finally:
+        joint._placed = placed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--streams", nargs="+", default=["1", "auto"])
+    ap.add_argument("--graphs", nargs="+", choices=("on", "off"), default=["on"])
+    ap.add_argument("--fused-kernels", nargs="+", choices=("on", "off"), default=["off", "on"])
+    ap.add_argument("--model", choices=("resnet18", "mobilenet_v2_small"), default="resnet18")
+    ap.add_argument("--device", default="cuda", help="cpu checks the instrument itself (no capture, no kernels)")
+    args = ap.parse_args()
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("train_step_drift needs a CUDA device: it compares captured steps with eager ones")
+    from tests.models import MobileNetV2Small, ResNet18
+
+    make = (lambda: ResNet18(classes=10)) if args.model == "resnet18" else MobileNetV2Small
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    print(f"{args.model}, fp32 (TF32 off), {where}, torch {torch.__version__}: "
+          "relative gradient difference from eager per step")
+    for streams, graphs, fused in itertools.product(args.streams, args.graphs, args.fused_kernels):
+        errors = drift(make, args.steps, int(streams) if streams.isdigit() else streams, graphs == "on",
+                       fused == "on", args.device)
+        print(f"streams {streams}, graphs {graphs}, fused kernels {fused}: "
+              + " ".join(f"{e:.1e}" for e in errors) + f"  (worst {max(errors):.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
