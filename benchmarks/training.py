@@ -8,7 +8,7 @@ Models are torchvision's MobileNetV2, EfficientNet-B0 and ResNet-50 (and any oth
 classifiers named) with 10 classes on square inputs of `--size` pixels (32, CIFAR-sized, by
 default; 224 as people train ImageNet). `--precision bf16` runs eager and torch.compile under
 `torch.autocast(dtype=torch.bfloat16)` and TrainStep with `precision="bf16"`; the older
-`prepare(..., training=True)` path has no bf16 and is left out then. A step is zero_grad, forward, cross-entropy, backward and an SGD step
+`prepare(..., training=True)` path has no bf16 and is left out then (and with `--no-prepared`). A step is zero_grad, forward, cross-entropy, backward and an SGD step
 with momentum (torch.optim, foreach), as a user writes it. Every variant starts from the same
 weights; the figure is the median wall time of one step, synchronized, after a warm-up.
 
@@ -85,7 +85,8 @@ def stepper(model, params, batch: int, size: int, bf16: bool, before=None):
     return step, last
 
 
-def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 32, precision: str = "fp32") -> dict:
+def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 32, precision: str = "fp32",
+              prepared: bool = True) -> dict:
     import nimble
     import torch
     import torchvision
@@ -107,7 +108,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
                                         for a, b in zip(first_losses(step, last), eager_losses)]
     del again, eager
 
-    for streams in (() if bf16 else ("auto", 1)):
+    for streams in (("auto", 1) if prepared and not bf16 else ()):
         net = copy.deepcopy(base)
         t = time.perf_counter()
         model = nimble.Nimble(net).prepare(torch.randn(batch, 3, size, size, device="cuda"), training=True,
@@ -260,6 +261,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--size", type=int, default=32, help="input height and width (224: ImageNet-sized)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--no-prepared", action="store_true",
+                    help="leave out the older prepare(..., training=True) variants (they take device time)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--report", nargs="+", type=Path, help="merge these JSON files into training.md")
     args = ap.parse_args()
@@ -285,7 +288,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         for batch in args.batches:
-            row = bench_one(name, batch, args.iters, batch in args.compile_batches, args.size, args.precision)
+            row = bench_one(name, batch, args.iters, batch in args.compile_batches, args.size, args.precision,
+                            not args.no_prepared)
             print(json.dumps(row), flush=True)
             rows.append(row)
             out = {"meta": meta, "rows": rows}
