@@ -351,11 +351,20 @@ def test_a_detach_in_the_joint_graph_is_its_input_under_another_name_never_a_buf
     """The backward detaches what it saved. Typed as a fresh value, a detach bound as computed (a
     view of its input's buffer) outlived that buffer's end in the plan: resnet18's gradients were
     wrong by 100 % on the H200 before."""
+    from nimble.frontend.builder import GraphBuilder
+    from nimble.ir import TensorSpec
+
+    b = GraphBuilder("m", training=True)
+    x = b.add_input("x", TensorSpec((2, 3), "float32"))
+    y = b.op("aten::relu.default", [x], "m.py:1")
+    for target in ("aten::detach.default", "aten::alias.default"):  # y itself, or a value aliasing it
+        r = b.op(target, [y], "m.py:2")
+        assert r.id == y.id or b.values[r.id].alias_of == y.id, target
     torch.manual_seed(0)
     step = nimble.TrainStep(ResNet18(classes=10), F.cross_entropy, *batch(2, 16))
-    graph = step.graph
+    graph = step.graph  # torch 2.11 and 2.13 detach what the backward saves (2.14 does not)
     detached = [v for op in graph.ops if op.target == "aten::detach.default" for v in op.outputs]
-    assert detached and all(graph.values[v].alias_of is not None for v in detached)
+    assert all(graph.values[v].alias_of is not None for v in detached)
     assert not set(detached) & loose(graph, step.runner.placed)
 
 
