@@ -5,6 +5,7 @@ over two gloo processes against DistributedDataParallel, and one-line errors."""
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import subprocess
 import sys
@@ -223,7 +224,12 @@ def _data_parallel_worker(rank: int, folder: str) -> None:
         both = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(both, flat)
         assert torch.equal(both[0], both[1])  # the processes' weights stayed one
+        dist.barrier()  # neither process tears down while the other is still in a collective
     finally:
+        # DDP's reducer and the step hold the process group and gloo's work: dropped before it is
+        # destroyed (gloo work threads alive at interpreter exit abort the process, once in CI)
+        eager = step = None  # noqa: F841
+        gc.collect()
         dist.destroy_process_group()
 
 
