@@ -103,7 +103,8 @@ def main() -> None:
     rows = []
     for n in (1, args.gpus):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__,
-               "--worker", *sys.argv[1:]]
+               "--worker", "--out", str(args.out.resolve()), "--model", args.model, "--batch", str(args.batch),
+               "--size", str(args.size), "--iters", str(args.iters)]
         done = subprocess.run(cmd, cwd=Path(__file__).parent)
         if done.returncode:
             sys.exit(f"the {n}-GPU launch failed (exit {done.returncode}); its output is above")
