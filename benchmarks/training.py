@@ -220,19 +220,20 @@ def summary(rows: list[dict], meta: dict) -> str:
              "issue = the host's ms to issue one TrainStep call without waiting for the GPU. Peak = a variant's",
              "peak GPU MiB from before it was built to after its timing (its weights, gradients, optimizer",
              f"state, activations, graph pools), less what the process held before it; {meta.get('peak', 'allocated')}",
-             "memory (allocated memory misses torch.compile's graph pool: its column is n/a then).", "",
-             "| model | px | batch | precision | eager | torch.compile | nimble | TrainStep | TrainStep / compile | "
-             "TrainStep issue | peak MiB eager / compile / TrainStep | TrainStep prepare s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "memory (allocated memory misses torch.compile's graph pool: its column is n/a then).", ""]
     order = {m: k for k, m in enumerate(MODELS)}
     rows = sorted(rows, key=lambda r: (r.get("precision", "fp32"), r.get("size", 32), order.get(r["model"], 99),
                                        r["model"], r["batch"]))
+    cells = []
     for r in rows:
         ratio = f"{r['step_ms'] / r['compile_ms']:.2f}" if r.get("step_ms") and r.get("compile_ms") else "n/a"
         peaks = " / ".join(_ms(r, k, "{:.0f}") for k in ("eager_peak_mb", "compile_peak_mb", "step_peak_mb"))
-        lines.append(f"| {r['model']} | {r.get('size', 32)} | {r['batch']} | {r.get('precision', 'fp32')} | "
-                     f"{_ms(r, 'eager_ms')} | {_ms(r, 'compile_ms')} | {_ms(r, 'nimble_ms')} | {_ms(r, 'step_ms')} | "
-                     f"{ratio} | {_ms(r, 'step_issue_ms')} | {peaks} | {_ms(r, 'step_prepare_s', '{:.1f}')} |")
+        cells.append([r["model"], r.get("size", 32), r["batch"], r.get("precision", "fp32"), _ms(r, "eager_ms"),
+                      _ms(r, "compile_ms"), _ms(r, "nimble_ms"), _ms(r, "step_ms"), ratio, _ms(r, "step_issue_ms"),
+                      peaks, _ms(r, "step_prepare_s", "{:.1f}")])
+    lines += report.table(["model", "px", "batch", "precision", "eager", "torch.compile", "nimble", "TrainStep",
+                           "TrainStep / compile", "TrainStep issue", "peak MiB eager / compile / TrainStep",
+                           "TrainStep prepare s"], cells)
     compiled = [r for r in rows if "compile_first_steps_s" in r]
     if compiled:
         lines += ["", "torch.compile time to the first three steps: " + ", ".join(

@@ -77,15 +77,13 @@ def curves(name: str, steps: int, precision: str, device: str, lr: float) -> dic
 def summary(rows: list[dict], meta: dict) -> str:
     lines = [f"# TrainStep loss curves against eager ({meta['device']}, torch {meta['torch']}, {meta['date']})", "",
              "`python benchmarks/training_curves.py`: free-running steps from the same weights and batches",
-             "(batch 8, 32x32, SGD with momentum 0.9). Control: eager from weights changed by 1e-7 relative.", "",
-             "| model | precision | lr | steps | max abs loss diff, nimble (first 10) | control (first 10) | "
-             "last loss nimble / eager / control |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        last = r["last"]
-        lines.append(f"| {r['model']} | {r['precision']} | {r['lr']} | {r['steps']} | {r['nimble_max']:.2e} "
-                     f"({r['nimble_max_10']:.2e}) | {r['control_max']:.2e} ({r['control_max_10']:.2e}) | "
-                     f"{last['nimble']:.4f} / {last['eager']:.4f} / {last['control']:.4f} |")
+             "(batch 8, 32x32, SGD with momentum 0.9). Control: eager from weights changed by 1e-7 relative.", ""]
+    lines += report.table(
+        ["model", "precision", "lr", "steps", "max abs loss diff, nimble (first 10)", "control (first 10)",
+         "last loss nimble / eager / control"],
+        [[r["model"], r["precision"], r["lr"], r["steps"], f"{r['nimble_max']:.2e} ({r['nimble_max_10']:.2e})",
+          f"{r['control_max']:.2e} ({r['control_max_10']:.2e})",
+          f"{r['last']['nimble']:.4f} / {r['last']['eager']:.4f} / {r['last']['control']:.4f}"] for r in rows])
     return "\n".join(lines) + "\n"
 
 

@@ -115,6 +115,9 @@ class TrainStep:
             raise UsageError(f"{self.name}: the exported step reads '{missing[0]}', which the module does not have")
         self._bound = [state[n] if r.kind != joint.DATA else None for r, n in zip(lowered.inputs, names)]
         self._outputs = [(r.kind, state.get(r.target.removeprefix(prefix))) for r in lowered.outputs]
+        kinds = [kind for kind, _ in self._outputs]
+        self._loss_at, self._outputs_at = kinds.index(joint.LOSS), [k for k, kind in enumerate(kinds)
+                                                                    if kind == joint.OUTPUT]
         self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
@@ -145,40 +148,34 @@ class TrainStep:
                 for slot, t in zip(self._slots, given):
                     slot.copy_(t)
             given = self._slots
-        data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
-        bound = [t if t is not None else next(data) for t in self._bound]
-        if self._results is not None:
+        if self._results is not None:  # captured: the graph reads the slots
             self.runner.replay()
-        elif self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
-            self._results = self.runner.capture(bound, self._data.ready, self._after)
-            self.runner.replay()
+            results = self._results
         else:
-            self.runner(bound, self._data.ready, self._after)
-        self._calls += 1
-        results = self._results if self._results is not None else self._last
-        loss, outputs = None, []
+            data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
+            bound = [t if t is not None else next(data) for t in self._bound]
+            if self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
+                results = self._results = self.runner.capture(bound, self._data.ready, self._after)
+                self.runner.replay()
+            else:
+                results = self.runner(bound, self._data.ready, self._after)
+            self._calls += 1
         with torch.no_grad():
-            for (kind, _), value in zip(self._outputs, results):
-                if kind == joint.LOSS:
-                    loss = value
-                elif kind == joint.OUTPUT:
-                    outputs.append(value.clone())  # the arena's copy is the next step's
+            outputs = [results[k].clone() for k in self._outputs_at]  # the arena's copies are the next step's
             for p, g in self._grads:
                 if p.grad is not g:
                     p.grad = g
         if self.optimizer is not None:
             self.optimizer.step()
-        loss = loss.clone()  # the arena's copy is the next step's
+        loss = results[self._loss_at].clone()  # the arena's copy is the next step's
         if not self.outputs:
             return loss
         return loss, outputs[0] if len(outputs) == 1 else tuple(outputs)
-
 
     def _after(self, results: list[torch.Tensor]) -> None:
         """After the step's ops (and in its CUDA graph, where captured): the gradients averaged
         over the processes, each in its parameter's own layout (as autograd gives it: fused
         optimizers assume it), and batch norm's new running statistics in the module's buffers."""
-        self._last = results
         grads = []
         for p, g in self._data.finish(results):
             if g.stride() != p.stride():
@@ -190,7 +187,6 @@ class TrainStep:
         if updates:
             torch._foreach_copy_([t for t, _ in updates], [v for _, v in updates])
 
-
     def close(self) -> None:
         """Drop the captured CUDA graph (the next call runs eagerly and captures again). Call it
         before `torch.distributed.destroy_process_group()`: a graph that holds NCCL's all-reduce
@@ -200,7 +196,7 @@ class TrainStep:
         self.runner.captured, self._results, self._calls = None, None, 0
         for p, _ in self._grads:
             p.grad = None
-        self._grads, self._last = [], None
+        self._grads = []
 
 
 class _DataParallel:

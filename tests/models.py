@@ -3,6 +3,8 @@
 import torch
 import torch.nn as nn
 
+from sample_models.build import InvertedResidual
+
 
 class DataDependentIf(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,32 +243,16 @@ class PaddingMask(nn.Module):
         return scores + torch.where(causal & spread, 0.0, float("-inf"))
 
 
-class _InvertedResidual(nn.Module):
-    """torchvision's MobileNetV2 block: a 1x1 expansion, a 3x3 depthwise convolution, a 1x1
-    projection, batch norm and ReLU6 between, and the residual where shapes allow."""
-
-    def __init__(self, cin: int, cout: int, stride: int, expand: int):
-        super().__init__()
-        mid = cin * expand
-        self.residual = stride == 1 and cin == cout
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(inplace=True),
-            nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(inplace=True),
-            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.body(x) if self.residual else self.body(x)
-
-
 class MobileNetV2Small(nn.Module):
     """torchvision's MobileNetV2 in its kinds of layers, fewer and narrower: a stem, inverted
-    residual blocks with and without their residual, a 1x1 head, pooling, dropout and a linear."""
+    residual blocks (the bundled sample's, `sample_models/build.py`) with and without their
+    residual, a 1x1 head, pooling, dropout and a linear."""
 
     def __init__(self, classes: int = 10):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(inplace=True))
-        self.blocks = nn.Sequential(_InvertedResidual(16, 16, 1, 1), _InvertedResidual(16, 24, 2, 6),
-                                    _InvertedResidual(24, 24, 1, 6), _InvertedResidual(24, 32, 2, 6))
+        self.blocks = nn.Sequential(InvertedResidual(16, 16, 1, 1), InvertedResidual(16, 24, 2, 6),
+                                    InvertedResidual(24, 24, 1, 6), InvertedResidual(24, 32, 2, 6))
         self.head = nn.Sequential(nn.Conv2d(32, 64, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU6(inplace=True))
         self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(64, classes))
 
