@@ -3,6 +3,7 @@ all gradients after each step, to find the step that goes wrong (a GPU instrumen
 
     python tools/train_step_drift.py [--steps 12] [--streams 1 auto] [--graphs on off]
                                      [--fused-kernels off on] [--model resnet18|mobilenet_v2_small]
+                                     [--probe sync keep spread deterministic]
 
 Each variant trains its own copy of the model from the same weights (SGD with momentum, fused),
 on batches 8x3x32x32 drawn per step from fixed seeds; before each step the eager copy takes the
@@ -10,6 +11,13 @@ step's parameters and buffers, so every figure is one step's error alone. fp32 w
 clean step is within about 1e-5. `--fused-kernels on` runs fused ops through inference's
 generated kernels (`kernels/fused.FusedKernel`), which training leaves off (`runtime/joint.py`
 says why: one step in twelve once left eager's gradients by 2.3e-3, H200, 2026-11-30).
+
+`--probe` adds variants that take one suspect away each, to find where a bad step comes from:
+`sync` synchronizes the device after every op (the schedule's order and plan, with no two ops at
+once; uncaptured only), `keep` drops no value before the step ends (torch's allocator cannot
+hand a freed block to another op), `spread` gives every planned buffer a region of its own (no
+buffer of the memory plan is shared), `deterministic` asks cuDNN and torch for deterministic
+algorithms in both the step and eager. A bad step's worst parameter is named.
 """
 
 from __future__ import annotations
@@ -24,8 +32,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "cuda") -> list[float]:
-    """Each step's relative gradient difference from eager, for one variant."""
+def _spread(memory):
+    """`memory` with every buffer in a region of its own."""
+    import dataclasses
+
+    offsets, top = [], 0
+    for offset, size in zip(memory.offset, memory.size):
+        offsets.append(None if offset is None else top)
+        top += size if offset is not None else 0
+    return dataclasses.replace(memory, offset=tuple(offsets), arena_bytes=max(top, memory.alignment))
+
+
+def _probed(probe: str | None):
+    """Patches for one probe (see the module): (object, attribute, replacement) triples."""
+    import nimble.runtime.base.streams as streams
+    import nimble.runtime.joint as joint
+    import nimble.train as train
+    import torch
+
+    if probe == "sync":
+        place = joint.JointRunner._place
+
+        def synced(self, order, step):
+            def each(i):
+                step(i)
+                torch.cuda.synchronize(self.device)
+            place(self, order, each)
+        return [(joint.JointRunner, "_place", synced)]
+    if probe == "keep":
+        return [(streams, "release_plan", lambda *args: {})]
+    if probe == "spread":
+        plan = train.plan
+        return [(train, "plan", lambda *args: _spread(plan(*args)))]
+    return []
+
+
+def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "cuda",
+          probe: str | None = None) -> list[float]:
+    """Each step's relative gradient difference from eager, for one variant (and `probe`)."""
     import nimble
     import nimble.runtime.joint as joint
     import torch
@@ -35,6 +79,12 @@ def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "c
     from tests.runtime.test_train_step import batch, relative
 
     placed = joint._placed
+    patches = _probed(probe)
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    torch.backends.cudnn.deterministic = probe == "deterministic"
+    torch.use_deterministic_algorithms(probe == "deterministic", warn_only=True)
 
     def with_kernels(op):
         p = placed(op)
@@ -51,6 +101,7 @@ def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "c
         x, t = (v.to(device) for v in batch(8, 32))
         step = nimble.TrainStep(net, F.cross_entropy, x, t, optimizer=opt, streams=streams, cuda_graphs=graphs)
         errors = []
+        names = [n for n, _ in net.named_parameters()]
         for k in range(steps):
             x, t = (v.to(device) for v in batch(8, 32, seed=k + 1))
             ref.load_state_dict(net.state_dict())
@@ -59,10 +110,19 @@ def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "c
             step(x, t)
             errors.append(relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
                                    torch.cat([p.grad.reshape(-1) for p in ref.parameters()])))
+            if errors[-1] > 1e-4:
+                each = [relative(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters())]
+                worst = max(range(len(each)), key=each.__getitem__)
+                print(f"  step {k}: {errors[-1]:.1e}, worst {names[worst]} {each[worst]:.1e}; "
+                      f"{sum(e > 1e-4 for e in each)} of {len(each)} parameters over 1e-4", flush=True)
         step.close()
         return errors
     finally:
         joint._placed = placed
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        torch.backends.cudnn.deterministic = False
+        torch.use_deterministic_algorithms(False)
 
 
 def main() -> None:
@@ -72,6 +132,8 @@ def main() -> None:
     ap.add_argument("--graphs", nargs="+", choices=("on", "off"), default=["on"])
     ap.add_argument("--fused-kernels", nargs="+", choices=("on", "off"), default=["off", "on"])
     ap.add_argument("--model", choices=("resnet18", "mobilenet_v2_small"), default="resnet18")
+    ap.add_argument("--probe", nargs="*", choices=("sync", "keep", "spread", "deterministic"), default=[],
+                    help="variants that each take one suspect away (see the module); sync runs uncaptured only")
     ap.add_argument("--device", default="cuda", help="cpu checks the instrument itself (no capture, no kernels)")
     args = ap.parse_args()
     import torch
@@ -85,10 +147,13 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"{args.model}, fp32 (TF32 off), {where}, torch {torch.__version__}: "
           "relative gradient difference from eager per step")
-    for streams, graphs, fused in itertools.product(args.streams, args.graphs, args.fused_kernels):
+    for probe, streams, graphs, fused in itertools.product([None, *args.probe], args.streams, args.graphs,
+                                                           args.fused_kernels):
+        if probe == "sync" and graphs == "on":
+            continue
         errors = drift(make, args.steps, int(streams) if streams.isdigit() else streams, graphs == "on",
-                       fused == "on", args.device)
-        print(f"streams {streams}, graphs {graphs}, fused kernels {fused}: "
+                       fused == "on", args.device, probe)
+        print(f"{'probe ' + probe + ', ' if probe else ''}streams {streams}, graphs {graphs}, fused kernels {fused}: "
               + " ".join(f"{e:.1e}" for e in errors) + f"  (worst {max(errors):.1e})", flush=True)
 
 

@@ -140,7 +140,9 @@ class GraphBuilder:
         """Refuse an op that reads a tensor from torch.empty before it was filled in whole."""
         if not self.unset or not any(id(a) in self.unset for a in flat(ins)):
             return
-        if schema.name not in _OVERWRITES or any(id(a) in self.unset for a in flat(ins[1:])):
+        named = schema.name if not schema.overload_name else f"{schema.name}.{schema.overload_name}"
+        if (schema.name not in _OVERWRITES and named not in _OVERWRITES) \
+                or any(id(a) in self.unset for a in flat(ins[1:])):
             raise UnsupportedError(f"{self.name}: {target} at {source} reads uninitialized memory (from "
                                    "torch.empty); nimble runs deterministic graphs only")
         if schema.name.endswith("_"):  # torch.empty(...).fill_(v): set in whole before any read
@@ -343,9 +345,12 @@ def _shape_from_values(schema, ins: list, meta: dict) -> bool:
 
 _NOT_VIEWABLE = "view size is not compatible with input tensor's size and stride"
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-_OVERWRITES = {  # read no element of their first argument, only its shape and dtype
+_OVERWRITES = {  # read no element of their first argument, only its shape and dtype (by name, or name.overload)
     "aten::fill_", "aten::zero_", "aten::fill", "aten::zero", "aten::full_like", "aten::zeros_like", "aten::ones_like",
     "aten::empty_like", "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty",
+    # random fills of a training step: `torch.empty(...).bernoulli_(p)` (stochastic depth) becomes
+    # `bernoulli.p` in torch's functional trace; plain `bernoulli` reads its input as probabilities
+    "aten::bernoulli.p", "aten::bernoulli_.float", "aten::uniform_", "aten::normal_",
 }
 
 

@@ -22,6 +22,7 @@ import torch
 from ..errors import NimbleError, ShapeError, UnsupportedError, UsageError, first_line
 from ..ir import Ref, TensorSpec
 from ..ops import targets, types
+from ..ops.allowlist import NONDETERMINISTIC
 from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in
 from .finalize import finalize
 from .schema import schema_order
@@ -232,7 +233,9 @@ class _Lowering:
         if schema.name in IDENTITY_WHEN_NOT_TRAINING and ins[2] is False:
             return ins[0]
         self.builder.check_reads(schema, target, ins, _source(node))
-        if not refs_in(ins):  # weights and constants alone: fold on the host, as freezing does
+        # weights and constants alone: fold on the host, as freezing does; but a training step's
+        # random ops (and the torch.empty a stochastic depth fills) are ops of every call
+        if not refs_in(ins) and not (self.builder.training and target.split("::")[1].split(".")[0] in NONDETERMINISTIC):
             return self.builder.fold(schema, target, ins, _source(node))
         result = self.builder.emit(schema, target, ins, _source(node))
         if not isinstance(result, list):  # the op hands back its input (a split into one piece, say)

@@ -68,7 +68,7 @@ TRAINING_ONLY: tuple[str, ...] = (
     # statistics, the losses, the backward ops torch's joint trace records whole, and attention as
     # the CPU runs it (the GPU's attention kernels are not listed yet: a step that needs them is
     # refused in one line)
-    "_native_batch_norm_legit_functional", "scatter", "scalar_tensor", "full", "zeros", "ones",
+    "_native_batch_norm_legit_functional", "scatter", "scalar_tensor", "full", "zeros", "ones", "fill",
     "nll_loss_forward", "nll_loss_backward", "mse_loss", "mse_loss_backward",
     "convolution_backward", "threshold_backward", "native_batch_norm_backward", "native_layer_norm_backward",
     "native_group_norm_backward", "max_pool2d_with_indices_backward", "avg_pool2d_backward",

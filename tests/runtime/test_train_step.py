@@ -19,7 +19,7 @@ from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
 from nimble.runtime.joint import loose
 from torch import nn
 
-from tests.models import DataDependentIf, MobileNetV2Small, ResNet18, TinyEncoder
+from tests.models import DataDependentIf, MobileNetV2Small, ResNet18, StochasticNet, TinyEncoder
 
 
 class Small(nn.Module):
@@ -277,6 +277,31 @@ def test_dropout_draws_fresh_masks_from_torch_s_generator_as_eager_does():
     F.cross_entropy(ref(x), t).backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_stochastic_depth_from_torch_empty_is_an_op_of_every_step():
+    """EfficientNet's stochastic depth (`torch.empty(...).bernoulli_(p)`: `empty` then `bernoulli.p`
+    in torch's trace, which reads only the shape of the empty tensor) and an in-place SiLU (whose
+    backward fills an `empty_like` with ones) train as eager does, draw for draw; it was refused as
+    reading uninitialized memory."""
+    torch.manual_seed(0)
+    net = StochasticNet()
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    step = nimble.TrainStep(net, F.cross_entropy, x, t)
+    losses = []
+    for seed in (3, 4):
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        losses.append(float(step(x, t)))
+        torch.manual_seed(seed)
+        expected = F.cross_entropy(ref(x), t)
+        expected.backward()
+        assert losses[-1] == pytest.approx(float(expected), rel=1e-6)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert losses[0] != losses[1]  # a new draw each step
 
 
 def test_a_step_can_hand_back_the_module_s_outputs_beside_the_loss():
