@@ -104,7 +104,7 @@ class TrainStep:
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
         self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
-        placed = placed_ops(graph)
+        placed = placed_ops(graph, device)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each
         self.memory_plan = plan(graph, self.schedule, unplanned)
         check_plan(graph, self.schedule, self.memory_plan, unplanned=unplanned)
@@ -155,6 +155,7 @@ class TrainStep:
             data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
             bound = [t if t is not None else next(data) for t in self._bound]
             if self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
+                self._release_eager()
                 results = self._results = self.runner.capture(bound, self._data.ready, self._after)
                 self.runner.replay()
             else:
@@ -186,6 +187,16 @@ class TrainStep:
                    if kind == joint.BUFFER_UPDATE]
         if updates:
             torch._foreach_copy_([t for t, _ in updates], [v for _, v in updates])
+
+    def _release_eager(self) -> None:
+        """Before the capture: the first call's gradients dropped and torch's cached blocks given
+        back, so that the memory of the eager call's results (bound as computed: `joint.loose`)
+        is not held twice, in the allocator's cache and in the graph's pool."""
+        for p, _ in self._grads:
+            p.grad = None
+        self._grads = []
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Drop the captured CUDA graph (the next call runs eagerly and captures again). Call it

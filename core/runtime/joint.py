@@ -34,6 +34,7 @@ from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .base import streams
+from .kernels.fused import FusedKernel
 from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
 
@@ -89,9 +90,9 @@ class JointRunner:
         self.captured.replay()
 
 
-def placed_ops(graph: Graph) -> list[PlacedOp]:
-    """Each op of `graph` resolved once."""
-    return [_placed(op) for op in graph.ops]
+def placed_ops(graph: Graph, device: torch.device) -> list[PlacedOp]:
+    """Each op of `graph` resolved once, for `device`."""
+    return [_placed(op, device.type == "cuda") for op in graph.ops]
 
 
 # ops whose result can share its input's storage though their schema does not say so
@@ -115,16 +116,15 @@ def loose(graph: Graph, placed: list[PlacedOp]) -> frozenset[int]:
     return frozenset(found)
 
 
-def _placed(op) -> PlacedOp:
+def _placed(op, cuda: bool) -> PlacedOp:
     """`op` to run into its planned buffer: by its out= overload where it has one that gives
     every result it was asked for (`convolution_backward` asked for two of its three has none that
-    fits), else computed and bound as it is (`loose`). A fused op runs its body op by op: with
-    inference's generated kernels (`kernels/fused.FusedKernel`) a captured resnet18 step's
-    gradients once left eager's by 2.3e-3 for one step in twelve, and by none without them (H200,
-    2026-11-30; `tools/train_step_drift.py` measures it); until that is understood the training step does
-    without them."""
+    fits), else computed and bound as it is (`loose`). A fused op runs on CUDA as inference's
+    generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
+    bound as computed. (The rare step whose gradients leave eager's by 1e-4 to 1e-2 comes with
+    them and without, on one stream too: a kink's flip, `tools/train_step_drift.py --smooth`.)"""
     if op.target == fusion.FUSED:
-        return PlacedOp(op, run_fused, None, [], None)
+        return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None

@@ -1,7 +1,9 @@
 """`nimble.TrainStep` on CUDA: each of 20 steps against eager PyTorch from the same weights, in
 fp32 (TF32 off, so both sides round alike) and in bf16 under autocast, on ResNet-18 and a
-MobileNetV2-style net, captured into a CUDA graph (on the planned streams, or on one) and not;
-and `torchrun` over NCCL on two GPUs where there are two. (The CPU tests: test_train_step.py.)"""
+MobileNetV2-style net with their kinks taken out (`tests/models.smoothed`), captured into a CUDA
+graph (on the planned streams, or on one) and not; the nets as they are, where a kink's flip may
+throw a rare step off; and `torchrun` over NCCL on two GPUs where there are two. (The CPU tests:
+test_train_step.py.)"""
 
 from __future__ import annotations
 
@@ -12,19 +14,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models import MobileNetV2Small, ResNet18
+from tests.models import MobileNetV2Small, ResNet18, smoothed
 from tests.runtime.test_train_step import batch, relative, torchrun_trains_alike
 
 pytestmark = pytest.mark.gpu
 
 
+MODELS = {"resnet18": lambda: ResNet18(classes=10), "mobilenet_v2_small": MobileNetV2Small}
+
+
 @pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, 3e-2)])
-@pytest.mark.parametrize("make", [lambda: ResNet18(classes=10), MobileNetV2Small], ids=["resnet18", "mobilenet_v2_small"])
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("graphs, streams", [(True, "auto"), (True, 1), (False, "auto")],
                          ids=["captured", "captured-1stream", "eager"])
-def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, loss_tol, grad_tol, graphs, streams):
+def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, loss_tol, grad_tol, graphs, streams):
     """Step 1 runs op by op, step 2 captures, the rest replay (with `graphs`); on the planned
-    streams, or on one."""
+    streams, or on one. Smooth nets: every step within the tolerances."""
+    errors = _steps(lambda: smoothed(MODELS[model]()), precision, loss_tol, graphs, streams)
+    assert max(errors) <= grad_tol, errors
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_nets_with_kinks_follow_eager_but_on_a_rare_step(model):
+    """ReLU, ReLU6 and max pooling as the nets have them, captured on the planned streams: the
+    loss within 1e-4 on every step, the gradients within 1e-3 on all but two steps of 20 (a
+    kink's flip: 1e-4 to 1e-2 on a few steps in 24 in `tools/train_step_drift.py`, on one stream
+    too) and within 5e-2 on all. A wrong buffer or a race is off on most steps, and by more."""
+    errors = _steps(MODELS[model], "fp32", 1e-4, True, "auto")
+    assert sum(e > 1e-3 for e in errors) <= 2 and max(errors) <= 5e-2, errors
+
+
+def _steps(make, precision: str, loss_tol: float, graphs: bool, streams) -> list[float]:
+    """Each step's relative gradient difference from eager's (20 SGD steps, asserting the loss)."""
+    errors = []
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -45,13 +67,15 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(make, precision, los
             expected.backward()
             loss = step(x, t)
             assert abs(float(loss) - float(expected.detach())) <= loss_tol * abs(float(expected.detach())), k
-            assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                            torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= grad_tol, k
+            errors.append(relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                                   torch.cat([p.grad.reshape(-1) for p in ref.parameters()])))
         if graphs:
             assert step.runner.captured is not None
             assert step._grads and all(p.grad is g for p, g in step._grads)  # the captured step's own tensors
+        step.close()
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+    return errors
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
