@@ -122,13 +122,27 @@ def drift(make, steps: int, streams, graphs: bool, fused: bool, device: str = "c
         torch.use_deterministic_algorithms(False)
 
 
+def _efficientnet_b0():
+    """torchvision's efficientnet_b0 (10 classes) drawing no random numbers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
+    net = zoo.import_torchvision().models.efficientnet_b0(num_classes=10)
+    for m in net.modules():
+        if hasattr(m, "p") and type(m).__name__ in ("Dropout", "StochasticDepth"):
+            m.p = 0.0
+    return net
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--streams", nargs="+", default=["1", "auto"])
     ap.add_argument("--graphs", nargs="+", choices=("on", "off"), default=["on"])
     ap.add_argument("--fused-kernels", nargs="+", choices=("on", "off"), default=["off", "on"])
-    ap.add_argument("--model", choices=("resnet18", "mobilenet_v2_small"), default="resnet18")
+    ap.add_argument("--model", choices=("resnet18", "mobilenet_v2_small", "efficientnet_b0"), default="resnet18",
+                    help="efficientnet_b0: torchvision's, with dropout and stochastic depth at p=0 (so that "
+                         "both sides draw nothing) and no kinks (SiLU, sigmoid)")
     ap.add_argument("--probe", nargs="*", choices=("sync", "keep", "spread", "deterministic"), default=[],
                     help="variants that each take one suspect away (see the module); sync runs uncaptured only")
     ap.add_argument("--smooth", action="store_true", help="SiLU for ReLU, average for max pooling")
@@ -140,7 +154,8 @@ def main() -> None:
         sys.exit("train_step_drift needs a CUDA device: it compares captured steps with eager ones")
     from tests.models import MobileNetV2Small, ResNet18, smoothed
 
-    build = (lambda: ResNet18(classes=10)) if args.model == "resnet18" else MobileNetV2Small
+    build = {"resnet18": lambda: ResNet18(classes=10), "mobilenet_v2_small": MobileNetV2Small,
+             "efficientnet_b0": _efficientnet_b0}[args.model]
     make = (lambda: smoothed(build())) if args.smooth else build
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
