@@ -304,6 +304,24 @@ def test_stochastic_depth_from_torch_empty_is_an_op_of_every_step():
     assert losses[0] != losses[1]  # a new draw each step
 
 
+def test_silu_s_backward_takes_its_ones_as_a_number():
+    """torch's trace of an in-place SiLU's backward fills a tensor with ones for `1 - sigmoid(x)`:
+    the step computes it from the number (`inline_scalar_constants`), with eager's gradients, and
+    no fill is left to write a tensor of ones each step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(inplace=True), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    step = nimble.TrainStep(net, F.cross_entropy, x, t)
+    found = [op.target for op in step.graph.ops] + [node[0] for op in step.graph.ops
+                                                    if op.target == "nimble::fused" for node in op.args[0]]
+    assert "aten::fill.Scalar" not in found and "aten::neg.default" in found, found
+    step(x, t)
+    F.cross_entropy(ref(x), t).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_a_step_can_hand_back_the_module_s_outputs_beside_the_loss():
     torch.manual_seed(0)
     net = Small()
