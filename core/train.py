@@ -41,6 +41,7 @@ from .plan.memory import plan
 from .plan.schedule import assign_streams
 from .plan.verify import check_plan
 from .runtime.joint import JointRunner, loose, placed_ops
+from .runtime.kernels.cudnn_graph import Workspaces
 from .specs import parse_streams
 from .stages import Stages
 
@@ -104,7 +105,8 @@ class TrainStep:
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
         self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
-        placed = placed_ops(graph, device)
+        workspaces = Workspaces() if device.type == "cuda" else None  # the generated kernels' cuDNN workspaces
+        placed = placed_ops(graph, device, workspaces)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each
         self.memory_plan = plan(graph, self.schedule, unplanned)
         check_plan(graph, self.schedule, self.memory_plan, unplanned=unplanned)
@@ -118,7 +120,7 @@ class TrainStep:
         kinds = [kind for kind, _ in self._outputs]
         self._loss_at, self._outputs_at = kinds.index(joint.LOSS), [k for k, kind in enumerate(kinds)
                                                                     if kind == joint.OUTPUT]
-        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed)
+        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed, workspaces)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"

@@ -118,7 +118,7 @@ def test_the_gpu_test_runner_runs_every_gpu_test_file_once():
     marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                     if "pytest.mark.gpu" in p.read_text())
     assert len(marked) > 10
-    for processes in (1, 3, 5):
+    for processes in (1, 3, 5, 8):
         listed = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-tests"), "--list", str(processes)],
                                 capture_output=True, text=True, check=True).stdout.splitlines()
         assert len(listed) == processes

@@ -34,6 +34,7 @@ from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .base import streams
+from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
@@ -41,9 +42,10 @@ from .placed.run import PlacedRun
 
 class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
-                 device: torch.device, placed: list[PlacedOp]):
+                 device: torch.device, placed: list[PlacedOp], workspaces: Workspaces | None = None):
         """`weights`: the graph's constants (tensors the model builds in its forward); `placed`:
-        `placed_ops(graph)`, whose `loose` values the memory plan left out."""
+        `placed_ops(graph, device, workspaces)`, whose `loose` values the memory plan left out."""
+        self.workspaces = workspaces
         self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
         self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
         self.captured: torch.cuda.CUDAGraph | None = None
@@ -79,6 +81,8 @@ class JointRunner:
         stream's library handles) into a CUDA graph without running it: the outputs it returns are
         the tensors every `replay` writes, and `inputs` must keep their storage (a caller copies
         new data into them)."""
+        if self.workspaces is not None:  # grown to full size by the eager call: one allocation of their own
+            self.workspaces.settle(self.device)
         graph = streams.new_graph()
         with streams.capturing(graph, self.streams[0], self.device, "the training step",
                                "prepare the step with cuda_graphs=False"):
@@ -90,9 +94,15 @@ class JointRunner:
         self.captured.replay()
 
 
-def placed_ops(graph: Graph, device: torch.device) -> list[PlacedOp]:
-    """Each op of `graph` resolved once, for `device`."""
-    return [_placed(op, device.type == "cuda") for op in graph.ops]
+def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None = None) -> list[PlacedOp]:
+    """Each op of `graph` resolved once, for `device`; on CUDA the generated kernels share
+    `workspaces` (one cuDNN workspace per stream, as a loaded executable's kernels do: the ops of
+    a stream run one after another)."""
+    placed = [_placed(op, device.type == "cuda") for op in graph.ops]
+    for p in placed:
+        if p.substitute is not None and workspaces is not None:
+            p.substitute.workspaces = workspaces
+    return placed
 
 
 # ops whose result can share its input's storage though their schema does not say so
