@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import MobileNetV2Small, ResNet18, smoothed
-from tests.runtime.test_train_step import batch, relative, torchrun_trains_alike
+from tests.runtime.test_train_step import batch, relative
+from tests.runtime.test_train_step_parallel import torchrun_trains_alike
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """A data-parallel training script as a user writes it for `torchrun` (run by
-test_train_step.py::test_torchrun_launches_data_parallel_training_on_gloo): each process trains
-its own batches with one `nimble.TrainStep`, then writes its losses and a digest of its weights to
-`rank<N>.txt` in the working folder (a file each: the processes' prints interleave). With
+test_train_step_parallel.py::test_torchrun_launches_data_parallel_training_on_gloo): each process
+trains its own batches with one `nimble.TrainStep`, then writes its losses and a digest of its
+weights to `rank<N>.txt` in the working folder (a file each: the processes' prints interleave). With
 `--nccl` each process trains on its own GPU (cuda:RANK) over NCCL, its step captured into a CUDA
 graph unless `--no-graphs` (test_gpu_train_step.py)."""
 
