@@ -67,8 +67,8 @@ def _inline_filled(graph: Graph) -> Graph:
             continue
         number, other = filled[op.args[at].id], op.args[1 - at]
         if op.target == "aten::sub.Tensor" and at == 0:  # c - y: neg(y) + c
-            negated = edit.value(ACTIVATION, graph.values[op.outputs[0]].spec, f"{graph.values[op.outputs[0]].name}_neg",
-                                 before=op.outputs[0])
+            result = graph.values[op.outputs[0]]
+            negated = edit.value(ACTIVATION, result.spec, f"{result.name}_neg", before=result.id)
             ops.append(edit.op("aten::neg.default", (other,), (), (negated,), op.source))
             ops.append(dataclasses.replace(op, target="aten::add.Scalar", args=(Ref(negated.id), number), kwargs=()))
         else:

@@ -238,7 +238,8 @@ def test_silu_s_backward_takes_its_ones_as_a_number():
     the step computes it from the number (`inline_scalar_constants`), with eager's gradients, and
     no fill is left to write a tensor of ones each step."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(inplace=True), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(inplace=True), nn.Flatten(),
+                        nn.Linear(8 * 14 * 14, 10))
     ref = copy.deepcopy(net)
     x, t = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     step = nimble.TrainStep(net, F.cross_entropy, x, t)
