@@ -38,11 +38,11 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, lo
 @pytest.mark.parametrize("model", list(MODELS))
 def test_the_nets_with_kinks_follow_eager_but_on_a_rare_step(model):
     """ReLU, ReLU6 and max pooling as the nets have them, captured on the planned streams: the
-    loss within 1e-4 on every step, the gradients within 1e-3 on all but two steps of 20 (a
-    kink's flip: 1e-4 to 1e-2 on a few steps in 24 in `tools/train_step_drift.py`, on one stream
-    too) and within 5e-2 on all. A wrong buffer or a race is off on most steps, and by more."""
+    loss within 1e-4 on every step, the gradients within 1e-3 on all but four steps of 20 (a
+    kink's flip: 1e-4 to 1e-2 on up to 3 steps in 24 in `tools/train_step_drift.py`, on one
+    stream too) and within 5e-2 on all. A wrong buffer or a race is off on most steps, and by more."""
     errors = _steps(MODELS[model], "fp32", 1e-4, True, "auto")
-    assert sum(e > 1e-3 for e in errors) <= 2 and max(errors) <= 5e-2, errors
+    assert sum(e > 1e-3 for e in errors) <= 4 and max(errors) <= 5e-2, errors
 
 
 def _steps(make, precision: str, loss_tol: float, graphs: bool, streams) -> list[float]:
