@@ -1,0 +1,150 @@
+"""Where a `nimble.TrainStep`'s memory goes: the plan's share, and on CUDA what each phase of the
+step holds (an instrument; `benchmarks/training.py` gives only the peak).
+
+    python tools/train_step_memory.py [--model efficientnet_b0] [--batch 32] [--size 224]
+                                      [--precision fp32|bf16] [--device cuda|cpu]
+
+From the plan (any device): the arena (and the exact lower bound it meets), and the results the
+runtime binds as computed (`runtime/joint.loose`: ops that cannot write into a given buffer), by
+the op that makes them, with how many of their bytes are live at once when each is dropped as
+`base/streams.release_plan` drops it (a result read on several streams is held to the end of
+the step). On CUDA, the device memory torch holds after each phase: prepare (weights, arena),
+the first call (op by op), the second (captured and replayed), the third (a replay); the peak;
+the generated kernels' cuDNN workspaces; and the segments by memory pool (the default pool, the
+captured graph's own). Written for efficientnet_b0's step, whose 8400 MiB peak on an H200 its
+arena (1894 MiB) and computed results (at most 1651) did not explain (2026-11-30).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MIB = 2 ** 20
+
+
+def model(name: str):
+    from tests.models import MobileNetV2Small, ResNet18
+
+    if name == "resnet18_small":
+        return ResNet18(classes=10)
+    if name == "mobilenet_v2_small":
+        return MobileNetV2Small()
+    import zoo
+
+    return getattr(zoo.import_torchvision().models, name)(num_classes=10)
+
+
+def loose_live_peak(step) -> tuple[int, int]:
+    """(bytes of the results bound as computed, the most of them live at once) under the
+    runtime's release plan, in issue order."""
+    from nimble.runtime.base.streams import release_plan
+
+    graph, order = step.graph, list(step.schedule.order)
+    loose = step.runner.unplanned
+    release = release_plan(graph, order, step.schedule.stream)
+    freed = {v: op for op, vs in release.items() for v in vs}
+    live = peak = 0
+    held: dict[int, int] = {}  # root -> its aliases still bound
+    for v in range(len(graph.values)):
+        if graph.root(v) in loose:
+            held[graph.root(v)] = held.get(graph.root(v), 0) + 1
+    drops: dict[int, list[int]] = {}
+    for v, op in freed.items():
+        if graph.root(v) in loose:
+            drops.setdefault(op, []).append(graph.root(v))
+    for op in order:
+        for v in graph.ops[op].outputs:
+            if v in loose:
+                live += graph.values[v].spec.storage_nbytes
+        peak = max(peak, live)
+        for root in drops.get(op, ()):
+            held[root] -= 1
+            if held[root] == 0:  # the last alias gone: the allocator has the block back
+                live -= graph.values[root].spec.storage_nbytes
+    return sum(graph.values[v].spec.storage_nbytes for v in loose), peak
+
+
+def by_pool() -> dict[str, int]:
+    """Bytes of device memory torch has reserved, by memory pool (the default one, and each
+    captured graph's own)."""
+    import torch
+
+    pools: Counter = Counter()
+    for segment in torch.cuda.memory_snapshot():
+        pool = segment.get("segment_pool_id", (0, 0))
+        pools["default" if tuple(pool) == (0, 0) else f"graph pool {tuple(pool)}"] += segment["total_size"]
+    return dict(pools)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="efficientnet_b0",
+                    help="a torchvision classification model, or resnet18_small / mobilenet_v2_small (tests/models.py)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    import nimble
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("train_step_memory: no CUDA device here; --device cpu reports the plan alone")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    net = model(args.model).to(device)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    t = torch.randint(0, 10, (args.batch,), device=device)
+    phases = []
+
+    def held(phase: str) -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+            phases.append((phase, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)))
+
+    held("the model and a batch")
+    step = nimble.TrainStep(net, F.cross_entropy, x, t, precision=args.precision,
+                            optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=cuda))
+    held("prepared")
+    for k in range(3):
+        step(x, t)
+        held(("first call (op by op)", "second call (captured, replayed)", "third call (replayed)")[k]
+             if cuda else f"call {k + 1}")
+    where = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"{args.model}, batch {args.batch}, {args.size} px, {args.precision}, {where}, torch {torch.__version__}")
+    plan = step.memory_plan
+    total, peak = loose_live_peak(step)
+    print(f"plan: arena {plan.arena_bytes / MIB:.0f} MiB (lower bound {plan.lower_bound_bytes / MIB:.0f}, every buffer "
+          f"apart {plan.no_reuse_bytes / MIB:.0f}); computed results {total / MIB:.0f} MiB, at most "
+          f"{peak / MIB:.0f} live at once; {step.schedule.num_streams} streams")
+    made: Counter = Counter()
+    for v in step.runner.unplanned:
+        made[step.graph.ops[step.graph.values[v].producer].target] += step.graph.values[v].spec.storage_nbytes
+    for target, nbytes in made.most_common(5):
+        print(f"  computed by {target}: {nbytes / MIB:.0f} MiB")
+    if not cuda:
+        return
+    print("device memory after each phase (MiB allocated / reserved):")
+    for phase, allocated, reserved in phases:
+        print(f"  {phase}: {allocated / MIB:.0f} / {reserved / MIB:.0f}")
+    print(f"peak: {torch.cuda.max_memory_allocated(device) / MIB:.0f} allocated, "
+          f"{torch.cuda.max_memory_reserved(device) / MIB:.0f} reserved")
+    workspaces = step.runner.workspaces
+    print(f"cuDNN workspaces of the generated kernels: {(workspaces.nbytes() if workspaces else 0) / MIB:.0f} MiB")
+    for pool, nbytes in sorted(by_pool().items()):
+        print(f"  reserved in the {pool}: {nbytes / MIB:.0f} MiB")
+    step.close()
+
+
+if __name__ == "__main__":
+    main()
