@@ -120,7 +120,8 @@ class TrainStep:
         kinds = [kind for kind, _ in self._outputs]
         self._loss_at, self._outputs_at = kinds.index(joint.LOSS), [k for k, kind in enumerate(kinds)
                                                                     if kind == joint.OUTPUT]
-        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed, workspaces)
+        self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed, unplanned,
+                                  workspaces)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"
@@ -194,9 +195,7 @@ class TrainStep:
         """Before the capture: the first call's gradients dropped and torch's cached blocks given
         back, so that the memory of the eager call's results (bound as computed: `joint.loose`)
         is not held twice, in the allocator's cache and in the graph's pool."""
-        for p, _ in self._grads:
-            p.grad = None
-        self._grads = []
+        self._drop_grads()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -207,6 +206,9 @@ class TrainStep:
         if self.runner.captured is not None:
             torch.cuda.synchronize(self.device)
         self.runner.captured, self._results, self._calls = None, None, 0
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
         for p, _ in self._grads:
             p.grad = None
         self._grads = []

@@ -23,7 +23,7 @@ from ..errors import NimbleError, ShapeError, UnsupportedError, UsageError, firs
 from ..ir import Ref, TensorSpec
 from ..ops import targets, types
 from ..ops.allowlist import NONDETERMINISTIC
-from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in
+from .builder import FOLD_LIMIT, IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, refs_in, short_name
 from .finalize import finalize
 from .schema import schema_order
 from .torchscript import Lowered
@@ -235,7 +235,7 @@ class _Lowering:
         self.builder.check_reads(schema, target, ins, _source(node))
         # weights and constants alone: fold on the host, as freezing does; but a training step's
         # random ops (and the torch.empty a stochastic depth fills) are ops of every call
-        if not refs_in(ins) and not (self.builder.training and target.split("::")[1].split(".")[0] in NONDETERMINISTIC):
+        if not refs_in(ins) and not (self.builder.training and short_name(target) in NONDETERMINISTIC):
             return self.builder.fold(schema, target, ins, _source(node))
         result = self.builder.emit(schema, target, ins, _source(node))
         if not isinstance(result, list):  # the op hands back its input (a split into one piece, say)

@@ -78,8 +78,7 @@ def _inline_filled(graph: Graph) -> Graph:
 
 def _filled_at(graph: Graph, op, filled: dict) -> int | None:
     """Which operand of `op` is a filled tensor the op can take as a number, or None."""
-    if op.target not in SCALAR_TWIN or len(op.args) != 2 or op.mutates or len(op.outputs) != 1 \
-            or op.kwargs not in ((), (("alpha", 1),)):
+    if not _twin_fits(op):
         return None
     out = graph.values[op.outputs[0]].spec
     for at in (1, 0) if op.target != "aten::div.Tensor" else (1,):
@@ -92,10 +91,16 @@ def _filled_at(graph: Graph, op, filled: dict) -> int | None:
     return None
 
 
+def _twin_fits(op) -> bool:
+    """Whether `op` is a SCALAR_TWIN op its twin can replace once an operand is a number: two
+    operands, one result, no mutation, no alpha but 1 (the twin's default: it goes)."""
+    return op.target in SCALAR_TWIN and len(op.args) == 2 and not op.mutates and len(op.outputs) == 1 \
+        and op.kwargs in ((), (("alpha", 1),))
+
+
 def _number(graph: Graph, op, weights, at: int) -> float | int | None:
     """The Python number of the 0-d weight `op` reads at argument `at`, where the rewrite holds."""
-    if op.target not in SCALAR_TWIN or len(op.args) != 2 or op.mutates or len(op.outputs) != 1 \
-            or op.kwargs not in ((), (("alpha", 1),)):  # an alpha of 1 is the twin's default: it goes
+    if not _twin_fits(op):
         return None
     other, constant = op.args[1 - at], op.args[at]
     if not (isinstance(other, Ref) and isinstance(constant, Ref)):

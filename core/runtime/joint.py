@@ -42,14 +42,16 @@ from .placed.run import PlacedRun
 
 class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
-                 device: torch.device, placed: list[PlacedOp], workspaces: Workspaces | None = None):
+                 device: torch.device, placed: list[PlacedOp], unplanned: frozenset[int],
+                 workspaces: Workspaces | None = None):
         """`weights`: the graph's constants (tensors the model builds in its forward); `placed`:
-        `placed_ops(graph, device, workspaces)`, whose `loose` values the memory plan left out."""
+        `placed_ops(graph, device, workspaces)`; `unplanned`: `loose(graph, placed)`, the values
+        the memory plan left out."""
         self.workspaces = workspaces
         self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
         self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
         self.captured: torch.cuda.CUDAGraph | None = None
-        self.placed, self.unplanned = placed, loose(graph, placed)
+        self.placed, self.unplanned = placed, unplanned
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
         self.release = streams.release_plan(graph, self.order, schedule.stream)

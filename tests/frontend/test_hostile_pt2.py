@@ -248,3 +248,22 @@ def test_size_arithmetic_out_of_any_size_range_is_refused_before_it_runs():
         with pytest.raises(UnsupportedError) as e:
             size_arithmetic(target, args, "m: op")
         assert "\n" not in str(e.value) and str(e.value).startswith("m: op")
+
+
+class _StochasticDepth(nn.Module):
+    def forward(self, x):
+        return x * torch.empty([x.shape[0], 4], dtype=x.dtype).bernoulli_(0.5)
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["bernoulli_.float", "bernoulli.p"])
+def test_a_random_fill_of_torch_empty_is_refused_at_inference(tmp_path, functional):
+    """A training step takes `torch.empty(...).bernoulli_(p)` (it reads only the empty tensor's
+    shape); a program compiled for inference that draws it is refused in one line, and nothing
+    is written."""
+    program = torch.export.export(_StochasticDepth().eval(), (torch.randn(2, 4),))
+    if functional:
+        program = program.run_decompositions({})
+    path = tmp_path / "model.pt2"
+    torch.export.save(program, str(path))
+    line = refused(path, "aten::bernoulli")
+    assert "draws random numbers" in line or "is not an op nimble runs" in line, line
