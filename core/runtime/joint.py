@@ -54,7 +54,7 @@ class JointRunner:
         self.placed, self.unplanned = placed, unplanned
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena)
-        self.release = streams.release_plan(graph, self.order, schedule.stream)
+        self.release = streams.release_plan(graph, self.order, schedule.stream, schedule.waits)
         self._constants = {vid: weights[v.name].to(device) for vid, v in enumerate(graph.values) if v.kind == WEIGHT}
 
     def __call__(self, inputs: list[torch.Tensor], ready: Callable[[int, list[torch.Tensor]], None] | None = None,

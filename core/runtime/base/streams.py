@@ -13,6 +13,7 @@ platform requires (DESIGN.md, "Multi-stream capture"):
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from typing import Callable, Iterator, Sequence
@@ -115,27 +116,82 @@ def count_kernels(dot_path) -> int:
     return len(re.findall(r"\bKERNEL\b", Path(dot_path).read_text(errors="replace")))
 
 
-def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int]) -> dict[int, list[int]]:
+def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int],
+                 waits: Sequence[Sequence[int]] | None = None) -> dict[int, list[int]]:
     """op -> the values to drop once it is issued (`PlacedRun`'s `release`): each value after its
     last reader in issue `order` (after its producer, if nothing reads it), unless it is a graph
-    output or shares storage with one, or a value sharing its storage is used on another CUDA
-    stream than the one that made the storage (`stream_of`): its memory must then outlive reads
-    the allocator cannot see."""
+    output or shares storage with one. Storage used on more than one CUDA stream (`stream_of`)
+    is kept to the end, where its memory must outlive reads the allocator cannot see; with the
+    schedule's `waits`, it is dropped instead at the first op of the stream that made it which
+    has waited, directly or through other streams, for every use of it (`_joined`): the
+    allocator hands a freed block only to later work of the stream it was allocated on, and that
+    work then runs after every reader."""
     position = {op: k for k, op in enumerate(order)}
     last: dict[int, int] = {}
     streams_of_root: dict[int, set[int]] = {}
+    users_of_root: dict[int, set[int]] = {}
     for op in graph.ops:
         for v in op.outputs:
             last.setdefault(v, op.id)
             streams_of_root.setdefault(graph.root(v), set()).add(stream_of[op.id])
+            users_of_root.setdefault(graph.root(v), set()).add(op.id)
         for r in op.refs():
             if r in last and position[op.id] > position[last[r]]:
                 last[r] = op.id
             streams_of_root.setdefault(graph.root(r), set()).add(stream_of[op.id])
+            users_of_root.setdefault(graph.root(r), set()).add(op.id)
     outputs = {graph.root(o) for o in graph.outputs}
     plan: dict[int, list[int]] = {}
+    shared: dict[int, list[int]] = {}  # root -> its values, where they span streams
     for v, op in last.items():
         root = graph.root(v)
-        if root not in outputs and graph.values[root].producer is not None and len(streams_of_root[root]) == 1:
+        if root in outputs or graph.values[root].producer is None:
+            continue
+        if len(streams_of_root[root]) == 1:
             plan.setdefault(op, []).append(v)
+        else:
+            shared.setdefault(root, []).append(v)
+    if waits is not None and shared:
+        joined = _joined(order, stream_of, waits, position)
+        for root, values in shared.items():
+            at = joined(stream_of[graph.values[root].producer], users_of_root[root])
+            if at is not None:
+                plan.setdefault(at, []).extend(values)
     return plan
+
+
+def _joined(order: Sequence[int], stream_of: Sequence[int], waits: Sequence[Sequence[int]],
+            position: dict[int, int]) -> Callable[[int, set[int]], int | None]:
+    """A function of (stream, ops) giving the first op on that stream, in issue `order`, that is
+    ordered after every one of `ops` on the GPU (None if none is): on its own stream by issue
+    order, on another by the events it waits for, or that an op before it on its stream waited
+    for, transitively (a vector clock per op: for each stream, the position of the last op of that
+    stream it is ordered after)."""
+    clocks: dict[int, dict[int, int]] = {}
+    latest: dict[int, dict[int, int]] = {}
+    on_stream: dict[int, list[int]] = {}
+    for op in order:
+        s = stream_of[op]
+        clock = dict(latest.get(s, {}))
+        for w in waits[op]:
+            for t, at in clocks[w].items():
+                if clock.get(t, -1) < at:
+                    clock[t] = at
+        clock[s] = position[op]
+        clocks[op] = latest[s] = clock
+        on_stream.setdefault(s, []).append(op)
+    places = {s: [position[op] for op in ops] for s, ops in on_stream.items()}
+
+    def first(stream: int, ops: set[int]) -> int | None:
+        need: dict[int, int] = {}
+        for op in ops:
+            t = stream_of[op]
+            need[t] = max(need.get(t, -1), position[op])
+        mine = on_stream.get(stream, [])
+        for op in mine[bisect.bisect_left(places.get(stream, []), need.get(stream, -1)):]:
+            clock = clocks[op]
+            if all(clock.get(t, -1) >= at for t, at in need.items()):
+                return op
+        return None
+
+    return first
