@@ -355,6 +355,35 @@ def test_backward_ops_write_into_their_buffers_through_their_grad_input_overload
     assert out_overload("aten::max_pool2d_with_indices_backward.default", training=True) is not None
 
 
+def test_a_copy_writes_its_buffer_and_clones_nothing():
+    """`aten::copy(self, src)`'s own out= overload first computes the functional op, which clones
+    all of self's storage (torch's clone_preserve_strides): with self a view of the arena, the whole
+    arena, 1894 MiB at once in efficientnet_b0's step on an H200. Placed, a copy writes src into its
+    buffer (broadcast, cast to self's dtype) and runs nothing else."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nimble.runtime.placed.placement import out_overload
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    fn, names = out_overload("aten::copy.default", training=True)
+    arena = torch.zeros(1000)
+    given = arena[100:106].view(2, 3)
+    for src in (torch.arange(6.0).view(2, 3), torch.arange(3)):
+        out = torch.full((2, 3), -1.0)
+        with Seen() as seen:
+            fn(given, src, False, **{names[0]: out})
+        assert torch.equal(out, torch.ops.aten.copy(given, src)) and seen.ops == ["aten.copy_.default"]
+    assert not arena.any()
+
+
 def test_close_drops_the_step_s_gradients_and_the_next_call_runs_again():
     torch.manual_seed(0)
     net = Small()
