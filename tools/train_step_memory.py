@@ -3,6 +3,7 @@ step holds (an instrument; `benchmarks/training.py` gives only the peak).
 
     python tools/train_step_memory.py [--model efficientnet_b0] [--batch 32] [--size 224]
                                       [--precision fp32|bf16] [--device cuda|cpu] [--streams auto 8 1]
+                                      [--ops N]
 
 From the plan (any device): the arena (and the exact lower bound it meets), and the results the
 runtime binds as computed (`runtime/joint.loose`: ops that cannot write into a given buffer), by
@@ -11,7 +12,8 @@ the op that makes them, with how many of their bytes are live at once when each 
 the step). On CUDA, the device memory torch holds after each phase: prepare (weights, arena),
 the first call (op by op), the second (captured and replayed), the third (a replay); the peak;
 the generated kernels' cuDNN workspaces; the segments by memory pool (the default pool, the
-captured graph's own); and the step's median time. `--streams` reports each schedule in turn. Written for efficientnet_b0's step (224 px, batch 32), whose 8400 MiB peak
+captured graph's own); and the step's median time. `--streams` reports each schedule in turn; `--ops N` lists the N ops
+that allocate the most beyond what they hold (how the 1894 MiB arena clone of a copy was found). Written for efficientnet_b0's step (224 px, batch 32), whose 8400 MiB peak
 on an H200 (2026-11-30) its plan did not explain: with CUDA's placement an arena of 3390 MiB and
 2402 MiB of computed results then, 1894 and 1651 since the filled ones went
 (`passes/inline_scalar_constants`).
@@ -105,9 +107,53 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--streams", nargs="+", default=["auto"],
                     help="TrainStep's streams (auto, 1, or a cap): one report each, in one process")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="CUDA: then list the N ops that allocate the most beyond what they leave (an "
+                         "uncaptured call on one stream)")
     args = ap.parse_args()
+    if args.ops and not args.device.startswith("cuda"):
+        sys.exit("train_step_memory: --ops measures CUDA's allocator; leave it out with --device cpu")
     for streams in args.streams:
         report(args, streams if streams == "auto" else int(streams))
+    if args.ops:
+        transients(args)
+
+
+def transients(args) -> None:
+    """The ops of one uncaptured, one-stream call that allocate the most beyond what they hold
+    before and after: a kernel's workspace, or an op that copies more than it returns (the
+    copy.out that cloned the whole arena, 1894 MiB, in efficientnet_b0's step)."""
+    import torch
+    import torch.nn.functional as F
+
+    import nimble
+    from nimble.runtime import joint
+
+    torch.manual_seed(0)
+    net = model(args.model).cuda()
+    x = torch.randn(args.batch, 3, args.size, args.size, device="cuda")
+    t = torch.randint(0, 10, (args.batch,), device="cuda")
+    step = nimble.TrainStep(net, F.cross_entropy, x, t, precision=args.precision, streams=1, cuda_graphs=False)
+    rows = []
+    call = joint._Step.call
+
+    def measured(run, p, op_args, kwargs):  # the allocator counts on the host: no sync needed
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        results = call(run, p, op_args, kwargs)
+        rows.append((torch.cuda.max_memory_allocated() - max(before, torch.cuda.memory_allocated()), p.op))
+        return results
+
+    joint._Step.call = measured
+    try:
+        step(x, t)
+    finally:
+        joint._Step.call = call
+    print("ops that allocate the most beyond what they hold before and after (one stream, uncaptured):")
+    for extra, op in sorted(rows, key=lambda r: -r[0])[:args.ops]:
+        shapes = ", ".join("x".join(map(str, step.graph.values[v].spec.shape)) for v in op.outputs[:2])
+        print(f"  {extra / MIB:8.1f} MiB  op {op.id} {op.target} -> {shapes}")
+    step.close()
 
 
 def report(args, streams) -> None:
