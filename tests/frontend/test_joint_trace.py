@@ -1,0 +1,75 @@
+"""How a training step's joint graph is traced (`frontend/joint.export_joint`): once by
+AOTAutograd on fake tensors where it can be, else torch.export's way (three traces). Both ways
+must give the same graph: same ops, same inputs and outputs in the same roles."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nimble.frontend import joint
+from nimble.ir import TensorSpec
+from torch import nn
+
+from tests.models import MobileNetV2Small, ResNet18, StochasticNet, TinyEncoder
+
+
+def traced(module, x, y, autocast=None, outputs=False, once=True):
+    specs = [TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (x, y)]
+    if once:
+        program = joint.export_joint(module, F.cross_entropy, [x], [y], "net", autocast, outputs)
+        assert isinstance(program, joint.JointProgram)  # taken by the one trace, not torch.export's way
+    else:
+        saved, joint._traced_once = joint._traced_once, lambda *args: None
+        try:
+            program = joint.export_joint(module, F.cross_entropy, [x], [y], "net", autocast, outputs)
+        finally:
+            joint._traced_once = saved
+        assert not isinstance(program, joint.JointProgram)
+    lowered = joint.lower_joint(program, specs, "net")
+    ops = Counter(op.target for op in lowered.lowered.graph.ops)
+    return ops, lowered.inputs, lowered.outputs
+
+
+CASES = {
+    "resnet18": (lambda: ResNet18(classes=10), (4, 3, 16, 16), torch.int64, None, False),
+    "mobilenet_v2_small": (MobileNetV2Small, (4, 3, 16, 16), torch.int64, None, False),
+    "bf16": (lambda: ResNet18(classes=10), (4, 3, 16, 16), torch.int64, torch.bfloat16, False),
+    "stochastic_with_outputs": (StochasticNet, (4, 3, 8, 8), torch.int64, None, True),
+    "encoder": (TinyEncoder, (4, 8), torch.int64, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_trace_gives_torch_export_s_joint_graph(case):
+    make, shape, dtype, autocast, outputs = CASES[case]
+    torch.manual_seed(0)
+    module = make().train()
+    x = torch.randint(0, 100, shape) if case == "encoder" else torch.randn(shape)
+    y = torch.randint(0, 10, (shape[0],), dtype=dtype)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    once = traced(module, x, y, autocast, outputs)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # buffers left as they were
+    assert once == traced(module, x, y, autocast, outputs, once=False)
+
+
+def test_tied_weights_are_refused_in_one_line_naming_both():
+    """Either trace would give the shared weight a gradient per name, or none (torch.export's way
+    said 'gets no gradient from the loss', pointing at frozen layers)."""
+    from nimble.errors import UnsupportedError
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 6, bias=False)
+            self.b = nn.Linear(6, 6, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    module, x, y = Tied(), torch.randn(4, 6), torch.randint(0, 6, (4,))
+    with pytest.raises(UnsupportedError, match=r"parameter 'b.weight' is the same tensor as 'a.weight' \(tied"):
+        joint.export_joint(module, F.cross_entropy, [x], [y], "tied")
