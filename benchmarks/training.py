@@ -63,12 +63,15 @@ def data(batch: int, size: int):
     return x, torch.randint(0, 10, (batch,), device="cuda", generator=gen)
 
 
-def stepper(model, params, batch: int, size: int, bf16: bool, before=None):
-    """One training step of `model` (a callable) over `params`, on fixed random data."""
+def stepper(model, params, batch: int, size: int, bf16: bool, before=None, channels_last: bool = False):
+    """One training step of `model` (a callable) over `params`, on fixed random data (its images
+    in channels_last memory order with `channels_last`)."""
     import torch
     import torch.nn.functional as F
 
     x, y = data(batch, size)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     last = {}
 
@@ -86,7 +89,7 @@ def stepper(model, params, batch: int, size: int, bf16: bool, before=None):
 
 
 def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 32, precision: str = "fp32",
-              prepared: bool = True) -> dict:
+              prepared: bool = True, channels_last: bool = False) -> dict:
     import nimble
     import torch
     import torchvision
@@ -107,6 +110,15 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     row["eager_again_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
                                         for a, b in zip(first_losses(step, last), eager_losses)]
     del again, eager
+    if channels_last:  # what cuDNN's NHWC kernels give eager (torch.compile chooses this layout for convolutions)
+        start = footprint_start()
+        eager = copy.deepcopy(base).to(memory_format=torch.channels_last)
+        step, last = stepper(eager, eager.parameters(), batch, size, bf16, channels_last=True)
+        row["eager_channels_last_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
+                                                    for a, b in zip(first_losses(step, last), eager_losses)]
+        row["eager_channels_last_ms"] = median_ms(step, iters)
+        row["eager_channels_last_peak_mb"] = footprint_mb(start)
+        del eager
 
     for streams in (("auto", 1) if prepared and not bf16 else ()):
         net = copy.deepcopy(base)
@@ -239,6 +251,12 @@ def summary(rows: list[dict], meta: dict) -> str:
     lines += report.table(["model", "px", "batch", "precision", "eager", "torch.compile", "nimble", "TrainStep",
                            "TrainStep / compile", "TrainStep issue", "peak MiB eager / compile / TrainStep",
                            "TrainStep prepare s"], cells)
+    laid = [r for r in rows if "eager_channels_last_ms" in r]
+    if laid:
+        lines += ["", "Eager with the model and images in channels_last memory order (`--channels-last`; torch.compile "
+                  "lays convolutions out so): " + ", ".join(
+                      f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r['eager_channels_last_ms']:.2f} ms "
+                      f"against {r['eager_ms']:.2f}, peak {r['eager_channels_last_peak_mb']:.0f} MiB" for r in laid) + "."]
     compiled = [r for r in rows if "compile_first_steps_s" in r]
     if compiled:
         lines += ["", "torch.compile time to the first three steps: " + ", ".join(
@@ -269,6 +287,8 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--no-prepared", action="store_true",
                     help="leave out the older prepare(..., training=True) variants (they take device time)")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="also time eager with the model and images in channels_last memory order")
     ap.add_argument("--tag", default="")
     ap.add_argument("--report", nargs="+", type=Path, help="merge these JSON files into training.md")
     args = ap.parse_args()
@@ -295,7 +315,7 @@ def main() -> None:
     for name in args.models:
         for batch in args.batches:
             row = bench_one(name, batch, args.iters, batch in args.compile_batches, args.size, args.precision,
-                            not args.no_prepared)
+                            not args.no_prepared, args.channels_last)
             print(json.dumps(row), flush=True)
             rows.append(row)
             out = {"meta": meta, "rows": rows}

@@ -35,3 +35,15 @@ def test_fp32_and_bf16_rows_of_one_model_stay_apart_and_allocated_peaks_of_compi
     assert "| resnet50 | 224 | 32 | fp32 | 20.00 | 10.00 | 17.00 | 15.00 | 1.50 |" in text
     assert "| resnet50 | 224 | 32 | bf16 | 20.00 | 10.00 | n/a | 15.00 | 1.50 |" in text
     assert "n/a / 3000" in text and "2500 / 3000" in text
+
+
+def test_a_channels_last_eager_row_is_reported_beside_eager(tmp_path):
+    meta = {"gpu": "H200", "torch": "2.11", "date": "2026-11-30", "peak": "reserved"}
+    (tmp_path / "a.json").write_text(json.dumps({"meta": meta, "rows": [
+        _row("fp32", eager_channels_last_ms=14.5, eager_channels_last_peak_mb=3100.0)]}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training.py"), "--report",
+                           str(tmp_path / "a.json"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "out" / "training.md").read_text()
+    assert "resnet50 b32 fp32 14.50 ms against 20.00, peak 3100 MiB" in text
