@@ -1,5 +1,6 @@
 """The README, docs/, --help and the installed package agree with the code."""
 
+import os
 import re
 import subprocess
 import sys
@@ -124,6 +125,15 @@ def test_the_gpu_test_runner_runs_every_gpu_test_file_once():
         assert len(listed) == processes
         files = [f for line in listed for f in line.split()]
         assert sorted(files) == marked
+    halves = []
+    for chosen in ("0 2 4 6", "1 3 5 7"):  # two device calls split the suite with GPU_TEST_SHARDS
+        listed = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-tests"), "--list", "8"], capture_output=True,
+                                text=True, check=True, env={**os.environ, "GPU_TEST_SHARDS": chosen}).stdout.split()
+        halves.append(listed)
+    assert sorted(halves[0] + halves[1]) == marked and halves[0] and halves[1]
+    bad = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-tests"), "--list", "4"], capture_output=True, text=True,
+                         env={**os.environ, "GPU_TEST_SHARDS": "5"})
+    assert bad.returncode == 2 and "processes 0 to 3" in bad.stderr
 
 
 def test_import_nimble_works_beside_a_clone_named_nimble(tmp_path):
