@@ -99,26 +99,13 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     row: dict = {"model": name, "batch": batch, "size": size, "precision": precision}
     bf16 = precision == "bf16"
 
-    start = footprint_start()
-    eager = copy.deepcopy(base)
-    step, last = stepper(eager, eager.parameters(), batch, size, bf16)
-    eager_losses = first_losses(step, last)
-    row["eager_ms"] = median_ms(step, iters)
-    row["eager_peak_mb"] = footprint_mb(start)
-    again = copy.deepcopy(base)  # the control: eager against itself, same weights and batch
-    step, last = stepper(again, again.parameters(), batch, size, bf16)
-    row["eager_again_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
-                                        for a, b in zip(first_losses(step, last), eager_losses)]
-    del again, eager
+    eager_losses, row["eager_ms"], row["eager_peak_mb"] = eager_timed(base, batch, size, bf16, iters)
+    # the control: eager against itself, same weights and batch
+    row["eager_again_loss_rel_diff"] = rel_diffs(eager_timed(base, batch, size, bf16, 0)[0], eager_losses)
     if channels_last:  # what cuDNN's NHWC kernels give eager (torch.compile chooses this layout for convolutions)
-        start = footprint_start()
-        eager = copy.deepcopy(base).to(memory_format=torch.channels_last)
-        step, last = stepper(eager, eager.parameters(), batch, size, bf16, channels_last=True)
-        row["eager_channels_last_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12)
-                                                    for a, b in zip(first_losses(step, last), eager_losses)]
-        row["eager_channels_last_ms"] = median_ms(step, iters)
-        row["eager_channels_last_peak_mb"] = footprint_mb(start)
-        del eager
+        losses, row["eager_channels_last_ms"], row["eager_channels_last_peak_mb"] = eager_timed(
+            base, batch, size, bf16, iters, channels_last=True)
+        row["eager_channels_last_loss_rel_diff"] = rel_diffs(losses, eager_losses)
 
     for streams in (("auto", 1) if prepared and not bf16 else ()):
         net = copy.deepcopy(base)
@@ -132,7 +119,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
         row[f"{key}_streams"] = runner.schedule.num_streams
         step, last = stepper(model, net.parameters(), batch, size, bf16)
         losses = first_losses(step, last)
-        row[f"{key}_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, eager_losses)]
+        row[f"{key}_loss_rel_diff"] = rel_diffs(losses, eager_losses)
         row[f"{key}_ms"] = median_ms(step, iters)
         row[f"{key}_forward_ms"] = median_ms(runner.fwd_graph.replay, iters)
         row[f"{key}_backward_ms"] = median_ms(runner.bwd_graph.replay, iters)
@@ -151,7 +138,7 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     for i in range(3):
         torch.manual_seed(i)
         losses.append(train(x, y).item())
-    row["step_loss_rel_diff"] = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, eager_losses)]
+    row["step_loss_rel_diff"] = rel_diffs(losses, eager_losses)
     row["step_ms"] = median_ms(lambda: train(x, y), iters)
     row["step_issue_ms"] = issue_ms(lambda: train(x, y))
     row["step_peak_mb"] = footprint_mb(start)
@@ -178,6 +165,24 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
     if "nimble_ms" in row:
         row["speedup_vs_eager"] = row["eager_ms"] / row["nimble_ms"]
     return row
+
+
+def eager_timed(base, batch: int, size: int, bf16: bool, iters: int, channels_last: bool = False):
+    """Eager training of a copy of `base` (in channels_last memory order with `channels_last`): its
+    first losses, median ms per step (None with `iters` 0) and peak MiB."""
+    import torch
+
+    start = footprint_start()
+    net = copy.deepcopy(base)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    step, last = stepper(net, net.parameters(), batch, size, bf16, channels_last=channels_last)
+    losses = first_losses(step, last)
+    return losses, median_ms(step, iters) if iters else None, footprint_mb(start)
+
+
+def rel_diffs(losses: list[float], reference: list[float]) -> list[float]:
+    return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)]
 
 
 def issue_ms(call, n: int = 20) -> float:

@@ -101,10 +101,8 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     own way traces the module, then traces the joint graph, then traces that again to drop its
     tangents (resnet50 at batch 32 on the 2-core builder: 1.7 + 4.3 s against 2.6 s). A module it
     cannot take so (a buffer under two names, constants the graph reads as attributes, or any
-    failure) goes torch.export's way, which also names what fails. Tied parameters are refused: each
-    name would get a gradient of its own (or, torch.export's way, none)."""
-    from torch.export.exported_program import _decompose_exported_program
-
+    failure) goes torch.export's way (`_exported`), which also names what fails. Tied parameters are
+    refused: each name would get a gradient of its own (or, torch.export's way, none)."""
     wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast),
                         outputs)
     seen: dict[int, str] = {}
@@ -117,20 +115,7 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     try:
         with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]), buffers_kept(module):
             warnings.simplefilter("ignore")
-            once = _traced_once(wrapped, [*inputs, *targets])
-            if once is not None:
-                return once
-            program = torch.export.export(wrapped, (*inputs, *targets))
-            # torch.export.experimental._export_forward_backward, without its decompositions: batch norm's
-            # backward, the activations' and the loss's stay whole ops (a faster prepare: mobilenet_v2's
-            # joint trace took 3.3 s instead of 5.1 on a 2-core CPU, with half the nodes)
-            try:
-                return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table={},
-                                                   joint_loss_index=0, decompose_custom_triton_ops=False)
-            except TypeError:  # a torch whose private signature differs: its public experimental call
-                from torch.export.experimental import _export_forward_backward
-
-                return _export_forward_backward(program, joint_loss_index=0)
+            return _traced_once(wrapped, [*inputs, *targets]) or _exported(wrapped, [*inputs, *targets])
     except UsageError:
         raise
     except Exception as e:
@@ -140,6 +125,24 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
                              "layers)") from e
         raise UnsupportedError(f"{name}: torch.export could not trace its training step ({first_line(e)}); "
                                "prepare it with Nimble(module).prepare(x, training=True) instead") from e
+
+
+def _exported(wrapped: _WithLoss, args: list[torch.Tensor]) -> torch.export.ExportedProgram:
+    """The joint program torch.export's way: the module exported, then its joint graph traced (and
+    traced again to drop its tangents)."""
+    from torch.export.exported_program import _decompose_exported_program
+
+    program = torch.export.export(wrapped, tuple(args))
+    # torch.export.experimental._export_forward_backward, without its decompositions: batch norm's
+    # backward, the activations' and the loss's stay whole ops (a faster prepare: mobilenet_v2's
+    # joint trace took 3.3 s instead of 5.1 on a 2-core CPU, with half the nodes)
+    try:
+        return _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table={},
+                                           joint_loss_index=0, decompose_custom_triton_ops=False)
+    except TypeError:  # a torch whose private signature differs: its public experimental call
+        from torch.export.experimental import _export_forward_backward
+
+        return _export_forward_backward(program, joint_loss_index=0)
 
 
 def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram | None:
@@ -153,9 +156,8 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.nn.utils.stateless import _reparametrize_module
 
-    params = dict(wrapped.named_parameters(remove_duplicate=False))
-    buffers = dict(wrapped.named_buffers(remove_duplicate=False))
-    state = {**params, **buffers}
+    state = {**dict(wrapped.named_parameters(remove_duplicate=False)),
+             **dict(wrapped.named_buffers(remove_duplicate=False))}
     if len({id(t) for t in state.values()}) != len(state):
         return None
     try:

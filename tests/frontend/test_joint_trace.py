@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nimble.frontend import joint
+from nimble.frontend.quiet import buffers_kept
 from nimble.ir import TensorSpec
 from torch import nn
 
@@ -22,11 +23,9 @@ def traced(module, x, y, autocast=None, outputs=False, once=True):
         program = joint.export_joint(module, F.cross_entropy, [x], [y], "net", autocast, outputs)
         assert isinstance(program, joint.JointProgram)  # taken by the one trace, not torch.export's way
     else:
-        saved, joint._traced_once = joint._traced_once, lambda *args: None
-        try:
-            program = joint.export_joint(module, F.cross_entropy, [x], [y], "net", autocast, outputs)
-        finally:
-            joint._traced_once = saved
+        wrapped = joint._WithLoss(module, F.cross_entropy, 1, None if autocast is None else ("cpu", autocast), outputs)
+        with buffers_kept(module), torch.random.fork_rng(devices=[]):
+            program = joint._exported(wrapped, [x, y])
         assert not isinstance(program, joint.JointProgram)
     lowered = joint.lower_joint(program, specs, "net")
     ops = Counter(op.target for op in lowered.lowered.graph.ops)

@@ -128,17 +128,14 @@ def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int],
     work then runs after every reader."""
     position = {op: k for k, op in enumerate(order)}
     last: dict[int, int] = {}
-    streams_of_root: dict[int, set[int]] = {}
-    users_of_root: dict[int, set[int]] = {}
+    users_of_root: dict[int, set[int]] = {}  # root -> the ops that make or read a value of its storage
     for op in graph.ops:
         for v in op.outputs:
             last.setdefault(v, op.id)
-            streams_of_root.setdefault(graph.root(v), set()).add(stream_of[op.id])
             users_of_root.setdefault(graph.root(v), set()).add(op.id)
         for r in op.refs():
             if r in last and position[op.id] > position[last[r]]:
                 last[r] = op.id
-            streams_of_root.setdefault(graph.root(r), set()).add(stream_of[op.id])
             users_of_root.setdefault(graph.root(r), set()).add(op.id)
     outputs = {graph.root(o) for o in graph.outputs}
     plan: dict[int, list[int]] = {}
@@ -147,7 +144,7 @@ def release_plan(graph: Graph, order: Sequence[int], stream_of: Sequence[int],
         root = graph.root(v)
         if root in outputs or graph.values[root].producer is None:
             continue
-        if len(streams_of_root[root]) == 1:
+        if len({stream_of[u] for u in users_of_root[root]}) == 1:
             plan.setdefault(op, []).append(v)
         else:
             shared.setdefault(root, []).append(v)
