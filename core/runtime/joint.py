@@ -37,6 +37,7 @@ from .base import streams
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed.placement import PlacedOp, arena_views, out_overload
+from .placed import substitutes
 from .placed.run import PlacedRun
 
 
@@ -102,7 +103,7 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
     a stream run one after another)."""
     placed = [_placed(op, device.type == "cuda") for op in graph.ops]
     for p in placed:
-        if p.substitute is not None and workspaces is not None:
+        if isinstance(p.substitute, FusedKernel) and workspaces is not None:
             p.substitute.workspaces = workspaces
     return placed
 
@@ -144,9 +145,28 @@ def _placed(op, cuda: bool) -> PlacedOp:
                                                                                                  True)),
                         None, [], None)
     found = out_overload(op.target, training=True)
-    if found is not None and len(found[1]) != len(op.outputs):
+    if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])):
         found = None
-    return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], None)
+    return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
+
+
+# ops whose out= overload computes, then copies (`copies`), but that write a given buffer another
+# way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`)
+SUBSTITUTES = {"aten::relu.default": substitutes.relu, "aten::_to_copy.default": substitutes.copy,
+               "aten::clone.default": substitutes.copy}
+
+
+def copies(overload) -> bool:
+    """Whether an out= overload is one that torch generates for a functional op (`autogen` in its
+    native functions): it computes the result into new memory, then copies it into `out`. A
+    training step binds such an op's results as computed instead (`loose`): the same memory for a
+    moment, and one pass over it less (resnet50's step has 53 batch norm backwards and 33 relus
+    so). `placed.WRITTEN_OUT`'s copy is nimble's own writer, never one of these."""
+    schema = getattr(overload, "_schema", None)
+    if schema is None:
+        return False
+    name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
 
 
 class _Step(PlacedRun):

@@ -199,7 +199,7 @@ class Casts(nn.Module):
 
 
 def test_a_cast_writes_its_planned_buffer_in_one_kernel(tmp_path, monkeypatch):
-    """_to_copy and to(dtype) copy once into their buffer (`substitutes._copy`); their generated
+    """_to_copy and to(dtype) copy once into their buffer (`substitutes.copy`); their generated
     out= overloads convert into a temporary and copy that in: a memcpy node more per cast."""
     import re
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
-from nimble.runtime.joint import loose
+from nimble.runtime.joint import copies, loose
 from torch import nn
 
 from tests.models import DataDependentIf, MobileNetV2Small, ResNet18, StochasticNet, TinyEncoder
@@ -63,7 +63,8 @@ def test_the_joint_graph_holds_the_forward_the_loss_and_the_backward_under_one_m
     assert arena.numel() == plan.arena_bytes
     start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
     # a gradient is a planned buffer (a view of the step's one arena) where its op writes in place
-    # (batch norm's backward); convolution_backward's are bound as computed, never copied in
+    # (the linear layer's, a view of mm's result); convolution_backward's and batch norm's
+    # backward's (whose out= overloads would compute, then copy) are bound as computed, never copied in
     unplanned = loose(step.graph, step.runner.placed)
     where = []
     for (kind, p), vid in zip(step._outputs, step.graph.outputs):
@@ -71,12 +72,34 @@ def test_the_joint_graph_holds_the_forward_the_loss_and_the_backward_under_one_m
             planned = step.graph.root(vid) not in unplanned
             assert (start <= p.grad.data_ptr() < end) is planned
             where.append((step.graph.ops[step.graph.values[vid].producer].target, planned))
-    assert ("aten::native_batch_norm_backward.default", True) in where
+    assert ("aten::t.default", True) in where
+    assert ("aten::native_batch_norm_backward.default", False) in where
     assert ("aten::convolution_backward.default", False) in where
     # every parameter gets a gradient, every buffer its update, and there is one loss
     kinds = [kind for kind, _ in step._outputs]
     assert kinds.count("gradient") == len(list(net.parameters()))
     assert kinds.count("buffer") == len(list(net.buffers())) and kinds.count("loss") == 1
+
+
+def test_no_op_of_a_step_computes_then_copies_into_its_buffer():
+    """An out= overload that torch generates (compute into new memory, then copy into `out`) is
+    never used: relu writes its buffer by clamp_min's out= kernel, a batch norm backward's results
+    are bound as computed. The relu's result is then a view of the arena, and the step still
+    matches eager's loss."""
+    torch.manual_seed(0)
+    net = Small()
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch())
+    used = [p.out_fn for p in step.runner.placed if p.out_fn is not None]
+    assert used and not any(copies(f) for f in used)
+    assert copies(torch.ops.aten.relu.out) and not copies(torch.ops.aten.add.out)  # the test itself
+    kinds = {p.op.target: p for p in step.runner.placed}
+    assert kinds["aten::relu.default"].substitute is not None
+    relu = next(op for op in step.graph.ops if op.target == "aten::relu.default")
+    assert relu.outputs[0] in step.runner.views and relu.outputs[0] not in step.runner.unplanned
+    loss = step(*batch(seed=1))
+    x, y = batch(seed=1)
+    assert relative(loss, F.cross_entropy(ref(x), y)) < 1e-5
 
 
 @pytest.mark.parametrize("make, size", [(lambda: ResNet18(classes=10), 32), (MobileNetV2Small, 32)],

@@ -61,7 +61,7 @@ def _mean(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return spatial_mean(x, out)
 
 
-def _copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
+def copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """contiguous, _to_copy or to(dtype): one copy into the planned buffer, converting to its dtype
     (the cast's). The op itself would copy, then be copied in; a cast's generated out= overload
     converts into a temporary, then copies that in. None where the device or the shape changes."""
@@ -99,7 +99,7 @@ def reshape_copy(args: list, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _relu(args: list, out: torch.Tensor) -> torch.Tensor:
+def relu(args: list, out: torch.Tensor) -> torch.Tensor:
     torch.ops.aten.clamp_min.out(args[0], 0, out=out)
     return out
 
@@ -164,16 +164,16 @@ def small_product(graph: Graph, op: Op) -> int:
 # holding the result (`out`, or one a fused cuDNN kernel allocated), or None to compute and copy
 SUBSTITUTES: dict[str, Callable[[list, torch.Tensor], torch.Tensor | None]] = {
     "aten::convolution.default": _conv,
-    "aten::relu.default": _relu,
+    "aten::relu.default": relu,
     "aten::adaptive_avg_pool2d.default": _global_avg_pool,
     "aten::mean.dim": _mean,
     "aten::layer_norm.default": layer_norm,
     "aten::max_pool2d.default": max_pool2d,
     "aten::avg_pool2d.default": avg_pool2d,
-    "aten::contiguous.default": _copy,
+    "aten::contiguous.default": copy,
     "aten::linear.default": _linear,
-    "aten::_to_copy.default": _copy,
-    "aten::to.dtype": _copy,
+    "aten::_to_copy.default": copy,
+    "aten::to.dtype": copy,
     "aten::reshape.default": reshape_copy,
     "aten::flatten.using_ints": reshape_copy,
     "aten::roll.default": roll,
