@@ -89,7 +89,7 @@ def stepper(model, params, batch: int, size: int, bf16: bool, before=None, chann
 
 
 def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 32, precision: str = "fp32",
-              prepared: bool = True, channels_last: bool = False) -> dict:
+              prepared: bool = True, channels_last: bool = False, layouts: tuple = ("auto",)) -> dict:
     import nimble
     import torch
     import torchvision
@@ -126,24 +126,27 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
         del model, runner, net
         torch.cuda.empty_cache()
 
-    start = footprint_start()
-    net = copy.deepcopy(base)
-    x, y = data(batch, size)
-    t = time.perf_counter()
-    train = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, precision=precision,
-                             optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
-    torch.cuda.synchronize()
-    row["step_prepare_s"] = time.perf_counter() - t
-    losses = []
-    for i in range(3):
-        torch.manual_seed(i)
-        losses.append(train(x, y).item())
-    row["step_loss_rel_diff"] = rel_diffs(losses, eager_losses)
-    row["step_ms"] = median_ms(lambda: train(x, y), iters)
-    row["step_issue_ms"] = issue_ms(lambda: train(x, y))
-    row["step_peak_mb"] = footprint_mb(start)
-    train = net = None  # dropped before the next variant (rebound, not deleted: the lambda names it)
-    torch.cuda.empty_cache()
+    for k, layout in enumerate(layouts):
+        key = "step" if k == 0 else f"step_{layout}"  # the first layout's row keeps the plain keys
+        start = footprint_start()
+        net = copy.deepcopy(base)
+        x, y = data(batch, size)
+        t = time.perf_counter()
+        train = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, precision=precision, layout=layout,
+                                 optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
+        torch.cuda.synchronize()
+        row[f"{key}_prepare_s"] = time.perf_counter() - t
+        row[f"{key}_layout"] = train.layout
+        losses = []
+        for i in range(3):
+            torch.manual_seed(i)
+            losses.append(train(x, y).item())
+        row[f"{key}_loss_rel_diff"] = rel_diffs(losses, eager_losses)
+        row[f"{key}_ms"] = median_ms(lambda: train(x, y), iters)
+        row[f"{key}_issue_ms"] = issue_ms(lambda: train(x, y))
+        row[f"{key}_peak_mb"] = footprint_mb(start)
+        train = net = None  # dropped before the next variant (rebound, not deleted: the lambda names it)
+        torch.cuda.empty_cache()
 
     if compile_it:
         start = footprint_start()
@@ -251,7 +254,9 @@ def summary(rows: list[dict], meta: dict) -> str:
         ratio = f"{r['step_ms'] / r['compile_ms']:.2f}" if r.get("step_ms") and r.get("compile_ms") else "n/a"
         peaks = " / ".join(_ms(r, k, "{:.0f}") for k in ("eager_peak_mb", "compile_peak_mb", "step_peak_mb"))
         cells.append([r["model"], r.get("size", 32), r["batch"], r.get("precision", "fp32"), _ms(r, "eager_ms"),
-                      _ms(r, "compile_ms"), _ms(r, "nimble_ms"), _ms(r, "step_ms"), ratio, _ms(r, "step_issue_ms"),
+                      _ms(r, "compile_ms"), _ms(r, "nimble_ms"),
+                      _ms(r, "step_ms") + (f" ({r['step_layout']})" if r.get("step_layout") else ""), ratio,
+                      _ms(r, "step_issue_ms"),
                       peaks, _ms(r, "step_prepare_s", "{:.1f}")])
     lines += report.table(["model", "px", "batch", "precision", "eager", "torch.compile", "nimble", "TrainStep",
                            "TrainStep / compile", "TrainStep issue", "peak MiB eager / compile / TrainStep",
@@ -262,6 +267,12 @@ def summary(rows: list[dict], meta: dict) -> str:
                   "lays convolutions out so): " + ", ".join(
                       f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r['eager_channels_last_ms']:.2f} ms "
                       f"against {r['eager_ms']:.2f}, peak {r['eager_channels_last_peak_mb']:.0f} MiB" for r in laid) + "."]
+    other = [(r, k.removesuffix("_ms")) for r in rows for k in sorted(r)
+             if k.startswith("step_") and k.endswith("_ms") and k[5:-3] in ("auto", "contiguous", "channels_last")]
+    if other:
+        lines += ["", "TrainStep in another layout (`--step-layouts`): " + ", ".join(
+            f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r[k + '_layout']} {r[k + '_ms']:.2f} ms, "
+            f"peak {r[k + '_peak_mb']:.0f} MiB" for r, k in other) + "."]
     compiled = [r for r in rows if "compile_first_steps_s" in r]
     if compiled:
         lines += ["", "torch.compile time to the first three steps: " + ", ".join(
@@ -294,6 +305,9 @@ def main() -> None:
                     help="leave out the older prepare(..., training=True) variants (they take device time)")
     ap.add_argument("--channels-last", action="store_true",
                     help="also time eager with the model and images in channels_last memory order")
+    ap.add_argument("--step-layouts", nargs="+", choices=("auto", "contiguous", "channels_last"), default=["auto"],
+                    help="TrainStep's layout argument, one row each (the first keeps the keys step_*, the "
+                         "others step_<layout>_*)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--report", nargs="+", type=Path, help="merge these JSON files into training.md")
     args = ap.parse_args()
@@ -320,7 +334,7 @@ def main() -> None:
     for name in args.models:
         for batch in args.batches:
             row = bench_one(name, batch, args.iters, batch in args.compile_batches, args.size, args.precision,
-                            not args.no_prepared, args.channels_last)
+                            not args.no_prepared, args.channels_last, tuple(args.step_layouts))
             print(json.dumps(row), flush=True)
             rows.append(row)
             out = {"meta": meta, "rows": rows}

@@ -35,7 +35,7 @@ from . import guards, passes
 from .errors import ShapeError, UsageError
 from .frontend import joint
 from .ir import TensorSpec
-from .ops import types
+from .ops import fusion, types
 from .pipeline import PASSES
 from .plan.memory import plan
 from .plan.schedule import assign_streams
@@ -51,6 +51,7 @@ JOINT_PASSES: tuple = tuple(p for p in PASSES if p not in (passes.fold_batch_nor
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)
+LAYOUTS = ("auto", "contiguous", "channels_last")  # of a step's 4-D activations (`TrainStep`'s `layout`)
 
 
 def _tensors(obj, what: str) -> list[torch.Tensor]:
@@ -64,7 +65,7 @@ class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
                  broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, layout: str = "auto"):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto",
         1, or a cap) is the schedule: on CUDA each op runs on its planned stream, and the memory
@@ -79,7 +80,11 @@ class TrainStep:
         the loss run under `torch.autocast(dtype=torch.bfloat16)`, with its float32 list.
         `outputs=True`: a call returns `(loss, outputs)`, the module's outputs beside the loss (for
         accuracy, say): one tensor, or a tuple of them in the order of the module's output
-        structure, detached copies."""
+        structure, detached copies. `layout` of the 4-D activations: "contiguous" (NCHW),
+        "channels_last" (NHWC: the step's 4-D inputs and planned maps, so cuDNN's convolutions
+        and batch norms run in the layout they are fastest in, as torch.compile lays them out),
+        or "auto": channels_last on CUDA for a module with 2-D convolutions, else contiguous. The
+        module's own tensors keep their layout either way."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
         device = xs[0].device
         if any(t.device != device for t in xs + ys):
@@ -91,6 +96,8 @@ class TrainStep:
         if precision not in PRECISIONS:
             raise UsageError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)} (bf16 computes in bfloat16 "
                              "under torch.autocast, with float32 weights)")
+        if layout not in LAYOUTS:
+            raise UsageError(f"layout {layout!r}: use one of {', '.join(LAYOUTS)}")
         if bucket_mb <= 0:
             raise UsageError(f"bucket_mb is {bucket_mb}; give a positive size in MB")
         self.module, self.optimizer, self.device = module, optimizer, device
@@ -105,6 +112,10 @@ class TrainStep:
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
         self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
+        if layout == "auto":
+            layout = "channels_last" if device.type == "cuda" and _convolves(graph) else "contiguous"
+        self.layout = layout
+        channels_last = layout == "channels_last"
         workspaces = Workspaces() if device.type == "cuda" else None  # the generated kernels' cuDNN workspaces
         placed = placed_ops(graph, device, workspaces)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each
@@ -121,12 +132,14 @@ class TrainStep:
         self._loss_at, self._outputs_at = kinds.index(joint.LOSS), [k for k, kind in enumerate(kinds)
                                                                     if kind == joint.OUTPUT]
         self.runner = JointRunner(graph, self.schedule, self.memory_plan, weights, device, placed, unplanned,
-                                  workspaces)
+                                  workspaces, channels_last)
         self._guard = guards.EveryTensor(module, versions=False)
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"
         # the inputs' own buffers where the step is captured (a graph reads fixed addresses)
-        self._slots = [torch.empty(s.shape, dtype=types.DTYPES[s.dtype], device=device) for s in self.specs] \
+        self._format = torch.channels_last if channels_last else torch.contiguous_format
+        self._slots = [torch.empty(s.shape, dtype=types.DTYPES[s.dtype], device=device,
+                                   memory_format=self._format_of(len(s.shape))) for s in self.specs] \
             if self.cuda_graphs else None
         self._calls = 0
         self._results: list[torch.Tensor] | None = None  # the captured step's outputs, which each replay writes
@@ -155,7 +168,7 @@ class TrainStep:
             self.runner.replay()
             results = self._results
         else:
-            data = iter(t.contiguous() for t in given)  # the graph was typed for dense inputs
+            data = iter(t.contiguous(memory_format=self._format_of(t.dim())) for t in given)  # dense, in the layout
             bound = [t if t is not None else next(data) for t in self._bound]
             if self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
                 self._release_eager()
@@ -175,6 +188,10 @@ class TrainStep:
         if not self.outputs:
             return loss
         return loss, outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _format_of(self, dims: int) -> torch.memory_format:
+        """The memory format of a step input of `dims` dimensions: the layout's for 4-D ones."""
+        return self._format if dims == 4 else torch.contiguous_format
 
     def _after(self, results: list[torch.Tensor]) -> None:
         """After the step's ops (and in its CUDA graph, where captured): the gradients averaged
@@ -212,6 +229,15 @@ class TrainStep:
         for p, _ in self._grads:
             p.grad = None
         self._grads = []
+
+
+def _convolves(graph) -> bool:
+    """Whether any op of `graph` (or of a fused op's body) is a 2-D convolution."""
+    for op in graph.ops:
+        nodes = fusion.body_of(op) if op.target == fusion.FUSED else ((op.target, op.args, op.kwargs),)
+        if any(target in fusion.CONVOLUTIONS for target, _, _ in nodes):
+            return True
+    return False
 
 
 class _DataParallel:

@@ -33,6 +33,7 @@ from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
+from .assemble.choice import channels_last_values
 from .base import streams
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
@@ -44,17 +45,21 @@ from .placed.run import PlacedRun
 class JointRunner:
     def __init__(self, graph: Graph, schedule: Schedule, memory: MemoryPlan, weights: dict[str, torch.Tensor],
                  device: torch.device, placed: list[PlacedOp], unplanned: frozenset[int],
-                 workspaces: Workspaces | None = None):
+                 workspaces: Workspaces | None = None, channels_last: bool = False):
         """`weights`: the graph's constants (tensors the model builds in its forward); `placed`:
         `placed_ops(graph, device, workspaces)`; `unplanned`: `loose(graph, placed)`, the values
-        the memory plan left out."""
+        the memory plan left out. `channels_last`: the planned 4-D buffers that no view shares
+        (`assemble.choice.channels_last_values`, as inference's layout choice) get channels_last
+        strides over their bytes; the ops that write them follow, and the results bound as
+        computed follow their inputs."""
         self.workspaces = workspaces
         self.graph, self.order, self.device, self.schedule = graph, list(schedule.order), device, schedule
         self.streams = [torch.cuda.Stream(device) for _ in range(schedule.num_streams)] if device.type == "cuda" else []
         self.captured: torch.cuda.CUDAGraph | None = None
         self.placed, self.unplanned = placed, unplanned
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
-        self.views = arena_views(graph, memory, self.arena)
+        self.views = arena_views(graph, memory, self.arena,
+                                 channels_last_values(graph, SAME_STRIDES) if channels_last else ())
         self.release = streams.release_plan(graph, self.order, schedule.stream, schedule.waits)
         self._constants = {vid: weights[v.name].to(device) for vid, v in enumerate(graph.values) if v.kind == WEIGHT}
 
@@ -107,6 +112,10 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
             p.substitute.workspaces = workspaces
     return placed
 
+
+# views that keep their input's strides: a value they share may still be laid out channels_last
+# (the backward reads relu's result through a detach)
+SAME_STRIDES = frozenset({"aten::detach.default", "aten::alias.default"})
 
 # ops whose result can share its input's storage though their schema does not say so
 UNMARKED_VIEWS = frozenset({"aten::_unsafe_view.default"})

@@ -26,12 +26,15 @@ MODELS = {"resnet18": lambda: ResNet18(classes=10), "mobilenet_v2_small": Mobile
 
 @pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, 3e-2)])
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("graphs, streams", [(True, "auto"), (True, 1), (False, "auto")],
-                         ids=["captured", "captured-1stream", "eager"])
-def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, loss_tol, grad_tol, graphs, streams):
+@pytest.mark.parametrize("graphs, streams, layout", [(True, "auto", "auto"), (True, 1, "auto"), (False, "auto", "auto"),
+                                                     (True, "auto", "contiguous")],
+                         ids=["captured", "captured-1stream", "eager", "captured-contiguous"])
+def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, loss_tol, grad_tol, graphs, streams,
+                                                            layout):
     """Step 1 runs op by op, step 2 captures, the rest replay (with `graphs`); on the planned
-    streams, or on one. Smooth nets: every step within the tolerances."""
-    errors = _steps(lambda: smoothed(MODELS[model]()), precision, loss_tol, graphs, streams)
+    streams, or on one; channels_last maps (the default on CUDA for these conv nets) or
+    contiguous ones. Smooth nets: every step within the tolerances."""
+    errors = _steps(lambda: smoothed(MODELS[model]()), precision, loss_tol, graphs, streams, layout)
     assert max(errors) <= grad_tol, errors
 
 
@@ -45,8 +48,9 @@ def test_the_nets_with_kinks_follow_eager_but_on_a_rare_step(model):
     assert sum(e > 1e-3 for e in errors) <= 4 and max(errors) <= 5e-2, errors
 
 
-def _steps(make, precision: str, loss_tol: float, graphs: bool, streams) -> list[float]:
-    """Each step's relative gradient difference from eager's (20 SGD steps, asserting the loss)."""
+def _steps(make, precision: str, loss_tol: float, graphs: bool, streams, layout: str = "auto") -> list[float]:
+    """Each step's relative gradient difference from eager's (20 SGD steps, asserting the loss),
+    eager laid out as the step is (its convolutions then sum in the same order)."""
     errors = []
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -57,10 +61,14 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams) -> list
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
         x, t = (v.cuda() for v in batch(8, 32))
         step = nimble.TrainStep(net, F.cross_entropy, x, t, optimizer=opt, precision=precision,
-                                streams=streams, cuda_graphs=graphs)
+                                streams=streams, cuda_graphs=graphs, layout=layout)
         assert step.cuda_graphs is graphs
+        assert step.layout == ("channels_last" if layout == "auto" else layout)
+        fmt = torch.channels_last if step.layout == "channels_last" else torch.contiguous_format
+        ref = ref.to(memory_format=fmt)
         for k in range(20):
             x, t = (v.cuda() for v in batch(8, 32, seed=k + 1))
+            x = x.contiguous(memory_format=fmt)
             ref.load_state_dict(net.state_dict())
             ref.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):

@@ -137,6 +137,41 @@ def test_each_of_100_steps_gives_eager_s_loss_gradients_and_running_statistics(m
                 assert torch.equal(b, r), (k, n)
 
 
+@pytest.mark.parametrize("make", [lambda: ResNet18(classes=10), MobileNetV2Small], ids=["resnet18", "mobilenet_v2_small"])
+def test_a_channels_last_step_gives_eager_s_loss_and_gradients(make):
+    """layout="channels_last": the step's planned 4-D maps are NHWC over their planned bytes, its
+    input is laid out so, and 10 steps still give the loss, gradients (each in its parameter's own
+    layout) and running statistics of eager in channels_last (whose convolutions sum in the same
+    order). "auto" keeps contiguous maps on the CPU."""
+    torch.manual_seed(0)
+    net = make()
+    ref = copy.deepcopy(net).to(memory_format=torch.channels_last)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 32), layout="channels_last")
+    maps = [t for t in step.runner.views.values() if t.dim() == 4 and t.shape[2] * t.shape[3] > 1]
+    assert maps and all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() for t in maps)
+    assert step.layout == "channels_last"
+    for k in range(10):
+        x, t = batch(4, 32, seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x.contiguous(memory_format=torch.channels_last)), t)
+        expected.backward()
+        loss = step(x, t)
+        assert abs(float(loss) - float(expected)) <= 1e-4 * abs(float(expected)), k
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        for (n, p), r in zip(net.named_parameters(), ref.parameters()):
+            assert p.grad.stride() == p.stride(), (k, n)
+            assert float((p.grad - r.grad).abs().max()) <= 1e-4 * scale, (k, n)
+        for (n, b), r in zip(net.named_buffers(), ref.buffers()):
+            assert torch.allclose(b.float(), r.float(), atol=1e-5, rtol=1e-5), (k, n)
+        with torch.no_grad():  # the next step from where eager's optimizer would be
+            for p in net.parameters():
+                p -= 0.01 * p.grad
+    assert nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32)).layout == "contiguous"
+    with pytest.raises(UsageError, match="layout 'nhwc': use one of auto, contiguous, channels_last"):
+        nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32), layout="nhwc")
+
+
 def test_a_transformer_s_steps_give_eager_s_loss_and_gradients():
     """Embedding, attention, layer norm and a GELU MLP: their backward ops (embedding's dense
     gradient, attention's, layer norm's) in the joint graph, 20 steps against eager."""
