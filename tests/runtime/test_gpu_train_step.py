@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 MODELS = {"resnet18": lambda: ResNet18(classes=10), "mobilenet_v2_small": MobileNetV2Small}
 
 
-@pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, 3e-2)])
+@pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, None)])
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("graphs, streams, layout", [(True, "auto", "auto"), (True, 1, "auto"), (False, "auto", "auto"),
                                                      (True, "auto", "contiguous")],
@@ -33,9 +33,17 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, lo
                                                             layout):
     """Step 1 runs op by op, step 2 captures, the rest replay (with `graphs`); on the planned
     streams, or on one; channels_last maps (the default on CUDA for these conv nets) or
-    contiguous ones. Smooth nets: every step within the tolerances."""
+    contiguous ones. Smooth nets, fp32: every step's gradients within `grad_tol` of eager's. bf16
+    rounds so coarsely that two right answers differ by several percent (eager's own bf16
+    gradients are 1.5e-2 to 8.8e-2 off its float32 ones on the CPU; a captured channels_last step
+    was 6.6e-2 off eager's bf16 one on an H200, with the same figure op by op and on one stream):
+    there each step's gradients must be no further from eager's float32 gradients than eager's
+    bf16 ones are, give or take a quarter (a wrong buffer or a race is off by about 1)."""
     errors = _steps(lambda: smoothed(MODELS[model]()), precision, loss_tol, graphs, streams, layout)
-    assert max(errors) <= grad_tol, errors
+    if grad_tol is not None:
+        assert max(e for e, _, _ in errors) <= grad_tol, errors
+    else:
+        assert all(ours <= 1.25 * eager + 5e-3 for _, ours, eager in errors), errors
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -44,12 +52,14 @@ def test_the_nets_with_kinks_follow_eager_but_on_a_rare_step(model):
     loss within 1e-4 on every step, the gradients within 1e-3 on all but four steps of 20 (a
     kink's flip: 1e-4 to 1e-2 on up to 3 steps in 24 in `tools/train_step_drift.py`, on one
     stream too) and within 5e-2 on all. A wrong buffer or a race is off on most steps, and by more."""
-    errors = _steps(MODELS[model], "fp32", 1e-4, True, "auto")
+    errors = [e for e, _, _ in _steps(MODELS[model], "fp32", 1e-4, True, "auto")]
     assert sum(e > 1e-3 for e in errors) <= 4 and max(errors) <= 5e-2, errors
 
 
-def _steps(make, precision: str, loss_tol: float, graphs: bool, streams, layout: str = "auto") -> list[float]:
-    """Each step's relative gradient difference from eager's (20 SGD steps, asserting the loss),
+def _steps(make, precision: str, loss_tol: float, graphs: bool, streams,
+           layout: str = "auto") -> list[tuple[float, float, float]]:
+    """Each of 20 SGD steps' relative gradient differences (asserting the loss): the step's from
+    eager's at its precision, and in bf16 the step's and eager's from eager's in float32 (else 0);
     eager laid out as the step is (its convolutions then sum in the same order)."""
     errors = []
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -66,6 +76,7 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams, layout:
         assert step.layout == ("channels_last" if layout == "auto" else layout)
         fmt = torch.channels_last if step.layout == "channels_last" else torch.contiguous_format
         ref = ref.to(memory_format=fmt)
+        full = copy.deepcopy(ref)  # eager in float32, the answer bf16 rounds
         for k in range(20):
             x, t = (v.cuda() for v in batch(8, 32, seed=k + 1))
             x = x.contiguous(memory_format=fmt)
@@ -74,10 +85,15 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams, layout:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 expected = F.cross_entropy(ref(x), t)
             expected.backward()
+            if precision == "bf16":
+                full.load_state_dict(net.state_dict())
+                full.zero_grad(set_to_none=True)
+                F.cross_entropy(full(x), t).backward()
             loss = step(x, t)
             assert abs(float(loss) - float(expected.detach())) <= loss_tol * abs(float(expected.detach())), k
-            errors.append(relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                                   torch.cat([p.grad.reshape(-1) for p in ref.parameters()])))
+            ours, eager = _gradient(net), _gradient(ref)
+            errors.append((relative(ours, eager), *((relative(ours, _gradient(full)), relative(eager, _gradient(full)))
+                                                     if precision == "bf16" else (0.0, 0.0))))
         if graphs:
             assert step.runner.captured is not None
             assert step._grads and all(p.grad is g for p, g in step._grads)  # the captured step's own tensors
@@ -85,6 +101,10 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams, layout:
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
     return errors
+
+
+def _gradient(net) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
