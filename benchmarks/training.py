@@ -1,7 +1,8 @@
 """Training step time on a GPU: nimble against eager PyTorch and torch.compile, fp32.
 
     python benchmarks/training.py --out DIR [--models mobilenet_v2 ...] [--batches 32 64 128]
-                                  [--compile-batches 32]
+                                  [--compile-batches 32] [--size 224] [--precision bf16] [--no-prepared]
+                                  [--step-layouts channels_last contiguous] [--channels-last]
     python benchmarks/training.py --report DIR/training_*.json --out benchmarks/results  # no GPU
 
 Models are torchvision's MobileNetV2, EfficientNet-B0 and ResNet-50 (and any other of its
@@ -13,8 +14,11 @@ with momentum (torch.optim, foreach), as a user writes it. Every variant starts 
 weights; the figure is the median wall time of one step, synchronized, after a warm-up.
 
 Variants: eager; nimble with the auto schedule and with one stream (`prepare(..., streams=1)`);
-`nimble.TrainStep` (the joint forward-backward graph, its ops run one after another on the GPU,
-not yet captured; the same SGD, fused);
+`nimble.TrainStep` (the joint forward-backward graph, captured into a CUDA graph from its second
+call; the same SGD, fused), once per `--step-layouts` entry (its `layout` argument: "auto" by
+default, which is channels_last on CUDA for these nets; the first entry's figures are `step_*`,
+the others' `step_<layout>_*`); with `--channels-last`, eager again with the model and images in
+channels_last;
 torch.compile(mode="reduce-overhead") for --compile-batches only (it compiles for minutes). For
 nimble, prepare time is recorded, and its forward and backward graphs are replayed alone, with
 auto and with one stream, to measure whether the backward inherits the forward's parallelism.
