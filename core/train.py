@@ -9,7 +9,8 @@ The forward, the loss and the backward come from torch's own export for training
 graph (`frontend/joint.py`), which goes through nimble's passes, its schedule and its memory plan
 whole: the activations the backward keeps are planned buffers like any other
 (`memory_plan.arena_bytes`), but for the results of ops that cannot write into a given buffer,
-which are bound as computed (`runtime/joint.loose`). A call runs that graph on the module's own
+which are bound as computed (`runtime/joint.loose`). On CUDA the step's 4-D maps are laid out
+channels_last where the module has convolutions (`layout`). A call runs that graph on the module's own
 parameters and buffers (`runtime/joint.py`), on CUDA captured into a CUDA graph from its second
 call, sets each parameter's `.grad` to this step's gradient (as after `zero_grad()` and
 `backward()`: gradients are not added up across calls; in a captured step `.grad` is the same
@@ -233,11 +234,7 @@ class TrainStep:
 
 def _convolves(graph) -> bool:
     """Whether any op of `graph` (or of a fused op's body) is a 2-D convolution."""
-    for op in graph.ops:
-        nodes = fusion.body_of(op) if op.target == fusion.FUSED else ((op.target, op.args, op.kwargs),)
-        if any(target in fusion.CONVOLUTIONS for target, _, _ in nodes):
-            return True
-    return False
+    return any(target in fusion.CONVOLUTIONS for op in graph.ops for target, _, _ in fusion.nodes_of(op))
 
 
 class _DataParallel:

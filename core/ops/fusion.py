@@ -86,6 +86,11 @@ def body_of(op: Op) -> tuple:
     return op.args[0]
 
 
+def nodes_of(op: Op) -> tuple:
+    """The (target, args, kwargs) nodes `op` computes: a fused op's body, else the op itself."""
+    return body_of(op) if op.target == FUSED else ((op.target, op.args, op.kwargs),)
+
+
 def is_fused(op: Op) -> bool:
     return op.target == FUSED
 

@@ -9,7 +9,8 @@ after it (`after`), into a CUDA graph that `replay` then runs with no Python per
 they run one after another. Every activation an op can write in place (`placed/`: by its out=
 overload), the saved ones the backward reads included, is written into its buffer of the memory
 plan, in one arena allocated once. The results of the other ops (`loose`: convolution_backward
-asked for two of its three results, batch norm's training forward, a fused op's body) are bound
+asked for two of its three results, batch norm's training forward, a fused op's body, an op whose
+only out= overload is one torch generates, which computes, then copies: `copies`) are bound
 as they are computed rather than copied into a buffer, which would cost a pass over memory each:
 their memory comes from torch's allocator (in a captured step, the graph's own pool). A value
 outside the arena is dropped once its last reader has run. The graph's outputs (loss, gradients,
@@ -37,8 +38,8 @@ from .assemble.choice import channels_last_values
 from .base import streams
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
-from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed import substitutes
+from .placed.placement import PlacedOp, arena_views, out_overload
 from .placed.run import PlacedRun
 
 

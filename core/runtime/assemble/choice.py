@@ -62,8 +62,7 @@ def conv_weights(graph: Graph) -> set[int]:
     """4-D weights that only convolutions read, as their weight operand."""
     as_weight, elsewhere = set(), set()
     for op in graph.ops:
-        nodes = fusion.body_of(op) if op.target == fusion.FUSED else ((op.target, op.args, op.kwargs),)
-        for target, args, kwargs in nodes:
+        for target, args, kwargs in fusion.nodes_of(op):
             params = fusion.conv_params(target, args) if target in fusion.CONVOLUTIONS else None
             w = params["weight"] if params else None
             for r in refs_of((args, tuple(v for _, v in kwargs))):
