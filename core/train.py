@@ -41,7 +41,8 @@ from .pipeline import PASSES
 from .plan.memory import plan
 from .plan.schedule import assign_streams
 from .plan.verify import check_plan
-from .runtime.joint import JointRunner, loose, placed_ops
+from .runtime.assemble.choice import viewed
+from .runtime.joint import SAME_STRIDES, JointRunner, loose, placed_ops
 from .runtime.kernels.cudnn_graph import Workspaces
 from .specs import parse_streams
 from .stages import Stages
@@ -138,10 +139,13 @@ class TrainStep:
         self._data = _DataParallel(self, bucket_mb, broadcast_buffers)
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"
         # the inputs' own buffers where the step is captured (a graph reads fixed addresses)
-        self._format = torch.channels_last if channels_last else torch.contiguous_format
-        self._slots = [torch.empty(s.shape, dtype=types.DTYPES[s.dtype], device=device,
-                                   memory_format=self._format_of(len(s.shape))) for s in self.specs] \
-            if self.cuda_graphs else None
+        # each input's memory format: channels_last for a 4-D one in such a step, unless a view reshapes it
+        shared = viewed(graph, SAME_STRIDES)
+        data = [v for v, t in zip(graph.inputs, self._bound) if t is None]
+        self._formats = [torch.channels_last if channels_last and len(s.shape) == 4 and v not in shared
+                         else torch.contiguous_format for s, v in zip(self.specs, data)]
+        self._slots = [torch.empty(s.shape, dtype=types.DTYPES[s.dtype], device=device, memory_format=f)
+                       for s, f in zip(self.specs, self._formats)] if self.cuda_graphs else None
         self._calls = 0
         self._results: list[torch.Tensor] | None = None  # the captured step's outputs, which each replay writes
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # each parameter's gradient of the step
@@ -169,7 +173,7 @@ class TrainStep:
             self.runner.replay()
             results = self._results
         else:
-            data = iter(t.contiguous(memory_format=self._format_of(t.dim())) for t in given)  # dense, in the layout
+            data = iter(t.contiguous(memory_format=f) for t, f in zip(given, self._formats))  # dense, in the layout
             bound = [t if t is not None else next(data) for t in self._bound]
             if self.cuda_graphs and self._calls > 0:  # the first call ran eagerly: it created the streams' handles
                 self._release_eager()
@@ -189,10 +193,6 @@ class TrainStep:
         if not self.outputs:
             return loss
         return loss, outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-    def _format_of(self, dims: int) -> torch.memory_format:
-        """The memory format of a step input of `dims` dimensions: the layout's for 4-D ones."""
-        return self._format if dims == 4 else torch.contiguous_format
 
     def _after(self, results: list[torch.Tensor]) -> None:
         """After the step's ops (and in its CUDA graph, where captured): the gradients averaged

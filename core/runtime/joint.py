@@ -22,6 +22,7 @@ gradients while the rest of the backward runs (`train.py`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -34,7 +35,7 @@ from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
-from .assemble.choice import channels_last_values
+from .assemble.choice import channels_last_values, viewed
 from .base import streams
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
@@ -111,7 +112,23 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
     for p in placed:
         if isinstance(p.substitute, FusedKernel) and workspaces is not None:
             p.substitute.workspaces = workspaces
+    # a result bound as computed takes its inputs' layout (channels_last in such a step); one that
+    # a view reshapes is made contiguous where it is computed, as the trace had it (a view of a
+    # channels_last map to (N, C*H*W), as after VGG's pooling, has no strides that fit)
+    shared, free = viewed(graph, SAME_STRIDES), loose(graph, placed)
+    for k, p in enumerate(placed):
+        at = [i for i, v in enumerate(p.op.outputs) if v in shared and v in free]
+        if at:
+            placed[k] = replace(p, fn=_contiguous(p.fn, frozenset(at)))
     return placed
+
+
+def _contiguous(fn: Callable, at: frozenset[int]) -> Callable:
+    """`fn` with its results at the positions `at` made contiguous (a no-op where they are)."""
+    def run(*args, **kwargs):
+        results = flatten_result(fn(*args, **kwargs))
+        return [t.contiguous() if k in at and isinstance(t, torch.Tensor) else t for k, t in enumerate(results)]
+    return run
 
 
 # views that keep their input's strides: a value they share may still be laid out channels_last

@@ -172,6 +172,43 @@ def test_a_channels_last_step_gives_eager_s_loss_and_gradients(make):
         nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32), layout="nhwc")
 
 
+class Flattening(nn.Module):
+    """A VGG-style head (a pooled map of 2x2 flattened into a linear layer: the pooling's result is
+    bound as computed, and a view reshapes it) beside a branch that flattens the image itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc, self.skip = nn.Linear(8 * 2 * 2, 10), nn.Linear(3 * 8 * 8, 10)
+
+    def forward(self, x):
+        pooled = F.adaptive_avg_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(pooled, 1)) + self.skip(x.view(x.shape[0], -1))
+
+
+def test_a_channels_last_step_keeps_what_a_view_reshapes_contiguous():
+    """channels_last maps, but a result bound as computed that a view reshapes is made
+    contiguous where it is computed, and an input that a view reshapes stays contiguous: a view
+    of an NHWC map to (N, C*H*W) has no strides that fit (VGG and AlexNet failed so on their
+    first step). The steps give eager's loss and gradients."""
+    torch.manual_seed(0)
+    net = Flattening()
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 8), layout="channels_last")
+    assert step._formats[0] == torch.contiguous_format  # the image is viewed
+    assert any(t.dim() == 4 and not t.is_contiguous() for t in step.runner.views.values())
+    for k in range(3):
+        x, t = batch(4, 8, seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x), t)
+        expected.backward()
+        loss = step(x, t)
+        assert abs(float(loss) - float(expected)) <= 1e-5 * abs(float(expected)), k
+        for (n, p), r in zip(net.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6), (k, n)
+
+
 def test_a_transformer_s_steps_give_eager_s_loss_and_gradients():
     """Embedding, attention, layer norm and a GELU MLP: their backward ops (embedding's dense
     gradient, attention's, layer norm's) in the joint graph, 20 steps against eager."""

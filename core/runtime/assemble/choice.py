@@ -71,13 +71,18 @@ def conv_weights(graph: Graph) -> set[int]:
     return as_weight - elsewhere
 
 
+def viewed(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
+    """The values (roots) that a view shares, but for views by an op of `same_strides` (a
+    training step's `detach`: computed at run time, with its input's strides)."""
+    return {v.alias_of for v in graph.values if v.alias_of is not None
+            and (v.producer is None or graph.ops[v.producer].target not in same_strides)}
+
+
 def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
-    """Planned 4-D buffers that no view shares and that the artifact declares contiguous (its
-    strides given as contiguous ones, or left out): the ones channels_last re-strides. Views by
-    an op of `same_strides` (a training step's `detach`: computed at run time, with its input's
-    strides) do not count."""
-    shared = {v.alias_of for v in graph.values if v.alias_of is not None
-              and (v.producer is None or graph.ops[v.producer].target not in same_strides)}
+    """Planned 4-D buffers that no view shares (`viewed`) and that the artifact declares
+    contiguous (its strides given as contiguous ones, or left out): the ones channels_last
+    re-strides."""
+    shared = viewed(graph, same_strides)
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
             and len(v.spec.shape) == 4 and not v.spec.offset
             and v.spec.is_contiguous}
