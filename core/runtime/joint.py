@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import ExecutionError, first_line
-from ..ir import ACTIVATION, WEIGHT, Graph
+from ..ir import ACTIVATION, WEIGHT, Graph, TensorSpec, contiguous_strides
 from ..ops import fusion, targets
 from ..ops.arguments import flatten_result, masked, output_mask
 from ..ops.execute import run_ops
@@ -113,21 +113,27 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
         if isinstance(p.substitute, FusedKernel) and workspaces is not None:
             p.substitute.workspaces = workspaces
     # a result bound as computed takes its inputs' layout (channels_last in such a step); one that
-    # a view reshapes is made contiguous where it is computed, as the trace had it (a view of a
+    # a view reshapes is given the strides the trace gave it, where it is computed (a view of a
     # channels_last map to (N, C*H*W), as after VGG's pooling, has no strides that fit)
     shared, free = viewed(graph, SAME_STRIDES), loose(graph, placed)
     for k, p in enumerate(placed):
-        at = [i for i, v in enumerate(p.op.outputs) if v in shared and v in free]
-        if at:
-            placed[k] = replace(p, fn=_contiguous(p.fn, frozenset(at)))
+        traced = {i: graph.values[v].spec for i, v in enumerate(p.op.outputs) if v in shared and v in free}
+        if traced:
+            placed[k] = replace(p, fn=_as_traced(p.fn, traced))
     return placed
 
 
-def _contiguous(fn: Callable, at: frozenset[int]) -> Callable:
-    """`fn` with its results at the positions `at` made contiguous (a no-op where they are)."""
+def _as_traced(fn: Callable, traced: dict[int, TensorSpec]) -> Callable:
+    """`fn` with each result at a position of `traced` copied into the strides of its spec (the
+    trace's; contiguous where it gives none) where its own differ in a dimension longer than 1."""
     def run(*args, **kwargs):
         results = flatten_result(fn(*args, **kwargs))
-        return [t.contiguous() if k in at and isinstance(t, torch.Tensor) else t for k, t in enumerate(results)]
+        for k, spec in traced.items():
+            t = results[k]
+            strides = spec.strides or contiguous_strides(spec.shape)
+            if isinstance(t, torch.Tensor) and any(n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), strides)):
+                results[k] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+        return results
     return run
 
 

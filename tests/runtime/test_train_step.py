@@ -187,10 +187,11 @@ class Flattening(nn.Module):
 
 
 def test_a_channels_last_step_keeps_what_a_view_reshapes_contiguous():
-    """channels_last maps, but a result bound as computed that a view reshapes is made
-    contiguous where it is computed, and an input that a view reshapes stays contiguous: a view
-    of an NHWC map to (N, C*H*W) has no strides that fit (VGG and AlexNet failed so on their
-    first step). The steps give eager's loss and gradients."""
+    """channels_last maps, but a result bound as computed that a view reshapes gets the strides
+    the trace gave it (here contiguous) where it is computed, and an input that a view reshapes
+    stays contiguous: a view of an NHWC map to (N, C*H*W) has no strides that fit (VGG and
+    AlexNet failed so on their first step). The steps give eager's loss and gradients. (The
+    transformer's test below covers a result traced with other strides: attention's.)"""
     torch.manual_seed(0)
     net = Flattening()
     ref = copy.deepcopy(net)
