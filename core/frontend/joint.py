@@ -99,7 +99,10 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
 
     Traced once by AOTAutograd on fake tensors where it can be (`_traced_once`): torch.export's
     own way traces the module, then traces the joint graph, then traces that again to drop its
-    tangents (resnet50 at batch 32 on the 2-core builder: 1.7 + 4.3 s against 2.6 s). A module it
+    tangents (resnet50 at batch 32 on the 2-core builder: 1.7 + 4.3 s against 2.6 s), and
+    AOTAutograd's export retraces its joint graph too, which nimble does not let it do
+    (`_joint_not_retraced`: TrainStep's prepare of resnet50 3.2 to 4.8 s against 4.8 to 8.0 s,
+    alternated, a noisy day on that builder). A module it
     cannot take so (a buffer under two names, constants the graph reads as attributes, or any
     failure) goes torch.export's way (`_exported`), which also names what fails. Tied parameters are
     refused: each name would get a gradient of its own (or, torch.export's way, none)."""
@@ -164,7 +167,7 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
         mode = FakeTensorMode(shape_env=ShapeEnv())
         fake = {k: mode.from_tensor(t, static_shapes=True) for k, t in state.items()}
         fake_args = [mode.from_tensor(t, static_shapes=True) for t in args]
-        with _reparametrize_module(wrapped, fake), mode:
+        with _reparametrize_module(wrapped, fake), mode, _joint_not_retraced():
             gm, sig = aot_export_module(wrapped, fake_args, trace_joint=True, output_loss_index=0, decompositions={})
     except UsageError:
         raise
@@ -202,6 +205,83 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
             outputs.append(gs.OutputSpec(gs.OutputKind.GRADIENT_TO_PARAMETER, arg, grads[out.name]))
     return JointProgram(gm.graph, gs.ExportGraphSignature(inputs, outputs),
                         {k: t.detach() for k, t in state.items()}, {})
+
+
+@contextlib.contextmanager
+def _joint_not_retraced():
+    """Within: `aot_export_module(..., trace_joint=True)` takes its joint graph as traced, instead of
+    tracing it a second time (with `make_fx`) only to drop the tangents and flatten the outputs:
+    that retrace was 3.7 of resnet50's 10.7 s under cProfile (batch 32, 2-core builder). The same
+    surgery is done on the FX graph (`_flattened`). Where torch's code is not as expected (the
+    function it retraces holds no `fx_g` and `metadata`, or the graph's inputs and outputs do not
+    add up), torch's own retrace runs. Patched for the call only: torch's `aot_autograd` module
+    reads `make_fx` as a global."""
+    import inspect
+
+    import torch._functorch.aot_autograd as aot
+
+    real = getattr(aot, "make_fx", None)
+    if real is None:
+        yield
+        return
+
+    def make_fx(fn, *args, **kwargs):
+        try:
+            held = inspect.getclosurevars(fn).nonlocals
+        except (TypeError, ValueError):
+            held = {}
+        fx_g, metadata = held.get("fx_g"), held.get("metadata")
+        if not isinstance(fx_g, torch.fx.GraphModule) or metadata is None:
+            return real(fn, *args, **kwargs)
+
+        def build(*full_args):
+            flat = _flattened(fx_g, metadata, full_args)
+            return flat if flat is not None else real(fn, *args, **kwargs)(*full_args)
+        return build
+
+    aot.make_fx = make_fx
+    try:
+        yield
+    finally:
+        aot.make_fx = real
+
+
+def _flattened(fx_g: torch.fx.GraphModule, metadata, full_args) -> torch.fx.GraphModule | None:
+    """The joint graph `fx_g` (inputs: the primals, then tangents; outputs: the forward's, then a
+    gradient per primal) as `aot_export_module`'s retrace leaves it: the primals alone as inputs
+    (a tangent must be unused: the loss's is implicit), the forward's outputs, then the gradient
+    of each primal that requires grad. None where the graph is not so (torch's retrace then runs,
+    and raises its own errors: a parameter with no gradient, say)."""
+    try:
+        n_fw = metadata.num_outputs + metadata.num_mutated_inp_runtime_indices
+    except AttributeError:
+        return None
+    nodes = list(fx_g.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1] if nodes and nodes[-1].op == "output" else None
+    if output is None or len(placeholders) < len(full_args) or any(t.users for t in placeholders[len(full_args):]):
+        return None
+    leaves = torch.utils._pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None)
+    fw, grads = leaves[:n_fw], leaves[n_fw:]
+    if len(fw) != n_fw or len(grads) != len(full_args) or any(o is None for o in fw):
+        return None
+    kept = []
+    for a, g in zip(full_args, grads):
+        wants = isinstance(a, torch.Tensor) and a.requires_grad
+        if wants != (g is not None):
+            return None
+        if wants:
+            kept.append(g)
+    graph = torch.fx.Graph()
+    env = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            if len(env) < len(full_args):
+                env[n] = graph.node_copy(n)
+        elif n.op != "output":
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    graph.output(tuple(env[o] for o in fw + kept))
+    return torch.fx.GraphModule(fx_g, graph)
 
 
 class _JointLowering(_Lowering):

@@ -72,3 +72,28 @@ def test_tied_weights_are_refused_in_one_line_naming_both():
     module, x, y = Tied(), torch.randn(4, 6), torch.randint(0, 6, (4,))
     with pytest.raises(UnsupportedError, match=r"parameter 'b.weight' is the same tensor as 'a.weight' \(tied"):
         joint.export_joint(module, F.cross_entropy, [x], [y], "tied")
+
+
+def test_the_joint_graph_is_taken_as_traced_not_traced_again(monkeypatch):
+    """aot_export_module traces the joint graph, then traces it again only to drop the tangents
+    and flatten the outputs; nimble does that surgery on the FX graph (`joint._flattened`), and
+    the graph is still torch.export's (the test above). A graph not laid out as expected gives
+    None, and torch's own retrace runs then."""
+    made = []
+    real = joint._flattened
+
+    def recorded(fx_g, metadata, full_args):
+        out = real(fx_g, metadata, full_args)
+        made.append((fx_g, metadata, full_args, out))
+        return out
+
+    monkeypatch.setattr(joint, "_flattened", recorded)
+    torch.manual_seed(0)
+    net = ResNet18(classes=10).train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    program = joint.export_joint(net, F.cross_entropy, [x], [y], "net")
+    assert len(made) == 1 and isinstance(made[0][3], torch.fx.GraphModule)
+    assert program.graph is made[0][3].graph  # the program's graph is the one the surgery made
+    fx_g, metadata, full_args, _ = made[0]
+    assert real(fx_g, object(), full_args) is None  # no metadata to count the outputs by
+    assert real(fx_g, metadata, full_args[:-1]) is None  # the inputs do not add up
