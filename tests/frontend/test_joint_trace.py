@@ -1,6 +1,6 @@
 """How a training step's joint graph is traced (`frontend/joint.export_joint`): once by
 AOTAutograd on fake tensors where it can be, else torch.export's way (three traces). Both ways
-must give the same graph: same ops, same inputs and outputs in the same roles."""
+must give the same graph: same ops (detach aside), same inputs and outputs in the same roles."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def traced(module, x, y, autocast=None, outputs=False, once=True):
             program = joint._exported(wrapped, [x, y])
         assert not isinstance(program, joint.JointProgram)
     lowered = joint.lower_joint(program, specs, "net")
-    ops = Counter(op.target for op in lowered.lowered.graph.ops)
+    # detach is a no-op here (the step runs its graph with no autograd), and how many a trace
+    # keeps varies: on torch 2.14.1 the one trace kept 36 in ResNet-18's step that torch.export's
+    # way (whose last trace is a retrace of the joint graph) did not; on 2.13 both kept the same
+    ops = Counter(op.target for op in lowered.lowered.graph.ops if op.target != "aten::detach.default")
     return ops, lowered.inputs, lowered.outputs
 
 
