@@ -40,7 +40,7 @@ from .base import streams
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
-from .placed.placement import PlacedOp, arena_views, out_overload
+from .placed.placement import PlacedOp, arena_views, copies, out_overload
 from .placed.run import PlacedRun
 
 
@@ -185,21 +185,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
 
 # ops whose out= overload computes, then copies (`copies`), but that write a given buffer another
 # way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`)
-SUBSTITUTES = {"aten::relu.default": substitutes.relu, "aten::_to_copy.default": substitutes.copy,
+SUBSTITUTES = {**{t: substitutes.SUBSTITUTES[t] for t in ("aten::relu.default", "aten::_to_copy.default")},
                "aten::clone.default": substitutes.copy}
-
-
-def copies(overload) -> bool:
-    """Whether an out= overload is one that torch generates for a functional op (`autogen` in its
-    native functions): it computes the result into new memory, then copies it into `out`. A
-    training step binds such an op's results as computed instead (`loose`): the same memory for a
-    moment, and one pass over it less (resnet50's step has 53 batch norm backwards and 33 relus
-    so). `placed.WRITTEN_OUT`'s copy is nimble's own writer, never one of these."""
-    schema = getattr(overload, "_schema", None)
-    if schema is None:
-        return False
-    name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
-    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
 
 
 class _Step(PlacedRun):

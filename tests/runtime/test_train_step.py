@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
-from nimble.runtime.joint import copies, loose
+from nimble.runtime.joint import loose
+from nimble.runtime.placed.placement import copies
 from torch import nn
 
 from tests.models import DataDependentIf, MobileNetV2Small, ResNet18, StochasticNet, TinyEncoder
