@@ -17,7 +17,8 @@ Variants: eager; nimble with the auto schedule and with one stream (`prepare(...
 `nimble.TrainStep` (the joint forward-backward graph, captured into a CUDA graph from its second
 call; the same SGD, fused), once per `--step-layouts` entry (its `layout` argument: "auto" by
 default, which is channels_last on CUDA for these nets; the first entry's figures are `step_*`,
-the others' `step_<layout>_*`); with `--channels-last`, eager again with the model and images in
+the others' `step_<layout>_*`; with `--unfused-norms` each again with `fused_norms=False`,
+`step_<layout>_unfused_*`); with `--channels-last`, eager again with the model and images in
 channels_last;
 torch.compile(mode="reduce-overhead") for --compile-batches only (it compiles for minutes). For
 nimble, prepare time is recorded, and its forward and backward graphs are replayed alone, with
@@ -93,7 +94,7 @@ def stepper(model, params, batch: int, size: int, bf16: bool, before=None, chann
 
 
 def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 32, precision: str = "fp32",
-              prepared: bool = True, channels_last: bool = False, layouts: tuple = ("auto",)) -> dict:
+              prepared: bool = True, channels_last: bool = False, layouts: tuple = ("auto",), unfused: bool = False) -> dict:
     import nimble
     import torch
     import torchvision
@@ -130,14 +131,16 @@ def bench_one(name: str, batch: int, iters: int, compile_it: bool, size: int = 3
         del model, runner, net
         torch.cuda.empty_cache()
 
-    for k, layout in enumerate(layouts):
-        key = "step" if k == 0 else f"step_{layout}"  # the first layout's row keeps the plain keys
+    variants = [(layout, fused) for layout in layouts for fused in ((None, False) if unfused else (None,))]
+    for k, (layout, fused) in enumerate(variants):
+        # the first variant's row keeps the plain keys
+        key = "step" if k == 0 else f"step_{layout}" + ("_unfused" if fused is False else "")
         start = footprint_start()
         net = copy.deepcopy(base)
         x, y = data(batch, size)
         t = time.perf_counter()
         train = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, precision=precision, layout=layout,
-                                 optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
+                                 fused_norms=fused, optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
         torch.cuda.synchronize()
         row[f"{key}_prepare_s"] = time.perf_counter() - t
         row[f"{key}_layout"] = train.layout
@@ -272,10 +275,13 @@ def summary(rows: list[dict], meta: dict) -> str:
                       f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r['eager_channels_last_ms']:.2f} ms "
                       f"against {r['eager_ms']:.2f}, peak {r['eager_channels_last_peak_mb']:.0f} MiB" for r in laid) + "."]
     other = [(r, k.removesuffix("_ms")) for r in rows for k in sorted(r)
-             if k.startswith("step_") and k.endswith("_ms") and k[5:-3] in ("auto", "contiguous", "channels_last")]
+             if k.startswith("step_") and k.endswith("_ms")
+             and k[5:-3].removesuffix("_unfused") in ("auto", "contiguous", "channels_last")]
     if other:
-        lines += ["", "TrainStep in another layout (`--step-layouts`): " + ", ".join(
-            f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r[k + '_layout']} {r[k + '_ms']:.2f} ms, "
+        lines += ["", "TrainStep in another layout (`--step-layouts`), or with aten's batch norms (`--unfused-norms`): "
+                  + ", ".join(
+            f"{r['model']} b{r['batch']} {r.get('precision', 'fp32')} {r[k + '_layout']}"
+            f"{' unfused' if k.endswith('_unfused') else ''} {r[k + '_ms']:.2f} ms, "
             f"peak {r[k + '_peak_mb']:.0f} MiB" for r, k in other) + "."]
     compiled = [r for r in rows if "compile_first_steps_s" in r]
     if compiled:
@@ -312,6 +318,9 @@ def main() -> None:
     ap.add_argument("--step-layouts", nargs="+", choices=("auto", "contiguous", "channels_last"), default=["auto"],
                     help="TrainStep's layout argument, one row each (the first keeps the keys step_*, the "
                          "others step_<layout>_*)")
+    ap.add_argument("--unfused-norms", action="store_true",
+                    help="also time each layout with fused_norms=False (batch norm and its activation as aten's "
+                         "ops): keys step_<layout>_unfused_*")
     ap.add_argument("--tag", default="")
     ap.add_argument("--report", nargs="+", type=Path, help="merge these JSON files into training.md")
     args = ap.parse_args()
@@ -338,7 +347,7 @@ def main() -> None:
     for name in args.models:
         for batch in args.batches:
             row = bench_one(name, batch, args.iters, batch in args.compile_batches, args.size, args.precision,
-                            not args.no_prepared, args.channels_last, tuple(args.step_layouts))
+                            not args.no_prepared, args.channels_last, tuple(args.step_layouts), args.unfused_norms)
             print(json.dumps(row), flush=True)
             rows.append(row)
             out = {"meta": meta, "rows": rows}

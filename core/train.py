@@ -67,7 +67,7 @@ class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
                  broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False,
-                 cuda_graphs: bool = True, layout: str = "auto"):
+                 cuda_graphs: bool = True, layout: str = "auto", fused_norms: bool | None = None):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto",
         1, or a cap) is the schedule: on CUDA each op runs on its planned stream, and the memory
@@ -86,7 +86,12 @@ class TrainStep:
         "channels_last" (NHWC: the step's 4-D inputs and planned maps, so cuDNN's convolutions
         and batch norms run in the layout they are fastest in, as torch.compile lays them out),
         or "auto": channels_last on CUDA for a module with 2-D convolutions, else contiguous. The
-        module's own tensors keep their layout either way."""
+        module's own tensors keep their layout either way. `fused_norms`: each training-mode
+        batch norm, with the relu, relu6 or silu after it, runs as one op each way (`ops/norm_act.py`:
+        four kernels where aten's take six to eight, and the map before the activation is not
+        kept). None: on CUDA, where its kernels take the step's maps (2-D ones, and 4-D ones
+        channels_last); True: everywhere, aten's ops where they do not (for tests); False: never
+        (for comparisons)."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
         device = xs[0].device
         if any(t.device != device for t in xs + ys):
@@ -113,11 +118,16 @@ class TrainStep:
         lowered = joint.lower_joint(program, self.specs, self.name)
         graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
                                              passes.REWRITES_WEIGHTS, "lowered")
-        self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
         if layout == "auto":
             layout = "channels_last" if device.type == "cuda" and _convolves(graph) else "contiguous"
         self.layout = layout
         channels_last = layout == "channels_last"
+        # batch norms and their activations as one op each way, where `kernels/batch_norm` runs them
+        ranks = (({2, 4} if channels_last else {2}) if device.type == "cuda" else set()) if fused_norms is None \
+            else {2, 3, 4, 5} if fused_norms else set()
+        if ranks:
+            graph = passes.fuse_batch_norm_activation(graph, frozenset(ranks))
+        self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
         workspaces = Workspaces() if device.type == "cuda" else None  # the generated kernels' cuDNN workspaces
         placed = placed_ops(graph, device, workspaces)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each

@@ -3,7 +3,8 @@ torch.compile(mode="reduce-overhead"), one process, one model (an instrument for
 issue; `benchmarks/training.py` gives only the step's wall time).
 
     python tools/train_step_kernels.py [--model resnet50] [--batch 32] [--size 224]
-                                       [--layouts channels_last contiguous] [--no-compile] [--top 18]
+                                       [--layouts channels_last contiguous] [--unfused-norms] [--no-compile]
+                                       [--top 18]
 
 Each variant takes three steps untimed, then five steps under torch.profiler (CUDA activity
 only). Printed per variant: kernel time per step and kernels per step, the time by class
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=("auto", "contiguous", "channels_last"),
                     default=["channels_last", "contiguous"])
     ap.add_argument("--no-compile", action="store_true", help="leave out torch.compile (it takes 30 to 60 s)")
+    ap.add_argument("--unfused-norms", action="store_true",
+                    help="also each layout with fused_norms=False (batch norm and its activation as aten's ops)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
 
@@ -88,11 +91,13 @@ def main() -> None:
     torch.manual_seed(0)
     base = getattr(torchvision.models, args.model)(num_classes=10).cuda().train()
     x, y = training.data(args.batch, args.size)
-    for layout in args.layouts:
+    for layout, fused in [(layout, fused) for layout in args.layouts
+                          for fused in ((None, False) if args.unfused_norms else (None,))]:
         net = copy.deepcopy(base)
-        step = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, layout=layout,
+        step = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, layout=layout, fused_norms=fused,
                                 optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
-        profile_steps(torch, lambda: step(x, y), f"{args.model} TrainStep {step.layout}", args.top)
+        label = f"{args.model} TrainStep {step.layout}" + (" unfused norms" if fused is False else "")
+        profile_steps(torch, lambda: step(x, y), label, args.top)
         step = net = None
         torch.cuda.empty_cache()
     if not args.no_compile:

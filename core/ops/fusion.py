@@ -64,7 +64,10 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], int, dict[str, str]]] = {
     "aten::logical_and.default": _BINARY_SIGNATURE,
     "aten::where.Scalar": (("tensor", "number", "number"), 3, {}),
     "aten::where.self": (("tensor", "tensor", "tensor"), 3, {}),
+    # relu's backward (grad where self > threshold, else 0): in training graphs only (`TRAINING_POINTWISE`)
+    "aten::threshold_backward.default": (("tensor", "tensor", "number"), 3, {}),
 }
+TRAINING_POINTWISE = frozenset({"aten::threshold_backward.default"})  # on the allowlist of training graphs only
 LOGICAL = frozenset({"aten::__and__.Tensor", "aten::bitwise_and.Tensor", "aten::logical_and.default"})
 SELECTIONS = frozenset({"aten::where.Scalar", "aten::where.self"})  # operand 0 is the boolean condition
 # The exponents a fused pow may take: those PyTorch's CUDA kernel computes without calling pow

@@ -37,7 +37,8 @@ class _Body(Executor):
     def call(self, node, args, kwargs):
         target = node[0]
         found = shapes.infer(target, args, kwargs) if any(_meta(a) for a in args) else None
-        return [found[0] if found is not None else resolve(target)(*args, **kwargs)]
+        return [found[0] if found is not None
+                else resolve(target, training=target in fusion.TRAINING_POINTWISE)(*args, **kwargs)]
 
     def bind(self, node, results):
         self.results.append(results[0])

@@ -25,6 +25,7 @@ from .index_as_view import index_as_view
 from .inline_scalar_constants import inline_scalar_constants
 from .fold_batch_norm import fold_batch_norm
 from .functionalise import functionalise
+from .fuse_batch_norm_activation import fuse_batch_norm_activation
 from .fuse_concats import fuse_concats
 from .fuse_conv import fuse_conv
 from .fuse_lone_convolutions import fuse_lone_convolutions
@@ -47,7 +48,7 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
-           "fold_batch_norm", "functionalise", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
+           "fold_batch_norm", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ir import ACTIVATION, WEIGHT, Graph, TensorSpec, contiguous_strides
-from ..ops import fusion, targets
+from ..ops import fusion, norm_act, targets
 from ..ops.arguments import flatten_result, masked, output_mask
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
@@ -37,6 +37,7 @@ from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .assemble.choice import channels_last_values, viewed
 from .base import streams
+from .kernels import batch_norm
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -167,10 +168,15 @@ def _placed(op, cuda: bool) -> PlacedOp:
     every result it was asked for (`convolution_backward` asked for two of its three has none that
     fits), else computed and bound as it is (`loose`). A fused op runs on CUDA as inference's
     generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
-    bound as computed. (The rare step whose gradients leave eager's by 1e-4 to 1e-2 comes with
+    bound as computed. Batch norm with its activation, each way, writes its buffers through
+    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step whose gradients leave eager's by 1e-4 to 1e-2 comes with
     them and without, on one stream too: a kink's flip, `tools/train_step_drift.py --smooth`.)"""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
+    if op.target == norm_act.NORM_ACT:
+        return PlacedOp(op, norm_act.forward, batch_norm.forward_into, list(NORM_ACT_OUTPUTS), None)
+    if op.target == norm_act.NORM_ACT_BACKWARD:
+        return PlacedOp(op, norm_act.backward, batch_norm.backward_into, list(NORM_ACT_BACKWARD_OUTPUTS), None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
@@ -182,6 +188,10 @@ def _placed(op, cuda: bool) -> PlacedOp:
         found = None
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
 
+
+# the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
+NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
+NORM_ACT_BACKWARD_OUTPUTS = ("dx", "dweight", "dbias")
 
 # ops whose out= overload computes, then copies (`copies`), but that write a given buffer another
 # way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`)

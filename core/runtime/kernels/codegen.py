@@ -99,6 +99,8 @@ def _expr(target: str, a: list[str], args, kwargs: dict) -> str:
         return f"tl.where({x} != 0, {_num(extra[1])}, {_num(extra[2])})"
     if name == "where.self":
         return f"tl.where({x} != 0, {a[1]}, {a[2]})"
+    if name == "threshold_backward.default":  # relu's backward: 0 where its result is at most the threshold
+        return f"tl.where({a[1]} <= {_num(extra[2])}, 0.0, {x})"
     if name == "pow.Tensor_Scalar":  # fusion.POWERS, as PyTorch's CUDA kernel computes them
         return _POWERS[float(extra[1])].format(x=x)
     op, kind = name.split(".")
