@@ -3,11 +3,12 @@
 that no test covers).
 
     python tools/train_step_layouts.py [MODEL ...] [--size 96] [--batch 2] [--layout channels_last]
+                                       [--device cuda] [--unfused-norms]
 
 Each model (10 classes, dropout and stochastic depth off, so that both sides compute the same)
 takes one step from the same weights and batch: printed are both losses, the relative difference
 of all gradients as one vector, and how many of the step's planned 4-D buffers are channels_last;
-a model that fails says so in one line and the rest go on. Exit status 1 if any failed or was off
+a model that fails says so in one line and the rest go on. TF32 is off (float32 on both sides). Exit status 1 if any failed or was off
 by more than 1e-4.
 """
 
@@ -26,7 +27,7 @@ MODELS = ("resnet18", "shufflenet_v2_x0_5", "vgg11", "alexnet", "squeezenet1_0",
           "regnet_x_400mf", "googlenet", "efficientnet_b0", "mobilenet_v3_small", "convnext_tiny")
 
 
-def one(name: str, size: int, batch: int, layout: str, device: str) -> tuple[bool, str]:
+def one(name: str, size: int, batch: int, layout: str, device: str, fused_norms=None) -> tuple[bool, str]:
     import torch
     import torch.nn.functional as F
     import zoo
@@ -34,6 +35,8 @@ def one(name: str, size: int, batch: int, layout: str, device: str) -> tuple[boo
     import nimble
 
     torchvision = zoo.import_torchvision()
+    # float32 on both sides: TF32 convolutions (PyTorch's default on CUDA) round each side otherwise
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     extra = {"aux_logits": False, "init_weights": False} if name in ("googlenet", "inception_v3") else {}
     net = getattr(torchvision.models, name)(num_classes=10, **extra).train().to(device)
@@ -43,7 +46,7 @@ def one(name: str, size: int, batch: int, layout: str, device: str) -> tuple[boo
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     ref = copy.deepcopy(net).to(memory_format=fmt)
     x, y = torch.randn(batch, 3, size, size, device=device), torch.randint(0, 10, (batch,), device=device)
-    step = nimble.TrainStep(net, F.cross_entropy, x, y, layout=layout)
+    step = nimble.TrainStep(net, F.cross_entropy, x, y, layout=layout, fused_norms=fused_norms)
     expected = F.cross_entropy(ref(x.contiguous(memory_format=fmt)), y)
     expected.backward()
     expected = expected.detach()
@@ -64,12 +67,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layout", choices=("channels_last", "contiguous"), default="channels_last")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--unfused-norms", action="store_true", help="fused_norms=False: aten's batch norms and activations")
     args = ap.parse_args()
     failed = 0
     for name in args.models:
         start = time.perf_counter()
         try:
-            ok, text = one(name, args.size, args.batch, args.layout, args.device)
+            ok, text = one(name, args.size, args.batch, args.layout, args.device,
+                           False if args.unfused_norms else None)
         except Exception as e:  # one line per model, and the rest still run
             ok, text = False, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         failed += not ok

@@ -184,10 +184,17 @@ def _placed(op, cuda: bool) -> PlacedOp:
                                                                                                  True)),
                         None, [], None)
     found = out_overload(op.target, training=True)
-    if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])):
+    if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0]) or op.target in STRIDES_IGNORED):
         found = None
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
 
+
+# ops whose out= kernel on CUDA writes its result in its input's memory format whatever the given
+# buffer's strides, here max pooling and its backward of a channels_last map into contiguous buffers
+# (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient).
+# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling
+# (H200, torch 2.11; `tools/train_step_layouts.py --device cuda`). Bound as computed instead.
+STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default", "aten::max_pool2d_with_indices_backward.default"})
 
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
 NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
