@@ -169,8 +169,9 @@ def _placed(op, cuda: bool) -> PlacedOp:
     fits), else computed and bound as it is (`loose`). A fused op runs on CUDA as inference's
     generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
     bound as computed. Batch norm with its activation, each way, writes its buffers through
-    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step whose gradients leave eager's by 1e-4 to 1e-2 comes with
-    them and without, on one stream too: a kink's flip, `tools/train_step_drift.py --smooth`.)"""
+    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step
+    whose gradients leave eager's by 1e-4 to 1e-2 comes with them and without, on one stream too:
+    a kink's flip, `tools/train_step_drift.py --smooth`.)"""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
     if op.target == norm_act.NORM_ACT:
@@ -194,7 +195,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
 # (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient).
 # SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling
 # (H200, torch 2.11; `tools/train_step_layouts.py --device cuda`). Bound as computed instead.
-STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default", "aten::max_pool2d_with_indices_backward.default"})
+STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
+                             "aten::max_pool2d_with_indices_backward.default"})
 
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
 NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")

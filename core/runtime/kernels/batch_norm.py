@@ -63,7 +63,8 @@ _CHANNELS = '''
 
 _HEAD = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
 
-STATISTICS = _HEAD + '''def bn_statistics(x_ptr, part_ptr, M, ROWS, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+STATISTICS = _HEAD + '''def bn_statistics(x_ptr, part_ptr, M, ROWS, C: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
     split = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -89,8 +90,8 @@ STATISTICS = _HEAD + '''def bn_statistics(x_ptr, part_ptr, M, ROWS, C: tl.conste
 kernel = bn_statistics  # the name `generated.define` looks up; profiles show bn_statistics
 '''
 
-FINISH = _HEAD + '''def bn_finish(part_ptr, rm_ptr, rv_ptr, mean_ptr, rstd_ptr, new_mean_ptr, new_var_ptr, M, ROWS, SPLITS,
-              momentum, eps, C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+FINISH = _HEAD + '''def bn_finish(part_ptr, rm_ptr, rv_ptr, mean_ptr, rstd_ptr, new_mean_ptr, new_var_ptr, M, ROWS,
+              SPLITS, momentum, eps, C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     total = tl.zeros((BLOCK_C,), tl.float32)
@@ -119,8 +120,8 @@ FINISH = _HEAD + '''def bn_finish(part_ptr, rm_ptr, rv_ptr, mean_ptr, rstd_ptr, 
 kernel = bn_finish  # the name `generated.define` looks up; profiles show bn_finish
 '''
 
-NORMALISE = _HEAD + '''def bn_normalise(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, M, low, high, C: tl.constexpr, ACT: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+NORMALISE = _HEAD + '''def bn_normalise(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, M, low, high, C: tl.constexpr,
+                 ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
 ''' + _CHANNELS + '''
     mask = (rows < M)[:, None] & cm[None, :]
@@ -134,8 +135,8 @@ NORMALISE = _HEAD + '''def bn_normalise(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr,
 kernel = bn_normalise  # the name `generated.define` looks up; profiles show bn_normalise
 '''
 
-GRADIENT_SUMS = _HEAD + '''def bn_gradient_sums(g_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, part_ptr, M, ROWS, low, high, C: tl.constexpr,
-           ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+GRADIENT_SUMS = _HEAD + '''def bn_gradient_sums(g_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, part_ptr, M, ROWS, low,
+                     high, C: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     split = tl.program_id(0)
 ''' + _CHANNELS + '''
     mean = mean[None, :]
@@ -183,8 +184,8 @@ FINISH_GRADIENTS = _HEAD + '''def bn_finish_gradients(part_ptr, rstd_ptr, w_ptr,
 kernel = bn_finish_gradients  # the name `generated.define` looks up; profiles show bn_finish_gradients
 '''
 
-INPUT_GRADIENT = _HEAD + '''def bn_input_gradient(g_ptr, x_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, coef_ptr, M, low, high, C: tl.constexpr,
-           ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+INPUT_GRADIENT = _HEAD + '''def bn_input_gradient(g_ptr, x_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, coef_ptr, M, low,
+                      high, C: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
 ''' + _CHANNELS + '''
     mean = mean[None, :]
