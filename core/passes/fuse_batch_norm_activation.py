@@ -5,13 +5,13 @@ backward folded in where the graph allows.
 
 A batch norm `_native_batch_norm_legit_functional(x, w, b, running_mean, running_var, True, ...)`
 is taken with the `native_batch_norm_backward` that reads its saved mean and inverse deviation
-(and `x`), with affine weight and bias, all three gradients asked for. Its activation goes in too
-where:
+(and `x`), with affine weight and bias, momentum and eps numbers (not values of the graph), all
+three gradients asked for. Its activation goes in too where:
 - one relu, hardtanh or silu reads the norm's result, and nothing else does but that activation's
   backward (directly or through a `detach`);
 - that backward (`threshold_backward` at 0, `hardtanh_backward` at the same bounds,
-  `silu_backward`) reads the activation's input or result, and the batch norm backward alone reads
-  its gradient.
+  `silu_backward`, or the fused body torch's decomposition of it became) reads the activation's
+  input or result, and the batch norm backward alone reads its gradient.
 Otherwise the pair is taken with no activation ("none"). A norm with no such backward (a frozen
 or eval-mode one) stays as it is.
 """
@@ -51,6 +51,7 @@ def fuse_batch_norm_activation(graph: Graph, ranks=frozenset({2, 3, 4, 5})) -> G
             continue
         x, w, b, running_mean, running_var, _, momentum, eps = op.args
         if not all(isinstance(a, Ref) for a in (x, w, b, running_mean, running_var)) \
+                or not all(isinstance(a, (int, float)) for a in (momentum, eps)) \
                 or len(graph.values[x.id].spec.shape) not in ranks:
             continue
         z, mean, rstd = op.outputs[:3]

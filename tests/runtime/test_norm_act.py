@@ -133,8 +133,22 @@ def test_a_body_is_taken_for_silu_s_backward_only_where_it_computes_it():
 
 KERNELS = r'''
 import torch
+import triton.runtime.interpreter as interpreter
 from nimble.ops import norm_act
 from nimble.runtime.kernels import batch_norm as bn
+
+# Triton 3.6's interpreter (CI's) takes a loop bound that is a kernel argument with int() of a
+# one-element array, which NumPy 2 refuses ("only 0-dimensional arrays can be converted"); later
+# Tritons read the element. The same, here, for the interpreter only: compiled kernels never see it.
+_patch = interpreter._patch_lang_tensor
+
+
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patched
 
 torch.manual_seed(0)
 worst = 0.0
