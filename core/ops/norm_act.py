@@ -1,7 +1,8 @@
 """Batch norm in training mode with the activation after it, as one op each way: what a training
 step's joint graph holds after `passes/fuse_batch_norm_activation.py`, and what those two ops
 compute (`forward`, `backward`: aten's ops composed, on any device; `runtime/kernels/batch_norm.py`
-computes them on CUDA in four kernels where aten takes six to eight).
+computes them on CUDA in six kernels that pass over the map 8 times, where aten's pass 13 times
+with a relu).
 
     y, mean, rstd, new_running_mean, new_running_var = batch_norm_act(x, weight, bias, running_mean,
         running_var, momentum, eps, activation, low, high)

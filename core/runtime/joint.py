@@ -185,7 +185,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
                                                                                                  True)),
                         None, [], None)
     found = out_overload(op.target, training=True)
-    if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0]) or op.target in STRIDES_IGNORED):
+    if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])
+                              or op.target in STRIDES_IGNORED):
         found = None
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
 

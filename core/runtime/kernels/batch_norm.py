@@ -14,9 +14,9 @@ The map is seen as M rows of C channels (N*H*W by C): a 4-D map laid out channel
   splits into the weight's and bias's gradients and three coefficients per channel; INPUT_GRADIENT
   writes dx = w * rstd * (dz - sum(dz) / M - (x - mean) * rstd^2 * sum(dz * (x - mean)) / M).
 
-aten takes four kernels for the norm (statistics, normalise; two for its backward), and one more
-each way for the activation, which reads and writes the map again, and the backward's activation
-reads the saved map. Anything else (another layout, a buffer of other strides, a norm over one
+So the map is read or written 8 times a step: 3 forward, 5 backward. aten takes two kernels each
+way for the norm and one more each way for a relu, which read or write the map 13 times (5
+forward; its backward's relu reads the saved result). Anything else (another layout, a buffer of other strides, a norm over one
 row) is computed by aten's ops (`norm_act.forward`, `backward`) and copied into the buffers.
 """
 
