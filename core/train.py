@@ -98,7 +98,8 @@ class TrainStep:
         module's own tensors keep their layout either way. `fused_norms`: each training-mode
         batch norm, with the relu, relu6 or silu after it, runs as one op each way (`ops/norm_act.py`:
         kernels that pass over the map 8 times a step where aten's pass 13 times with a relu,
-        and the map before the activation is not kept). None: on CUDA, where its kernels take the step's maps (2-D ones, and 4-D ones
+        and the map before the activation is not kept; a residual add alone after it, relu or not,
+        is the forward's too). None: on CUDA, where its kernels take the step's maps (2-D ones, and 4-D ones
         channels_last); True: everywhere, aten's ops where they do not (for tests); False: never
         (for comparisons)."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")

@@ -5,7 +5,7 @@ computes them on CUDA in six kernels that pass over the map 8 times, where aten'
 with a relu).
 
     y, mean, rstd, new_running_mean, new_running_var = batch_norm_act(x, weight, bias, running_mean,
-        running_var, momentum, eps, activation, low, high)
+        running_var, momentum, eps, activation, low, high[, residual])
     dx, dweight, dbias = batch_norm_act_backward(grad_y, x, weight, bias, mean, rstd, eps, activation,
         low, high)
 
@@ -15,6 +15,10 @@ takes the activation's gradient of it, then batch norm's. So the step saves one 
 layer, and the backward reads no activation's result.
 
 The activations: "relu", "hardtanh" (`low`, `high`: relu6 is 0 and 6), "silu", and "none".
+
+With `residual` (a map of x's shape and dtype) the forward is a residual join as well:
+act(batch_norm(x) + residual), the activation "relu" or "none". The backward of such a norm has no
+activation: the join's relu keeps its own backward, which reads the join's result.
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ def activation_grad(grad: torch.Tensor, z: torch.Tensor, activation: str, low: f
 
 
 def forward(x, weight, bias, running_mean, running_var, momentum: float, eps: float, activation: str,
-            low: float, high: float) -> tuple[torch.Tensor, ...]:
+            low: float, high: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     z, mean, rstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps)
+    if residual is not None:
+        z = z + residual
     return activate(z, activation, low, high), mean, rstd, new_mean, new_var
 
 

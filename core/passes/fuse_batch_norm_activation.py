@@ -12,8 +12,11 @@ three gradients asked for. Its activation goes in too where:
 - that backward (`threshold_backward` at 0, `hardtanh_backward` at the same bounds,
   `silu_backward`, or the fused body torch's decomposition of it became) reads the activation's
   input or result, and the batch norm backward alone reads its gradient.
-Otherwise the pair is taken with no activation ("none"). A norm with no such backward (a frozen
-or eval-mode one) stays as it is.
+Otherwise the pair is taken with no activation ("none"), and where one op alone reads the norm's
+result and adds another map of its shape to it, with a relu after or not (a residual join, as at
+the end of ResNet's blocks), the forward takes that join in: the norm writes the join's result,
+and the map before it is never written. The join's relu keeps its own backward. A norm with no
+such backward (a frozen or eval-mode one) stays as it is.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..ir import Graph, Op, Ref
+from ..ir import Graph, Local, Op, Ref
 from ..ops import fusion, norm_act
 from ..ops.arguments import to_torch
 from ..ops.interpret import run_fused
@@ -61,10 +64,22 @@ def fuse_batch_norm_activation(graph: Graph, ranks=frozenset({2, 3, 4, 5})) -> G
         found = _activation(graph, readers, z, back)
         name, low, high, result, grad, gone = found if found is not None else ("none", 0.0, 0.0, z, back.args[0], ())
         args = (name, float(low), float(high))
-        replaced[op.id] = Op(op.id, norm_act.NORM_ACT, (x, w, b, running_mean, running_var, momentum, eps, *args), (),
-                             (result, *op.outputs[1:]), source=op.source)
         replaced[back.id] = Op(back.id, norm_act.NORM_ACT_BACKWARD, (grad, x, w, b, Ref(mean), Ref(rstd), eps, *args),
                                (), back.outputs, source=back.source)
+        joined = _residual(graph, readers, z) if found is None else None
+        # a norm whose result a residual join alone reads becomes that join (of two norms' results,
+        # the first takes it); the op goes where the join was, where its other operand exists
+        if joined is not None and joined[0].id not in replaced:
+            join, residual, name = joined
+            dropped.add(op.id)
+            replaced[join.id] = Op(join.id, norm_act.NORM_ACT, (x, w, b, running_mean, running_var, momentum, eps,
+                                                                name, 0.0, 0.0, residual), (),
+                                   (join.outputs[0], *op.outputs[1:]), source=op.source)
+            for v in op.outputs[1:]:
+                values[v] = dataclasses.replace(values[v], producer=join.id)
+            continue
+        replaced[op.id] = Op(op.id, norm_act.NORM_ACT, (x, w, b, running_mean, running_var, momentum, eps, *args), (),
+                             (result, *op.outputs[1:]), source=op.source)
         if found is not None:
             dropped.update(o.id for o in gone)
             values[result] = dataclasses.replace(values[result], producer=op.id)
@@ -153,3 +168,36 @@ def _silu_backward(op: Op, z: int) -> Ref | None:
     expected = torch.ops.aten.silu_backward(gs, zs)
     same = got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
     return Ref(grad) if same else None
+
+
+ADD = "aten::add.Tensor"
+
+
+def _residual(graph: Graph, readers: dict[int, list[Op]], z: int):
+    """(the op, the other operand, "relu" or "none") where batch norm's result `z` is read by one
+    op alone, and that op adds another map of its shape and dtype to it, then takes the relu of
+    the sum or not: a residual join (`add(z, r)`, or a fused body of that add and a relu). None
+    otherwise."""
+    reading = readers.get(z, [])
+    if len(reading) != 1:
+        return None
+    join = reading[0]
+    if join.target == ADD:
+        nodes, name = ((ADD, join.args, join.kwargs),), "none"
+    elif join.target == fusion.FUSED:
+        nodes = join.args[0]
+        name = "relu" if len(nodes) == 2 and nodes[1][0] == "aten::relu.default" and nodes[1][1] == (Local(0),) \
+            and not nodes[1][2] else "none"
+        if len(nodes) != (2 if name == "relu" else 1) or nodes[0][0] != ADD:
+            return None
+    else:
+        return None
+    _, operands, kwargs = nodes[0]
+    if len(operands) != 2 or any(k != "alpha" or a != 1 for k, a in kwargs) or Ref(z) not in operands:
+        return None
+    other = operands[1] if operands[0] == Ref(z) else operands[0]
+    spec = graph.values[z].spec
+    if not isinstance(other, Ref) or other == Ref(z) or graph.values[other.id].spec.shape != spec.shape \
+            or graph.values[other.id].spec.dtype != spec.dtype:
+        return None
+    return join, other, name

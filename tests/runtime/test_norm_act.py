@@ -57,16 +57,18 @@ class Flat(nn.Module):
         return self.b(torch.relu(self.bn(self.a(x.flatten(1)))))
 
 
-@pytest.mark.parametrize("make, activation, fused", [
-    (lambda: ResNet18(classes=10), "relu", 9), (MobileNetV2Small, "hardtanh", 10),
-    (lambda: smoothed(ResNet18(classes=10)), "silu", 9), (SharedNorm, None, 0), (Flat, "relu", 1)],
+@pytest.mark.parametrize("make, activation, fused, joins", [
+    (lambda: ResNet18(classes=10), "relu", 17, 8), (MobileNetV2Small, "hardtanh", 10, 2),
+    (lambda: smoothed(ResNet18(classes=10)), "silu", 9, 8), (SharedNorm, None, 0, 0), (Flat, "relu", 1, 0)],
     ids=["resnet18_relu", "mobilenet_relu6", "resnet18_silu", "shared_result", "batch_norm_1d"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_fused_norms_give_eager_s_steps(make, activation, fused, layout):
+def test_fused_norms_give_eager_s_steps(make, activation, fused, joins, layout):
     """`fused_norms=True` on the CPU (aten's ops in the fused ops' place): every training-mode batch
     norm and its backward become the fused pair, with the activation after it where the graph
-    allows (`fused` of them; None: all), and 8 steps give eager's loss, gradients and running
-    statistics to float32 rounding."""
+    allows (`fused` of them, ResNet's residual joins' relus included), `joins` of them taking in
+    the residual add after them (ResNet-18's 8 blocks, the relu too; with SiLUs the add alone,
+    which silu's backward reads; the MobileNet's 2 linear bottlenecks with a shortcut), and 8 steps give eager's loss, gradients and
+    running statistics to float32 rounding."""
     torch.manual_seed(0)
     net = make()
     ref = copy.deepcopy(net)
@@ -78,7 +80,8 @@ def test_fused_norms_give_eager_s_steps(make, activation, fused, layout):
     taken = [op.args[7] for op in step.graph.ops if op.target == norm_act.NORM_ACT]
     assert sum(a != "none" for a in taken) == (norms if fused is None else fused)
     assert {a for a in taken if a != "none"} <= {activation}
-    if activation == "relu" and make is not Flat:  # the relus after the residual adds are the adds' bodies', and
+    assert sum(len(op.args) > 10 for op in step.graph.ops if op.target == norm_act.NORM_ACT) == joins
+    if activation == "relu" and make is not Flat:  # the relus after the residual adds are the norms' now, and
         # their backwards the bodies of the adds of the gradients before them
         assert count(step, "aten::relu.default") == 0 and count(step, "aten::threshold_backward.default") == 0
         assert sum("aten::threshold_backward.default" in [n[0] for n in op.args[0]] for op in step.graph.ops
@@ -157,16 +160,19 @@ cases = [(shape, dtype, act, sms) for shape, dtype in (((3, 40, 5, 7), torch.flo
          for act in (("relu", 0.0, 0.0), ("hardtanh", 0.0, 6.0), ("silu", 0.0, 0.0), ("none", 0.0, 0.0))
          for sms in (2, 132)]
 cases.append(((64, 16, 32, 20), torch.float32, ("relu", 0.0, 0.0), 132))  # 160 splits: two finishing tiles
-for shape, dtype, (act, low, high), sms in cases:
+joins = [((3, 40, 5, 7), dtype, act, 2) for dtype in (torch.float32, torch.bfloat16)
+         for act in (("relu", 0.0, 0.0), ("none", 0.0, 0.0))]  # a residual map added before the activation
+for k, (shape, dtype, (act, low, high), sms) in enumerate(cases + joins):
     bn._multiprocessors = lambda device: sms
     x = (torch.randn(shape) * 2 + 3).to(dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     c, m = shape[1], x.numel() // shape[1]
     w, b, rm, rv = torch.randn(c), torch.randn(c), torch.randn(c), torch.rand(c) + 0.5
-    want = norm_act.forward(x, w, b, rm, rv, 0.1, 1e-5, act, low, high)
+    r = torch.randn_like(x) if k >= len(cases) else None
+    want = norm_act.forward(x, w, b, rm, rv, 0.1, 1e-5, act, low, high, r)
     got = [torch.empty_like(t) for t in want]
-    assert bn._forward(x, w, b, rm, rv, 0.1, 1e-5, norm_act.NAMES.index(act), low, high, *got, m)
+    assert bn._forward(x, w, b, rm, rv, 0.1, 1e-5, norm_act.NAMES.index(act), low, high, *got, m, r)
     g = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last if x.dim() == 4
                                                  else torch.contiguous_format)
     want_b = norm_act.backward(g, x, w, b, want[1], want[2], 1e-5, act, low, high)
@@ -185,8 +191,9 @@ print("worst", worst)
 def test_the_kernels_compute_what_aten_s_ops_compute(tmp_path):
     """Triton's interpreter runs the six kernels on the CPU (a fresh process: the interpreter is
     chosen when Triton first builds a kernel), each activation, float32 and bfloat16 maps, 2-D and
-    channels_last 4-D, one split of the rows and many (more than a finishing tile's 128): every
-    result within 1e-4 of aten's (2e-2 in bfloat16) relative to its largest element."""
+    channels_last 4-D, one split of the rows and many (more than a finishing tile's 128), with a
+    residual map and without: every result within 1e-4 of aten's (2e-2 in bfloat16) relative to
+    its largest element."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "NIMBLE_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": str(ROOT)}

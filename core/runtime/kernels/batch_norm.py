@@ -8,7 +8,8 @@ The map is seen as M rows of C channels (N*H*W by C): a 4-D map laid out channel
 - forward: STATISTICS reduces each split of the rows to each channel's mean and sum of squared
   deviations (Welford's, merged by Chan's formula tile by tile, in float32); FINISH merges the
   splits, writes the saved mean and inverse deviation and the new running statistics; NORMALISE
-  writes act((x - mean) * rstd * w + b).
+  writes act((x - mean) * rstd * w + b), plus a residual map before the activation at a residual
+  join (ResNet's block end: its add and relu are then this kernel's).
 - backward: GRADIENT_SUMS reduces each split to the sums of the activation's input gradient and of
   it times (x - mean), the activation's input computed again from x; FINISH_GRADIENTS merges the
   splits into the weight's and bias's gradients and three coefficients per channel; INPUT_GRADIENT
@@ -16,8 +17,9 @@ The map is seen as M rows of C channels (N*H*W by C): a 4-D map laid out channel
 
 So the map is read or written 8 times a step: 3 forward, 5 backward. aten takes two kernels each
 way for the norm and one more each way for a relu, which read or write the map 13 times (5
-forward; its backward's relu reads the saved result). Anything else (another layout, a buffer of other strides, a norm over one
-row) is computed by aten's ops (`norm_act.forward`, `backward`) and copied into the buffers.
+forward; its backward's relu reads the saved result). Anything else (another layout, a buffer of
+other strides, a norm over one row) is computed by aten's ops (`norm_act.forward`, `backward`)
+and copied into the buffers.
 """
 
 from __future__ import annotations
@@ -120,14 +122,16 @@ FINISH = _HEAD + '''def bn_finish(part_ptr, rm_ptr, rv_ptr, mean_ptr, rstd_ptr, 
 kernel = bn_finish  # the name `generated.define` looks up; profiles show bn_finish
 '''
 
-NORMALISE = _HEAD + '''def bn_normalise(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, M, low, high, C: tl.constexpr,
-                 ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+NORMALISE = _HEAD + '''def bn_normalise(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, r_ptr, M, low, high,
+                 C: tl.constexpr, ACT: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
 ''' + _CHANNELS + '''
     mask = (rows < M)[:, None] & cm[None, :]
     at = rows.to(tl.int64)[:, None] * C + c[None, :]
     x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
     z = (x - mean[None, :]) * scale[None, :] + bias[None, :]
+    if HAS_R:
+        z += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
 ''' + _ACTIVATE + '''
     tl.store(y_ptr + at, z, mask=mask)
 
@@ -263,22 +267,23 @@ def _code(activation: str) -> int:
     return norm_act.NAMES.index(activation)
 
 
-def forward_into(x, weight, bias, running_mean, running_var, momentum, eps, activation, low, high, *,
-                 y, mean, rstd, new_mean, new_var) -> None:
+def forward_into(x, weight, bias, running_mean, running_var, momentum, eps, activation, low, high, residual=None,
+                 *, y, mean, rstd, new_mean, new_var) -> None:
     """`norm_act.forward` into the five buffers: the kernels where they fit, else aten's ops and copies."""
-    m = _fits(x, [y], [weight, bias, running_mean, running_var, mean, rstd, new_mean, new_var])
+    m = _fits(x, [y] + ([residual] if residual is not None else []),
+              [weight, bias, running_mean, running_var, mean, rstd, new_mean, new_var])
     if m is not None and all(t.dtype == torch.float32 for t in (mean, rstd)) \
             and _forward(x, weight, bias, running_mean, running_var, float(momentum), float(eps), _code(activation),
-                         float(low), float(high), y, mean, rstd, new_mean, new_var, m):
+                         float(low), float(high), y, mean, rstd, new_mean, new_var, m, residual):
         return
     for out, t in zip((y, mean, rstd, new_mean, new_var),
                       norm_act.forward(x, weight, bias, running_mean, running_var, momentum, eps, activation, low,
-                                       high)):
+                                       high, residual)):
         out.copy_(t)
 
 
 def _forward(x, weight, bias, running_mean, running_var, momentum, eps, act, low, high, y, mean, rstd, new_mean,
-             new_var, m) -> bool:
+             new_var, m, residual=None) -> bool:
     c = x.shape[1]
     block_m, block_c, rows, splits = _geometry(m, c, _multiprocessors(x.device))
     blocks = -(-c // block_c)
@@ -287,8 +292,9 @@ def _forward(x, weight, bias, running_mean, running_var, momentum, eps, act, low
     return (k["statistics"].launch((splits, blocks), x, part, m, rows, C=c, BLOCK_M=block_m, BLOCK_C=block_c)
             and k["finish"].launch((-(-c // FINISH_C),), part, running_mean, running_var, mean, rstd, new_mean, new_var,
                                    m, rows, splits, momentum, eps, C=c, BLOCK_S=FINISH_S, BLOCK_C=FINISH_C)
-            and k["normalise"].launch((-(-m // block_m), blocks), x, y, mean, rstd, weight, bias, m, low, high, C=c,
-                                      ACT=act, BLOCK_M=block_m, BLOCK_C=block_c))
+            and k["normalise"].launch((-(-m // block_m), blocks), x, y, mean, rstd, weight, bias,
+                                      x if residual is None else residual, m, low, high, C=c, ACT=act,
+                                      HAS_R=residual is not None, BLOCK_M=block_m, BLOCK_C=block_c))
 
 
 def backward_into(grad, x, weight, bias, mean, rstd, eps, activation, low, high, *, dx, dweight, dbias) -> None:
