@@ -70,10 +70,10 @@ def fuse_batch_norm_activation(graph: Graph, ranks=frozenset({2, 3, 4, 5})) -> G
         # a norm whose result a residual join alone reads becomes that join (of two norms' results,
         # the first takes it); the op goes where the join was, where its other operand exists
         if joined is not None and joined[0].id not in replaced:
-            join, residual, name = joined
+            join, residual, join_act = joined
             dropped.add(op.id)
             replaced[join.id] = Op(join.id, norm_act.NORM_ACT, (x, w, b, running_mean, running_var, momentum, eps,
-                                                                name, 0.0, 0.0, residual), (),
+                                                                join_act, 0.0, 0.0, residual), (),
                                    (join.outputs[0], *op.outputs[1:]), source=op.source)
             for v in op.outputs[1:]:
                 values[v] = dataclasses.replace(values[v], producer=join.id)

@@ -41,7 +41,7 @@ from .kernels import batch_norm
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
-from .placed.placement import PlacedOp, arena_views, copies, out_overload
+from .placed.placement import STRIDES_IGNORED, PlacedOp, arena_views, copies, out_overload
 from .placed.run import PlacedRun
 
 
@@ -190,14 +190,6 @@ def _placed(op, cuda: bool) -> PlacedOp:
         found = None
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
 
-
-# ops whose out= kernel on CUDA writes its result in its input's memory format whatever the given
-# buffer's strides, here max pooling and its backward of a channels_last map into contiguous buffers
-# (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient).
-# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling
-# (H200, torch 2.11; `tools/train_step_layouts.py --device cuda`). Bound as computed instead.
-STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
-                             "aten::max_pool2d_with_indices_backward.default"})
 
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
 NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")

@@ -80,6 +80,15 @@ def copies(overload) -> bool:
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",
                          "aten::native_layer_norm.default"})
 
+# ops whose out= kernel on CUDA writes its result in its input's memory format whatever the given
+# buffer's strides, here max pooling and its backward of a channels_last map into contiguous buffers
+# (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient).
+# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling
+# (H200, torch 2.11; `tools/train_step_layouts.py --device cuda`). A training step binds their
+# results as computed instead (`runtime/joint`); inference has not been checked for it.
+STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
+                             "aten::max_pool2d_with_indices_backward.default"})
+
 
 @dataclass
 class PlacedOp:
