@@ -55,6 +55,14 @@ JOINT_PASSES: tuple = tuple(p for p in PASSES if p not in (passes.fold_batch_nor
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)
 LAYOUTS = ("auto", "contiguous", "channels_last")  # of a step's 4-D activations (`TrainStep`'s `layout`)
 
+# A step's "auto" schedule: at most this many streams. Its kernels are large enough to fill the GPU
+# one at a time, so more streams bought no time, while each held memory: the allocator keeps freed
+# blocks per stream, and more overlap keeps more buffers apart in the plan. H200, torch 2.11, batch
+# 32 at 224 px, 2026-11-30 (step ms and peak reserved MiB): resnet50 bf16 7.50 and 2648 with the
+# schedule's own 64 streams, 7.43 and 2256 with 4, 7.95 and 1984 with 1; efficientnet_b0 fp32
+# 9.74 and 3188 with 60, 9.70 and 2938 with 4 (benchmarks/results/training_224_h200_2026-11-30.md).
+STEP_STREAMS = 4
+
 
 def _norm_ranks(fused_norms: bool | None, device: torch.device, channels_last: bool) -> frozenset[int]:
     """The ranks of the maps whose batch norms and activations become one op each way
@@ -78,9 +86,9 @@ class TrainStep:
                  broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False,
                  cuda_graphs: bool = True, layout: str = "auto", fused_norms: bool | None = None):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
-        tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto",
-        1, or a cap) is the schedule: on CUDA each op runs on its planned stream, and the memory
-        plan is proved safe under it. `cuda_graphs` (CUDA only): the first call runs the ops one by
+        tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto":
+        at most STEP_STREAMS; 1; or a cap) is the schedule: on CUDA each op runs on its planned
+        stream, and the memory plan is proved safe under it. `cuda_graphs` (CUDA only): the first call runs the ops one by
         one, the second captures the step (the graph, the gradients' all-reduce and the copies
         after it) into a CUDA graph, and every later call replays it; the inputs are then copied
         into the step's own buffers. Data parallel
@@ -135,7 +143,8 @@ class TrainStep:
         ranks = _norm_ranks(fused_norms, device, channels_last)
         if ranks:
             graph = passes.fuse_batch_norm_activation(graph, ranks)
-        self.graph, self.schedule = graph, assign_streams(graph, parse_streams(streams))
+        streams = parse_streams(streams)
+        self.graph, self.schedule = graph, assign_streams(graph, STEP_STREAMS if streams == "auto" else streams)
         workspaces = Workspaces() if device.type == "cuda" else None  # the generated kernels' cuDNN workspaces
         placed = placed_ops(graph, device, workspaces)
         unplanned = loose(graph, placed)  # bound as computed: copying them into buffers would cost a pass each

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
 from nimble.runtime.joint import loose
+from nimble.train import STEP_STREAMS
 from nimble.runtime.placed.placement import copies
 from torch import nn
 
@@ -489,3 +490,15 @@ def test_close_drops_the_step_s_gradients_and_the_next_call_runs_again():
     step.close()
     assert all(p.grad is None for p in net.parameters())
     assert float(step(*batch(seed=1))) == first and all(p.grad is not None for p in net.parameters())
+
+
+def test_a_step_s_auto_schedule_takes_at_most_step_streams_and_a_cap_is_kept():
+    # a step's kernels fill the GPU one at a time: more streams than a few hold memory and buy no time
+    torch.manual_seed(0)
+    net = MobileNetV2Small()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    auto = nimble.TrainStep(net, F.cross_entropy, x, y)
+    assert auto.schedule.num_streams == STEP_STREAMS
+    wide = nimble.TrainStep(net, F.cross_entropy, x, y, streams=16)
+    assert STEP_STREAMS < wide.schedule.num_streams <= 16
+    assert nimble.TrainStep(net, F.cross_entropy, x, y, streams=1).schedule.num_streams == 1
