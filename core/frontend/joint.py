@@ -116,7 +116,8 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
                                    "step does not take; give each its own parameter, or train with torch.compile")
         seen[id(p)] = key
     try:
-        with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]), buffers_kept(module):
+        with warnings.catch_warnings(), quiet_torch(), torch.random.fork_rng(devices=[]), buffers_kept(module), \
+                attention_kernels(inputs[0].device):
             warnings.simplefilter("ignore")
             return _traced_once(wrapped, [*inputs, *targets]) or _exported(wrapped, [*inputs, *targets])
     except UsageError:
@@ -128,6 +129,19 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
                              "layers)") from e
         raise UnsupportedError(f"{name}: torch.export could not trace its training step ({first_line(e)}); "
                                "prepare it with Nimble(module).prepare(x, training=True) instead") from e
+
+
+def attention_kernels(device: torch.device):
+    """Where a step on `device` traces `scaled_dot_product_attention`: on CUDA, as its memory-efficient
+    kernel (`_scaled_dot_product_efficient_attention` and its backward, every result a tensor, for
+    float32 and bfloat16 alike), or as plain ops where that kernel does not take the shapes, not as
+    the flash or cuDNN kernels, whose results include sizes as numbers. Elsewhere as torch chooses
+    (the CPU's flash kernel)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _exported(wrapped: _WithLoss, args: list[torch.Tensor]) -> torch.export.ExportedProgram:

@@ -66,8 +66,8 @@ TRAINING_ONLY: tuple[str, ...] = (
     "uniform_", "normal_",
     # a training step's own ops (`frontend/joint.py`): batch norm that returns its new running
     # statistics, the losses, the backward ops torch's joint trace records whole, and attention as
-    # the CPU runs it (the GPU's attention kernels are not listed yet: a step that needs them is
-    # refused in one line)
+    # the CPU runs it and as a CUDA step traces it (`frontend/joint.attention_kernels`: the
+    # memory-efficient kernel; the flash and cuDNN kernels are not listed)
     "_native_batch_norm_legit_functional", "scatter", "scalar_tensor", "full", "zeros", "ones", "fill",
     "nll_loss_forward", "nll_loss_backward", "mse_loss", "mse_loss_backward",
     "convolution_backward", "threshold_backward", "native_batch_norm_backward", "native_layer_norm_backward",
@@ -78,7 +78,8 @@ TRAINING_ONLY: tuple[str, ...] = (
     "_log_softmax_backward_data", "native_dropout_backward", "select_backward", "slice_backward",
     "index_put", "_unsafe_index_put", "new_empty_strided", "upsample_nearest2d_backward",
     "upsample_bilinear2d_backward", "_unsafe_view", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
 )
 
 SUPPORTED_ATEN = frozenset(name for group in SUPPORTED.values() for name in group)

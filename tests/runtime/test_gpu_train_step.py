@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models import MobileNetV2Small, ResNet18, smoothed
+from tests.models import MobileNetV2Small, ResNet18, TinyEncoder, smoothed
 from tests.runtime.test_train_step import batch, relative
 from tests.runtime.test_train_step_parallel import torchrun_trains_alike
 
@@ -106,6 +106,53 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams,
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
     return errors
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_transformer_s_steps_on_cuda_run_attention_s_memory_efficient_kernel_as_eager_does(precision):
+    """A step traces attention on CUDA as the memory-efficient kernel and its backward (the flash
+    and cuDNN kernels' results include sizes as numbers: `frontend/joint.attention_kernels`); 20
+    captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
+    the loss within 1e-4 and the gradients within 1e-3 on every step; in bf16 the loss within 2e-2,
+    and the gradients no further from eager's float32 ones than eager's bf16 ones are, give or take
+    a quarter, on average over the steps."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        net = TinyEncoder(width=64).cuda()
+        ref, full = copy.deepcopy(net), copy.deepcopy(net)
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randint(0, 50, (8, 8), generator=g).cuda(), torch.randint(0, 10, (8,), generator=g).cuda())
+                for _ in range(21)]
+        step = nimble.TrainStep(net, F.cross_entropy, *data[0], precision=precision,
+                                optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True))
+        targets = {op.target for op in step.graph.ops}
+        assert {"aten::_scaled_dot_product_efficient_attention.default",
+                "aten::_scaled_dot_product_efficient_attention_backward.default"} <= targets
+        errors = []
+        for ids, t in data[1:]:
+            for m in (ref, full):
+                m.load_state_dict(net.state_dict())
+                m.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                expected = F.cross_entropy(ref(ids), t)
+            expected.backward()
+            F.cross_entropy(full(ids), t).backward()
+            loss = step(ids, t)
+            tol = 1e-4 if precision == "fp32" else 2e-2
+            assert abs(float(loss) - float(expected.detach())) <= tol * abs(float(expected.detach()))
+            errors.append((relative(_gradient(net), _gradient(ref)), relative(_gradient(net), _gradient(full)),
+                           relative(_gradient(ref), _gradient(full))))
+        assert step.runner.captured is not None
+        step.close()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    if precision == "fp32":
+        assert max(e for e, _, _ in errors) <= 1e-3, errors
+    else:
+        ours, eager = sum(e for _, e, _ in errors) / len(errors), sum(e for _, _, e in errors) / len(errors)
+        assert ours <= 1.25 * eager + 5e-3, errors
 
 
 def _gradient(net) -> torch.Tensor:
