@@ -291,3 +291,23 @@ class TinyEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.layer(self.embed(ids) + self.position).mean(1))
+
+
+class TinyViT(nn.Module):
+    """torchvision's VisionTransformer, small: a strided convolution cuts the image into patches,
+    a class token and learned positions join them, one pre-norm encoder layer (attention, layer
+    norm, a GELU MLP), the class token's row to a linear."""
+
+    def __init__(self, image: int = 16, patch: int = 4, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.patches = nn.Conv2d(3, width, patch, stride=patch)
+        self.token = nn.Parameter(torch.zeros(1, 1, width))
+        self.position = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, width) * 0.02)
+        self.layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, activation="gelu",
+                                                batch_first=True, norm_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patches(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.token.expand(x.shape[0], -1, -1), x], 1) + self.position
+        return self.head(self.layer(x)[:, 0])

@@ -35,7 +35,7 @@ from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
-from .assemble.choice import channels_last_values, viewed
+from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
 from .kernels import batch_norm
 from .kernels.cudnn_graph import Workspaces
@@ -141,9 +141,6 @@ def _as_traced(fn: Callable, traced: dict[int, TensorSpec]) -> Callable:
 # views that keep their input's strides: a value they share may still be laid out channels_last
 # (the backward reads relu's result through a detach)
 SAME_STRIDES = frozenset({"aten::detach.default", "aten::alias.default"})
-
-# ops whose result can share its input's storage though their schema does not say so
-UNMARKED_VIEWS = frozenset({"aten::_unsafe_view.default"})
 
 
 def loose(graph: Graph, placed: list[PlacedOp]) -> frozenset[int]:

@@ -71,11 +71,20 @@ def conv_weights(graph: Graph) -> set[int]:
     return as_weight - elsewhere
 
 
+# ops whose result can share its input's storage though their schema does not say so (a training
+# step's `_unsafe_view`: the graph gives its result no alias, but it runs as a view)
+UNMARKED_VIEWS = frozenset({"aten::_unsafe_view.default"})
+
+
 def viewed(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
     """The values (roots) that a view shares, but for views by an op of `same_strides` (a
-    training step's `detach`: computed at run time, with its input's strides)."""
-    return {v.alias_of for v in graph.values if v.alias_of is not None
-            and (v.producer is None or graph.ops[v.producer].target not in same_strides)}
+    training step's `detach`: computed at run time, with its input's strides), and those that an
+    op of UNMARKED_VIEWS reads (a vit_b_16 step's clone of attention's input gradient, which
+    `_unsafe_view` could not view once laid out channels_last)."""
+    found = {v.alias_of for v in graph.values if v.alias_of is not None
+             and (v.producer is None or graph.ops[v.producer].target not in same_strides)}
+    found.update(graph.root(r) for op in graph.ops if op.target in UNMARKED_VIEWS for r in op.refs())
+    return found
 
 
 def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
