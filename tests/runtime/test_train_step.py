@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
-from nimble.runtime.joint import loose
+from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
+from nimble.runtime.assemble.choice import channels_last_values, viewed
+from nimble.runtime.joint import SAME_STRIDES, loose
 from nimble.train import STEP_STREAMS
 from nimble.runtime.placed.placement import copies
 from torch import nn
@@ -236,14 +238,19 @@ def test_a_transformer_s_steps_give_eager_s_loss_and_gradients():
 
 
 def test_a_vision_transformer_s_channels_last_step_gives_eager_s_loss_and_gradients():
-    """A patch convolution makes it a net with 4-D maps, laid out channels_last as on CUDA; the
-    clone of attention's input gradient that `_unsafe_view` reads keeps the trace's strides (laid
-    out channels_last it could not be viewed: vit_b_16's step failed so on an H200)."""
+    """A patch convolution makes it a net with 4-D maps, laid out channels_last as on CUDA. The
+    backward reshapes the clone of attention's input gradient with `_unsafe_view`, which the step
+    takes as a view (no buffer, no copy), so the clone keeps the trace's strides (laid out
+    channels_last it could not be viewed: vit_b_16's step failed so on an H200)."""
     torch.manual_seed(0)
     net = TinyViT()
     ref = copy.deepcopy(net)
     step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 16), layout="channels_last")
-    assert "aten::_unsafe_view.default" in {op.target for op in step.graph.ops}
+    g = step.graph
+    assert "aten::_unsafe_view.default" not in {op.target for op in g.ops}
+    clones = [op.outputs[0] for op in g.ops if op.target == "aten::clone.default"
+              and len(g.values[op.outputs[0]].spec.shape) == 4]
+    assert clones and all(v in viewed(g, SAME_STRIDES) for v in clones)
     for k in range(5):
         x, t = batch(4, 16, seed=k + 1)
         ref.load_state_dict(net.state_dict())
@@ -254,6 +261,20 @@ def test_a_vision_transformer_s_channels_last_step_gives_eager_s_loss_and_gradie
         assert abs(float(loss) - float(expected.detach())) <= 1e-5 * abs(float(expected.detach()))
         assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
                         torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
+
+
+def test_a_buffer_that_an_unsafe_view_reads_is_taken_for_a_viewed_one():
+    """Where `_unsafe_view` stays one (its input's strides allow no view), its input keeps the
+    trace's strides all the same: channels_last could make it unviewable."""
+    spec = TensorSpec((2, 4, 3, 3), "float32")
+    values = (Value(0, INPUT, spec, "x"), Value(1, ACTIVATION, spec, "y", producer=0),
+              Value(2, ACTIVATION, TensorSpec((8, 9), "float32"), "z", producer=1))
+    ops = (Op(0, "aten::relu.default", (Ref(0),), (), (1,)),
+           Op(1, "aten::_unsafe_view.default", (Ref(1), (8, 9)), (), (2,)))
+    g = Graph(values, ops, (0,), (2,))
+    assert viewed(g) == {1} and 1 not in channels_last_values(g)
+    plain = Graph(values[:2], ops[:1], (0,), (1,))
+    assert viewed(plain) == set() and channels_last_values(plain) == {1}
 
 
 @pytest.mark.parametrize("make", [lambda: ResNet18(classes=10), MobileNetV2Small], ids=["resnet18", "mobilenet_v2_small"])
