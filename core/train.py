@@ -37,7 +37,7 @@ from .errors import ShapeError, UsageError
 from .frontend import joint
 from .ir import TensorSpec
 from .ops import fusion, types
-from .pipeline import PASSES
+from .pipeline import FUSION, LAYOUT, REWRITES
 from .plan.memory import plan
 from .plan.schedule import assign_streams
 from .plan.verify import check_plan
@@ -48,8 +48,10 @@ from .specs import parse_streams
 from .stages import Stages
 
 # A joint graph takes inference's passes, fusion's included, less those that assume frozen weights
-# and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode).
-JOINT_PASSES: tuple = tuple(p for p in PASSES if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
+# and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode), and
+# before fusion the gradients of a tensor taken apart at every index become one stack.
+JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
+                       + (passes.stack_select_gradients,) + FUSION)
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)

@@ -19,6 +19,7 @@ from ..errors import ShapeError, UnsupportedError, first_line
 from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import arguments, fusion, shapes, targets, types
 from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, NONDETERMINISTIC
+from ..ops.arguments import call_schema
 
 _META = torch.device("meta")
 IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
@@ -218,11 +219,8 @@ class GraphBuilder:
         if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
             target = _SCALAR_TWINS[target]  # x / 4.0 as export records it: div.Tensor with a number
             schema = targets.resolve(target)._schema
-        if target == _UNSAFE_VIEW and self._viewable(ins):
-            # autograd's reshape of a result it made: a view of it, with no buffer or copy of its own
-            # (vit_b_16's step has 120 of them, 1.5 GiB at batch 32, each a copy when run as computed)
-            target = "aten::view.default"
-            schema = targets.resolve(target)._schema
+        if target == _UNSAFE_VIEW and _viewable(self.meta, ins):  # autograd's reshape of its own result
+            target, schema = "aten::view.default", targets.resolve("aten::view.default")._schema
         if _shape_from_values(schema, ins, self.meta):
             raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
                                    "the values of its input; nimble compiles graphs whose shapes follow from the "
@@ -293,16 +291,6 @@ class GraphBuilder:
             out_refs.insert(k, None)
         return out_refs
 
-    def _viewable(self, ins: list) -> bool:
-        """Whether `_unsafe_view(*ins)` can be a view: its input a value whose strides allow the shape."""
-        if not isinstance(ins[0], Ref) or not isinstance(ins[1], (list, tuple)):
-            return False
-        try:
-            self.meta[ins[0].id].view(ins[1])
-        except RuntimeError:
-            return False
-        return True
-
     def _copied_view(self, ins: list, source: str) -> Ref | list[Ref]:
         """`x.view(shape)` where nimble's layout of x (a result whose strides nimble chose, such as
         attention's) does not allow that view, though the layout the model was exported with did:
@@ -343,6 +331,15 @@ class GraphBuilder:
 # ops whose result is always their input's tensor under another name (`_is_view()` says no: an
 # arena buffer bound as its result would be taken for a buffer of its own)
 ALWAYS_ALIAS = frozenset({"aten::detach", "aten::alias"})
+
+
+def _viewable(meta: dict, ins: list) -> bool:
+    """Whether `_unsafe_view(*ins)` can be a view of its input, with no buffer or copy of its own
+    (vit_b_16's step has 120, 1.5 GiB at batch 32, each computed and then copied)."""
+    try:
+        return isinstance(ins[0], Ref) and meta[ins[0].id].view(ins[1]) is not None
+    except (RuntimeError, TypeError):
+        return False
 
 
 def short_name(target: str) -> str:
@@ -394,15 +391,3 @@ def _written_args(schema, args, kwargs) -> list[int]:
             arg = by_name[spec.name] if spec.kwarg_only else args[positional.index(spec)]
             written.extend(refs_in([arg]))
     return written
-
-
-def call_schema(schema, target: str, ins: list):
-    """Run an op on the host with the node's inputs, which come in schema order: kwarg-only
-    arguments (sub.Tensor's alpha, say) are passed by name, as torch.ops requires."""
-    args, kwargs = [], {}
-    for spec, value in zip(schema.arguments, ins):
-        if spec.kwarg_only:
-            kwargs[spec.name] = value
-        else:
-            args.append(value)
-    return targets.schema_op(target)(*args, **kwargs)

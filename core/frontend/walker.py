@@ -17,7 +17,8 @@ from ..errors import NimbleError, ShapeError, UnsupportedError, UsageError, firs
 from ..ir import Ref, TensorSpec
 from ..ops import attention, targets
 from ..ops.allowlist import METADATA_OPS, NONDETERMINISTIC
-from .builder import IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, call_schema, flat
+from ..ops.arguments import call_schema
+from .builder import IDENTITY_WHEN_NOT_TRAINING, TORCH_FILE, GraphBuilder, flat
 from .hostops import host_op
 
 _MAX_UNROLL = 100_000

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..ir import Ref, Special, TensorSpec, contiguous_strides
-from . import types
+from . import targets, types
 
 
 def to_torch(arg, tensors, device: torch.device):
@@ -133,3 +133,15 @@ def output_mask(schema, ins: list) -> list | tuple | None:
     k = names.index("output_mask") if "output_mask" in names else len(ins)
     mask = ins[k] if k < len(ins) else None
     return mask if isinstance(mask, (list, tuple)) else None
+
+
+def call_schema(schema, target: str, ins: list):
+    """Run an op on the host with the node's inputs, which come in schema order: kwarg-only
+    arguments (sub.Tensor's alpha, say) are passed by name, as torch.ops requires."""
+    args, kwargs = [], {}
+    for spec, value in zip(schema.arguments, ins):
+        if spec.kwarg_only:
+            kwargs[spec.name] = value
+        else:
+            args.append(value)
+    return targets.schema_op(target)(*args, **kwargs)

@@ -263,6 +263,44 @@ def test_a_vision_transformer_s_channels_last_step_gives_eager_s_loss_and_gradie
                         torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
 
 
+class Picks(nn.Module):
+    """A projection taken apart with select along a dimension of 3, as nn.MultiheadAttention's
+    packed input projection is: at every index, or at two of them."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.proj, self.head, self.every = nn.Linear(8, 24), nn.Linear(8, 10), every
+
+    def forward(self, x):
+        t = self.proj(x.flatten(1)[:, :8]).unflatten(-1, (3, 8)).movedim(-2, 0)
+        picked = [t[k] * (k + 1) for k in ((0, 1, 2) if self.every else (0, 2))]
+        return self.head(sum(picked[1:], picked[0]).relu())
+
+
+@pytest.mark.parametrize("every", [True, False], ids=["every-index", "two-of-three"])
+def test_the_gradients_of_a_tensor_taken_apart_at_every_index_are_stacked_not_summed_from_zeros(every):
+    """autograd sums one select_backward per piece (each a map of zeros the size of the whole, one
+    slice filled); where the pieces cover the dimension the step stacks their gradients instead
+    (`passes/stack_select_gradients`); where they do not, the sum stays. Eager's gradients either way."""
+    torch.manual_seed(0)
+    net = Picks(every)
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch())
+    targets = [op.target for op in step.graph.ops]
+    assert targets.count("aten::stack.default") == (1 if every else 0)
+    assert targets.count("aten::select_backward.default") == (0 if every else 2)
+    for k in range(3):
+        x, t = batch(seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x), t)
+        expected.backward()
+        loss = step(x, t)
+        assert abs(float(loss) - float(expected.detach())) <= 1e-6 * abs(float(expected.detach()))
+        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-6
+
+
 def test_a_buffer_that_an_unsafe_view_reads_is_taken_for_a_viewed_one():
     """Where `_unsafe_view` stays one (its input's strides allow no view), its input keeps the
     trace's strides all the same: channels_last could make it unviewable."""
