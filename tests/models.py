@@ -311,3 +311,25 @@ class TinyViT(nn.Module):
         x = self.patches(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.token.expand(x.shape[0], -1, -1), x], 1) + self.position
         return self.head(self.layer(x)[:, 0])
+
+
+class TinyConvNeXt(nn.Module):
+    """torchvision's ConvNeXt in its kinds of layers, small: a patchify stem, one block (a depthwise
+    7x7 convolution, then channels last: layer norm, a GELU MLP, a learned layer scale, back and a
+    residual add), average pooling to 1x1, and a head that layer-norms the channels the way
+    ConvNeXt's LayerNorm2d does (permuted to the last dimension and back) before a linear."""
+
+    def __init__(self, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 4, stride=4)
+        self.depthwise = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.scale = nn.Parameter(torch.full((width, 1, 1), 0.1))
+        self.pool, self.head_norm, self.head = nn.AdaptiveAvgPool2d(1), nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.down(nn.functional.gelu(self.up(self.norm(self.depthwise(x).permute(0, 2, 3, 1)))))
+        x = self.scale * y.permute(0, 3, 1, 2) + x  # laid out as the permuted branch: channels-last strides
+        x = self.head_norm(self.pool(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(x.flatten(1))

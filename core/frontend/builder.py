@@ -20,6 +20,7 @@ from ..ir import ACTIVATION, INPUT, WEIGHT, Op, Ref, TensorSpec, Value
 from ..ops import arguments, fusion, shapes, targets, types
 from ..ops.allowlist import DATA_DEPENDENT, HOST_FOLDABLE, NONDETERMINISTIC
 from ..ops.arguments import call_schema
+from . import views
 
 _META = torch.device("meta")
 IDENTITY_WHEN_NOT_TRAINING = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
@@ -30,7 +31,6 @@ FOLD_LIMIT = 2**30  # bytes one host fold may allocate, and all of them together
 TORCH_FILE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 # A number where the Tensor overload takes a tensor: the Scalar overload, which computes the same
 # and which the pointwise fusion takes, as a trace gives.
-_UNSAFE_VIEW = "aten::_unsafe_view.default"
 _SCALAR_TWINS = {f"aten::{op}.Tensor": f"aten::{op}.Scalar" for op in ("add", "sub", "mul", "div")}
 # elementwise ops whose result has the broadcast shape of their tensor arguments: on traced sizes
 # (tensors of one element) and numbers, a result of one element, sized without the meta kernel
@@ -219,8 +219,10 @@ class GraphBuilder:
         if target in _SCALAR_TWINS and isinstance(ins[1], (int, float)) and not isinstance(ins[1], bool):
             target = _SCALAR_TWINS[target]  # x / 4.0 as export records it: div.Tensor with a number
             schema = targets.resolve(target)._schema
-        if target == _UNSAFE_VIEW and _viewable(self.meta, ins):  # autograd's reshape of its own result
-            target, schema = "aten::view.default", targets.resolve("aten::view.default")._schema
+        view = views.as_view(self.meta, target, ins)  # a view by another name (a restride, autograd's reshape)
+        if view is not None:
+            target, ins = view
+            schema = targets.resolve(target)._schema
         if _shape_from_values(schema, ins, self.meta):
             raise UnsupportedError(f"{self.name}: {target} at {source} returns a tensor whose shape depends on "
                                    "the values of its input; nimble compiles graphs whose shapes follow from the "
@@ -331,15 +333,6 @@ class GraphBuilder:
 # ops whose result is always their input's tensor under another name (`_is_view()` says no: an
 # arena buffer bound as its result would be taken for a buffer of its own)
 ALWAYS_ALIAS = frozenset({"aten::detach", "aten::alias"})
-
-
-def _viewable(meta: dict, ins: list) -> bool:
-    """Whether `_unsafe_view(*ins)` can be a view of its input, with no buffer or copy of its own
-    (vit_b_16's step has 120, 1.5 GiB at batch 32, each computed and then copied)."""
-    try:
-        return isinstance(ins[0], Ref) and meta[ins[0].id].view(ins[1]) is not None
-    except (RuntimeError, TypeError):
-        return False
 
 
 def short_name(target: str) -> str:

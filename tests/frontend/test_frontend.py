@@ -375,6 +375,26 @@ def test_the_same_op_on_the_same_values_runs_once_unless_one_result_is_written(t
             torch.testing.assert_close(g, w)
 
 
+def test_a_dense_restride_is_a_view_and_any_other_is_refused():
+    """`as_strided` over all of a dense value from its first element, row-major (a dimension of one
+    may have any stride), is a view; `as_strided_scatter` of such a region is its source
+    reshaped; a transposed, partial or offset restride is refused in one line, before it runs."""
+    b = builder.GraphBuilder("m", training=True)
+    x = b.add_input("x", TensorSpec((2, 8), "float32"))
+    def restride(name, ins):
+        result = b.emit(getattr(torch.ops.aten, name).default._schema, f"aten::{name}.default", ins, "m.py:1")
+        return result if not isinstance(result, list) else result[0]
+
+    dense = restride("as_strided", [x, [2, 8, 1], [8, 1, 99], None])
+    assert b.ops[-1].target == "aten::view.default" and b.values[dense.id].alias_of == x.id
+    src = b.op("aten::relu.default", [b.op("aten::view.default", [x, [4, 4]], "m.py:2")], "m.py:3")
+    whole = restride("as_strided_scatter", [x, src, [4, 4], [4, 1], 0])
+    assert b.ops[-1].target != "aten::as_strided_scatter.default" and b.values[whole.id].spec.shape == (2, 8)
+    for size, stride, offset in (([8, 2], [1, 8], None), ([2, 4], [8, 1], None), ([2, 7], [7, 1], 1)):
+        with pytest.raises(UnsupportedError, match="aten::as_strided.default .* is not supported"):
+            restride("as_strided", [x, size, stride, offset])
+
+
 def test_a_view_that_only_the_exported_layout_allows_becomes_a_copy_that_nothing_may_write():
     """torch.export records x.view(...) where eager's strides allowed it; nimble may lay x out
     otherwise (attention's result, in torch 2.11). The export frontend's builder then copies, as
