@@ -80,6 +80,9 @@ TRAINING_ONLY: tuple[str, ...] = (
     "upsample_bilinear2d_backward", "_unsafe_view", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_efficient_attention_backward",
+    # a slice written in place, functionalised (Swin's attention mask, built on zeros, and V2's
+    # query-key-value bias with its key's third zeroed): run every step, as they read parameters
+    "slice_scatter", "zero",
 )
 
 SUPPORTED_ATEN = frozenset(name for group in SUPPORTED.values() for name in group)

@@ -40,11 +40,20 @@ def rebuild(graph: Graph, ops: list[Op], same: dict[int, int] | None = None,
     for op in ops:
         used.update(op.refs())
         used.update(op.outputs)
+    every = values if values is not None else graph.values
+    alias = {v.id: v.alias_of for v in every}
+
+    def root(v: int) -> int:  # an alias's new root: its image, or the root that image shares storage with
+        v = image(v)
+        while alias.get(v) is not None and alias[v] != v:
+            v = image(alias[v])
+        return v
+
     kept = []
-    for v in values if values is not None else graph.values:
+    for v in every:
         kept.extend((added or {}).get(v.id, ()))
         if v.id in used:
-            kept.append(v if v.alias_of is None else dataclasses.replace(v, alias_of=image(v.alias_of)))
+            kept.append(v if v.alias_of is None else dataclasses.replace(v, alias_of=root(v.alias_of)))
     return with_ordering_edges(renumber(kept, ops, graph.inputs, outputs))
 
 

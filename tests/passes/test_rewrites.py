@@ -558,6 +558,25 @@ def test_copies_that_change_nothing_go_and_the_others_stay(tmp_path):
         assert out.id not in graph.inputs and out.producer is not None  # an output keeps its own copy
 
 
+class ViewedCopy(nn.Module):
+    """A clone of a contiguous view, itself viewed: once the clone goes, the view after it views
+    the first view's storage (Swin's attention in a training step)."""
+
+    def forward(self, x):
+        return (x.relu().view(6, 4).clone().view(2, 12) * 2.0).sum(1)
+
+
+def test_a_view_of_a_dropped_copy_views_the_storage_its_source_shares():
+    model = ViewedCopy().eval()
+    x = torch.randn(2, 3, 4)
+    after = rewrite(exported(model, x), REWRITES)
+    assert "aten::clone.default" not in targets(after)
+    graph = after.graph
+    for v in graph.values:  # every alias names a root (`Graph.lint` checks it after each pass, too)
+        assert v.alias_of is None or graph.values[v.alias_of].alias_of is None
+    assert_reproduces(after, model)
+
+
 class WindowMask(nn.Module):
     """Swin's shifted-window mask, built in forward from shapes alone (new_zeros on the input, slice
     fills, a subtraction, masked_fill), and a bias gathered from a table by a fixed index."""

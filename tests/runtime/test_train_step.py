@@ -286,6 +286,43 @@ def test_a_convnext_s_step_takes_the_restrides_of_its_pooling_as_views_and_gives
                         torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
 
 
+class SoftmaxMaps(nn.Module):
+    """Softmax and log-softmax over the last dimension of 4-D maps, as Swin's attention scores are,
+    between convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 10, 1)
+
+    def forward(self, x):
+        y = torch.softmax(self.a(x), -1) * 3.0
+        return self.b(torch.log_softmax(y, -1)).mean((2, 3))
+
+
+def test_softmax_maps_in_a_channels_last_step_are_bound_as_computed_and_give_eager_s_gradients():
+    """Softmax's and log-softmax's out= kernels and their backwards' write a contiguous map's result
+    as if the buffer they are given were contiguous (0.6 to 3.9 off into a channels_last one, torch
+    2.13's CPU): a channels_last step binds their results as computed (`STRIDES_IGNORED`)."""
+    from nimble.runtime.placed.placement import STRIDES_IGNORED
+
+    torch.manual_seed(0)
+    net = SoftmaxMaps()
+    ref = copy.deepcopy(net).to(memory_format=torch.channels_last)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(), layout="channels_last")
+    softmaxes = {op.target for op in step.graph.ops if "softmax" in op.target}
+    assert len(softmaxes) == 4 and softmaxes <= STRIDES_IGNORED
+    for k in range(3):
+        x, t = batch(seed=k + 1)
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x.contiguous(memory_format=torch.channels_last)), t)
+        expected.backward()
+        loss = step(x, t)
+        assert abs(float(loss) - float(expected.detach())) <= 1e-6 * abs(float(expected.detach()))
+        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
+
+
 class Picks(nn.Module):
     """A projection taken apart with select along a dimension of 3, as nn.MultiheadAttention's
     packed input projection is: at every index, or at two of them."""

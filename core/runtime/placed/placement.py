@@ -80,14 +80,19 @@ def copies(overload) -> bool:
 COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.default", "aten::relu.default",
                          "aten::native_layer_norm.default"})
 
-# ops whose out= kernel on CUDA writes its result in its input's memory format whatever the given
-# buffer's strides, here max pooling and its backward of a channels_last map into contiguous buffers
-# (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient).
-# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling
-# (H200, torch 2.11; `tools/train_step_layouts.py --device cuda`). A training step binds their
-# results as computed instead (`runtime/joint`); inference has not been checked for it.
+# ops whose out= kernel writes its result in its input's memory format whatever the given buffer's
+# strides: max pooling and its backward of a channels_last map into contiguous buffers on CUDA
+# (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient;
+# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling, H200,
+# torch 2.11, `tools/train_step_layouts.py --device cuda`), and softmax, log-softmax and their
+# backwards of a contiguous map into a channels_last buffer (0.6 to 3.9 off on the CPU, torch 2.13:
+# Swin V2's step, whose attention scores are 4-D maps, had its attention's gradients wrong). A
+# training step binds their results as computed instead (`runtime/joint`); inference has not been
+# checked for it.
 STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
-                             "aten::max_pool2d_with_indices_backward.default"})
+                             "aten::max_pool2d_with_indices_backward.default",
+                             "aten::_softmax.default", "aten::_log_softmax.default",
+                             "aten::_softmax_backward_data.default", "aten::_log_softmax_backward_data.default"})
 
 
 @dataclass
