@@ -2,8 +2,11 @@
 (any device; written to try `layout="channels_last"`, the CUDA default for conv nets, on models
 that no test covers).
 
-    python tools/train_step_layouts.py [MODEL ...] [--size 96] [--batch 2] [--layout channels_last]
+    python tools/train_step_layouts.py [MODEL ... | --all] [--size 96] [--batch 2] [--layout channels_last]
                                        [--device cuda] [--unfused-norms]
+
+`--all`: every torchvision classification model but `zoo.SKIP`'s (too large for a CPU builder),
+the ones that need a larger input at its size (`LEAST`), the vision transformers built for `--size`.
 
 Each model (10 classes, dropout and stochastic depth off, so that both sides compute the same)
 takes one step from the same weights and batch: printed are both losses, the relative difference
@@ -25,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 MODELS = ("resnet18", "shufflenet_v2_x0_5", "vgg11", "alexnet", "squeezenet1_0", "densenet121", "mnasnet0_5",
           "regnet_x_400mf", "googlenet", "efficientnet_b0", "mobilenet_v3_small", "convnext_tiny")
+LEAST = {"inception_v3": 96, "googlenet": 96, "maxvit_t": 224}  # the smallest input these take
 
 
 def one(name: str, size: int, batch: int, layout: str, device: str, fused_norms=None) -> tuple[bool, str]:
@@ -38,7 +42,10 @@ def one(name: str, size: int, batch: int, layout: str, device: str, fused_norms=
     # float32 on both sides: TF32 convolutions (PyTorch's default on CUDA) round each side otherwise
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
+    size = max(size, LEAST.get(name, size))
     extra = {"aux_logits": False, "init_weights": False} if name in ("googlenet", "inception_v3") else {}
+    if name.startswith("vit_"):
+        extra["image_size"] = size
     net = getattr(torchvision.models, name)(num_classes=10, **extra).train().to(device)
     for module in net.modules():  # no random ops: eager and the step would draw apart
         if isinstance(module, torch.nn.Dropout) or type(module).__name__ == "StochasticDepth":
@@ -63,12 +70,18 @@ def one(name: str, size: int, batch: int, layout: str, device: str, fused_norms=
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=list(MODELS))
+    ap.add_argument("--all", action="store_true", help="every torchvision classification model (but zoo.SKIP)")
     ap.add_argument("--size", type=int, default=96)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layout", choices=("channels_last", "contiguous"), default="channels_last")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--unfused-norms", action="store_true", help="fused_norms=False: aten's batch norms and activations")
     args = ap.parse_args()
+    if args.all:
+        import zoo
+
+        models = zoo.import_torchvision().models
+        args.models = sorted(n for n in models.list_models(module=models) if n not in zoo.SKIP)
     failed = 0
     for name in args.models:
         start = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 from ..errors import ExecutionError, first_line
 from ..ir import ACTIVATION, WEIGHT, Graph, TensorSpec, contiguous_strides
 from ..ops import fusion, norm_act, targets
-from ..ops.arguments import flatten_result, masked, output_mask
+from ..ops.arguments import flatten_result, masked, output_mask, to_torch
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
@@ -41,7 +41,7 @@ from .kernels import batch_norm
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
-from .placed.placement import STRIDES_IGNORED, PlacedOp, arena_views, copies, out_overload
+from .placed.placement import LAYOUT_BOUND, SAME_STRIDES_OUT, STRIDES_IGNORED, PlacedOp, arena_views, copies, out_overload
 from .placed.run import PlacedRun
 
 
@@ -185,7 +185,28 @@ def _placed(op, cuda: bool) -> PlacedOp:
     if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])
                               or op.target in STRIDES_IGNORED):
         found = None
-    return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], SUBSTITUTES.get(op.target))
+    substitute = SUBSTITUTES.get(op.target)
+    if found is not None and op.target in LAYOUT_BOUND and len(op.outputs) == 1:
+        substitute = _LayoutBound(fn, found[0], found[1][0], op.kwargs, LAYOUT_BOUND[op.target] == SAME_STRIDES_OUT)
+    return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], substitute)
+
+
+class _LayoutBound:
+    """An op of `LAYOUT_BOUND` into its buffer: through its out= overload where the buffer is one it
+    writes right (contiguous; or, `same`, of its tensor inputs' strides), else computed and copied in."""
+
+    def __init__(self, fn, out_fn, out_name: str, kwargs, same: bool):
+        # their keyword arguments are numbers, strings and dtypes (GELU's `approximate`): no tensor or device
+        self.fn, self.out_fn, self.out_name, self.same = fn, out_fn, out_name, same
+        self.kwargs = {k: to_torch(v, {}, torch.device("cpu")) for k, v in kwargs}
+
+    def __call__(self, args, out: torch.Tensor) -> torch.Tensor:
+        if out.is_contiguous() or self.same and all(t.stride() == out.stride() for t in args
+                                                    if isinstance(t, torch.Tensor) and t.shape == out.shape):
+            self.out_fn(*args, **self.kwargs, **{self.out_name: out})
+        else:
+            out.copy_(self.fn(*args, **self.kwargs))
+        return out
 
 
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes

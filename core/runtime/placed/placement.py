@@ -84,15 +84,21 @@ COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.defaul
 # strides: max pooling and its backward of a channels_last map into contiguous buffers on CUDA
 # (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient;
 # SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling, H200,
-# torch 2.11, `tools/train_step_layouts.py --device cuda`), and softmax, log-softmax and their
-# backwards of a contiguous map into a channels_last buffer (0.6 to 3.9 off on the CPU, torch 2.13:
-# Swin V2's step, whose attention scores are 4-D maps, had its attention's gradients wrong). A
-# training step binds their results as computed instead (`runtime/joint`); inference has not been
-# checked for it.
+# torch 2.11, `tools/train_step_layouts.py --device cuda`). A training step binds their results as
+# computed instead (`runtime/joint`); inference has not been checked for it.
 STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
-                             "aten::max_pool2d_with_indices_backward.default",
-                             "aten::_softmax.default", "aten::_log_softmax.default",
-                             "aten::_softmax_backward_data.default", "aten::_log_softmax_backward_data.default"})
+                             "aten::max_pool2d_with_indices_backward.default"})
+
+# out= kernels that write some buffers wrong, by the buffers they write right (torch 2.13's CPU,
+# 0.9 to 5.0 off otherwise): softmax, log-softmax and their backwards a contiguous buffer only
+# (Swin V2's attention scores, 4-D, in channels_last steps), exact GELU a contiguous one or one of
+# its input's strides (MaxViT's 4-D GELUs). A training step writes through them only there, and
+# otherwise computes and copies in (`runtime/joint`).
+CONTIGUOUS_OUT, SAME_STRIDES_OUT = "contiguous", "contiguous or its input's strides"
+LAYOUT_BOUND = {**{t: CONTIGUOUS_OUT for t in ("aten::_softmax.default", "aten::_log_softmax.default",
+                                               "aten::_softmax_backward_data.default",
+                                               "aten::_log_softmax_backward_data.default")},
+                "aten::gelu.default": SAME_STRIDES_OUT}
 
 
 @dataclass
