@@ -52,6 +52,21 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def follows_eager(step, net, ref, batches, loss_tol: float = 1e-6, grad_tol: float = 1e-5,
+                  layout=torch.contiguous_format) -> None:
+    """Each batch's step against eager (`ref`, given `net`'s weights before it, its images in
+    `layout`): the loss within `loss_tol` and all gradients, as one vector, within `grad_tol`."""
+    for x, t in batches:
+        ref.load_state_dict(net.state_dict())
+        ref.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(ref(x.contiguous(memory_format=layout)), t)
+        expected.backward()
+        loss = step(x, t)
+        assert abs(float(loss) - float(expected.detach())) <= loss_tol * abs(float(expected.detach()))
+        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
+                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= grad_tol
+
+
 def test_the_joint_graph_holds_the_forward_the_loss_and_the_backward_under_one_memory_plan():
     torch.manual_seed(0)
     net = Small()
@@ -251,16 +266,7 @@ def test_a_vision_transformer_s_channels_last_step_gives_eager_s_loss_and_gradie
     clones = [op.outputs[0] for op in g.ops if op.target == "aten::clone.default"
               and len(g.values[op.outputs[0]].spec.shape) == 4]
     assert clones and all(v in viewed(g, SAME_STRIDES) for v in clones)
-    for k in range(5):
-        x, t = batch(4, 16, seed=k + 1)
-        ref.load_state_dict(net.state_dict())
-        ref.zero_grad(set_to_none=True)
-        expected = F.cross_entropy(ref(x), t)
-        expected.backward()
-        loss = step(x, t)
-        assert abs(float(loss) - float(expected.detach())) <= 1e-5 * abs(float(expected.detach()))
-        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
+    follows_eager(step, net, ref, [batch(4, 16, seed=k + 1) for k in range(5)], loss_tol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -274,16 +280,7 @@ def test_a_convnext_s_step_takes_the_restrides_of_its_pooling_as_views_and_gives
     ref = copy.deepcopy(net)
     step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 16), layout=layout)
     assert not any("as_strided" in op.target for op in step.graph.ops)
-    for k in range(3):
-        x, t = batch(4, 16, seed=k + 1)
-        ref.load_state_dict(net.state_dict())
-        ref.zero_grad(set_to_none=True)
-        expected = F.cross_entropy(ref(x), t)
-        expected.backward()
-        loss = step(x, t)
-        assert abs(float(loss) - float(expected.detach())) <= 1e-6 * abs(float(expected.detach()))
-        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
+    follows_eager(step, net, ref, [batch(4, 16, seed=k + 1) for k in range(3)])
 
 
 class SoftmaxMaps(nn.Module):
@@ -312,16 +309,7 @@ def test_softmax_and_gelu_maps_in_a_channels_last_step_give_eager_s_gradients():
     step = nimble.TrainStep(net, F.cross_entropy, *batch(), layout="channels_last")
     bound = {op.target for op in step.graph.ops if "softmax" in op.target or op.target == "aten::gelu.default"}
     assert len(bound) == 5 and bound <= set(LAYOUT_BOUND)
-    for k in range(3):
-        x, t = batch(seed=k + 1)
-        ref.load_state_dict(net.state_dict())
-        ref.zero_grad(set_to_none=True)
-        expected = F.cross_entropy(ref(x.contiguous(memory_format=torch.channels_last)), t)
-        expected.backward()
-        loss = step(x, t)
-        assert abs(float(loss) - float(expected.detach())) <= 1e-6 * abs(float(expected.detach()))
-        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-5
+    follows_eager(step, net, ref, [batch(seed=k + 1) for k in range(3)], layout=torch.channels_last)
 
 
 class Picks(nn.Module):
@@ -350,16 +338,7 @@ def test_the_gradients_of_a_tensor_taken_apart_at_every_index_are_stacked_not_su
     targets = [op.target for op in step.graph.ops]
     assert targets.count("aten::stack.default") == (1 if every else 0)
     assert targets.count("aten::select_backward.default") == (0 if every else 2)
-    for k in range(3):
-        x, t = batch(seed=k + 1)
-        ref.load_state_dict(net.state_dict())
-        ref.zero_grad(set_to_none=True)
-        expected = F.cross_entropy(ref(x), t)
-        expected.backward()
-        loss = step(x, t)
-        assert abs(float(loss) - float(expected.detach())) <= 1e-6 * abs(float(expected.detach()))
-        assert relative(torch.cat([p.grad.reshape(-1) for p in net.parameters()]),
-                        torch.cat([p.grad.reshape(-1) for p in ref.parameters()])) <= 1e-6
+    follows_eager(step, net, ref, [batch(seed=k + 1) for k in range(3)], grad_tol=1e-6)
 
 
 def test_a_buffer_that_an_unsafe_view_reads_is_taken_for_a_viewed_one():
