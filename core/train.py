@@ -50,7 +50,8 @@ from .stages import Stages
 # A joint graph takes inference's passes, fusion's included, less those that assume frozen weights
 # and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode), and
 # before fusion the gradients of a tensor taken apart at every index become one stack.
-JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
+JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
+                             if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
                        + (passes.stack_select_gradients,) + FUSION)
 
 
@@ -90,8 +91,8 @@ class TrainStep:
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto":
         at most STEP_STREAMS; 1; or a cap) is the schedule: on CUDA each op runs on its planned
-        stream, and the memory plan is proved safe under it. `cuda_graphs` (CUDA only): the first call runs the ops one by
-        one, the second captures the step (the graph, the gradients' all-reduce and the copies
+        stream, and the memory plan is proved safe under it. `cuda_graphs` (CUDA only): the first
+        call runs the ops one by one, the second captures the step (the graph, the gradients' all-reduce and the copies
         after it) into a CUDA graph, and every later call replays it; the inputs are then copied
         into the step's own buffers. Data parallel
         (see the module): `bucket_mb` sizes the all-reduced buckets of gradients, and

@@ -41,7 +41,8 @@ from .kernels import batch_norm
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
-from .placed.placement import LAYOUT_BOUND, SAME_STRIDES_OUT, STRIDES_IGNORED, PlacedOp, arena_views, copies, out_overload
+from .placed.placement import (LAYOUT_BOUND, SAME_STRIDES_OUT, STRIDES_IGNORED, PlacedOp, arena_views, copies,
+                               out_overload)
 from .placed.run import PlacedRun
 
 
