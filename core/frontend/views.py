@@ -49,8 +49,8 @@ def _dense_restride(meta: dict, target: str, ins: list) -> bool:
     dimensions of one ignored)."""
     base, rest = ins[0], ins[2:] if target == AS_STRIDED_SCATTER else ins[1:]
     size, stride, offset = (list(rest) + [None])[:3]
-    if not isinstance(base, Ref) or offset not in (None, 0) or not isinstance(size, (list, tuple)) \
-            or not isinstance(stride, (list, tuple)) or len(size) != len(stride):
+    if not isinstance(base, Ref) or offset not in (None, 0) or not _ints(size) or not _ints(stride) \
+            or len(size) != len(stride):
         return False
     m = meta[base.id]
     if m.storage_offset() or not m.is_contiguous() or m.numel() != math.prod(size):
@@ -64,3 +64,8 @@ def _dense_restride(meta: dict, target: str, ins: list) -> bool:
         src = meta.get(ins[1].id) if isinstance(ins[1], Ref) else None
         return src is not None and tuple(src.shape) == tuple(size) and src.dtype == m.dtype
     return True
+
+
+def _ints(values) -> bool:
+    """A list or tuple of plain ints (a crafted program may give anything)."""
+    return isinstance(values, (list, tuple)) and all(type(v) is int for v in values)

@@ -38,23 +38,20 @@ def stack_select_gradients(graph: Graph) -> Graph:
     def only_read_by(value: int, op: Op) -> bool:
         return readers.get(value) == [op.id] and value not in outputs and graph.values[value].alias_of is None
 
-    def leaves(op: Op) -> list[Op] | None:
-        """The select_backwards an add sums, through the adds beneath it, or None."""
+    def tree(op: Op) -> list[Op] | None:
+        """`op` and the adds and select_backwards beneath it, where it is an add of such, or None."""
         if op.target != ADD or op.kwargs not in ((), (("alpha", 1),)) or len(op.args) != 2 \
                 or not all(isinstance(a, Ref) for a in op.args):
             return None
-        found = []
+        found = [op]
         for a in op.args:
             below = producer.get(a.id)
             if below is None or not only_read_by(a.id, op):
                 return None
-            if below.target == SELECT_BACKWARD:
-                found.append(below)
-            else:
-                more = leaves(below)
-                if more is None:
-                    return None
-                found.extend(more)
+            more = [below] if below.target == SELECT_BACKWARD else tree(below)
+            if more is None:
+                return None
+            found.extend(more)
         return found
 
     dropped: set[int] = set()
@@ -63,12 +60,13 @@ def stack_select_gradients(graph: Graph) -> Graph:
         if op.target != ADD or op.id in dropped or any(
                 graph.ops[r].target == ADD for v in op.outputs for r in readers.get(v, ())):
             continue  # the top add of a tree only
-        pieces = leaves(op)
+        ops = tree(op)
+        pieces = [p for p in ops or () if p.target == SELECT_BACKWARD]
         stacked = _stacked(graph, op, pieces) if pieces else None
         if stacked is None:
             continue
         replaced[op.id] = dataclasses.replace(op, target=STACK, args=stacked, kwargs=())
-        dropped.update(_tree(op, producer) - {op.id})
+        dropped.update(p.id for p in ops[1:])
     if not replaced:
         return graph
     return rebuild(graph, [replaced.get(op.id, op) for op in graph.ops if op.id not in dropped])
@@ -80,7 +78,7 @@ def _stacked(graph: Graph, top: Op, pieces: list[Op]) -> tuple | None:
     if any(len(p.args) != 4 or p.kwargs or not isinstance(p.args[0], Ref) for p in pieces):
         return None
     sizes, dim = tuple(pieces[0].args[1]), pieces[0].args[2]
-    if not isinstance(dim, int) or not -len(sizes) <= dim < len(sizes):
+    if not isinstance(dim, int) or not -len(sizes) <= dim < len(sizes) or not sizes[dim]:
         return None
     dim %= len(sizes)
     if any(tuple(p.args[1]) != sizes or p.args[2] % len(sizes) != dim for p in pieces):
@@ -94,13 +92,3 @@ def _stacked(graph: Graph, top: Op, pieces: list[Op]) -> tuple | None:
         return None
     return (tuple(index[k].args[0] for k in range(sizes[dim])), dim)
 
-
-def _tree(top: Op, producer: dict[int, Op]) -> set[int]:
-    """The ids of `top` and every add and select_backward beneath it."""
-    found, stack = set(), [top]
-    while stack:
-        op = stack.pop()
-        found.add(op.id)
-        if op.target == ADD:
-            stack.extend(producer[a.id] for a in op.args)
-    return found

@@ -188,26 +188,25 @@ def _placed(op, cuda: bool) -> PlacedOp:
         found = None
     substitute = SUBSTITUTES.get(op.target)
     if found is not None and op.target in LAYOUT_BOUND and len(op.outputs) == 1:
-        substitute = _LayoutBound(fn, found[0], found[1][0], op.kwargs, LAYOUT_BOUND[op.target] == SAME_STRIDES_OUT)
+        substitute = _LayoutBound(fn, op.kwargs, LAYOUT_BOUND[op.target] == SAME_STRIDES_OUT)
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], substitute)
 
 
 class _LayoutBound:
-    """An op of `LAYOUT_BOUND` into its buffer: through its out= overload where the buffer is one it
-    writes right (contiguous; or, `same`, of its tensor inputs' strides), else computed and copied in."""
+    """The substitute of an op of `LAYOUT_BOUND`: none (its out= overload runs) where its buffer is one
+    that overload writes right (contiguous; or, `same`, of its tensor inputs' strides), else the
+    op computed and copied in."""
 
-    def __init__(self, fn, out_fn, out_name: str, kwargs, same: bool):
+    def __init__(self, fn, kwargs, same: bool):
         # their keyword arguments are numbers, strings and dtypes (GELU's `approximate`): no tensor or device
-        self.fn, self.out_fn, self.out_name, self.same = fn, out_fn, out_name, same
+        self.fn, self.same = fn, same
         self.kwargs = {k: to_torch(v, {}, torch.device("cpu")) for k, v in kwargs}
 
-    def __call__(self, args, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, args, out: torch.Tensor) -> torch.Tensor | None:
         if out.is_contiguous() or self.same and all(t.stride() == out.stride() for t in args
                                                     if isinstance(t, torch.Tensor) and t.shape == out.shape):
-            self.out_fn(*args, **self.kwargs, **{self.out_name: out})
-        else:
-            out.copy_(self.fn(*args, **self.kwargs))
-        return out
+            return None
+        return out.copy_(self.fn(*args, **self.kwargs))
 
 
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes

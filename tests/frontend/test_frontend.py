@@ -390,7 +390,8 @@ def test_a_dense_restride_is_a_view_and_any_other_is_refused():
     src = b.op("aten::relu.default", [b.op("aten::view.default", [x, [4, 4]], "m.py:2")], "m.py:3")
     whole = restride("as_strided_scatter", [x, src, [4, 4], [4, 1], 0])
     assert b.ops[-1].target != "aten::as_strided_scatter.default" and b.values[whole.id].spec.shape == (2, 8)
-    for size, stride, offset in (([8, 2], [1, 8], None), ([2, 4], [8, 1], None), ([2, 7], [7, 1], 1)):
+    for size, stride, offset in (([8, 2], [1, 8], None), ([2, 4], [8, 1], None), ([2, 7], [7, 1], 1),
+                                 (["a", "b"], [1, 1], None), ([2.0, 8], [8, 1], None)):  # crafted: not sizes
         with pytest.raises(UnsupportedError, match="aten::as_strided.default .* is not supported"):
             restride("as_strided", [x, size, stride, offset])
 
