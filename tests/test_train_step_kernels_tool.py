@@ -23,6 +23,8 @@ import train_step_kernels  # noqa: E402
     ("triton_poi_fused_add_relu_19", "triton"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>>", "optimizer"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
     ("kernel", "other"),
 ])
 def test_kernels_fall_in_their_class(name, kind):

@@ -4,13 +4,14 @@ issue; `benchmarks/training.py` gives only the step's wall time).
 
     python tools/train_step_kernels.py [--model resnet50] [--batch 32] [--size 224]
                                        [--layouts channels_last contiguous] [--unfused-norms] [--no-compile]
-                                       [--top 18]
+                                       [--top 18] [--precision bf16]
 
 Each variant takes three steps untimed, then five steps under torch.profiler (CUDA activity
 only). Printed per variant: kernel time per step and kernels per step, the time by class
 (convolutions, batch norm's kernels, GEMMs, Triton, other elementwise kernels, reductions, the
 optimizer's multi-tensor kernels), and the `--top` kernels by time with their count per step. TF32
-on, fp32, SGD with momentum (fused), 10 classes, random data: as `benchmarks/training.py`.
+on, SGD with momentum (fused), 10 classes, random data: as `benchmarks/training.py`; `--precision
+bf16` runs TrainStep with precision="bf16" and torch.compile under torch.autocast, as it does.
 First use (H200, 2026-11-30): `benchmarks/results/training_kernels_resnet50_h200_2026-11-30.txt`,
 which showed the step's batch norm kernels at twice their time in NCHW (8.5 against 4.5 ms of
 20.7) and cuDNN converting layouts around every convolution, before steps became channels_last.
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CLASSES = [("conv|implicit_gemm|winograd|dgrad|wgrad|fprop|nchwtonhwc|nhwctonchw", "convolution"),
+CLASSES = [("attention|fmha|flash|attn", "attention"), ("conv|implicit_gemm|winograd|dgrad|wgrad|fprop|nchwtonhwc|nhwctonchw", "convolution"),
            ("batch_norm|batchnorm|bn_", "batch norm"), ("gemm|cublas", "gemm"), ("triton", "triton"),
            ("elementwise|vectorized|unrolled|copy|memcpy", "elementwise"), ("reduce", "reduction"),
            ("multi_tensor|foreach", "optimizer")]
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--unfused-norms", action="store_true",
                     help="also each layout with fused_norms=False (batch norm and its activation as aten's ops)")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
 
     import torch
@@ -95,17 +97,18 @@ def main() -> None:
                           for fused in ((None, False) if args.unfused_norms else (None,))]:
         net = copy.deepcopy(base)
         step = nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, layout=layout, fused_norms=fused,
+                                precision=args.precision,
                                 optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True))
-        label = f"{args.model} TrainStep {step.layout}" + (" unfused norms" if fused is False else "")
+        label = f"{args.model} {args.precision} TrainStep {step.layout}" + (" unfused norms" if fused is False else "")
         profile_steps(torch, lambda: step(x, y), label, args.top)
         step = net = None
         torch.cuda.empty_cache()
     if not args.no_compile:
         net = copy.deepcopy(base)
         compiled = torch.compile(net, mode="reduce-overhead")
-        run, _ = training.stepper(compiled, net.parameters(), args.batch, args.size, False,
+        run, _ = training.stepper(compiled, net.parameters(), args.batch, args.size, args.precision == "bf16",
                                   before=torch.compiler.cudagraph_mark_step_begin)
-        profile_steps(torch, run, f"{args.model} torch.compile", args.top)
+        profile_steps(torch, run, f"{args.model} {args.precision} torch.compile", args.top)
 
 
 if __name__ == "__main__":

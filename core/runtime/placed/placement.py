@@ -81,13 +81,16 @@ COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.defaul
                          "aten::native_layer_norm.default"})
 
 # ops whose out= kernel writes its result in its input's memory format whatever the given buffer's
-# strides: max pooling and its backward of a channels_last map into contiguous buffers on CUDA
+# strides, on CUDA: max pooling and its backward of a channels_last map into contiguous buffers
 # (buffers that a view reads: the backward of a concatenation after the pooling slices its gradient;
-# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling, H200,
-# torch 2.11, `tools/train_step_layouts.py --device cuda`). A training step binds their results as
-# computed instead (`runtime/joint`); inference has not been checked for it.
+# SqueezeNet's and GoogLeNet's channels_last steps had their gradients wrong below each pooling), and
+# average pooling and its backward either way (MaxViT's shortcut pools a contiguous map into a
+# channels_last buffer: its step's gradients were 0.97 off; H200, torch 2.11, `tools/out_layouts.py
+# --device cuda` finds them). A training step binds their results as computed instead
+# (`runtime/joint`); inference has not been checked for it.
 STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
-                             "aten::max_pool2d_with_indices_backward.default"})
+                             "aten::max_pool2d_with_indices_backward.default",
+                             "aten::avg_pool2d.default", "aten::avg_pool2d_backward.default"})
 
 # out= kernels that write some buffers wrong, by the buffers they write right (torch 2.13's CPU,
 # 0.9 to 5.0 off otherwise): softmax, log-softmax and their backwards a contiguous buffer only
