@@ -285,6 +285,19 @@ def test_channels_last_re_strides_every_plain_four_d_buffer(artifacts):
     assert all(v.spec.strides for v in g.values if v.id in chosen)  # declared, and contiguous
 
 
+def test_pooling_whose_out_kernel_ignores_the_buffer_s_strides_never_writes_through_it(artifacts):
+    """CUDA's average pooling out= kernel writes in its input's memory format whatever the buffer's
+    (`placement.STRIDES_IGNORED`): where nimble's pooling kernel does not write the buffer, the
+    pooling is computed and copied in, never issued through that overload; other ops keep theirs."""
+    from nimble.runtime.placed import placement
+
+    for name in ("inception", "nasnet"):
+        placed = placement.prepare(artifacts[name][1].graph)
+        pools = [p for p in placed if p.op.target in placement.STRIDES_IGNORED]
+        assert pools and all(p.out_fn is None for p in pools)
+        assert any(p.out_fn is not None for p in placed)
+
+
 def test_a_separate_gemm_bias_is_a_candidate_only_where_a_float32_gemm_has_a_bias(artifacts):
     """Tuning times the GEMM bias apart from cuBLASLt's epilogue only where some float32 addmm or
     linear has a bias (the transformer's projections), after the other settings; on the CPU the
