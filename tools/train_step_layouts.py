@@ -11,8 +11,10 @@ the ones that need a larger input at its size (`LEAST`), the vision transformers
 Each model (10 classes, dropout and stochastic depth off, so that both sides compute the same)
 takes one step from the same weights and batch: printed are both losses, the relative difference
 of all gradients as one vector, and how many of the step's planned 4-D buffers are channels_last;
-a model that fails says so in one line and the rest go on. TF32 is off (float32 on both sides). Exit status 1 if any failed or was off
-by more than 1e-4.
+a model that fails says so in one line and the rest go on. TF32 is off (float32 on both sides). Beside
+them, how far eager's own gradients move in the other layout (on CUDA at batch 2, ResNeXt's and
+GoogLeNet's by 1e-2: batch norms over a few values amplify the order of a kernel's sums). Exit
+status 1 if any failed or was off by more than 1e-4 or twice that movement, whichever is larger.
 """
 
 from __future__ import annotations
@@ -62,9 +64,20 @@ def one(name: str, size: int, batch: int, layout: str, device: str, fused_norms=
     theirs = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.grad is not None])
     off = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-12))
     laid = sum(1 for t in step.runner.views.values() if t.dim() == 4 and not t.is_contiguous())
-    ok = off <= 1e-4 and abs(float(loss) - float(expected)) <= 1e-4 * abs(float(expected))
-    return ok, (f"loss {float(loss):.5f} against eager's {float(expected):.5f}, gradients {off:.1e} off, "
-                f"{laid} channels_last buffers")
+    # eager in the other layout: how far eager's own gradients move when only its kernels' order
+    # changes (on CUDA at batch 2, batch norms over a few values amplify it to 1e-2 in some models)
+    other = copy.deepcopy(ref).to(memory_format=torch.contiguous_format if layout == "channels_last"
+                                  else torch.channels_last)
+    for p in other.parameters():
+        p.grad = None
+    F.cross_entropy(other(x.contiguous(memory_format=torch.channels_last if layout != "channels_last"
+                                       else torch.contiguous_format)), y).backward()
+    moved = torch.cat([p.grad.reshape(-1) for p in other.parameters() if p.grad is not None])
+    noise = float((moved - theirs).norm() / theirs.norm().clamp_min(1e-12))
+    ok = off <= max(1e-4, 2 * noise) and abs(float(loss) - float(expected)) <= max(1e-4, 2 * noise) * abs(
+        float(expected))
+    return ok, (f"loss {float(loss):.5f} against eager's {float(expected):.5f}, gradients {off:.1e} off "
+                f"(eager's own in the other layout {noise:.1e}), {laid} channels_last buffers")
 
 
 def main() -> int:
