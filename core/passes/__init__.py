@@ -39,6 +39,7 @@ from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
 from .precompute_attention_masks import precompute_attention_masks
 from .stack_select_gradients import stack_select_gradients
+from .stack_views import stack_views
 
 # (graph, weights) -> (graph, weights)
 REWRITES_WEIGHTS = frozenset({fold_constants, index_as_view, fold_batch_norm, affine_batch_norm, match_attention,
@@ -53,4 +54,5 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",
-           "order_canonically", "precompute_attention_masks", "stack_select_gradients"]
+           "order_canonically", "precompute_attention_masks", "stack_select_gradients",
+           "stack_views"]
