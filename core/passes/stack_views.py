@@ -45,6 +45,7 @@ def stack_views(graph: Graph) -> Graph:
             readers.setdefault(r, []).append(op)
     producer = {v: op for op in graph.ops for v in op.outputs}
     outputs = set(graph.outputs)
+    written = {graph.root(m) for op in graph.ops for m in op.mutates}
     edit = Edit(graph)
     dropped: set[int] = set()
     replaced: dict[int, Op] = {}
@@ -52,7 +53,7 @@ def stack_views(graph: Graph) -> Graph:
         if op.target != STACK or op.id in dropped or len(op.args) != 2 or op.kwargs \
                 or not isinstance(op.args[1], int) or not all(isinstance(a, Ref) for a in op.args[0]):
             continue
-        found = _found(graph, op, readers, producer, outputs)
+        found = _found(graph, op, readers, producer, outputs, written)
         if found is None:
             continue
         sources, before, after = found
@@ -93,9 +94,11 @@ def stack_views(graph: Graph) -> Graph:
     return edit.finish([replaced.get(op.id, op) for op in graph.ops if op.id not in dropped or op.id in replaced])
 
 
-def _found(graph: Graph, stack: Op, readers, producer, outputs):
+def _found(graph: Graph, stack: Op, readers, producer, outputs, written):
     """(the pieces' sources, each piece's chain from its source, the chain after the stack) where
-    the stack is one this pass takes, with at least one clone among the chains; else None."""
+    the stack is one this pass takes, with at least one clone among the chains; else None.
+    `written`: the storages some op writes in place (the new stack reads its sources later than
+    the old chains did)."""
     before = []
     sources = []
     for ref in stack.args[0]:
@@ -124,7 +127,8 @@ def _found(graph: Graph, stack: Op, readers, producer, outputs):
     copies = sum(o.target == CLONE for chain in before for o in chain) + len(after and [after[-1]])
     final = graph.values[(after[-1] if after else stack).outputs[0]].spec
     if not copies or not final.is_contiguous or final.offset \
-            or any(graph.values[s].kind != ACTIVATION or not _dense(graph.values[s].spec) for s in sources):
+            or any(graph.values[s].kind != ACTIVATION or not _dense(graph.values[s].spec)
+                   or graph.root(s) in written for s in sources):
         return None
     return sources, before, after
 
