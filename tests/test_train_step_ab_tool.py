@@ -1,0 +1,31 @@
+"""`tools/train_step_ab.py` on the CPU: a step with every joint pass beside one without those named,
+the same first loss, and one line for a pass that does not exist."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import train_step_ab  # noqa: E402
+
+
+def test_a_step_without_stack_views_copies_more_and_gives_the_same_loss(capsys):
+    assert train_step_ab.main(["--without", "stack_views", "--model", "vit_b_16", "--size", "32", "--batch", "2",
+                               "--rounds", "1", "--steps", "1", "--device", "cpu", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    clones = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(.+?): prepared .* (\d+) clones", out, re.M)}
+    assert clones["without stack_views"] > clones["all passes"]
+    assert "first losses differ by 0.0e+00" in out
+    assert len(re.findall(r"ms per step", out)) == 2
+
+
+def test_an_unknown_pass_is_one_line_naming_the_passes():
+    with pytest.raises(SystemExit) as exit_:
+        train_step_ab.main(["--without", "no_such_pass", "--device", "cpu"])
+    assert str(exit_.value).startswith("train_step_ab.py: no joint pass named no_such_pass; the passes are ")
