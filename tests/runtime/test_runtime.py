@@ -293,7 +293,7 @@ def test_pooling_whose_out_kernel_ignores_the_buffer_s_strides_never_writes_thro
 
     for name in ("inception", "nasnet"):
         placed = placement.prepare(artifacts[name][1].graph)
-        pools = [p for p in placed if p.op.target in placement.STRIDES_IGNORED]
+        pools = [p for p in placed if p.op.target in placement.STRIDES_IGNORED and len(p.op.outputs) == 1]
         assert pools and all(p.out_fn is None for p in pools)
         assert any(p.out_fn is not None for p in placed)
 

@@ -87,8 +87,8 @@ COPYING_OUT = frozenset({"aten::convolution.default", "aten::_convolution.defaul
 # average pooling and its backward either way (MaxViT's shortcut pools a contiguous map into a
 # channels_last buffer: its step's gradients were 0.97 off; H200, torch 2.11, `tools/out_layouts.py
 # --device cuda` finds them). A training step binds their results as computed instead
-# (`runtime/joint`); inference computes and copies them in where no substitute of its own writes
-# the buffer (nimble's pooling kernels take any strides).
+# (`runtime/joint`); inference computes and copies average pooling in where no substitute of its
+# own writes the buffer (nimble's pooling kernels take any strides).
 STRIDES_IGNORED = frozenset({"aten::max_pool2d_with_indices.default",
                              "aten::max_pool2d_with_indices_backward.default",
                              "aten::avg_pool2d.default", "aten::avg_pool2d_backward.default"})
@@ -125,7 +125,10 @@ def prepare(graph: Graph) -> list[PlacedOp]:
         if op.target == fusion.FUSED:
             placed.append(PlacedOp(op, interpret.run_fused, None, [], FusedKernel(op)))
             continue
-        found = None if op.target in COPYING_OUT or op.target in STRIDES_IGNORED else out_overload(op.target)
+        # one-result ops of STRIDES_IGNORED (average pooling): computed and copied in where no
+        # substitute writes the buffer; max pooling's indices variant keeps its out= overload here
+        found = None if op.target in COPYING_OUT or op.target in STRIDES_IGNORED and len(op.outputs) == 1 \
+            else out_overload(op.target)
         substitute = BiasedGemm(op.target == "aten::linear.default") if BiasedGemm.applies(graph, op) \
             else SUBSTITUTES.get(op.target)
         if gemm.applies(graph, op):
