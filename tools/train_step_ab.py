@@ -71,6 +71,42 @@ def timed(torch, step, x, y, steps: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
+def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, steps_per_round: int) -> None:
+    """Each variant of `chosen` (`variants`) as a TrainStep of a copy of `base` on (`x`, `y`), its
+    graph and first loss printed, then timed by turns: `rounds` rounds of `steps_per_round` steps."""
+    import torch
+
+    steps, first = {}, {}
+    for name, passes in chosen.items():
+        net = copy.deepcopy(base)
+        start = time.perf_counter()
+        steps[name] = prepared(net, x, y, precision, passes)
+        graph = steps[name].graph
+        targets = [op.target for op in graph.ops]
+        first[name] = float(steps[name](x, y))
+        print(f"{name}: prepared in {time.perf_counter() - start:.2f} s; {len(targets)} ops, "
+              f"{targets.count('aten::clone.default')} clones, {targets.count('aten::_to_copy.default')} casts; "
+              f"first loss {first[name]:.6f}", flush=True)
+    losses = list(first.values())
+    print(f"first losses differ by {abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12):.1e} (relative)")
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    peaks: dict[str, int] = {}
+    for name, step in steps.items():  # warm: captured where it captures
+        for _ in range(3):
+            step(x, y)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if x.is_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times[name].append(timed(torch, step, x, y, steps_per_round))
+            if x.is_cuda:
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated())
+    for name in steps:
+        peak = f", peak allocated {peaks[name] / 2**20:.0f} MiB" if name in peaks else ""
+        print(f"{name}: {statistics.median(times[name]):.3f} ms per step (median of {rounds}){peak}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--without", nargs="+", required=True, help="joint passes to leave out (by function name)")
@@ -97,35 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(args.device)
     y = torch.randint(0, 10, (args.batch,), generator=gen).to(args.device)
-    steps, first = {}, {}
-    for name, passes in chosen.items():
-        net = copy.deepcopy(base)
-        start = time.perf_counter()
-        steps[name] = prepared(net, x, y, args.precision, passes)
-        graph = steps[name].graph
-        targets = [op.target for op in graph.ops]
-        first[name] = float(steps[name](x, y))
-        print(f"{name}: prepared in {time.perf_counter() - start:.2f} s; {len(targets)} ops, "
-              f"{targets.count('aten::clone.default')} clones, {targets.count('aten::_to_copy.default')} casts; "
-              f"first loss {first[name]:.6f}", flush=True)
-    losses = list(first.values())
-    print(f"first losses differ by {abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12):.1e} (relative)")
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    peaks: dict[str, int] = {}
-    for name, step in steps.items():  # warm: captured where it captures
-        for _ in range(3):
-            step(x, y)
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            if x.is_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            times[name].append(timed(torch, step, x, y, args.steps))
-            if x.is_cuda:
-                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated())
-    for name in steps:
-        peak = f", peak allocated {peaks[name] / 2**20:.0f} MiB" if name in peaks else ""
-        print(f"{name}: {statistics.median(times[name]):.3f} ms per step (median of {args.rounds}){peak}")
+    compare(base, x, y, args.precision, chosen, args.rounds, args.steps)
     return 0
 
 
