@@ -88,7 +88,8 @@ class TrainStep:
     def __init__(self, module: torch.nn.Module, loss, example_inputs, example_targets,
                  optimizer: torch.optim.Optimizer | None = None, streams: str | int = "auto", bucket_mb: float = 25.0,
                  broadcast_buffers: bool = True, precision: str = "fp32", outputs: bool = False,
-                 cuda_graphs: bool = True, layout: str = "auto", fused_norms: bool | None = None):
+                 cuda_graphs: bool = True, layout: str = "auto", fused_norms: bool | None = None,
+                 graph_passes: tuple | None = None):
         """Prepare the step of `module` trained with `loss(module(*inputs), *targets)` (a scalar
         tensor) for inputs and targets shaped like the examples, on their device. `streams` ("auto":
         at most STEP_STREAMS; 1; or a cap) is the schedule: on CUDA each op runs on its planned
@@ -113,8 +114,11 @@ class TrainStep:
         and the map before the activation is not kept; a residual add alone after it, relu or not,
         is the forward's too). None: on CUDA, where its kernels take the step's maps (2-D ones, and 4-D ones
         channels_last); True: everywhere, aten's ops where they do not (for tests); False: never
-        (for comparisons)."""
+        (for comparisons). `graph_passes`: the graph passes the joint graph takes, in order (default
+        `JOINT_PASSES`; for comparisons, `tools/train_step_ab.py`)."""
         xs, ys = _tensors(example_inputs, "example_inputs"), _tensors(example_targets, "example_targets")
+        if graph_passes is not None and not all(callable(p) for p in graph_passes):
+            raise UsageError("graph_passes must be graph passes (functions), as train.JOINT_PASSES holds")
         device = xs[0].device
         if any(t.device != device for t in xs + ys):
             raise UsageError("example_inputs and example_targets are on different devices; put them on one device")
@@ -138,7 +142,8 @@ class TrainStep:
         self.outputs = bool(outputs)
         program = joint.export_joint(module, loss, xs, ys, self.name, PRECISIONS[precision], self.outputs)
         lowered = joint.lower_joint(program, self.specs, self.name)
-        graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights, JOINT_PASSES,
+        graph, weights = Stages().run_passes(lowered.lowered.graph, lowered.lowered.weights,
+                                             JOINT_PASSES if graph_passes is None else tuple(graph_passes),
                                              passes.REWRITES_WEIGHTS, "lowered")
         if layout == "auto":
             layout = "channels_last" if device.type == "cuda" and _convolves(graph) else "contiguous"

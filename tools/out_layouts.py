@@ -47,19 +47,6 @@ def _buffer(torch, like, fmt):
     return torch.empty_like(like, memory_format=fmt) if like.dim() == 4 else torch.empty_like(like)
 
 
-def _training_serial():
-    from nimble.ops import arguments, interpret, targets
-    from nimble.runtime.placed import reference
-
-    class TrainingSerial(reference._Serial):
-        def call(self, op, args, kwargs):
-            fn = interpret.function_of(op.target) if op.target.startswith("nimble::") \
-                else targets.resolve(op.target, training=True)
-            return arguments.flatten_result(fn(*args, **kwargs))
-
-    return TrainingSerial
-
-
 def check(name: str, size: int, batch: int, device: str, found: dict) -> None:
     """`check_module` on torchvision's `name` (10 classes) at `size` px."""
     import torch
@@ -84,7 +71,6 @@ def check_module(name: str, net, x, y, found: dict) -> None:
 
     import nimble
     from nimble.ops import arguments, fusion
-    from nimble.ops.execute import run_ops
     from nimble.runtime.placed import reference
     from nimble.runtime.placed.placement import COPYING_OUT, LAYOUT_BOUND, STRIDES_IGNORED, copies, out_overload
 
@@ -99,9 +85,7 @@ def check_module(name: str, net, x, y, found: dict) -> None:
     data = iter([x, y])  # as the step traced it: every view of the trace replays
     bound = [t if t is not None else next(data) for t in step._bound]
     constants = {graph.values[vid].name: t for vid, t in step.runner._constants.items()}
-    values = reference.bind(graph, constants, bound, device)
-    with torch.no_grad():  # the reference executor's serial run, with the training list's targets
-        run_ops(graph.ops, _training_serial()(values, device))
+    values = reference.run_values(graph, constants, bound, device, training=True)
     formats = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
     for op in graph.ops:
         if op.target == fusion.FUSED or op.target.startswith("nimble::"):

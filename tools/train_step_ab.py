@@ -39,20 +39,13 @@ def variants(without: list[str]) -> dict[str, tuple]:
 
 
 def prepared(net, x, y, precision: str, passes: tuple):
-    """A TrainStep of `net` whose joint graph took `passes` (train.JOINT_PASSES for its prepare only)."""
+    """A TrainStep of `net` whose joint graph takes `passes`."""
     import torch
 
     import nimble
-    from nimble import train
 
-    kept = train.JOINT_PASSES
-    train.JOINT_PASSES = passes
-    try:
-        return nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, precision=precision,
-                                optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9,
-                                                          fused=x.is_cuda))
-    finally:
-        train.JOINT_PASSES = kept
+    return nimble.TrainStep(net, torch.nn.functional.cross_entropy, x, y, precision=precision, graph_passes=passes,
+                            optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=x.is_cuda))
 
 
 def timed(torch, step, x, y, steps: int) -> float:

@@ -51,7 +51,7 @@ def _meta(a) -> bool:
     return isinstance(a, torch.Tensor) and a.is_meta
 
 
-def function_of(target: str):
+def function_of(target: str, training: bool = False):
     """What runs an op of `target`: a fused op's interpreter (`run_fused`), else the allowlisted
-    overload (`targets.resolve`)."""
-    return run_fused if target == fusion.FUSED else resolve(target)
+    overload (`targets.resolve`; `training`: of a training graph)."""
+    return run_fused if target == fusion.FUSED else resolve(target, training)

@@ -71,10 +71,8 @@ def stack_views(graph: Graph) -> Graph:
         placed = known[key]
         if placed is None:
             continue
-        dim, views, shape = placed
-        pieces = [_emit(edit, graph, source, view, final) for source, view in zip(sources, views)]
-        if any(p is None for p in pieces):
-            continue
+        dim, steps, shape = placed
+        pieces = [_emit(edit, graph, source, piece, final) for source, piece in zip(sources, steps)]
         for chain_op in (*[o for chain in before for o in chain], op, *after):
             dropped.add(chain_op.id)
         dropped.discard(final.id)
@@ -177,8 +175,8 @@ def _replay(op: Op, x: torch.Tensor, rest: list | None = None) -> torch.Tensor:
 
 
 def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op, after: list[Op]):
-    """(the new stack's dimension, each piece as (shape, strides, offset) over its source's
-    elements) where the final tensor is a stack of strided views of the sources, else None."""
+    """(the new stack's dimension, the ops that make each piece from its source (`_steps`), the
+    new stack's shape) where the final tensor is a stack of strided views of the sources, else None."""
     specs = [graph.values[s].spec for s in sources]
     spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or _row_major(sp.shape)) if n > 0)
              for sp in specs]
@@ -206,9 +204,10 @@ def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op,
             continue
         refined = [f for per in factors for f in per]
         views = [_strided(p.reshape(refined), span) for p, span in zip(pieces, spans)]
-        if all(v is not None for v in views):
+        steps = [_steps(spec, v) for spec, v in zip(specs, views) if v is not None]
+        if len(steps) == n and all(s is not None for s in steps):
             at = sum(len(per) for per in factors[:dim])
-            return at, views, tuple(refined[:at]) + (n,) + tuple(refined[at:])
+            return at, steps, tuple(refined[:at]) + (n,) + tuple(refined[at:])
     return None
 
 
@@ -261,14 +260,13 @@ def _strided(g: torch.Tensor, span: int):
     return tuple(g.shape), tuple(strides), first
 
 
-def _emit(edit: Edit, graph: Graph, source: int, view, final: Op):
-    """The ops that make `view` (shape, strides, offset over `source`'s elements) from `source` as
-    a permute of its dimensions into their memory order, a view into the piece's dimensions in
-    memory order, and a permute into its own order (each left out where it changes nothing), and
-    the id of the value that holds it; None where the piece is not such a view (not dense, or not
-    from the first element)."""
+def _steps(spec: TensorSpec, view) -> list | None:
+    """The ops, as (target, arguments after the input), that make `view` (shape, strides, offset
+    over the elements of a value of `spec`) from that value: a permute of its dimensions into their
+    memory order, a view into the piece's dimensions in memory order, and a permute into its own
+    order (each left out where it changes nothing); None where the piece is not such a view (not
+    dense, or not from the first element)."""
     shape, strides, offset = view
-    spec = graph.values[source].spec
     if offset != 0 or math.prod(shape) != spec.numel:
         return None
     order = sorted(range(len(spec.shape)), key=lambda k: -(spec.strides or _row_major(spec.shape))[k])
@@ -286,6 +284,13 @@ def _emit(edit: Edit, graph: Graph, source: int, view, final: Op):
         steps.append((PERMUTE, [back]))
     if len(kept) != len(shape):
         steps.append((VIEW, [list(shape)]))
+    return steps
+
+
+def _emit(edit: Edit, graph: Graph, source: int, steps: list, final: Op) -> tuple[list[Op], int]:
+    """The ops of `steps` (`_steps`) on `source`, their values placed before `final`'s result, and
+    the id of the last."""
+    spec = graph.values[source].spec
     ops, ref = [], source
     root = graph.root(source)
     meta = arguments.meta_tensor(spec)

@@ -81,11 +81,18 @@ def test_a_transformer_s_packed_projection_gradient_is_stacked_from_views_of_att
     follows_eager(step, net, ref, [batch(4, 16, seed=k + 1) for k in range(3)], loss_tol=1e-5)
 
 
-def test_without_the_pass_the_same_steps_copy(monkeypatch):
+def test_without_the_pass_the_same_steps_copy():
     """The measure above can fail: without the pass, the transformer's pieces are copied."""
     from nimble import train
 
-    monkeypatch.setattr(train, "JOINT_PASSES", tuple(p for p in train.JOINT_PASSES if p is not passes.stack_views))
     torch.manual_seed(0)
-    step = nimble.TrainStep(TinyViT(), F.cross_entropy, *batch(4, 16))
+    step = nimble.TrainStep(TinyViT(), F.cross_entropy, *batch(4, 16),
+                            graph_passes=[p for p in train.JOINT_PASSES if p is not passes.stack_views])
     assert _copies_before_stacks(step.graph)[0] > 0
+
+
+def test_graph_passes_that_are_not_functions_are_one_usage_line():
+    from nimble.errors import UsageError
+
+    with pytest.raises(UsageError, match="^graph_passes must be graph passes"):
+        nimble.TrainStep(TinyViT(), F.cross_entropy, *batch(4, 16), graph_passes=["stack_views"])

@@ -23,26 +23,27 @@ def run(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tenso
 
 
 def run_values(graph: Graph, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor],
-               device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
-    """Run `graph` on `inputs` and return every value's tensor, by value id."""
+               device: str | torch.device = "cpu", training: bool = False) -> dict[int, torch.Tensor]:
+    """Run `graph` on `inputs` and return every value's tensor, by value id. `training`: a training
+    step's joint graph (`TrainStep.graph`), whose ops come from the training list."""
     device = torch.device(device)
     tensors = bind(graph, weights, inputs, device)
     with torch.no_grad():
-        run_ops(graph.ops, _Serial(tensors, device))
+        run_ops(graph.ops, _Serial(tensors, device, training))
     return tensors
 
 
 class _Serial(Executor):
     """One aten call per op, on `device`."""
 
-    def __init__(self, tensors: dict[int, torch.Tensor], device: torch.device):
-        self.tensors, self.device = tensors, device
+    def __init__(self, tensors: dict[int, torch.Tensor], device: torch.device, training: bool = False):
+        self.tensors, self.device, self.training = tensors, device, training
 
     def arguments(self, op):
         return arguments.op_arguments(op, self.tensors, self.device)
 
     def call(self, op, args, kwargs):
-        return arguments.flatten_result(interpret.function_of(op.target)(*args, **kwargs))
+        return arguments.flatten_result(interpret.function_of(op.target, self.training)(*args, **kwargs))
 
     def bind(self, op, results):
         self.tensors.update(zip(op.outputs, results))
