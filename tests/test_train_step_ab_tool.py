@@ -35,3 +35,11 @@ def test_an_unknown_pass_is_one_line_naming_the_passes():
     with pytest.raises(SystemExit) as exit_:
         train_step_ab.main(["--without", "no_such_pass", "--device", "cpu"])
     assert str(exit_.value).startswith("train_step_ab.py: no joint pass named no_such_pass; the passes are ")
+    assert "step_attention" in str(exit_.value)
+
+
+def test_step_attention_names_the_runtime_s_attention_kernels_not_a_pass():
+    from nimble import train
+
+    chosen = train_step_ab.variants(["step_attention"])
+    assert chosen == {"all passes": (train.JOINT_PASSES, True), "without step_attention": (train.JOINT_PASSES, False)}

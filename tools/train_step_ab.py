@@ -1,13 +1,16 @@
 """What some of a training step's joint passes are worth: `nimble.TrainStep` with every pass of
 `train.JOINT_PASSES` and without the ones named, timed by turns in one process (an instrument for
 the training issue; the machines are shared and noisy, so only numbers of one run compare).
+`step_attention` is named as a pass is: without it, attention runs as traced (the memory-efficient
+kernels), not as cuDNN's or flash's (`runtime/kernels/step_attention`).
 
-    python tools/train_step_ab.py --without stack_views [--model vit_b_16] [--precision bf16]
+    python tools/train_step_ab.py --without stack_views|step_attention [--model vit_b_16] [--precision bf16]
                                   [--batch 32] [--size 224] [--rounds 5] [--steps 20] [--device cuda]
 
 Both steps train torchvision's MODEL (10 classes) from the same weights on one fixed batch, with
 SGD and momentum (fused), as `benchmarks/training.py` does. Printed per variant: its ops and
-copies (clones and casts) in the joint graph, the first step's loss against the other's, and the
+copies (clones and casts) in the joint graph, which kernels its attention ran, the first step's loss
+against the other's, and the
 median ms per step over `--rounds` rounds of `--steps` steps each, the variants taking turns (CUDA
 events on a GPU; the host's clock on the CPU); on a GPU also the step's peak allocated MiB.
 """
@@ -25,17 +28,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+# not a pass: the runtime's attention by cuDNN's or flash's kernels (`runtime/kernels/step_attention`);
+# without it, each pair runs as traced (the memory-efficient kernels)
+LIBRARIES = "step_attention"
+
+
 def variants(without: list[str]) -> dict[str, tuple]:
-    """Variant name -> its joint passes: every pass, and every pass but `without`'s."""
+    """Variant name -> (its joint passes, whether its attention may run as cuDNN's or flash's
+    kernels): everything, and everything but `without`'s (joint passes by function name, and
+    LIBRARIES)."""
     from nimble import train
 
     names = {p.__name__ for p in train.JOINT_PASSES}
-    unknown = sorted(set(without) - names)
+    unknown = sorted(set(without) - names - {LIBRARIES})
     if unknown:
         raise SystemExit(f"train_step_ab.py: no joint pass named {', '.join(unknown)}; the passes are "
-                         f"{', '.join(p.__name__ for p in train.JOINT_PASSES)}")
-    return {"all passes": train.JOINT_PASSES,
-            f"without {', '.join(without)}": tuple(p for p in train.JOINT_PASSES if p.__name__ not in without)}
+                         f"{', '.join(p.__name__ for p in train.JOINT_PASSES)} (and {LIBRARIES}, the runtime's "
+                         "attention kernels)")
+    return {"all passes": (train.JOINT_PASSES, True),
+            f"without {', '.join(without)}": (tuple(p for p in train.JOINT_PASSES if p.__name__ not in without),
+                                              LIBRARIES not in without)}
+
+
+def attention_pairs(step) -> list:
+    """The step's attention pairs (`step_attention.Pair`), one per forward."""
+    import inspect
+
+    from nimble.runtime.kernels import step_attention
+
+    found = {id(f.__self__): f.__self__ for f in (inspect.unwrap(p.fn) for p in step.runner.placed)
+             if isinstance(getattr(f, "__self__", None), step_attention.Pair)}
+    return list(found.values())
 
 
 def prepared(net, x, y, precision: str, passes: tuple):
@@ -69,17 +92,24 @@ def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, s
     graph and first loss printed, then timed by turns: `rounds` rounds of `steps_per_round` steps."""
     import torch
 
+    from nimble.runtime.kernels import step_attention
+
     steps, first = {}, {}
-    for name, passes in chosen.items():
+    for name, (passes, libraries) in chosen.items():
         net = copy.deepcopy(base)
         start = time.perf_counter()
         steps[name] = prepared(net, x, y, precision, passes)
+        pairs = attention_pairs(steps[name])
+        if not libraries:
+            for pair in pairs:
+                pair.library = step_attention.TRACED
         graph = steps[name].graph
         targets = [op.target for op in graph.ops]
         first[name] = float(steps[name](x, y))
+        ran = sorted({str(pair.library) for pair in pairs})
         print(f"{name}: prepared in {time.perf_counter() - start:.2f} s; {len(targets)} ops, "
               f"{targets.count('aten::clone.default')} clones, {targets.count('aten::_to_copy.default')} casts; "
-              f"first loss {first[name]:.6f}", flush=True)
+              f"attention as {', '.join(ran) or 'traced (no pair)'}; first loss {first[name]:.6f}", flush=True)
     losses = list(first.values())
     print(f"first losses differ by {abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12):.1e} (relative)")
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -102,7 +132,8 @@ def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--without", nargs="+", required=True, help="joint passes to leave out (by function name)")
+    ap.add_argument("--without", nargs="+", required=True,
+                    help=f"joint passes to leave out (by function name), or {LIBRARIES}: attention as traced")
     ap.add_argument("--model", default="vit_b_16")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     ap.add_argument("--batch", type=int, default=32)

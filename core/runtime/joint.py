@@ -37,7 +37,7 @@ from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
-from .kernels import batch_norm
+from .kernels import batch_norm, step_attention
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -111,6 +111,10 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
     `workspaces` (one cuDNN workspace per stream, as a loaded executable's kernels do: the ops of
     a stream run one after another)."""
     placed = [_placed(op, device.type == "cuda") for op in graph.ops]
+    if device.type == "cuda":  # attention by cuDNN's kernels (or flash's) where they take it
+        for op_id, pair in step_attention.pairs(graph).items():
+            p = placed[op_id]
+            placed[op_id] = replace(p, fn=pair.forward if p.op.target == step_attention.EFFICIENT else pair.backward)
     for p in placed:
         if isinstance(p.substitute, FusedKernel) and workspaces is not None:
             p.substitute.workspaces = workspaces
@@ -136,6 +140,7 @@ def _as_traced(fn: Callable, traced: dict[int, TensorSpec]) -> Callable:
             if isinstance(t, torch.Tensor) and any(n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), strides)):
                 results[k] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
         return results
+    run.__wrapped__ = fn  # `inspect.unwrap` finds the op's own function
     return run
 
 

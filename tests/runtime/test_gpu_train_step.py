@@ -8,12 +8,14 @@ test_train_step.py.)"""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import nimble
 import pytest
 import torch
 import torch.nn.functional as F
 
+from nimble.runtime.kernels import step_attention
 from tests.models import MobileNetV2Small, ResNet18, TinyEncoder, smoothed
 from tests.runtime.test_train_step import batch, relative
 from tests.runtime.test_train_step_parallel import torchrun_trains_alike
@@ -109,10 +111,11 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams,
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_transformer_s_steps_on_cuda_run_attention_s_memory_efficient_kernel_as_eager_does(precision):
+def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_flash_in_bf16(precision):
     """A step traces attention on CUDA as the memory-efficient kernel and its backward (the flash
-    and cuDNN kernels' results include sizes as numbers: `frontend/joint.attention_kernels`); 20
-    captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
+    and cuDNN kernels' results include sizes as numbers: `frontend/joint.attention_kernels`), and
+    runs that pair as cuDNN's or flash's kernels in bf16 (`kernels/step_attention`), as traced in
+    fp32; 20 captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
     the loss within 1e-4 and the gradients within 1e-3 on every step; in bf16 the loss within 2e-2,
     and the gradients no further from eager's float32 ones than eager's bf16 ones are, give or take
     a quarter, on average over the steps."""
@@ -145,6 +148,12 @@ def test_a_transformer_s_steps_on_cuda_run_attention_s_memory_efficient_kernel_a
             errors.append((relative(_gradient(net), _gradient(ref)), relative(_gradient(net), _gradient(full)),
                            relative(_gradient(ref), _gradient(full))))
         assert step.runner.captured is not None
+        chosen = {inspect.unwrap(p.fn).__self__.library for p in step.runner.placed
+                  if p.op.target.startswith("aten::_scaled_dot_product_efficient_attention")}
+        if precision == "fp32":  # neither library has float32 kernels
+            assert chosen == {step_attention.TRACED}
+        elif torch.cuda.get_device_capability() >= (8, 0):  # both have kernels for Ampere and later
+            assert chosen and chosen <= set(step_attention.LIBRARIES), chosen
         step.close()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
