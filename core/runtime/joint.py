@@ -37,7 +37,7 @@ from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
-from .kernels import batch_norm, step_attention
+from .kernels import batch_norm, reductions, step_attention
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -219,9 +219,10 @@ NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
 NORM_ACT_BACKWARD_OUTPUTS = ("dx", "dweight", "dbias")
 
 # ops whose out= overload computes, then copies (`copies`), but that write a given buffer another
-# way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`)
+# way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`);
+# and a sum over leading dimensions (a bias's gradient) by a generated kernel (`kernels/reductions`)
 SUBSTITUTES = {**{t: substitutes.SUBSTITUTES[t] for t in ("aten::relu.default", "aten::_to_copy.default")},
-               "aten::clone.default": substitutes.copy}
+               "aten::clone.default": substitutes.copy, "aten::sum.dim_IntList": reductions.leading_sum}
 
 
 class _Step(PlacedRun):

@@ -411,6 +411,42 @@ def test_the_mean_substitute_takes_only_a_mean_over_the_last_two_dimensions():
     assert mean([x, [2, 3], True], torch.empty(2, 3, 1, 1)) is None  # the CPU: its out= overload runs
 
 
+def shim_leading_sum(x, dims, keepdim=True, sms=1):
+    shape = [1 if d in [k % x.dim() for k in dims] else n for d, n in enumerate(x.shape)] if keepdim else \
+        [n for d, n in enumerate(x.shape) if d not in [k % x.dim() for k in dims]]
+    out = torch.full(shape, 7.0, dtype=x.dtype)
+    launches = reductions.sum_launches(x, dims, out, sms)
+    for grid, args, constants in launches:
+        triton_shim.run_grid(reductions.SPATIAL_MEAN, grid, *args, **constants)
+    return out, launches
+
+
+@pytest.mark.parametrize("shape, dims", [((68, 32), [0]), ((17, 4, 96), [0, 1]), ((4, 17, 32), [0]),
+                                         ((300, 5), [-2]), ((3, 2, 4, 5), [1, 0, 2])])
+@pytest.mark.parametrize("sms", [1, 64])  # 64: the rows split into parts, then the parts summed
+def test_the_leading_sum_is_a_bias_gradient_as_torch_sums_it(shape, dims, sms):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 3 + 1
+    for keepdim in (True, False):
+        got, _ = shim_leading_sum(x, dims, keepdim, sms)
+        torch.testing.assert_close(got, x.sum(dims, keepdim=keepdim), rtol=1e-5, atol=1e-4)
+
+
+def test_the_leading_sum_declines_other_dimensions_layouts_and_dtypes():
+    x = torch.randn(6, 4, 5)
+    out = torch.empty(1, 1, 5)
+    assert reductions.leading_sum([x, [0, 1], True], out) is None  # the CPU
+    for dims in ([1], [0, 2], [0, 1, 2], [], [True], [0.0], None, [5]):
+        assert reductions.sum_launches(x, dims, torch.empty(20), 1) is None, dims
+    assert reductions.sum_launches(x.transpose(0, 1), [0, 1], out, 1) is None  # not contiguous
+    assert reductions.sum_launches(x, [0, 1], out.double(), 1) is None  # a dtype of the op's own
+    assert reductions.sum_launches(x, [0], torch.empty(1, 4, 5), 1) is not None
+
+
+def test_a_training_step_sums_its_bias_gradients_by_the_leading_sum():
+    from nimble.runtime import joint
+
+    assert joint.SUBSTITUTES["aten::sum.dim_IntList"] is reductions.leading_sum
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -444,3 +480,18 @@ def test_the_wide_form_of_the_spatial_mean_builds_and_agrees_on_the_gpu():
     assert len(launches) == 2  # both launches, in the wide form
     assert all(kernel.launch(grid, *args, **{**constants, "WIDE": True}) for grid, args, constants in launches)
     torch.testing.assert_close(out, x.mean((2, 3), keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, dims", [((6304, 768), [0]), ((6304, 3072), [0]), ((32, 197, 768), [0, 1]),
+                                         ((1, 17, 32), [0]), ((33, 10), [0])])
+def test_the_leading_sum_matches_eager_on_the_gpu(dtype, shape, dims):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = (torch.randn(*shape, device="cuda") * 2 + 1).to(dtype)
+    want = x.float().sum(dims, keepdim=True)
+    out = torch.full(want.shape, float("nan"), device="cuda", dtype=dtype)
+    assert reductions.leading_sum([x, dims, True], out) is out
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * shape[0] ** 0.5)
