@@ -60,6 +60,7 @@ def language() -> types.ModuleType:
 
     def store(p, value, mask=None):
         mask = torch.ones_like(p.offsets, dtype=torch.bool) if mask is None else mask
+        value = torch.as_tensor(value).expand(p.offsets.shape)  # a scalar (a row's sum) stored at one offset
         p.flat[_checked(p, mask)] = value[mask].to(p.flat.dtype)
 
     tl.load, tl.store = load, store

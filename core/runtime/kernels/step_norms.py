@@ -1,0 +1,236 @@
+"""A training step's layer norm and its backward as generated kernels that write their planned
+buffers, on CUDA.
+
+PyTorch's `native_layer_norm` and `native_layer_norm_backward` have no out= kernels of their own
+(their out= overloads compute, then copy), so a step bound their results as computed. In
+vit_b_16's bf16 step at batch 32 on an H200 (rows of 768 float32 elements, 6304 of them) the 25
+forwards took 32 us each and the 25 backwards 68 (the weight's and bias's gradients by a kernel of
+their own, which reads the input and the gradient a second time): 2.5 ms of a 14 ms step, where
+torch.compile's fused layer-norm kernels took about 0.65 (`tools/train_step_kernels.py --by-op`,
+2026-11-30).
+
+- FORWARD: one program per row, as the inference kernel (`norms.LAYER_NORM`), which also stores
+  the row's mean and reciprocal standard deviation (float32, as PyTorch's).
+- BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the gradient's rows may lie
+  through up to two strides of their own: `rows_of`; half of vit_b_16's come through a transpose):
+  it writes each row's input
+  gradient (dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)), xhat = (x - mean) * rstd) and
+  sums g*xhat and g over its rows into float32 partials, one row of each per program. The
+  partials are then summed over the programs into the weight's and bias's gradients by the spatial
+  mean's kernel, unscaled (`reductions.sum_launches`): a fixed order, no atomics.
+
+`forward_into` and `backward_into` are the ops' out= functions in a step (`runtime/joint._placed`):
+where a kernel does not apply (the CPU; an input or buffer not dense in row-major order, a gradient
+whose rows are not dense or lie through more than two strides;
+a row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
+gradients are asked for; a backward asked for some gradients only) they run PyTorch's out=
+overload, as before. Indexing is 64-bit where an element offset can pass 2**31 - 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codegen
+from . import generated
+from . import reductions
+
+FORWARD = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, N: tl.constexpr, HAS_W: tl.constexpr,
+           HAS_B: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if WIDE:
+        row = row.to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    d = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(d * d, axis=0) / N
+    rstd = tl.rsqrt(var + eps)
+    y = d * rstd
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, y, mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+'''
+
+BACKWARD = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, ROWS, G_D1, G_S0, G_S1,
+           N: tl.constexpr, HAS_W: tl.constexpr, WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(cmask, 1.0, 0.0)
+    dw = tl.zeros([BLOCK], tl.float32)
+    db = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, ROWS, ROW_BLOCK):
+        step = start + tl.arange(0, ROW_BLOCK)
+        rows = pid * ROWS + step
+        rmask = (step < ROWS) & (rows < M)
+        m = rmask[:, None] & cmask[None, :]
+        at = rows[:, None] * N + cols[None, :]
+        g_at = ((rows // G_D1) * G_S0 + (rows % G_D1) * G_S1)[:, None] + cols[None, :]
+        g = tl.load(g_ptr + g_at, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+        gw = g * w[None, :]
+        c1 = tl.sum(xhat * gw, axis=1) / N
+        c2 = tl.sum(gw, axis=1) / N
+        dx = (gw - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(dx_ptr + at, dx, mask=m)
+        dw += tl.sum(g * xhat, axis=0)
+        db += tl.sum(g, axis=0)
+    tl.store(dw_ptr + pid * N + cols, dw, mask=cmask)
+    tl.store(db_ptr + pid * N + cols, db, mask=cmask)
+'''
+
+ROW_TILE = 4096  # elements of one BACKWARD step: ROW_BLOCK rows of BLOCK
+PROGRAMS_PER_SM = 4  # BACKWARD's programs per multiprocessor (each with a row of partials)
+
+_forward = generated.FixedKernel(FORWARD, "layer norm, training forward")
+_backward = generated.FixedKernel(BACKWARD, "layer norm, training backward")
+
+
+def _rows(x: torch.Tensor, shape) -> int | None:
+    """The width of the rows `x` is normalised over (the product of `shape`, its last dimensions),
+    or None where this is not dense rows of floating point on CUDA that one program keeps."""
+    shape = tuple(shape) if isinstance(shape, (list, tuple)) else None
+    if not (shape and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in generated.FLOAT_KINDS
+            and x.dim() >= len(shape) and tuple(x.shape[x.dim() - len(shape):]) == shape and x.is_contiguous()):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    return n if 0 < n <= generated.MAX_NORM_ROW else None
+
+
+def rows_of(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
+    """(D1, S0, S1) such that row r of `t` (its last `n` elements in row-major order, dense) starts
+    at element (r // D1) * S0 + (r % D1) * S1: its leading dimensions as at most two strided ones
+    (a gradient that comes through a transpose); None where they are more, or the rows not dense."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    dims = [(d, st) for d, st in zip(t.shape, t.stride()) if d != 1]
+    inner = 1
+    while dims and inner < n:  # the rows' own dimensions: dense, innermost
+        d, st = dims.pop()
+        if st != inner:
+            return None
+        inner *= d
+    if inner != n:
+        return None
+    merged: list[tuple[int, int]] = []
+    for d, st in dims:  # the leading ones, outermost first, merged where one stride walks two
+        if merged and merged[-1][1] == st * d:
+            merged[-1] = (merged[-1][0] * d, st)
+        else:
+            merged.append((d, st))
+    if len(merged) > 2:
+        return None
+    if len(merged) == 2:
+        return merged[1][0], merged[0][1], merged[1][1]
+    return (merged[0][0], 0, merged[0][1]) if merged else (1, 0, 0)
+
+
+def _dense(t, n: int, dtype=None) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel() == n \
+        and (dtype is None or t.dtype == dtype)
+
+
+def forward_launch(x, shape, weight, bias, eps, y, mean, rstd) -> tuple[tuple, tuple, dict] | None:
+    """FORWARD's (grid, arguments, constants) for `native_layer_norm(x, shape, weight, bias, eps)`
+    into `y`, `mean` and `rstd`, or None where it does not apply."""
+    n = _rows(x, shape)
+    if n is None or not isinstance(eps, (int, float)):
+        return None
+    rows = x.numel() // n
+    if not (_dense(y, x.numel(), x.dtype) and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
+            and all(t is None or _dense(t, n) and t.dtype in generated.FLOAT_KINDS for t in (weight, bias))):
+        return None
+    block = generated.triton_block(n)
+    return ((rows,), (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps)),
+            dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None,
+                 WIDE=x.numel() + block > codegen.INT32_LIMIT, BLOCK=block, num_warps=generated.row_warps(block)))
+
+
+def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int) -> tuple[tuple, tuple, dict, tuple] | None:
+    """BACKWARD's (grid, arguments, constants, (dw partials, db partials)) for the input gradient
+    of `native_layer_norm_backward` into `dx` and the float32 partials of the weight's and bias's
+    gradients, over at most `programs` programs; None where it does not apply."""
+    n = _rows(x, shape)
+    g_rows = rows_of(g, n) if n is not None and isinstance(g, torch.Tensor) and g.is_cuda \
+        and g.dtype in generated.FLOAT_KINDS and g.shape == x.shape else None
+    if g_rows is None or not _dense(dx, x.numel(), x.dtype):
+        return None
+    rows = x.numel() // n
+    if not (_dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
+            and (weight is None or _dense(weight, n) and weight.dtype in generated.FLOAT_KINDS)):
+        return None
+    block = generated.triton_block(n)
+    row_block = max(1, min(ROW_TILE // block, 16))  # powers of two, as `tl.arange` needs
+    per = max(row_block, -(-rows // max(1, programs)))
+    per = -(-per // row_block) * row_block  # whole steps
+    count = max(1, -(-rows // per))
+    dw, db = (torch.empty((count, n), dtype=torch.float32, device=x.device) for _ in range(2))
+    args = (g, x, x if weight is None else weight, mean, rstd, dx, dw, db, rows, per, *g_rows)
+    reach = sum((d - 1) * st for d, st in zip(g.shape, g.stride())) + 1
+    constants = dict(N=n, HAS_W=weight is not None,
+                     WIDE=max(x.numel(), reach) + per * n + block > codegen.INT32_LIMIT,
+                     ROW_BLOCK=row_block, BLOCK=block, num_warps=8 if row_block * block >= ROW_TILE else 4)
+    return (count,), args, constants, (dw, db)
+
+
+def forward_into(x, shape, weight, bias, eps, *, out0, out1, out2):
+    """`native_layer_norm.out`: FORWARD where it applies, else PyTorch's."""
+    launch = forward_launch(x, shape, weight, bias, eps, out0, out1, out2) if not _forward.failed else None
+    if launch is not None and (not x.numel() or _forward.launch(launch[0], *launch[1], **launch[2])):
+        return out0, out1, out2
+    return torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out0, out1=out1, out2=out2)
+
+
+def backward_into(g, x, shape, mean, rstd, weight, bias, mask, *, out0, out1, out2):
+    """`native_layer_norm_backward.out` with every gradient asked for: BACKWARD and the partials'
+    sums where they apply (a float32 weight and bias), else PyTorch's."""
+    if isinstance(x, torch.Tensor) and x.is_cuda and x.numel() and not _backward.failed \
+            and _takes_gradients(mask, weight, bias, out1, out2):
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        launch = backward_launch(g, x, shape, mean, rstd, weight, out0, PROGRAMS_PER_SM * sms)
+        if launch is not None:
+            grid, args, constants, (dw, db) = launch
+            sums = [reductions.sum_launches(part, [0], out, sms) for part, out in ((dw, out1), (db, out2))]
+            if all(s is not None for s in sums) and _backward.launch(grid, *args, **constants) \
+                    and all(reductions.launch_means(s) for s in sums):
+                return out0, out1, out2
+    return torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, mask,
+                                                         out0=out0, out1=out1, out2=out2)
+
+
+# each op's out= function in a step, and the names of its buffers
+OUT_FUNCTIONS = {"aten::native_layer_norm.default": forward_into,
+                 "aten::native_layer_norm_backward.default": backward_into}
+OUT_NAMES = ("out0", "out1", "out2")
+
+
+def _takes_gradients(mask, weight, bias, dw, db) -> bool:
+    """Every gradient asked for, of a float32 weight and bias (the partials' sums write float32)."""
+    return (isinstance(mask, (list, tuple)) and list(mask) == [True, True, True]
+            and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (weight, bias, dw, db)))
