@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nimble.ir import Op
 from nimble.runtime.kernels import generated, reductions, step_norms
 
 from .. import triton_shim
@@ -120,20 +119,6 @@ def test_on_the_cpu_the_out_functions_are_pytorch_s():
     step_norms.backward_into(gy, x, [16], mean, rstd, w, b, [True, True, True], out0=got[0], out1=got[1], out2=got[2])
     want = torch.ops.aten.native_layer_norm_backward(gy, x, [16], mean, rstd, w, b, [True, True, True])
     assert all(torch.equal(a, e) for a, e in zip(got, want))
-
-
-def test_a_step_on_cuda_places_layer_norm_and_its_backward_on_the_out_functions():
-    from nimble.runtime.joint import _placed
-
-    forward = Op(0, "aten::native_layer_norm.default", (), (), (1, 2, 3), (), (), "m.py:1")
-    backward = Op(1, "aten::native_layer_norm_backward.default", (None, None, (8,), None, None, None, None,
-                                                                  (True, True, True)), (), (4, 5, 6), (), (), "m.py:2")
-    partial = Op(2, backward.target, backward.args[:7] + ((True, False, False),), (), (7,), (), (), "m.py:3")
-    assert _placed(forward, True).out_fn is step_norms.forward_into
-    assert _placed(backward, True).out_fn is step_norms.backward_into
-    assert _placed(backward, True).out_names == list(step_norms.OUT_NAMES)
-    assert _placed(forward, False).out_fn is not step_norms.forward_into  # the CPU: as before
-    assert _placed(partial, True).out_fn is None  # some gradients only: computed and bound as before
 
 
 @gpu

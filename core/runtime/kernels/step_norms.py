@@ -12,19 +12,25 @@ torch.compile's fused layer-norm kernels took about 0.65 (`tools/train_step_kern
 - FORWARD: one program per row, as the inference kernel (`norms.LAYER_NORM`), which also stores
   the row's mean and reciprocal standard deviation (float32, as PyTorch's).
 - BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the gradient's rows may lie
-  through up to two strides of their own: `rows_of`; half of vit_b_16's come through a transpose):
-  it writes each row's input
-  gradient (dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)), xhat = (x - mean) * rstd) and
-  sums g*xhat and g over its rows into float32 partials, one row of each per program. The
-  partials are then summed over the programs into the weight's and bias's gradients by the spatial
-  mean's kernel, unscaled (`reductions.sum_launches`): a fixed order, no atomics.
+  through up to two strides of their own, `rows_of`: half of vit_b_16's come through a
+  transpose). It writes each row's input gradient, dx = rstd * (g*w - mean(g*w) - xhat *
+  mean(g*w*xhat)) with xhat = (x - mean) * rstd, and sums g*xhat and g over its rows into float32
+  partials, one row of each per program. The partials are then summed over the programs into the
+  weight's and bias's gradients by the spatial mean's kernel, unscaled
+  (`reductions.sum_launches`): a fixed order, no atomics.
 
-`forward_into` and `backward_into` are the ops' out= functions in a step (`runtime/joint._placed`):
-where a kernel does not apply (the CPU; an input or buffer not dense in row-major order, a gradient
-whose rows are not dense or lie through more than two strides;
-a row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
-gradients are asked for; a backward asked for some gradients only) they run PyTorch's out=
-overload, as before. Indexing is 64-bit where an element offset can pass 2**31 - 1.
+Not yet placed by a step: written and checked on the CPU (the sources through `triton_shim`) on
+2026-11-30 when no GPU time was left, so neither kernel has run on a GPU. Its GPU tests
+(`tests/runtime/test_step_norms.py -m gpu`) come first; then `runtime/joint._placed` gives a step's
+`native_layer_norm` and `native_layer_norm_backward` (every gradient asked for) `forward_into` and
+`backward_into` as their out= functions (OUT_FUNCTIONS, OUT_NAMES), and their results planned
+buffers instead of being bound as computed, on CUDA.
+
+`forward_into` and `backward_into` run PyTorch's out= overloads where a kernel does not apply:
+the CPU; an input or buffer not dense in row-major order; a gradient whose rows are not dense or
+lie through more than two strides; a row of more than `generated.MAX_NORM_ROW` elements; a
+weight or bias not float32 where their gradients are asked for; a backward asked for some
+gradients only. Indexing is 64-bit where an element offset can pass 2**31 - 1.
 """
 
 from __future__ import annotations
