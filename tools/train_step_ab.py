@@ -9,10 +9,10 @@ kernels), not as cuDNN's or flash's (`runtime/kernels/step_attention`).
 
 Both steps train torchvision's MODEL (10 classes) from the same weights on one fixed batch, with
 SGD and momentum (fused), as `benchmarks/training.py` does. Printed per variant: its ops and
-copies (clones and casts) in the joint graph, which kernels its attention ran, the first step's loss
-against the other's, and the
-median ms per step over `--rounds` rounds of `--steps` steps each, the variants taking turns (CUDA
-events on a GPU; the host's clock on the CPU); on a GPU also the step's peak allocated MiB.
+copies (clones and casts) in the joint graph, which kernels its attention ran, the first step's
+loss against the other's, and the median ms per step over `--rounds` rounds of `--steps` steps
+each, the variants taking turns (CUDA events on a GPU; the host's clock on the CPU); on a GPU also
+the step's peak allocated MiB.
 """
 
 from __future__ import annotations

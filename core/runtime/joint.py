@@ -221,8 +221,9 @@ def _placed(op, cuda: bool) -> PlacedOp:
     fits), else computed and bound as it is (`loose`). A fused op runs on CUDA as inference's
     generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
     bound as computed. Batch norm with its activation, each way, writes its buffers through
-    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step whose gradients leave eager's by 1e-4 to 1e-2 comes with them and without, on
-    one stream too: a kink's flip, `tools/train_step_drift.py --smooth`.)"""
+    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step
+    whose gradients leave eager's by 1e-4 to 1e-2 comes with them and without, on one stream too:
+    a kink's flip, `tools/train_step_drift.py --smooth`.)"""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
     if op.target == norm_act.NORM_ACT:

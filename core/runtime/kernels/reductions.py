@@ -224,8 +224,9 @@ def spatial_mean(x, out: torch.Tensor) -> torch.Tensor | None:
 def leading_sum(args: list, out: torch.Tensor) -> torch.Tensor | None:
     """aten::sum.dim_IntList(x, dims, keepdim) into `out` where `dims` are x's leading dimensions:
     a bias's gradient, the sum of (rows, C) over its rows, which PyTorch's reduction kernel takes
-    40 us for at vit_b_16's 6304 x 768 in bf16 on an H200 (49 of them, 2.0 ms of its 15 ms training
-    step). None where it does not apply (`sum_launches`; not CUDA)."""
+    40 us for at vit_b_16's 6304 x 768 in bf16 on an H200 (49 of them a step). Its step took 0.35 ms
+    less on one stream, 0.08 on its 4, where the sums overlap the weights' GEMMs (2026-11-30). None
+    where it does not apply (`sum_launches`; not CUDA)."""
     x = args[0] if args else None
     if not (isinstance(x, torch.Tensor) and x.is_cuda and out.is_cuda) or _spatial_mean.failed:
         return None
