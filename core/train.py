@@ -50,10 +50,11 @@ from .stages import Stages
 # A joint graph takes inference's passes, fusion's included, less those that assume frozen weights
 # and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode), and
 # before fusion the gradients of a tensor taken apart at every index become one stack, which reads
-# its pieces' sources through views instead of copies of them where it can.
+# its pieces' sources through views instead of copies of them where it can, and a copy that only
+# views read becomes those views of its source where it can (attention's packed projection).
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
-                       + (passes.stack_select_gradients, passes.stack_views) + FUSION)
+                       + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION)
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)

@@ -16,6 +16,7 @@ from .bias_into_broadcast import bias_into_broadcast
 from .bias_into_epilogue import bias_into_epilogue
 from .chain_loose_ops import chain_loose_ops
 from .drop_identity_copies import drop_identity_copies
+from .drop_view_clones import drop_view_clones
 from .drop_precision_casts import drop_precision_casts
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
@@ -55,4 +56,4 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",
            "order_canonically", "precompute_attention_masks", "stack_select_gradients",
-           "stack_views"]
+           "stack_views", "drop_view_clones"]

@@ -14,7 +14,7 @@ Taken where every op between a source and the stack is a view or a clone that on
 reads, the stack's result is read only by such a chain ending in one clone (or by nothing else
 than its readers, when no clone follows), and the sources are dense. Whether the stack of views
 gives the clone's bytes is not reasoned out from the ops but computed: the chains are replayed on
-tensors holding each source element's own offset (`_offsets`), and the positions of each piece in
+tensors holding each source element's own offset (`offsets`), and the positions of each piece in
 the final tensor must be a strided view of its source, every element checked, or nothing changes.
 Stacks of more than `REPLAYED` source elements are left as they are.
 """
@@ -27,17 +27,14 @@ import math
 import torch
 
 from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
-from ..ops import arguments, targets
 from .edit import Edit
+from .offsets import REPLAYED, dense, emit, offsets, replay, row_major, strided
 
 STACK = "aten::stack.default"
 CLONE = "aten::clone.default"
 VIEWS = frozenset({"aten::view.default", "aten::transpose.int", "aten::permute.default", "aten::unsqueeze.default",
                    "aten::squeeze.dim", "aten::t.default", "aten::_unsafe_view.default"})
 PERMUTE, VIEW = "aten::permute.default", "aten::view.default"
-# the most source elements a replay holds (int32 offsets, a few copies of them at once: about 1 GB
-# of host memory at most); a larger stack is left as it is (vit_b_16 at batch 128: 58 M)
-REPLAYED = 2**26
 
 
 def stack_views(graph: Graph) -> Graph:
@@ -72,7 +69,7 @@ def stack_views(graph: Graph) -> Graph:
         if placed is None:
             continue
         dim, steps, shape = placed
-        pieces = [_emit(edit, graph, source, piece, final) for source, piece in zip(sources, steps)]
+        pieces = [emit(edit, graph, source, piece, final) for source, piece in zip(sources, steps)]
         for chain_op in (*[o for chain in before for o in chain], op, *after):
             dropped.add(chain_op.id)
         dropped.discard(final.id)
@@ -128,7 +125,7 @@ def _found(graph: Graph, stack: Op, readers, producer, outputs, written):
     copies = sum(o.target == CLONE for chain in before for o in chain) + len(after and [after[-1]])
     final = graph.values[(after[-1] if after else stack).outputs[0]].spec
     if not copies or not final.is_contiguous or final.offset \
-            or any(graph.values[s].kind != ACTIVATION or not _dense(graph.values[s].spec)
+            or any(graph.values[s].kind != ACTIVATION or not dense(graph.values[s].spec)
                    or graph.root(s) in written for s in sources):
         return None
     return sources, before, after
@@ -141,44 +138,11 @@ def _only_reader(value: int, readers, outputs) -> Op | None:
     return found[0] if len(found) == 1 and value not in outputs else None
 
 
-def _dense(spec: TensorSpec) -> bool:
-    """Whether `spec` covers its span exactly (a permutation of a row-major layout)."""
-    strides = spec.strides or _row_major(spec.shape)
-    dims = sorted((s, n) for n, s in zip(spec.shape, strides) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _row_major(shape) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
-def _offsets(spec: TensorSpec, base: int, dtype) -> torch.Tensor:
-    """A CPU tensor of `spec`'s shape whose elements are `base` plus their offsets from the first."""
-    strides = spec.strides or _row_major(spec.shape)
-    span = 1 + sum((n - 1) * s for n, s in zip(spec.shape, strides) if n > 0)
-    return torch.arange(base, base + span, dtype=dtype).as_strided(spec.shape, strides, 0)
-
-
-def _replay(op: Op, x: torch.Tensor, rest: list | None = None) -> torch.Tensor:
-    args = [x, *(rest if rest is not None else op.args[1:])]
-    kwargs = {k: arguments.to_torch(v, {}, x.device) for k, v in op.kwargs}
-    return targets.resolve(op.target, training=True)(*args, **kwargs)
-
-
 def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op, after: list[Op]):
     """(the new stack's dimension, the ops that make each piece from its source (`_steps`), the
     new stack's shape) where the final tensor is a stack of strided views of the sources, else None."""
     specs = [graph.values[s].spec for s in sources]
-    spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or _row_major(sp.shape)) if n > 0)
+    spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or row_major(sp.shape)) if n > 0)
              for sp in specs]
     bases = [sum(spans[:i]) for i in range(len(spans))]
     if sum(spans) > REPLAYED:
@@ -187,13 +151,13 @@ def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op,
     with torch.no_grad():
         pieces = []
         for spec, base, chain in zip(specs, bases, before):
-            t = _offsets(spec, base, dtype)
+            t = offsets(spec, base, dtype)
             for o in chain:
-                t = _replay(o, t)
+                t = replay(o, t)
             pieces.append(t)
         final = torch.stack(pieces, stack.args[1])
         for o in after:
-            final = _replay(o, final)
+            final = replay(o, final)
     if tuple(final.shape) != graph.values[(after[-1] if after else stack).outputs[0]].spec.shape:
         return None
     n = len(sources)
@@ -203,7 +167,7 @@ def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op,
         if factors is None:
             continue
         refined = [f for per in factors for f in per]
-        views = [_strided(p.reshape(refined), span) for p, span in zip(pieces, spans)]
+        views = [strided(p.reshape(refined), span) for p, span in zip(pieces, spans)]
         steps = [_steps(spec, v) for spec, v in zip(specs, views) if v is not None]
         if len(steps) == n and all(s is not None for s in steps):
             at = sum(len(per) for per in factors[:dim])
@@ -237,29 +201,6 @@ def _factors(pieces: list[torch.Tensor]) -> list[list[int]] | None:
     return out
 
 
-def _strided(g: torch.Tensor, span: int):
-    """(shape, strides, offset) such that `g` holds that strided view's offsets, or None."""
-    if g.numel() == 0 or int(g.min()) < 0 or int(g.max()) >= span:
-        return None
-    first = int(g.reshape(-1)[0])
-    strides = []
-    for k, size in enumerate(g.shape):
-        if size == 1:
-            strides.append(0)
-            continue
-        index = [0] * g.dim()
-        index[k] = 1
-        strides.append(int(g[tuple(index)]) - first)
-    expected = torch.full((), first, dtype=torch.int64)
-    for k, (size, stride) in enumerate(zip(g.shape, strides)):
-        shape = [1] * g.dim()
-        shape[k] = size
-        expected = expected + (torch.arange(size, dtype=torch.int64) * stride).reshape(shape)
-    if not torch.equal(expected.expand(g.shape), g):
-        return None
-    return tuple(g.shape), tuple(strides), first
-
-
 def _steps(spec: TensorSpec, view) -> list | None:
     """The ops, as (target, arguments after the input), that make `view` (shape, strides, offset
     over the elements of a value of `spec`) from that value: a permute of its dimensions into their
@@ -269,11 +210,11 @@ def _steps(spec: TensorSpec, view) -> list | None:
     shape, strides, offset = view
     if offset != 0 or math.prod(shape) != spec.numel:
         return None
-    order = sorted(range(len(spec.shape)), key=lambda k: -(spec.strides or _row_major(spec.shape))[k])
+    order = sorted(range(len(spec.shape)), key=lambda k: -(spec.strides or row_major(spec.shape))[k])
     kept = [k for k in range(len(shape)) if shape[k] != 1]
     by_stride = sorted(kept, key=lambda k: -strides[k])
     split = [shape[k] for k in by_stride]
-    if _row_major(split) != tuple(strides[k] for k in by_stride):
+    if row_major(split) != tuple(strides[k] for k in by_stride):
         return None
     steps = []
     if order != list(range(len(order))):
@@ -285,20 +226,3 @@ def _steps(spec: TensorSpec, view) -> list | None:
     if len(kept) != len(shape):
         steps.append((VIEW, [list(shape)]))
     return steps
-
-
-def _emit(edit: Edit, graph: Graph, source: int, steps: list, final: Op) -> tuple[list[Op], int]:
-    """The ops of `steps` (`_steps`) on `source`, their values placed before `final`'s result, and
-    the id of the last."""
-    spec = graph.values[source].spec
-    ops, ref = [], source
-    root = graph.root(source)
-    meta = arguments.meta_tensor(spec)
-    for target, rest in steps:
-        meta = targets.resolve(target)(meta, *rest)
-        value = edit.value(ACTIVATION, TensorSpec(tuple(meta.shape), spec.dtype, tuple(meta.stride()),
-                                                  meta.storage_offset()),
-                           f"{graph.values[source].name}_piece", before=final.outputs[0], alias_of=root)
-        ops.append(edit.op(target, (Ref(ref), *rest), (), (value,), final.source))
-        ref = value.id
-    return ops, ref

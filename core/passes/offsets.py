@@ -1,0 +1,96 @@
+"""Views worked out by replaying them on offsets: a value's elements stood in for by their own
+offsets from its first (`offsets`), ops replayed on those (`replay`), the result read back as a
+strided view where it is one (`strided`), and such a view made again from allowlisted view ops
+(`emit`). The passes that turn copies into views check their work so rather than reasoning it
+out from the ops (`stack_views`, `drop_view_clones`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
+from ..ops import arguments, targets
+from .edit import Edit
+
+# the most source elements a replay holds (int32 offsets, a few copies of them at once: about 1 GB
+# of host memory at most); a larger value is left as it is (vit_b_16's stack at batch 128: 58 M)
+REPLAYED = 2**26
+
+
+def dense(spec: TensorSpec) -> bool:
+    """Whether `spec` covers its span exactly (a permutation of a row-major layout)."""
+    strides = spec.strides or row_major(spec.shape)
+    dims = sorted((s, n) for n, s in zip(spec.shape, strides) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def row_major(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def offsets(spec: TensorSpec, base: int, dtype) -> torch.Tensor:
+    """A CPU tensor of `spec`'s shape whose elements are `base` plus their offsets from the first."""
+    strides = spec.strides or row_major(spec.shape)
+    span = 1 + sum((n - 1) * s for n, s in zip(spec.shape, strides) if n > 0)
+    return torch.arange(base, base + span, dtype=dtype).as_strided(spec.shape, strides, 0)
+
+
+def replay(op: Op, x: torch.Tensor, rest: list | None = None) -> torch.Tensor:
+    args = [x, *(rest if rest is not None else op.args[1:])]
+    kwargs = {k: arguments.to_torch(v, {}, x.device) for k, v in op.kwargs}
+    return targets.resolve(op.target, training=True)(*args, **kwargs)
+
+
+def strided(g: torch.Tensor, span: int):
+    """(shape, strides, offset) such that `g` (integer offsets) holds that strided view's offsets,
+    every element compared, or None. Worked out in g's own dtype: no copy of it is made."""
+    if g.numel() == 0:
+        return None
+    first = int(g.reshape(-1)[0])
+    strides = []
+    for k, size in enumerate(g.shape):
+        if size == 1:
+            strides.append(0)
+            continue
+        index = [0] * g.dim()
+        index[k] = 1
+        strides.append(int(g[tuple(index)]) - first)
+    low = first + sum(min(0, (n - 1) * s) for n, s in zip(g.shape, strides))
+    high = first + sum(max(0, (n - 1) * s) for n, s in zip(g.shape, strides))
+    if low < 0 or high >= span:
+        return None
+    expected = torch.full((), first, dtype=g.dtype)
+    for k, (size, stride) in enumerate(zip(g.shape, strides)):
+        shape = [1] * g.dim()
+        shape[k] = size
+        expected = expected + (torch.arange(size, dtype=g.dtype) * stride).reshape(shape)
+    if not torch.equal(expected.expand(g.shape), g):
+        return None
+    return tuple(g.shape), tuple(strides), first
+
+
+def emit(edit: Edit, graph: Graph, source: int, steps: list, final: Op) -> tuple[list[Op], int]:
+    """The ops of `steps` ((target, arguments after the input) each) on `source`, their values placed before `final`'s result, and
+    the id of the last."""
+    spec = graph.values[source].spec
+    ops, ref = [], source
+    root = graph.root(source)
+    meta = arguments.meta_tensor(spec)
+    for target, rest in steps:
+        meta = targets.resolve(target)(meta, *rest)
+        value = edit.value(ACTIVATION, TensorSpec(tuple(meta.shape), spec.dtype, tuple(meta.stride()),
+                                                  meta.storage_offset()),
+                           f"{graph.values[source].name}_piece", before=final.outputs[0], alias_of=root)
+        ops.append(edit.op(target, (Ref(ref), *rest), (), (value,), final.source))
+        ref = value.id
+    return ops, ref
