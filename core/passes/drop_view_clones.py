@@ -30,7 +30,7 @@ import torch
 from ..ir import ACTIVATION, Graph, Op, TensorSpec
 from ..ops import arguments
 from .edit import Edit
-from .offsets import REPLAYED, dense, emit, offsets, replay, row_major, strided
+from .offsets import REPLAYED, dense, emit, lookups, offsets, replay, row_major, strided
 
 CLONE = "aten::clone.default"
 PERMUTE, VIEW, SELECT = "aten::permute.default", "aten::view.default", "aten::select.int"
@@ -40,13 +40,7 @@ VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default", "aten::tr
 
 
 def drop_view_clones(graph: Graph) -> Graph:
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers.setdefault(r, []).append(op)
-    producer = {v: op for op in graph.ops for v in op.outputs}
-    outputs = set(graph.outputs)
-    written = {graph.root(m) for op in graph.ops for m in op.mutates}
+    readers, producer, outputs, written = lookups(graph)
     edit = Edit(graph)
     dropped: set[int] = set()
     views: dict[int, list[Op]] = {}  # clone's id -> the views of its source that replace it, issued there

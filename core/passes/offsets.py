@@ -18,6 +18,17 @@ from .edit import Edit
 REPLAYED = 2**26
 
 
+def lookups(graph: Graph) -> tuple[dict[int, list[Op]], dict[int, Op], set[int], set[int]]:
+    """(the ops that read each value, the op that makes each value, the graph's outputs, the
+    storages some op writes in place): what a pass that turns copies into views looks up."""
+    readers: dict[int, list[Op]] = {}
+    for op in graph.ops:
+        for r in set(op.refs()):
+            readers.setdefault(r, []).append(op)
+    producer = {v: op for op in graph.ops for v in op.outputs}
+    return readers, producer, set(graph.outputs), {graph.root(m) for op in graph.ops for m in op.mutates}
+
+
 def dense(spec: TensorSpec) -> bool:
     """Whether `spec` covers its span exactly (a permutation of a row-major layout)."""
     strides = spec.strides or row_major(spec.shape)

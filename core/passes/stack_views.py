@@ -28,7 +28,7 @@ import torch
 
 from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
 from .edit import Edit
-from .offsets import REPLAYED, dense, emit, offsets, replay, row_major, strided
+from .offsets import REPLAYED, dense, emit, lookups, offsets, replay, row_major, strided
 
 STACK = "aten::stack.default"
 CLONE = "aten::clone.default"
@@ -39,13 +39,7 @@ PERMUTE, VIEW = "aten::permute.default", "aten::view.default"
 
 def stack_views(graph: Graph) -> Graph:
     known: dict = {}  # a transformer's layers repeat one stack: its placement is worked out once
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers.setdefault(r, []).append(op)
-    producer = {v: op for op in graph.ops for v in op.outputs}
-    outputs = set(graph.outputs)
-    written = {graph.root(m) for op in graph.ops for m in op.mutates}
+    readers, producer, outputs, written = lookups(graph)
     edit = Edit(graph)
     dropped: set[int] = set()
     replaced: dict[int, Op] = {}
