@@ -31,9 +31,10 @@ def test_attention_reads_the_packed_projection_through_views_and_the_step_gives_
     step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 16))
     before = nimble.TrainStep(copy.deepcopy(net), F.cross_entropy, *batch(4, 16), graph_passes=WITHOUT)
     clones = [sum(op.target == CLONE for op in s.graph.ops) for s in (before, step)]
-    # the packed projection's copy and the attention output's before the residual add go; the two
-    # copies that a view then merges across the batch (no strides fit) stay
-    assert clones == [4, 2]
+    # the packed projection's copy and the attention output's before the residual add go (torch
+    # 2.13's trace has 4 clones, 2.14's 3); the two copies that a view then merges across the
+    # batch (no strides fit) stay
+    assert clones[1] == 2 < clones[0]
     graph = step.graph
     attention = next(op for op in graph.ops if "attention" in op.target)
     q, k, v = (graph.values[a.id] for a in attention.args[:3])
