@@ -35,6 +35,7 @@ def literal(text) -> str:
 def interrupt(json_out: bool) -> typer.Exit:
     """The end of an interrupted command: one line, and exit status 130."""
     console.print("interrupted")
+    interrupts.reported = True
     if json_out:
         print_json(error_document("Interrupted", "interrupted", 130))
     return typer.Exit(130)

@@ -25,6 +25,12 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    except SystemExit as e:
+        # typer ends a KeyboardInterrupt that reaches it (one that lands while it parses the
+        # arguments, before a command's own handling) in exit status 130 with nothing said: say it
+        if e.code == 130 and interrupts.interrupted and not interrupts.reported:
+            sys.stderr.write("interrupted\n")
+        raise
     finally:  # the command is over: a SIGTERM while the interpreter shuts down (which gives its
         # handler back to the default, death by the signal) must not replace the exit status
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -3,3 +3,4 @@ A leaf: the entry point and the error handling (`common.user_errors`) both read 
 nothing, so it is safe to touch from a signal handler."""
 
 interrupted = False  # a SIGINT or SIGTERM arrived: what fails after it is the interrupt's doing
+reported = False  # its one line is out (`common.interrupt`): the entry point does not say it again
