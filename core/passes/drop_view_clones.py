@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import ACTIVATION, Graph, Op, TensorSpec
-from ..ops import arguments
+from ..ir import ACTIVATION, Graph, Op
+from ..ops import arguments, targets
 from .edit import Edit
-from .offsets import REPLAYED, dense, emit, lookups, offsets, replay, row_major, strided
+from .offsets import REPLAYED, dense, emit, lookups, offsets, replay, strided, view_steps
 
 CLONE = "aten::clone.default"
-PERMUTE, VIEW, SELECT = "aten::permute.default", "aten::view.default", "aten::select.int"
 VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default", "aten::transpose.int", "aten::permute.default",
                    "aten::unsqueeze.default", "aten::squeeze.dim", "aten::t.default", "aten::select.int",
                    "aten::slice.Tensor", "aten::detach.default", "aten::alias.default"})
@@ -142,55 +141,10 @@ def _made(graph: Graph, source: int, before: list[Op], clone: Op, after: list[Op
                     return None
                 got = arguments.meta_tensor(spec)
                 for target, rest in steps:
-                    got = replay(Op(0, target, (), (), ()), got, rest)
+                    got = targets.resolve(target)(got, *rest)
                 if (tuple(got.shape), tuple(got.stride()), got.storage_offset()) != view:
                     return None
                 made[v] = steps
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError):  # a chain that does not replay so
         return None
     return made
-
-
-def view_steps(spec: TensorSpec, view) -> list | None:
-    """The ops, as (target, arguments after the input), that make `view` (shape, strides, offset
-    over the elements of a dense value of `spec`, as `offsets.strided` reads it back) from that
-    value: a permute of its dimensions into memory order; a view into a row-major shape of the
-    view's dimensions (by stride) and the gaps between them; a select of each gap at the view's
-    offset; a permute into the view's own order; a view that adds its dimensions of one (each left
-    out where it changes nothing). None where the view's dimensions overlap or do not nest."""
-    shape, strides, offset = view
-    kept = [k for k in range(len(shape)) if shape[k] != 1]
-    by_stride = sorted(kept, key=lambda k: -strides[k])
-    refined, gaps, outer = [], [], spec.numel
-    for k in by_stride:
-        size, stride = shape[k], strides[k]
-        if stride <= 0 or outer % (size * stride):
-            return None
-        if outer // (size * stride) > 1:
-            gaps.append(len(refined))
-            refined.append(outer // (size * stride))
-        refined.append(size)
-        outer = stride
-    if outer > 1:
-        gaps.append(len(refined))
-        refined.append(outer)
-    digits, rest = [], offset
-    for step in row_major(refined):
-        digits.append(rest // step)
-        rest %= step
-    if rest or any(d for i, d in enumerate(digits) if i not in gaps):
-        return None
-    own = spec.strides or row_major(spec.shape)
-    order = sorted(range(len(spec.shape)), key=lambda k: -own[k])
-    steps = []
-    if order != list(range(len(order))):
-        steps.append((PERMUTE, [order]))
-    if list(refined) != [spec.shape[k] for k in order]:
-        steps.append((VIEW, [refined]))
-    steps.extend((SELECT, [i, digits[i]]) for i in reversed(gaps))
-    back = [by_stride.index(k) for k in kept]
-    if back != list(range(len(back))):
-        steps.append((PERMUTE, [back]))
-    if len(kept) != len(shape):
-        steps.append((VIEW, [list(shape)]))
-    return steps

@@ -13,6 +13,8 @@ from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
 from ..ops import arguments, targets
 from .edit import Edit
 
+PERMUTE, VIEW, SELECT = "aten::permute.default", "aten::view.default", "aten::select.int"
+
 # the most source elements a replay holds (int32 offsets, a few copies of them at once: about 1 GB
 # of host memory at most); a larger value is left as it is (vit_b_16's stack at batch 128: 58 M)
 REPLAYED = 2**26
@@ -105,3 +107,48 @@ def emit(edit: Edit, graph: Graph, source: int, steps: list, final: Op) -> tuple
         ops.append(edit.op(target, (Ref(ref), *rest), (), (value,), final.source))
         ref = value.id
     return ops, ref
+
+
+def view_steps(spec: TensorSpec, view) -> list | None:
+    """The ops, as (target, arguments after the input), that make `view` (shape, strides, offset
+    over the elements of a dense value of `spec`, as `strided` reads it back) from that
+    value: a permute of its dimensions into memory order; a view into a row-major shape of the
+    view's dimensions (by stride) and the gaps between them; a select of each gap at the view's
+    offset; a permute into the view's own order; a view that adds its dimensions of one (each left
+    out where it changes nothing). None where the view's dimensions overlap or do not nest."""
+    shape, strides, offset = view
+    kept = [k for k in range(len(shape)) if shape[k] != 1]
+    by_stride = sorted(kept, key=lambda k: -strides[k])
+    refined, gaps, outer = [], [], spec.numel
+    for k in by_stride:
+        size, stride = shape[k], strides[k]
+        if stride <= 0 or outer % (size * stride):
+            return None
+        if outer // (size * stride) > 1:
+            gaps.append(len(refined))
+            refined.append(outer // (size * stride))
+        refined.append(size)
+        outer = stride
+    if outer > 1:
+        gaps.append(len(refined))
+        refined.append(outer)
+    digits, rest = [], offset
+    for step in row_major(refined):
+        digits.append(rest // step)
+        rest %= step
+    if rest or any(d for i, d in enumerate(digits) if i not in gaps):
+        return None
+    own = spec.strides or row_major(spec.shape)
+    order = sorted(range(len(spec.shape)), key=lambda k: -own[k])
+    steps = []
+    if order != list(range(len(order))):
+        steps.append((PERMUTE, [order]))
+    if list(refined) != [spec.shape[k] for k in order]:
+        steps.append((VIEW, [refined]))
+    steps.extend((SELECT, [i, digits[i]]) for i in reversed(gaps))
+    back = [by_stride.index(k) for k in kept]
+    if back != list(range(len(back))):
+        steps.append((PERMUTE, [back]))
+    if len(kept) != len(shape):
+        steps.append((VIEW, [list(shape)]))
+    return steps

@@ -28,13 +28,12 @@ import torch
 
 from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
 from .edit import Edit
-from .offsets import REPLAYED, dense, emit, lookups, offsets, replay, row_major, strided
+from .offsets import REPLAYED, VIEW, dense, emit, lookups, offsets, replay, row_major, strided, view_steps
 
 STACK = "aten::stack.default"
 CLONE = "aten::clone.default"
 VIEWS = frozenset({"aten::view.default", "aten::transpose.int", "aten::permute.default", "aten::unsqueeze.default",
                    "aten::squeeze.dim", "aten::t.default", "aten::_unsafe_view.default"})
-PERMUTE, VIEW = "aten::permute.default", "aten::view.default"
 
 
 def stack_views(graph: Graph) -> Graph:
@@ -133,7 +132,7 @@ def _only_reader(value: int, readers, outputs) -> Op | None:
 
 
 def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op, after: list[Op]):
-    """(the new stack's dimension, the ops that make each piece from its source (`_steps`), the
+    """(the new stack's dimension, the ops that make each piece from its source (`offsets.view_steps`), the
     new stack's shape) where the final tensor is a stack of strided views of the sources, else None."""
     specs = [graph.values[s].spec for s in sources]
     spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or row_major(sp.shape)) if n > 0)
@@ -162,7 +161,9 @@ def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op,
             continue
         refined = [f for per in factors for f in per]
         views = [strided(p.reshape(refined), span) for p, span in zip(pieces, spans)]
-        steps = [_steps(spec, v) for spec, v in zip(specs, views) if v is not None]
+        # each piece the whole of its source, from its first element
+        steps = [view_steps(spec, v) for spec, v in zip(specs, views)
+                 if v is not None and v[2] == 0 and math.prod(v[0]) == spec.numel]
         if len(steps) == n and all(s is not None for s in steps):
             at = sum(len(per) for per in factors[:dim])
             return at, steps, tuple(refined[:at]) + (n,) + tuple(refined[at:])
@@ -193,30 +194,3 @@ def _factors(pieces: list[torch.Tensor]) -> list[list[int]] | None:
         sizes = [b // a for a, b in zip([1] + ordered, ordered)]
         out.append(list(reversed(sizes)) or [size])
     return out
-
-
-def _steps(spec: TensorSpec, view) -> list | None:
-    """The ops, as (target, arguments after the input), that make `view` (shape, strides, offset
-    over the elements of a value of `spec`) from that value: a permute of its dimensions into their
-    memory order, a view into the piece's dimensions in memory order, and a permute into its own
-    order (each left out where it changes nothing); None where the piece is not such a view (not
-    dense, or not from the first element)."""
-    shape, strides, offset = view
-    if offset != 0 or math.prod(shape) != spec.numel:
-        return None
-    order = sorted(range(len(spec.shape)), key=lambda k: -(spec.strides or row_major(spec.shape))[k])
-    kept = [k for k in range(len(shape)) if shape[k] != 1]
-    by_stride = sorted(kept, key=lambda k: -strides[k])
-    split = [shape[k] for k in by_stride]
-    if row_major(split) != tuple(strides[k] for k in by_stride):
-        return None
-    steps = []
-    if order != list(range(len(order))):
-        steps.append((PERMUTE, [list(order)]))
-    steps.append((VIEW, [split]))
-    back = [by_stride.index(k) for k in kept]
-    if back != list(range(len(back))):
-        steps.append((PERMUTE, [back]))
-    if len(kept) != len(shape):
-        steps.append((VIEW, [list(shape)]))
-    return steps
