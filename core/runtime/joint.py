@@ -37,7 +37,7 @@ from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
 from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
-from .kernels import batch_norm, reductions, step_attention
+from .kernels import batch_norm, reductions, step_attention, step_norms
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -221,7 +221,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
     fits), else computed and bound as it is (`loose`). A fused op runs on CUDA as inference's
     generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
     bound as computed. Batch norm with its activation, each way, writes its buffers through
-    `kernels/batch_norm` (aten's ops and copies where its kernels do not run). (The rare step
+    `kernels/batch_norm` (aten's ops and copies where its kernels do not run); layer norm and its
+    backward (every gradient asked for) through `kernels/step_norms` on CUDA. (The rare step
     whose gradients leave eager's by 1e-4 to 1e-2 comes with them and without, on one stream too:
     a kink's flip, `tools/train_step_drift.py --smooth`.)"""
     if op.target == fusion.FUSED:
@@ -236,6 +237,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
         return PlacedOp(op, lambda *args, **kwargs: masked(fn._schema, list(args), flatten_result(fn(*args, **kwargs),
                                                                                                  True)),
                         None, [], None)
+    if cuda and op.target in step_norms.OUT_FUNCTIONS and len(op.outputs) == len(step_norms.OUT_NAMES):
+        return PlacedOp(op, fn, step_norms.OUT_FUNCTIONS[op.target], list(step_norms.OUT_NAMES), None)
     found = out_overload(op.target, training=True)
     if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])
                               or op.target in STRIDES_IGNORED):

@@ -22,19 +22,27 @@ def _layer_norm(shape, n, weight=True, bias=True, seed=0):
     return x, w, b
 
 
+def _transposed(t):
+    """`t`'s values laid out with its first two dimensions swapped."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def shim_forward(x, w, b, n, eps=1e-6):
     rows = x.numel() // n
-    y, mean, rstd = torch.full_like(x, 7.0), torch.full((rows,), 7.0), torch.full((rows,), 7.0)
+    y, mean, rstd = torch.full(x.shape, 7.0), torch.full((rows,), 7.0), torch.full((rows,), 7.0)  # dense, as planned
     block = generated.triton_block(n)
     triton_shim.run_grid(step_norms.FORWARD, rows, x, x if w is None else w, x if b is None else b, y, mean, rstd,
-                         eps, N=n, HAS_W=w is not None, HAS_B=b is not None, WIDE=False, BLOCK=block)
+                         eps, *step_norms.rows_of(x, n), N=n, HAS_W=w is not None, HAS_B=b is not None, WIDE=False, BLOCK=block)
     return y, mean, rstd
 
 
 @pytest.mark.parametrize("shape, n", [((3, 5), 8), ((2, 7), 33), ((4,), 768), ((1,), 1)])
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
-def test_the_forward_source_gives_native_layer_norm_s_three_results(shape, n, affine):
+@pytest.mark.parametrize("transposed", [False, True])  # the input through a transpose, as most of a ViT's
+def test_the_forward_source_gives_native_layer_norm_s_three_results(shape, n, affine, transposed):
     x, w, b = _layer_norm(shape, n, *affine)
+    if transposed and len(shape) == 2:
+        x = _transposed(x)
     y, mean, rstd = shim_forward(x, w, b, n)
     want = torch.ops.aten.native_layer_norm(x, [n], w, b, 1e-6)
     torch.testing.assert_close(y, want[0], rtol=1e-5, atol=1e-5)
@@ -45,7 +53,7 @@ def test_the_forward_source_gives_native_layer_norm_s_three_results(shape, n, af
 def shim_backward(gy, x, w, n, mean, rstd, programs):
     """BACKWARD's input gradient and its partials summed by the spatial mean's source, as
     `backward_into` runs them."""
-    dx = torch.full_like(x, 7.0)
+    dx = torch.full(x.shape, 7.0)  # dense, as planned
     rows = x.numel() // n
     block = generated.triton_block(n)
     row_block = max(1, min(step_norms.ROW_TILE // block, 16))
@@ -53,7 +61,7 @@ def shim_backward(gy, x, w, n, mean, rstd, programs):
     count = -(-rows // per)
     dw, db = torch.full((count, n), 7.0), torch.full((count, n), 7.0)
     triton_shim.run_grid(step_norms.BACKWARD, count, gy, x, x if w is None else w, mean, rstd, dx, dw, db, rows, per,
-                         *step_norms.rows_of(gy, n), N=n, HAS_W=w is not None, WIDE=False, ROW_BLOCK=row_block,
+                         *step_norms.rows_of(gy, n), *step_norms.rows_of(x, n), N=n, HAS_W=w is not None, WIDE=False, ROW_BLOCK=row_block,
                          BLOCK=block)
     sums = []
     for part in (dw, db):
@@ -67,12 +75,13 @@ def shim_backward(gy, x, w, n, mean, rstd, programs):
 @pytest.mark.parametrize("shape, n", [((3, 5), 8), ((37,), 33), ((4,), 768)])
 @pytest.mark.parametrize("programs", [1, 4, 100])  # one program for all rows; several; more than rows
 @pytest.mark.parametrize("weight", [True, False])
-@pytest.mark.parametrize("transposed", [False, True])  # the gradient through a transpose, as half of a ViT's
+@pytest.mark.parametrize("transposed", ["", "gradient", "both"])  # through a transpose, as most of a ViT's
 def test_the_backward_source_gives_native_layer_norm_backward_s_gradients(shape, n, programs, weight, transposed):
     x, w, b = _layer_norm(shape, n, weight, weight)
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
     if transposed and len(shape) == 2:
-        gy = gy.transpose(0, 1).contiguous().transpose(0, 1)
+        gy = _transposed(gy)
+        x = _transposed(x) if transposed == "both" else x
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], w, b, 1e-5)
     dx, dw, db, count = shim_backward(gy, x, w, n, mean.reshape(-1), rstd.reshape(-1), programs)
     want = torch.ops.aten.native_layer_norm_backward(gy, x, [n], mean, rstd, w, b, [True, weight, weight])
@@ -129,23 +138,26 @@ def test_the_kernels_give_pytorch_s_results_on_the_gpu(dtype, shape, n):
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(*shape, n, device="cuda", generator=g) * 3 + 1).to(dtype)
-    w, b = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    # aten's takes a weight of the input's type; the backward's kernel runs for a float32 one (an autocast step's)
+    w, b = (torch.randn(n, device="cuda", generator=g).to(dtype) for _ in range(2))
+    gy = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
+    if len(shape) == 2:  # through a transpose, as most of a ViT's
+        gy, x = _transposed(gy), _transposed(x)
     want = torch.ops.aten.native_layer_norm(x, [n], w, b, 1e-6)
-    got = [torch.full_like(t, float("nan")) for t in want]
+    got = [torch.full(t.shape, float("nan"), dtype=t.dtype, device="cuda") for t in want]  # dense, as planned
     assert step_norms.forward_launch(x, [n], w, b, 1e-6, *got) is not None
     step_norms.forward_into(x, [n], w, b, 1e-6, out0=got[0], out1=got[1], out2=got[2])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, e in zip(got, want):
         torch.testing.assert_close(a.float(), e.float(), rtol=tol, atol=tol)
-    gy = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
-    if len(shape) == 2:  # through a transpose, as half of a ViT's
-        gy = gy.transpose(0, 1).contiguous().transpose(0, 1)
     want = torch.ops.aten.native_layer_norm_backward(gy, x, [n], want[1], want[2], w, b, [True, True, True])
-    grads = [torch.full_like(t, float("nan")) for t in want]
+    grads = [torch.full(t.shape, float("nan"), dtype=t.dtype, device="cuda") for t in want]
+    assert step_norms.backward_launch(gy, x, [n], got[1], got[2], w, grads[0], 528) is not None
+    assert step_norms._takes_gradients([True, True, True], w, b, grads[1], grads[2]) == (dtype == torch.float32)
     step_norms.backward_into(gy, x, [n], got[1], got[2], w, b, [True, True, True], out0=grads[0], out1=grads[1],
                              out2=grads[2])
-    assert step_norms.backward_launch(gy, x, [n], got[1], got[2], w, grads[0], 528) is not None
     for a, e in zip(grads, want):
         scale = max(e.float().abs().max().item(), 1.0)
         torch.testing.assert_close(a.float(), e.float(), rtol=tol, atol=tol * scale)
-    assert step_norms._forward.kernel is not None and step_norms._backward.kernel is not None
+    assert step_norms._forward.kernel is not None
+    assert step_norms._backward.kernel is not None or dtype != torch.float32

@@ -10,27 +10,28 @@ torch.compile's fused layer-norm kernels took about 0.65 (`tools/train_step_kern
 2026-11-30).
 
 - FORWARD: one program per row, as the inference kernel (`norms.LAYER_NORM`), which also stores
-  the row's mean and reciprocal standard deviation (float32, as PyTorch's).
-- BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the gradient's rows may lie
-  through up to two strides of their own, `rows_of`: half of vit_b_16's come through a
-  transpose). It writes each row's input gradient, dx = rstd * (g*w - mean(g*w) - xhat *
-  mean(g*w*xhat)) with xhat = (x - mean) * rstd, and sums g*xhat and g over its rows into float32
-  partials, one row of each per program. The partials are then summed over the programs into the
-  weight's and bias's gradients by the spatial mean's kernel, unscaled
-  (`reductions.sum_launches`): a fixed order, no atomics.
+  the row's mean and reciprocal standard deviation (float32, as PyTorch's). Its input's rows may
+  lie through up to two strides (`rows_of`): 24 of vit_b_16's 25 come sequence-major, through a
+  transpose. It writes its planned buffers dense.
+- BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the input's rows and the
+  gradient's may each lie through up to two strides of their own). It writes each row's input
+  gradient, dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)) with xhat = (x - mean) * rstd,
+  and sums g*xhat and g over its rows into float32 partials, one row of each per program. The
+  partials are then summed over the programs into the weight's and bias's gradients by the spatial
+  mean's kernel, unscaled (`reductions.sum_launches`): a fixed order, no atomics.
 
-Not yet placed by a step: written and checked on the CPU (the sources through `triton_shim`) on
-2026-11-30 when no GPU time was left, so neither kernel has run on a GPU. Its GPU tests
-(`tests/runtime/test_step_norms.py -m gpu`) come first; then `runtime/joint._placed` gives a step's
-`native_layer_norm` and `native_layer_norm_backward` (every gradient asked for) `forward_into` and
-`backward_into` as their out= functions (OUT_FUNCTIONS, OUT_NAMES), and their results planned
-buffers instead of being bound as computed, on CUDA.
+`runtime/joint._placed` gives a step's `native_layer_norm` and `native_layer_norm_backward` (every
+gradient asked for) `forward_into` and `backward_into` as their out= functions (OUT_FUNCTIONS,
+OUT_NAMES) on CUDA, so their results get planned buffers instead of being bound as computed. On
+an H200 (2026-12-01, vit_b_16's geometry, float32 rows of 768, CUDA graphs of 25): the forward
+8.8 us against aten's 18.6 (35.3 for sequence-major rows), the backward with its sums 33 us
+against 42 to 76; vit_b_16's bf16 step at batch 32, 12.05 ms against 13.64 without them.
 
 `forward_into` and `backward_into` run PyTorch's out= overloads where a kernel does not apply:
-the CPU; an input or buffer not dense in row-major order; a gradient whose rows are not dense or
-lie through more than two strides; a row of more than `generated.MAX_NORM_ROW` elements; a
-weight or bias not float32 where their gradients are asked for; a backward asked for some
-gradients only. Indexing is 64-bit where an element offset can pass 2**31 - 1.
+the CPU; rows not dense or through more than two strides; a buffer not dense in row-major order;
+a row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
+gradients are asked for; a backward asked for some gradients only. Indexing is 64-bit where an
+element offset can pass 2**31 - 1.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ import triton.language as tl
 
 
 @triton.jit
-def kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, N: tl.constexpr, HAS_W: tl.constexpr,
-           HAS_B: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_D1, X_S0, X_S1, N: tl.constexpr,
+           HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     if WIDE:
         row = row.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    x_at = (row // X_D1) * X_S0 + (row % X_D1) * X_S1
+    x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / N
     d = tl.where(mask, x - mean, 0.0)
     var = tl.sum(d * d, axis=0) / N
@@ -74,7 +76,7 @@ import triton.language as tl
 
 @triton.jit
 def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, ROWS, G_D1, G_S0, G_S1,
-           N: tl.constexpr, HAS_W: tl.constexpr, WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+           X_D1, X_S0, X_S1, N: tl.constexpr, HAS_W: tl.constexpr, WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -94,7 +96,8 @@ def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, R
         at = rows[:, None] * N + cols[None, :]
         g_at = ((rows // G_D1) * G_S0 + (rows % G_D1) * G_S1)[:, None] + cols[None, :]
         g = tl.load(g_ptr + g_at, mask=m, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+        x_at = ((rows // X_D1) * X_S0 + (rows % X_D1) * X_S1)[:, None] + cols[None, :]
+        x = tl.load(x_ptr + x_at, mask=m, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -116,17 +119,24 @@ _forward = generated.FixedKernel(FORWARD, "layer norm, training forward")
 _backward = generated.FixedKernel(BACKWARD, "layer norm, training backward")
 
 
-def _rows(x: torch.Tensor, shape) -> int | None:
-    """The width of the rows `x` is normalised over (the product of `shape`, its last dimensions),
-    or None where this is not dense rows of floating point on CUDA that one program keeps."""
+def _rows(x: torch.Tensor, shape) -> tuple[int, tuple[int, int, int]] | None:
+    """The width of the rows `x` is normalised over (the product of `shape`, its last dimensions)
+    and where they lie (`rows_of`), or None where these are not dense rows of floating point on
+    CUDA, through at most two strides, that one program keeps."""
     shape = tuple(shape) if isinstance(shape, (list, tuple)) else None
     if not (shape and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in generated.FLOAT_KINDS
-            and x.dim() >= len(shape) and tuple(x.shape[x.dim() - len(shape):]) == shape and x.is_contiguous()):
+            and x.dim() >= len(shape) and tuple(x.shape[x.dim() - len(shape):]) == shape):
         return None
     n = 1
     for d in shape:
         n *= d
-    return n if 0 < n <= generated.MAX_NORM_ROW else None
+    where = rows_of(x, n) if 0 < n <= generated.MAX_NORM_ROW else None
+    return (n, where) if where is not None else None
+
+
+def _reach(t: torch.Tensor) -> int:
+    """One past the farthest element `t` reads."""
+    return sum((d - 1) * st for d, st in zip(t.shape, t.stride())) + 1
 
 
 def rows_of(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
@@ -165,24 +175,27 @@ def _dense(t, n: int, dtype=None) -> bool:
 def forward_launch(x, shape, weight, bias, eps, y, mean, rstd) -> tuple[tuple, tuple, dict] | None:
     """FORWARD's (grid, arguments, constants) for `native_layer_norm(x, shape, weight, bias, eps)`
     into `y`, `mean` and `rstd`, or None where it does not apply."""
-    n = _rows(x, shape)
-    if n is None or not isinstance(eps, (int, float)):
+    found = _rows(x, shape)
+    if found is None or not isinstance(eps, (int, float)):
         return None
+    n, x_rows = found
     rows = x.numel() // n
     if not (_dense(y, x.numel(), x.dtype) and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
             and all(t is None or _dense(t, n) and t.dtype in generated.FLOAT_KINDS for t in (weight, bias))):
         return None
     block = generated.triton_block(n)
-    return ((rows,), (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps)),
+    return ((rows,), (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps),
+                      *x_rows),
             dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None,
-                 WIDE=x.numel() + block > codegen.INT32_LIMIT, BLOCK=block, num_warps=generated.row_warps(block)))
+                 WIDE=max(x.numel(), _reach(x)) + block > codegen.INT32_LIMIT, BLOCK=block, num_warps=generated.row_warps(block)))
 
 
 def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int) -> tuple[tuple, tuple, dict, tuple] | None:
     """BACKWARD's (grid, arguments, constants, (dw partials, db partials)) for the input gradient
     of `native_layer_norm_backward` into `dx` and the float32 partials of the weight's and bias's
     gradients, over at most `programs` programs; None where it does not apply."""
-    n = _rows(x, shape)
+    found = _rows(x, shape)
+    n, x_rows = found if found is not None else (None, None)
     g_rows = rows_of(g, n) if n is not None and isinstance(g, torch.Tensor) and g.is_cuda \
         and g.dtype in generated.FLOAT_KINDS and g.shape == x.shape else None
     if g_rows is None or not _dense(dx, x.numel(), x.dtype):
@@ -197,10 +210,9 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int) -> tuple
     per = -(-per // row_block) * row_block  # whole steps
     count = max(1, -(-rows // per))
     dw, db = (torch.empty((count, n), dtype=torch.float32, device=x.device) for _ in range(2))
-    args = (g, x, x if weight is None else weight, mean, rstd, dx, dw, db, rows, per, *g_rows)
-    reach = sum((d - 1) * st for d, st in zip(g.shape, g.stride())) + 1
+    args = (g, x, x if weight is None else weight, mean, rstd, dx, dw, db, rows, per, *g_rows, *x_rows)
     constants = dict(N=n, HAS_W=weight is not None,
-                     WIDE=max(x.numel(), reach) + per * n + block > codegen.INT32_LIMIT,
+                     WIDE=max(x.numel(), _reach(x), _reach(g)) + per * n + block > codegen.INT32_LIMIT,
                      ROW_BLOCK=row_block, BLOCK=block, num_warps=8 if row_block * block >= ROW_TILE else 4)
     return (count,), args, constants, (dw, db)
 
