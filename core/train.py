@@ -54,7 +54,8 @@ from .stages import Stages
 # views read becomes those views of its source where it can (attention's packed projection).
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
-                       + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION)
+                       + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION
+                       + (passes.fuse_layer_norm_adds,))
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)

@@ -29,6 +29,7 @@ from .functionalise import functionalise
 from .fuse_batch_norm_activation import fuse_batch_norm_activation
 from .fuse_concats import fuse_concats
 from .fuse_conv import fuse_conv
+from .fuse_layer_norm_adds import fuse_layer_norm_adds
 from .fuse_lone_convolutions import fuse_lone_convolutions
 from .fuse_pointwise import fuse_pointwise
 from .generate_broadcast_ops import generate_broadcast_ops
@@ -51,7 +52,7 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
-           "fold_batch_norm", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_lone_convolutions", "fuse_pointwise",
+           "fold_batch_norm", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_layer_norm_adds", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ir import ACTIVATION, WEIGHT, Graph, contiguous_strides
-from ..ops import fusion, norm_act, targets
+from ..ops import add_norm, fusion, norm_act, targets
 from ..ops.arguments import flatten_result, masked, op_arguments, output_mask, to_torch
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
@@ -222,23 +222,27 @@ def _placed(op, cuda: bool) -> PlacedOp:
     generated kernel (`kernels/fused.FusedKernel`) into its buffer, elsewhere its body op by op,
     bound as computed. Batch norm with its activation, each way, writes its buffers through
     `kernels/batch_norm` (aten's ops and copies where its kernels do not run); layer norm and its
-    backward (every gradient asked for) through `kernels/step_norms` on CUDA. (The rare step
-    whose gradients leave eager's by 1e-4 to 1e-2 comes with them and without, on one stream too:
-    a kink's flip, `tools/train_step_drift.py --smooth`.)"""
+    backward (every gradient asked for), alone or with an add (`ops/add_norm`), through
+    `kernels/step_norms` on CUDA. (The rare step whose gradients leave eager's by 1e-4 to 1e-2
+    comes with them and without, on one stream too: a kink's flip, `tools/train_step_drift.py
+    --smooth`.)"""
     if op.target == fusion.FUSED:
         return PlacedOp(op, run_fused, None, [], FusedKernel(op) if cuda else None)
     if op.target == norm_act.NORM_ACT:
         return PlacedOp(op, norm_act.forward, batch_norm.forward_into, list(NORM_ACT_OUTPUTS), None)
     if op.target == norm_act.NORM_ACT_BACKWARD:
         return PlacedOp(op, norm_act.backward, batch_norm.backward_into, list(NORM_ACT_BACKWARD_OUTPUTS), None)
+    if op.target in ADD_NORMS:  # elsewhere bound as computed
+        return PlacedOp(op, ADD_NORMS[op.target], step_norms.OUT_FUNCTIONS[op.target] if cuda else None,
+                        list(step_norms.OUT_NAMES[op.target]) if cuda else [], None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
         return PlacedOp(op, lambda *args, **kwargs: masked(fn._schema, list(args), flatten_result(fn(*args, **kwargs),
                                                                                                  True)),
                         None, [], None)
-    if cuda and op.target in step_norms.OUT_FUNCTIONS and len(op.outputs) == len(step_norms.OUT_NAMES):
-        return PlacedOp(op, fn, step_norms.OUT_FUNCTIONS[op.target], list(step_norms.OUT_NAMES), None)
+    if cuda and op.target in step_norms.OUT_FUNCTIONS and len(op.outputs) == len(step_norms.OUT_NAMES[op.target]):
+        return PlacedOp(op, fn, step_norms.OUT_FUNCTIONS[op.target], list(step_norms.OUT_NAMES[op.target]), None)
     found = out_overload(op.target, training=True)
     if found is not None and (len(found[1]) != len(op.outputs) or copies(found[0])
                               or op.target in STRIDES_IGNORED):
@@ -266,6 +270,9 @@ class _LayoutBound:
         return out.copy_(self.fn(*args, **self.kwargs))
 
 
+# layer norm with the add beside it (`ops/add_norm.py`), as aten's ops
+ADD_NORMS = {add_norm.ADD_LAYER_NORM: add_norm.add_layer_norm,
+             add_norm.LAYER_NORM_BACKWARD_ADD: add_norm.layer_norm_backward_add}
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
 NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
 NORM_ACT_BACKWARD_OUTPUTS = ("dx", "dweight", "dbias")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nimble.ops import add_norm
 from nimble.runtime.kernels import step_attention, step_norms
 from tests.models import MobileNetV2Small, ResNet18, TinyEncoder, smoothed
 from tests.runtime.test_train_step import batch, relative
@@ -115,7 +116,7 @@ def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_f
     """A step traces attention on CUDA as the memory-efficient kernel and its backward (the flash
     and cuDNN kernels' results include sizes as numbers: `frontend/joint.attention_kernels`), and
     runs that pair as cuDNN's or flash's kernels in bf16 (`kernels/step_attention`), as traced in
-    fp32, and its layer norms as `kernels/step_norms`; 20 captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
+    fp32, and its layer norms, with the adds beside them, as `kernels/step_norms`; 20 captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
     the loss within 1e-4 and the gradients within 1e-3 on every step; in bf16 the loss within 2e-2,
     and the gradients no further from eager's float32 ones than eager's bf16 ones are, give or take
     a quarter, on average over the steps."""
@@ -149,7 +150,9 @@ def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_f
                            relative(_gradient(ref), _gradient(full))))
         assert step.runner.captured is not None
         norms = {p.op.target: p.out_fn for p in step.runner.placed if p.op.target in step_norms.OUT_FUNCTIONS}
-        assert norms == step_norms.OUT_FUNCTIONS  # layer norm and its backward write their buffers...
+        assert {add_norm.ADD_LAYER_NORM, add_norm.LAYER_NORM_BACKWARD_ADD} <= set(norms)  # the pre-norm joins
+        # layer norm and its backward, with their adds or not, write their buffers...
+        assert all(fn is step_norms.OUT_FUNCTIONS[target] for target, fn in norms.items())
         assert step_norms._forward.kernel is not None and not step_norms._forward.failed  # ...by their kernels
         assert step_norms._backward.kernel is not None and not step_norms._backward.failed
         chosen = {inspect.unwrap(p.fn).__self__.library for p in step.runner.placed

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops import add_norm
 from . import codegen
 from . import generated
 from . import reductions
@@ -47,8 +48,9 @@ import triton.language as tl
 
 
 @triton.jit
-def kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_D1, X_S0, X_S1, N: tl.constexpr,
-           HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_D1, X_S0, X_S1, R_D1, R_S0, R_S1,
+           N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr,
+           BLOCK: tl.constexpr):
     row = tl.program_id(0)
     if WIDE:
         row = row.to(tl.int64)
@@ -56,6 +58,10 @@ def kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_D1, X_S0, X_S1
     mask = cols < N
     x_at = (row // X_D1) * X_S0 + (row % X_D1) * X_S1
     x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # the norm of x + r (float32), which it stores too
+        r_at = (row // R_D1) * R_S0 + (row % R_D1) * R_S1
+        x = x + tl.load(r_ptr + r_at + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(s_ptr + row * N + cols, x, mask=mask)
     mean = tl.sum(x, axis=0) / N
     d = tl.where(mask, x - mean, 0.0)
     var = tl.sum(d * d, axis=0) / N
@@ -75,8 +81,9 @@ import triton.language as tl
 
 
 @triton.jit
-def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, ROWS, G_D1, G_S0, G_S1,
-           X_D1, X_S0, X_S1, N: tl.constexpr, HAS_W: tl.constexpr, WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, r_ptr, dx_ptr, dw_ptr, db_ptr, M, ROWS, G_D1, G_S0, G_S1,
+           X_D1, X_S0, X_S1, R_D1, R_S0, R_S1, N: tl.constexpr, HAS_W: tl.constexpr, ADD: tl.constexpr,
+           WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -105,6 +112,9 @@ def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, R
         c1 = tl.sum(xhat * gw, axis=1) / N
         c2 = tl.sum(gw, axis=1) / N
         dx = (gw - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if ADD:  # dx + r (float32) in dx's place
+            r_at = ((rows // R_D1) * R_S0 + (rows % R_D1) * R_S1)[:, None] + cols[None, :]
+            dx = dx + tl.load(r_ptr + r_at, mask=m, other=0.0).to(tl.float32)
         tl.store(dx_ptr + at, dx, mask=m)
         dw += tl.sum(g * xhat, axis=0)
         db += tl.sum(g, axis=0)
@@ -172,34 +182,52 @@ def _dense(t, n: int, dtype=None) -> bool:
         and (dtype is None or t.dtype == dtype)
 
 
-def forward_launch(x, shape, weight, bias, eps, y, mean, rstd) -> tuple[tuple, tuple, dict] | None:
+def forward_launch(x, shape, weight, bias, eps, y, mean, rstd, added=None) -> tuple[tuple, tuple, dict] | None:
     """FORWARD's (grid, arguments, constants) for `native_layer_norm(x, shape, weight, bias, eps)`
-    into `y`, `mean` and `rstd`, or None where it does not apply."""
+    into `y`, `mean` and `rstd`, or None where it does not apply. With `added` (r, s): the norm of
+    x + r, a float32 sum of x's shape that it writes into `s` too (`ops/add_norm`)."""
     found = _rows(x, shape)
     if found is None or not isinstance(eps, (int, float)):
         return None
     n, x_rows = found
     rows = x.numel() // n
-    if not (_dense(y, x.numel(), x.dtype) and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
+    r_rows, s = (1, 0, 0), x
+    if added is not None:
+        r, s = added
+        found = _rows(r, shape) if isinstance(r, torch.Tensor) and r.shape == x.shape else None
+        if found is None or not _dense(s, x.numel(), torch.float32):
+            return None
+        r_rows = found[1]
+    if not (_dense(y, x.numel(), s.dtype) and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
             and all(t is None or _dense(t, n) and t.dtype in generated.FLOAT_KINDS for t in (weight, bias))):
         return None
     block = generated.triton_block(n)
-    return ((rows,), (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps),
-                      *x_rows),
-            dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None,
-                 WIDE=max(x.numel(), _reach(x)) + block > codegen.INT32_LIMIT, BLOCK=block, num_warps=generated.row_warps(block)))
+    r = x if added is None else added[0]
+    return ((rows,), (x, r, s, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps),
+                      *x_rows, *r_rows),
+            dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None, ADD=added is not None,
+                 WIDE=max(x.numel(), _reach(x), _reach(r)) + block > codegen.INT32_LIMIT, BLOCK=block,
+                 num_warps=generated.row_warps(block)))
 
 
-def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int) -> tuple[tuple, tuple, dict, tuple] | None:
+def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
+                    residual=None) -> tuple[tuple, tuple, dict, tuple] | None:
     """BACKWARD's (grid, arguments, constants, (dw partials, db partials)) for the input gradient
     of `native_layer_norm_backward` into `dx` and the float32 partials of the weight's and bias's
-    gradients, over at most `programs` programs; None where it does not apply."""
+    gradients, over at most `programs` programs; None where it does not apply. With `residual`, a
+    float32 map of x's shape: the input gradient plus it, into a float32 `dx` (`ops/add_norm`)."""
     found = _rows(x, shape)
     n, x_rows = found if found is not None else (None, None)
     g_rows = rows_of(g, n) if n is not None and isinstance(g, torch.Tensor) and g.is_cuda \
         and g.dtype in generated.FLOAT_KINDS and g.shape == x.shape else None
-    if g_rows is None or not _dense(dx, x.numel(), x.dtype):
+    if g_rows is None or not _dense(dx, x.numel(), x.dtype if residual is None else torch.float32):
         return None
+    r_rows = (1, 0, 0)
+    if residual is not None:
+        found = _rows(residual, shape) if residual.shape == x.shape and residual.dtype == torch.float32 else None
+        if found is None:
+            return None
+        r_rows = found[1]
     rows = x.numel() // n
     if not (_dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
             and (weight is None or _dense(weight, n) and weight.dtype in generated.FLOAT_KINDS)):
@@ -210,42 +238,81 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int) -> tuple
     per = -(-per // row_block) * row_block  # whole steps
     count = max(1, -(-rows // per))
     dw, db = (torch.empty((count, n), dtype=torch.float32, device=x.device) for _ in range(2))
-    args = (g, x, x if weight is None else weight, mean, rstd, dx, dw, db, rows, per, *g_rows, *x_rows)
-    constants = dict(N=n, HAS_W=weight is not None,
-                     WIDE=max(x.numel(), _reach(x), _reach(g)) + per * n + block > codegen.INT32_LIMIT,
+    r = x if residual is None else residual
+    args = (g, x, x if weight is None else weight, mean, rstd, r, dx, dw, db, rows, per, *g_rows, *x_rows, *r_rows)
+    constants = dict(N=n, HAS_W=weight is not None, ADD=residual is not None,
+                     WIDE=max(x.numel(), _reach(x), _reach(g), _reach(r)) + per * n + block > codegen.INT32_LIMIT,
                      ROW_BLOCK=row_block, BLOCK=block, num_warps=8 if row_block * block >= ROW_TILE else 4)
     return (count,), args, constants, (dw, db)
 
 
 def forward_into(x, shape, weight, bias, eps, *, out0, out1, out2):
     """`native_layer_norm.out`: FORWARD where it applies, else PyTorch's."""
-    launch = forward_launch(x, shape, weight, bias, eps, out0, out1, out2) if not _forward.failed else None
-    if launch is not None and (not x.numel() or _forward.launch(launch[0], *launch[1], **launch[2])):
-        return out0, out1, out2
-    return torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out0, out1=out1, out2=out2)
+    if not _forward_kernel(x, shape, weight, bias, eps, out0, out1, out2, None):
+        torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out0, out1=out1, out2=out2)
+    return out0, out1, out2
+
+
+def add_forward_into(x, r, shape, weight, bias, eps, *, out0, out1, out2, out3):
+    """`ops/add_norm.add_layer_norm` into its buffers (the sum, then the norm's three results):
+    FORWARD where it applies, else PyTorch's add and norm."""
+    if not _forward_kernel(x, shape, weight, bias, eps, out1, out2, out3, (r, out0)):
+        torch.add(x, r, out=out0)
+        torch.ops.aten.native_layer_norm.out(out0, shape, weight, bias, eps, out0=out1, out1=out2, out2=out3)
+    return out0, out1, out2, out3
 
 
 def backward_into(g, x, shape, mean, rstd, weight, bias, mask, *, out0, out1, out2):
     """`native_layer_norm_backward.out` with every gradient asked for: BACKWARD and the partials'
     sums where they apply (a float32 weight and bias), else PyTorch's."""
-    if isinstance(x, torch.Tensor) and x.is_cuda and x.numel() and not _backward.failed \
-            and _takes_gradients(mask, weight, bias, out1, out2):
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        launch = backward_launch(g, x, shape, mean, rstd, weight, out0, PROGRAMS_PER_SM * sms)
-        if launch is not None:
-            grid, args, constants, (dw, db) = launch
-            sums = [reductions.sum_launches(part, [0], out, sms) for part, out in ((dw, out1), (db, out2))]
-            if all(s is not None for s in sums) and _backward.launch(grid, *args, **constants) \
-                    and all(reductions.launch_means(s) for s in sums):
-                return out0, out1, out2
-    return torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, mask,
-                                                         out0=out0, out1=out1, out2=out2)
+    if not (_takes_gradients(mask, weight, bias, out1, out2)
+            and _backward_kernels(g, x, shape, mean, rstd, weight, None, out0, out1, out2)):
+        torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, mask,
+                                                      out0=out0, out1=out1, out2=out2)
+    return out0, out1, out2
+
+
+def backward_add_into(g, x, shape, mean, rstd, weight, bias, residual, *, out0, out1, out2):
+    """`ops/add_norm.layer_norm_backward_add` into its buffers (the input gradient plus
+    `residual`, the weight's and bias's gradients): BACKWARD and the partials' sums where they
+    apply, else PyTorch's norm backward and add."""
+    if not (_takes_gradients([True, True, True], weight, bias, out1, out2)
+            and _backward_kernels(g, x, shape, mean, rstd, weight, residual, out0, out1, out2)):
+        torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, [True, True, True],
+                                                      out0=out0, out1=out1, out2=out2)
+        out0.add_(residual)
+    return out0, out1, out2
+
+
+def _forward_kernel(x, shape, weight, bias, eps, y, mean, rstd, added) -> bool:
+    """Whether FORWARD ran (`forward_launch`)."""
+    launch = forward_launch(x, shape, weight, bias, eps, y, mean, rstd, added) if not _forward.failed else None
+    return launch is not None and (not x.numel() or _forward.launch(launch[0], *launch[1], **launch[2]))
+
+
+def _backward_kernels(g, x, shape, mean, rstd, weight, residual, dx, dw, db) -> bool:
+    """Whether BACKWARD and the partials' sums ran (`backward_launch`)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.numel()) or _backward.failed:
+        return False
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    launch = backward_launch(g, x, shape, mean, rstd, weight, dx, PROGRAMS_PER_SM * sms, residual)
+    if launch is None:
+        return False
+    grid, args, constants, (dw_parts, db_parts) = launch
+    sums = [reductions.sum_launches(part, [0], out, sms) for part, out in ((dw_parts, dw), (db_parts, db))]
+    return all(s is not None for s in sums) and _backward.launch(grid, *args, **constants) \
+        and all(reductions.launch_means(s) for s in sums)
 
 
 # each op's out= function in a step, and the names of its buffers
 OUT_FUNCTIONS = {"aten::native_layer_norm.default": forward_into,
-                 "aten::native_layer_norm_backward.default": backward_into}
-OUT_NAMES = ("out0", "out1", "out2")
+                 "aten::native_layer_norm_backward.default": backward_into,
+                 add_norm.ADD_LAYER_NORM: add_forward_into,
+                 add_norm.LAYER_NORM_BACKWARD_ADD: backward_add_into}
+OUT_NAMES = {"aten::native_layer_norm.default": ("out0", "out1", "out2"),
+             "aten::native_layer_norm_backward.default": ("out0", "out1", "out2"),
+             add_norm.ADD_LAYER_NORM: ("out0", "out1", "out2", "out3"),
+             add_norm.LAYER_NORM_BACKWARD_ADD: ("out0", "out1", "out2")}
 
 
 def _takes_gradients(mask, weight, bias, dw, db) -> bool:
