@@ -28,16 +28,18 @@ def _transposed(t):
     return t.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-def shim_forward(x, w, b, n, eps=1e-6, r=None):
-    """FORWARD's results; with `r`, also the sum x + r it normalises (first)."""
+def shim_forward(x, w, b, n, eps=1e-6, r=None, like_x=False):
+    """FORWARD's results; with `r`, also the sum x + r it normalises (first). The maps it writes
+    are dense, or laid out as x (`like_x`): a step's buffers keep the trace's strides."""
     rows = x.numel() // n
-    y, mean, rstd = torch.full(x.shape, 7.0), torch.full((rows,), 7.0), torch.full((rows,), 7.0)  # dense, as planned
-    s = torch.full(x.shape, 7.0)
+    mean, rstd = torch.full((rows,), 7.0), torch.full((rows,), 7.0)
+    y, s = ((torch.full_like(x, 7.0) if like_x else torch.full(x.shape, 7.0)) for _ in range(2))
     block = generated.triton_block(n)
     triton_shim.run_grid(step_norms.FORWARD, rows, x, x if r is None else r, s, x if w is None else w,
                          x if b is None else b, y, mean, rstd, eps, *step_norms.rows_of(x, n),
-                         *((1, 0, 0) if r is None else step_norms.rows_of(r, n)), N=n, HAS_W=w is not None,
-                         HAS_B=b is not None, ADD=r is not None, WIDE=False, BLOCK=block)
+                         *((1, 0, 0) if r is None else step_norms.rows_of(r, n)), *step_norms.rows_of(s, n),
+                         *step_norms.rows_of(y, n), N=n, HAS_W=w is not None, HAS_B=b is not None, ADD=r is not None,
+                         WIDE=False, BLOCK=block)
     return (y, mean, rstd) if r is None else (s, y, mean, rstd)
 
 
@@ -55,10 +57,10 @@ def test_the_forward_source_gives_native_layer_norm_s_three_results(shape, n, af
     torch.testing.assert_close(rstd, want[2].reshape(-1), rtol=1e-5, atol=1e-5)
 
 
-def shim_backward(gy, x, w, n, mean, rstd, programs, r=None):
-    """BACKWARD's input gradient (plus `r`, where given) and its partials summed by the spatial
-    mean's source, as `backward_into` runs them."""
-    dx = torch.full(x.shape, 7.0)  # dense, as planned
+def shim_backward(gy, x, w, n, mean, rstd, programs, r=None, like_x=False):
+    """BACKWARD's input gradient (plus `r`, where given; into a map laid out as x or dense) and its
+    partials summed by the spatial mean's source, as `backward_into` runs them."""
+    dx = torch.full_like(x, 7.0) if like_x else torch.full(x.shape, 7.0)
     rows = x.numel() // n
     block = generated.triton_block(n)
     row_block = max(1, min(step_norms.ROW_TILE // block, 16))
@@ -67,8 +69,8 @@ def shim_backward(gy, x, w, n, mean, rstd, programs, r=None):
     dw, db = torch.full((count, n), 7.0), torch.full((count, n), 7.0)
     triton_shim.run_grid(step_norms.BACKWARD, count, gy, x, x if w is None else w, mean, rstd, x if r is None else r,
                          dx, dw, db, rows, per, *step_norms.rows_of(gy, n), *step_norms.rows_of(x, n),
-                         *((1, 0, 0) if r is None else step_norms.rows_of(r, n)), N=n, HAS_W=w is not None,
-                         ADD=r is not None, WIDE=False, ROW_BLOCK=row_block, BLOCK=block)
+                         *((1, 0, 0) if r is None else step_norms.rows_of(r, n)), *step_norms.rows_of(dx, n),
+                         N=n, HAS_W=w is not None, ADD=r is not None, WIDE=False, ROW_BLOCK=row_block, BLOCK=block)
     sums = []
     for part in (dw, db):
         out = torch.full((n,), 7.0)
@@ -174,14 +176,17 @@ def test_the_sources_take_the_add_beside_the_norm_each_way(transposed):
     x, w, b = _layer_norm((3, 5), 16)
     r = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).bfloat16()  # a bf16 branch, as a step's
     r = _transposed(r) if transposed else r
-    got = shim_forward(x, w, b, 16, 1e-5, r)
+    got = shim_forward(x, w, b, 16, 1e-5, r, like_x=True)
+    assert got[0].stride() == got[1].stride() == x.stride()
     want = add_norm.add_layer_norm(x, r, [16], w, b, 1e-5)
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e.reshape(a.shape), rtol=1e-5, atol=1e-5)
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     residual = _transposed(torch.randn(x.shape, generator=torch.Generator().manual_seed(6)))
     s, _, mean, rstd = want
-    total, dw, db, _ = shim_backward(gy, s, w, 16, mean.reshape(-1), rstd.reshape(-1), 4, residual)
+    s = _transposed(s) if not transposed else s  # its gradient's sum written sequence-major each way
+    total, dw, db, _ = shim_backward(gy, s, w, 16, mean.reshape(-1), rstd.reshape(-1), 4, residual, like_x=True)
+    assert total.stride() == s.stride()
     want = add_norm.layer_norm_backward_add(gy, s, [16], mean, rstd, w, b, residual)
     for a, e in zip((total, dw, db), want):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
@@ -199,7 +204,8 @@ def test_the_kernels_with_the_add_give_the_ops_results_on_the_gpu(transposed):
     if transposed:  # sequence-major, as vit_b_16's residual stream
         x, r = _transposed(x), _transposed(r)
     want = add_norm.add_layer_norm(x, r, [768], w, b, 1e-6)
-    got = [torch.full(t.shape, float("nan"), dtype=t.dtype, device="cuda") for t in want]
+    got = [torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))]  # laid out as x, as a step's
+    got += [torch.full(t.shape, float("nan"), dtype=t.dtype, device="cuda") for t in want[2:]]
     assert step_norms.forward_launch(x, [768], w, b, 1e-6, *got[1:], (r, got[0])) is not None
     step_norms.add_forward_into(x, r, [768], w, b, 1e-6, out0=got[0], out1=got[1], out2=got[2], out3=got[3])
     for a, e in zip(got, want):
@@ -208,7 +214,7 @@ def test_the_kernels_with_the_add_give_the_ops_results_on_the_gpu(transposed):
     residual = torch.randn(x.shape, device="cuda", generator=g)
     gy, residual = (_transposed(t) if transposed else t for t in (gy, residual))
     want = add_norm.layer_norm_backward_add(gy, got[0], [768], got[2], got[3], w, b, residual)
-    grads = [torch.full(t.shape, float("nan"), dtype=t.dtype, device="cuda") for t in want]
+    grads = [torch.full_like(x, float("nan"))] + [torch.full_like(t, float("nan")) for t in want[1:]]
     assert step_norms.backward_launch(gy, got[0], [768], got[2], got[3], w, grads[0], 528, residual) is not None
     step_norms.backward_add_into(gy, got[0], [768], got[2], got[3], w, b, residual, out0=grads[0], out1=grads[1],
                                  out2=grads[2])

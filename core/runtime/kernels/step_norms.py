@@ -49,7 +49,7 @@ import triton.language as tl
 
 @triton.jit
 def kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_D1, X_S0, X_S1, R_D1, R_S0, R_S1,
-           N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr,
+           S_D1, S_S0, S_S1, Y_D1, Y_S0, Y_S1, N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr,
            BLOCK: tl.constexpr):
     row = tl.program_id(0)
     if WIDE:
@@ -61,7 +61,7 @@ def kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_
     if ADD:  # the norm of x + r (float32), which it stores too
         r_at = (row // R_D1) * R_S0 + (row % R_D1) * R_S1
         x = x + tl.load(r_ptr + r_at + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(s_ptr + row * N + cols, x, mask=mask)
+        tl.store(s_ptr + (row // S_D1) * S_S0 + (row % S_D1) * S_S1 + cols, x, mask=mask)
     mean = tl.sum(x, axis=0) / N
     d = tl.where(mask, x - mean, 0.0)
     var = tl.sum(d * d, axis=0) / N
@@ -71,7 +71,7 @@ def kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, X_
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, y, mask=mask)
+    tl.store(y_ptr + (row // Y_D1) * Y_S0 + (row % Y_D1) * Y_S1 + cols, y, mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
 '''
@@ -82,7 +82,8 @@ import triton.language as tl
 
 @triton.jit
 def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, r_ptr, dx_ptr, dw_ptr, db_ptr, M, ROWS, G_D1, G_S0, G_S1,
-           X_D1, X_S0, X_S1, R_D1, R_S0, R_S1, N: tl.constexpr, HAS_W: tl.constexpr, ADD: tl.constexpr,
+           X_D1, X_S0, X_S1, R_D1, R_S0, R_S1, D_D1, D_S0, D_S1, N: tl.constexpr, HAS_W: tl.constexpr,
+           ADD: tl.constexpr,
            WIDE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:
@@ -100,7 +101,6 @@ def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, r_ptr, dx_ptr, dw_ptr, db_pt
         rows = pid * ROWS + step
         rmask = (step < ROWS) & (rows < M)
         m = rmask[:, None] & cmask[None, :]
-        at = rows[:, None] * N + cols[None, :]
         g_at = ((rows // G_D1) * G_S0 + (rows % G_D1) * G_S1)[:, None] + cols[None, :]
         g = tl.load(g_ptr + g_at, mask=m, other=0.0).to(tl.float32)
         x_at = ((rows // X_D1) * X_S0 + (rows % X_D1) * X_S1)[:, None] + cols[None, :]
@@ -115,7 +115,8 @@ def kernel(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, r_ptr, dx_ptr, dw_ptr, db_pt
         if ADD:  # dx + r (float32) in dx's place
             r_at = ((rows // R_D1) * R_S0 + (rows % R_D1) * R_S1)[:, None] + cols[None, :]
             dx = dx + tl.load(r_ptr + r_at, mask=m, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + at, dx, mask=m)
+        dx_at = ((rows // D_D1) * D_S0 + (rows % D_D1) * D_S1)[:, None] + cols[None, :]
+        tl.store(dx_ptr + dx_at, dx, mask=m)
         dw += tl.sum(g * xhat, axis=0)
         db += tl.sum(g, axis=0)
     tl.store(dw_ptr + pid * N + cols, dw, mask=cmask)
@@ -177,6 +178,13 @@ def rows_of(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
     return (merged[0][0], 0, merged[0][1]) if merged else (1, 0, 0)
 
 
+def _written_rows(t, x: torch.Tensor, n: int, dtype) -> tuple[int, int, int] | None:
+    """Where a buffer `t` of x's shape and `dtype` on CUDA keeps its rows (`rows_of`), or None: a
+    step's buffers keep the trace's strides, as sequence-major as the rows they are computed from."""
+    return rows_of(t, n) if isinstance(t, torch.Tensor) and t.is_cuda and t.shape == x.shape and t.dtype == dtype \
+        else None
+
+
 def _dense(t, n: int, dtype=None) -> bool:
     return isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.numel() == n \
         and (dtype is None or t.dtype == dtype)
@@ -191,22 +199,23 @@ def forward_launch(x, shape, weight, bias, eps, y, mean, rstd, added=None) -> tu
         return None
     n, x_rows = found
     rows = x.numel() // n
-    r_rows, s = (1, 0, 0), x
+    r, s, r_rows, s_rows = x, x, (1, 0, 0), (1, 0, 0)
     if added is not None:
         r, s = added
         found = _rows(r, shape) if isinstance(r, torch.Tensor) and r.shape == x.shape else None
-        if found is None or not _dense(s, x.numel(), torch.float32):
+        s_rows = _written_rows(s, x, n, torch.float32)
+        if found is None or s_rows is None:
             return None
         r_rows = found[1]
-    if not (_dense(y, x.numel(), s.dtype) and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
+    y_rows = _written_rows(y, x, n, s.dtype)
+    if not (y_rows is not None and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
             and all(t is None or _dense(t, n) and t.dtype in generated.FLOAT_KINDS for t in (weight, bias))):
         return None
     block = generated.triton_block(n)
-    r = x if added is None else added[0]
     return ((rows,), (x, r, s, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps),
-                      *x_rows, *r_rows),
+                      *x_rows, *r_rows, *s_rows, *y_rows),
             dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None, ADD=added is not None,
-                 WIDE=max(x.numel(), _reach(x), _reach(r)) + block > codegen.INT32_LIMIT, BLOCK=block,
+                 WIDE=max(x.numel(), *(_reach(t) for t in (x, r, s, y))) + block > codegen.INT32_LIMIT, BLOCK=block,
                  num_warps=generated.row_warps(block)))
 
 
@@ -220,7 +229,8 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
     n, x_rows = found if found is not None else (None, None)
     g_rows = rows_of(g, n) if n is not None and isinstance(g, torch.Tensor) and g.is_cuda \
         and g.dtype in generated.FLOAT_KINDS and g.shape == x.shape else None
-    if g_rows is None or not _dense(dx, x.numel(), x.dtype if residual is None else torch.float32):
+    dx_rows = _written_rows(dx, x, n, x.dtype if residual is None else torch.float32) if g_rows is not None else None
+    if dx_rows is None:
         return None
     r_rows = (1, 0, 0)
     if residual is not None:
@@ -239,9 +249,10 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
     count = max(1, -(-rows // per))
     dw, db = (torch.empty((count, n), dtype=torch.float32, device=x.device) for _ in range(2))
     r = x if residual is None else residual
-    args = (g, x, x if weight is None else weight, mean, rstd, r, dx, dw, db, rows, per, *g_rows, *x_rows, *r_rows)
+    args = (g, x, x if weight is None else weight, mean, rstd, r, dx, dw, db, rows, per, *g_rows, *x_rows, *r_rows,
+            *dx_rows)
     constants = dict(N=n, HAS_W=weight is not None, ADD=residual is not None,
-                     WIDE=max(x.numel(), _reach(x), _reach(g), _reach(r)) + per * n + block > codegen.INT32_LIMIT,
+                     WIDE=max(x.numel(), *(_reach(t) for t in (x, g, r, dx))) + per * n + block > codegen.INT32_LIMIT,
                      ROW_BLOCK=row_block, BLOCK=block, num_warps=8 if row_block * block >= ROW_TILE else 4)
     return (count,), args, constants, (dw, db)
 
