@@ -51,7 +51,8 @@ from .stages import Stages
 # and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode), and
 # before fusion the gradients of a tensor taken apart at every index become one stack, which reads
 # its pieces' sources through views instead of copies of them where it can, and a copy that only
-# views read becomes those views of its source where it can (attention's packed projection).
+# views read becomes those views of its source where it can (attention's packed projection); after
+# fusion each layer norm takes in the residual join before it and its backward the add after it.
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
                        + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION

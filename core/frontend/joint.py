@@ -103,7 +103,7 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     AOTAutograd's export retraces its joint graph too, which nimble does not let it do
     (`_joint_not_retraced`: TrainStep's prepare of resnet50 3.2 to 4.8 s against 4.8 to 8.0 s,
     alternated, a noisy day on that builder). A module it
-    cannot take so (a buffer under two names, constants the graph reads as attributes, or any
+    cannot take so (a buffer under two names, a constant the graph reads that is not a plain tensor, or any
     failure) goes torch.export's way (`_exported`), which also names what fails. Tied parameters are
     refused: each name would get a gradient of its own (or, torch.export's way, none)."""
     wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast),
@@ -165,8 +165,8 @@ def _exported(wrapped: _WithLoss, args: list[torch.Tensor]) -> torch.export.Expo
 def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram | None:
     """The joint program from one trace (`aot_export_module` on fake copies of the module's tensors
     and of `args`), or None where it cannot be had so: a tensor of the module under two names (the
-    trace would give each name a gradient of its own), a tensor the graph reads as an attribute
-    (a constant made in the forward), or any failure of the trace."""
+    trace would give each name a gradient of its own), a constant the graph reads that is not a
+    plain tensor (`_lifted_constants`), or any failure of the trace."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export import graph_signature as gs
@@ -187,7 +187,8 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
         raise
     except Exception:
         return None
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
+    constants = _lifted_constants(gm)
+    if constants is None:
         return None
     gm.graph.eliminate_dead_code()  # as torch.export's way does (detaches nothing reads)
     inputs = []
@@ -195,7 +196,9 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
         if node.op != "placeholder":
             continue
         arg = gs.TensorArgument(name=node.name)
-        if node.name in sig.inputs_to_parameters:
+        if node.name in constants:
+            inputs.append(gs.InputSpec(gs.InputKind.CONSTANT_TENSOR, arg, node.name))
+        elif node.name in sig.inputs_to_parameters:
             inputs.append(gs.InputSpec(gs.InputKind.PARAMETER, arg, sig.inputs_to_parameters[node.name]))
         elif node.name in sig.inputs_to_buffers:
             inputs.append(gs.InputSpec(gs.InputKind.BUFFER, arg, sig.inputs_to_buffers[node.name], persistent=True))
@@ -218,7 +221,30 @@ def _traced_once(wrapped: _WithLoss, args: list[torch.Tensor]) -> JointProgram |
         else:
             outputs.append(gs.OutputSpec(gs.OutputKind.GRADIENT_TO_PARAMETER, arg, grads[out.name]))
     return JointProgram(gm.graph, gs.ExportGraphSignature(inputs, outputs),
-                        {k: t.detach() for k, t in state.items()}, {})
+                        {k: t.detach() for k, t in state.items()}, constants)
+
+
+def _lifted_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor] | None:
+    """The tensors the traced graph reads as attributes (constants its forward made: the 0-d
+    tensors that `mask[...] = k` lifts, 45 of them in swin_t's shifted windows), each made a
+    placeholder ahead of the graph's own inputs, as torch.export lifts them, by the placeholder's
+    name; None where one is not a plain tensor (so torch.export's way, which lifts them itself, runs:
+    for swin_t a second trace of 12 s on the 2-core builder after this one's 6)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    first = next((n for n in gm.graph.nodes if n.op != "get_attr"), None)
+    constants: dict[str, torch.Tensor] = {}
+    for node in reads:
+        tensor = getattr(gm, str(node.target), None)
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, FakeTensor):
+            return None
+        with gm.graph.inserting_before(first):
+            lifted = gm.graph.placeholder(f"lifted_{node.name}")
+        node.replace_all_uses_with(lifted)
+        gm.graph.erase_node(node)
+        constants[lifted.name] = tensor.detach()
+    return constants
 
 
 @contextlib.contextmanager

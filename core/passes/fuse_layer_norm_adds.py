@@ -3,7 +3,9 @@ before it, and each layer norm's backward the add after it, as `nimble::add_laye
 `nimble::layer_norm_backward_add` (`ops/add_norm.py`), which `runtime/kernels/step_norms` runs as
 one kernel each on CUDA. In vit_b_16's step these are 24 joins of the residual stream (float32,
 one operand through a transpose) and the 24 adds that gather its gradient: 48 elementwise kernels
-that each read two maps and write one, 0.87 ms of a 12 ms bf16 step at batch 32 on an H200.
+that each read two maps and write one, 0.87 ms of a 14 ms bf16 step at batch 32 on an H200; with
+them taken in, the step went from 12.08 to 11.60 ms (2026-12-01, `tools/train_step_ab.py --without
+fuse_layer_norm_adds`).
 
 A join `s = add(a, b)` (two maps of s's shape, no alpha, s float32) is taken where a
 `native_layer_norm` reads s and every other reader of s comes after that norm: the fused op goes
