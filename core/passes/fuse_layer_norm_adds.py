@@ -8,7 +8,7 @@ them taken in, the step went from 12.08 to 11.60 ms (2026-12-01, `tools/train_st
 fuse_layer_norm_adds`).
 
 A join `s = add(a, b)` (two maps of s's shape, no alpha, s float32) is taken where a
-`native_layer_norm` reads s and every other reader of s comes after that norm: the fused op goes
+`native_layer_norm` reads s and every other reader of s (or of a view of it) comes after that norm: the fused op goes
 where the norm was, writes s and the norm's three results, and the add goes.
 
 A `native_layer_norm_backward` asking for all three gradients is taken where its input gradient
@@ -34,10 +34,7 @@ NORM_BACKWARD = "aten::native_layer_norm_backward.default"
 
 
 def fuse_layer_norm_adds(graph: Graph) -> Graph:
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers.setdefault(r, []).append(op)
+    readers = graph.readers()  # of each value or a view of it
     ops = graph.ops
     replaced: dict[int, Op] = {}
     dropped: set[int] = set()
@@ -48,7 +45,7 @@ def fuse_layer_norm_adds(graph: Graph) -> Graph:
             s = op.args[0].id
             join = ops[values[s].producer] if values[s].producer is not None else None
             if join is not None and join.id not in dropped and _plain_add(graph, join) \
-                    and all(o.id > op.id for o in readers[s] if o.id != op.id):
+                    and all(o > op.id for o in readers[s] if o != op.id):
                 dropped.add(join.id)
                 replaced[op.id] = Op(op.id, add_norm.ADD_LAYER_NORM, (*join.args, *op.args[1:]), (),
                                      (s, *op.outputs), source=op.source)
@@ -78,7 +75,7 @@ def _plain_add(graph: Graph, op: Op) -> bool:
         and all(graph.values[a.id].spec.shape == out.spec.shape for a in op.args)
 
 
-def _gradient_add(graph: Graph, ops, readers: dict[int, list[Op]], add: Op) -> tuple[Op, Ref] | None:
+def _gradient_add(graph: Graph, ops, readers: dict[int, set[int]], add: Op) -> tuple[Op, Ref] | None:
     """(the layer norm backward whose input gradient `add` alone reads, the add's other operand),
     where the two can be one op at the add's place."""
     for k, a in enumerate(add.args):
@@ -90,9 +87,9 @@ def _gradient_add(graph: Graph, ops, readers: dict[int, list[Op]], add: Op) -> t
                 or len(back.outputs) != 3 \
                 or back.outputs[0] != a.id or other == a:
             continue
-        if [o.id for o in readers.get(a.id, [])] != [add.id] or graph.values[a.id].spec.dtype != "float32" \
+        if readers.get(a.id) != {add.id} or graph.values[a.id].spec.dtype != "float32" \
                 or graph.values[other.id].spec.dtype != "float32":
             continue
-        if all(o.id > add.id for v in back.outputs[1:] for o in readers.get(v, [])):
+        if all(o > add.id for v in back.outputs[1:] for o in readers.get(v, ())):
             return back, other
     return None
