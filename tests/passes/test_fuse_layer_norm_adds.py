@@ -41,6 +41,42 @@ def test_a_pre_norm_encoder_s_step_fuses_its_joins_and_gradient_adds_and_keeps_i
             assert torch.equal(p.grad, q.grad)
 
 
+class PostNorm(torch.nn.Module):
+    """Two post-norm encoder layers (BERT's order: the norm after each residual join)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(1))
+
+
+def test_a_post_norm_encoder_s_step_keeps_its_results():
+    """After the join, the norm alone reads it; its input gradient then feeds the branch and the
+    join's other operand, so no gradient add is taken."""
+    torch.manual_seed(0)
+    net = PostNorm()
+    other = copy.deepcopy(net)
+    ids, t = torch.randint(0, 50, (4, 8)), torch.randint(0, 10, (4,))
+    step = nimble.TrainStep(net, F.cross_entropy, ids, t, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    before = nimble.TrainStep(other, F.cross_entropy, ids, t, graph_passes=WITHOUT,
+                              optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    found = [op.target for op in step.graph.ops]
+    assert found.count(add_norm.ADD_LAYER_NORM) >= 1 and add_norm.LAYER_NORM_BACKWARD_ADD not in found
+    for _ in range(3):
+        ids, t = torch.randint(0, 50, (4, 8)), torch.randint(0, 10, (4,))
+        assert torch.equal(step(ids, t), before(ids, t))
+        for p, q in zip(net.parameters(), other.parameters()):
+            assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
+
+
 def _emit(b: GraphBuilder, target: str, ins: list, line: int):
     """`target`'s results: one Ref, or a list of them."""
     results = b.emit(targets.resolve(target, training=True)._schema, target, ins, f"m.py:{line}")
