@@ -12,24 +12,27 @@ torch.compile's fused layer-norm kernels took about 0.65 (`tools/train_step_kern
 - FORWARD: one program per row, as the inference kernel (`norms.LAYER_NORM`), which also stores
   the row's mean and reciprocal standard deviation (float32, as PyTorch's). Its input's rows may
   lie through up to two strides (`rows_of`): 24 of vit_b_16's 25 come sequence-major, through a
-  transpose. It writes its planned buffers dense.
+  transpose. With ADD it normalises x + r (the residual join before it, `ops/add_norm`) and writes
+  that sum too. It writes its maps through their buffers' own row strides (a step's buffers keep
+  the trace's, sequence-major where the rows were computed so).
 - BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the input's rows and the
   gradient's may each lie through up to two strides of their own). It writes each row's input
-  gradient, dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)) with xhat = (x - mean) * rstd,
+  gradient (plus a residual gradient r with ADD, `ops/add_norm`), dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)) with xhat = (x - mean) * rstd,
   and sums g*xhat and g over its rows into float32 partials, one row of each per program. The
   partials are then summed over the programs into the weight's and bias's gradients by the spatial
   mean's kernel, unscaled (`reductions.sum_launches`): a fixed order, no atomics.
 
 `runtime/joint._placed` gives a step's `native_layer_norm` and `native_layer_norm_backward` (every
-gradient asked for) `forward_into` and `backward_into` as their out= functions (OUT_FUNCTIONS,
+gradient asked for), and `ops/add_norm`'s two ops, their out= functions here (OUT_FUNCTIONS,
 OUT_NAMES) on CUDA, so their results get planned buffers instead of being bound as computed. On
 an H200 (2026-12-01, vit_b_16's geometry, float32 rows of 768, CUDA graphs of 25): the forward
 8.8 us against aten's 18.6 (35.3 for sequence-major rows), the backward with its sums 33 us
-against 42 to 76; vit_b_16's bf16 step at batch 32, 12.05 ms against 13.64 without them.
+against 42 to 76; vit_b_16's bf16 step at batch 32, 12.05 ms against 13.64 without them, and
+11.60 against 12.08 with the adds taken in (`passes/fuse_layer_norm_adds`).
 
-`forward_into` and `backward_into` run PyTorch's out= overloads where a kernel does not apply:
-the CPU; rows not dense or through more than two strides; a buffer not dense in row-major order;
-a row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
+The out= functions run PyTorch's ops where a kernel does not apply: the CPU; rows not dense or
+through more than two strides; mean or rstd buffers not dense; a sum or residual not float32; a
+row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
 gradients are asked for; a backward asked for some gradients only. Indexing is 64-bit where an
 element offset can pass 2**31 - 1.
 """
