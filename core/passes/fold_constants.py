@@ -1,5 +1,6 @@
-"""Inference graphs: what a model computes from its weights and numbers alone is computed here,
-once, and stored as a weight, instead of on every call.
+"""What a model computes from its weights and numbers alone is computed here, once, and stored as
+a weight, instead of on every call (inference graphs, and a training step's joint graph, where the
+parameters are inputs and so never constant).
 
 torchvision's Swin Transformer builds each shifted window's attention mask in its forward
 (`x.new_zeros(...)`, nine slice fills, a subtraction, two `masked_fill`s) and gathers each
@@ -145,7 +146,9 @@ def _evaluate(graph: Graph, constant: set[int], weights) -> dict[int, torch.Tens
                     stand_in = torch.zeros((), dtype=types.DTYPES[spec.dtype]).expand(spec.shape)
                     tensors.setdefault(op.args[0].id, stand_in)
                 args, kwargs = arguments.op_arguments(op, tensors, cpu)
-                results = arguments.flatten_result(targets.resolve(op.target)(*args, **kwargs))
+                # a training graph's own ops too (`fill.Tensor` of swin_t's masks): the graph's
+                # lowering already held each op to its own mode's allowlist
+                results = arguments.flatten_result(targets.resolve(op.target, training=True)(*args, **kwargs))
             except Exception:  # any failure leaves the graph as it was
                 return None
             tensors.update(zip(op.outputs, results))
