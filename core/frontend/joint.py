@@ -102,10 +102,10 @@ def export_joint(module: torch.nn.Module, loss, inputs: list[torch.Tensor], targ
     tangents (resnet50 at batch 32 on the 2-core builder: 1.7 + 4.3 s against 2.6 s), and
     AOTAutograd's export retraces its joint graph too, which nimble does not let it do
     (`_joint_not_retraced`: TrainStep's prepare of resnet50 3.2 to 4.8 s against 4.8 to 8.0 s,
-    alternated, a noisy day on that builder). A module it
-    cannot take so (a buffer under two names, a constant the graph reads that is not a plain tensor, or any
-    failure) goes torch.export's way (`_exported`), which also names what fails. Tied parameters are
-    refused: each name would get a gradient of its own (or, torch.export's way, none)."""
+    alternated, a noisy day on that builder). A module it cannot take so (a buffer under two
+    names, a constant the graph reads that is not a plain tensor, or any failure) goes
+    torch.export's way (`_exported`), which also names what fails. Tied parameters are refused:
+    each name would get a gradient of its own (or, torch.export's way, none)."""
     wrapped = _WithLoss(module, loss, len(inputs), None if autocast is None else (inputs[0].device.type, autocast),
                         outputs)
     seen: dict[int, str] = {}
