@@ -9,7 +9,8 @@ kernels), not as cuDNN's or flash's (`runtime/kernels/step_attention`).
 
 Both steps train torchvision's MODEL (10 classes) from the same weights on one fixed batch, with
 SGD and momentum (fused), as `benchmarks/training.py` does. Printed per variant: its ops and
-copies (clones and casts) in the joint graph, which kernels its attention ran, the first step's
+copies (clones and casts) in the joint graph, which kernels its attention ran, how many of its
+layer-norm calls in its first step ran PyTorch's ops instead of `step_norms`' kernels (where any did), the first step's
 loss against the other's, and the median ms per step over `--rounds` rounds of `--steps` steps
 each, the variants taking turns (CUDA events on a GPU; the host's clock on the CPU); on a GPU also
 the step's peak allocated MiB.
@@ -92,10 +93,11 @@ def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, s
     graph and first loss printed, then timed by turns: `rounds` rounds of `steps_per_round` steps."""
     import torch
 
-    from nimble.runtime.kernels import step_attention
+    from nimble.runtime.kernels import step_attention, step_norms
 
     steps, first = {}, {}
     for name, (passes, libraries) in chosen.items():
+        step_norms.DECLINED.clear()
         net = copy.deepcopy(base)
         start = time.perf_counter()
         steps[name] = prepared(net, x, y, precision, passes)
@@ -107,9 +109,12 @@ def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, s
         targets = [op.target for op in graph.ops]
         first[name] = float(steps[name](x, y))
         ran = sorted({str(pair.library) for pair in pairs})
+        # a layer norm's kernel that declined a call (a layout it does not take) is slow, not wrong: say so
+        declined = "".join(f"; layer norm {what} by PyTorch's ops {n} times" for what, n in step_norms.DECLINED.items())
         print(f"{name}: prepared in {time.perf_counter() - start:.2f} s; {len(targets)} ops, "
               f"{targets.count('aten::clone.default')} clones, {targets.count('aten::_to_copy.default')} casts; "
-              f"attention as {', '.join(ran) or 'traced (no pair)'}; first loss {first[name]:.6f}", flush=True)
+              f"attention as {', '.join(ran) or 'traced (no pair)'}{declined}; first loss {first[name]:.6f}",
+              flush=True)
     losses = list(first.values())
     print(f"first losses differ by {abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12):.1e} (relative)")
     times: dict[str, list[float]] = {name: [] for name in steps}

@@ -129,6 +129,7 @@ def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_f
         g = torch.Generator().manual_seed(0)
         data = [(torch.randint(0, 50, (8, 8), generator=g).cuda(), torch.randint(0, 10, (8,), generator=g).cuda())
                 for _ in range(21)]
+        step_norms.DECLINED.clear()
         step = nimble.TrainStep(net, F.cross_entropy, *data[0], precision=precision,
                                 optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True))
         targets = {op.target for op in step.graph.ops}
@@ -155,6 +156,7 @@ def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_f
         assert all(fn is step_norms.OUT_FUNCTIONS[target] for target, fn in norms.items())
         assert step_norms._forward.kernel is not None and not step_norms._forward.failed  # ...by their kernels
         assert step_norms._backward.kernel is not None and not step_norms._backward.failed
+        assert not step_norms.DECLINED, dict(step_norms.DECLINED)  # ...every call of the step
         chosen = {inspect.unwrap(p.fn).__self__.library for p in step.runner.placed
                   if p.op.target.startswith("aten::_scaled_dot_product_efficient_attention")}
         if precision == "fp32":  # neither library has float32 kernels

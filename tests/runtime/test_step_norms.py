@@ -126,6 +126,8 @@ def test_the_launches_decline_the_cpu_and_what_they_do_not_cover():
 
 
 def test_on_the_cpu_the_out_functions_are_pytorch_s():
+    """...and a CPU call is no decline: `DECLINED` counts CUDA calls that missed the kernels."""
+    before = dict(step_norms.DECLINED)
     x, w, b = _layer_norm((3,), 16)
     y, mean, rstd = torch.empty_like(x), torch.empty(3, 1), torch.empty(3, 1)
     step_norms.forward_into(x, [16], w, b, 1e-5, out0=y, out1=mean, out2=rstd)
@@ -136,6 +138,7 @@ def test_on_the_cpu_the_out_functions_are_pytorch_s():
     step_norms.backward_into(gy, x, [16], mean, rstd, w, b, [True, True, True], out0=got[0], out1=got[1], out2=got[2])
     want = torch.ops.aten.native_layer_norm_backward(gy, x, [16], mean, rstd, w, b, [True, True, True])
     assert all(torch.equal(a, e) for a, e in zip(got, want))
+    assert dict(step_norms.DECLINED) == before
 
 
 @gpu
@@ -144,6 +147,7 @@ def test_on_the_cpu_the_out_functions_are_pytorch_s():
 def test_the_kernels_give_pytorch_s_results_on_the_gpu(dtype, shape, n):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    step_norms.DECLINED.clear()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(*shape, n, device="cuda", generator=g) * 3 + 1).to(dtype)
     # aten's takes a weight of the input's type; the backward's kernel runs for a float32 one (an autocast step's)
@@ -169,6 +173,8 @@ def test_the_kernels_give_pytorch_s_results_on_the_gpu(dtype, shape, n):
         torch.testing.assert_close(a.float(), e.float(), rtol=tol, atol=tol * scale)
     assert step_norms._forward.kernel is not None
     assert step_norms._backward.kernel is not None or dtype != torch.float32
+    # a bf16 weight's gradients are PyTorch's (the partials' sums write float32): that call declined
+    assert dict(step_norms.DECLINED) == ({} if dtype == torch.float32 else {"backward": 1})
 
 
 @pytest.mark.parametrize("transposed", [False, True])  # the branch through a transpose, as a ViT's
@@ -197,6 +203,7 @@ def test_the_sources_take_the_add_beside_the_norm_each_way(transposed):
 def test_the_kernels_with_the_add_give_the_ops_results_on_the_gpu(transposed):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    step_norms.DECLINED.clear()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(32, 197, 768, device="cuda", generator=g) * 3 + 1
     r = torch.randn(x.shape, device="cuda", generator=g).bfloat16()  # an autocast step's branch
@@ -221,3 +228,4 @@ def test_the_kernels_with_the_add_give_the_ops_results_on_the_gpu(transposed):
     for a, e in zip(grads, want):
         scale = max(e.abs().max().item(), 1.0)
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * scale)
+    assert not step_norms.DECLINED  # both ran as kernels

@@ -39,6 +39,8 @@ element offset can pass 2**31 - 1.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ...ops import add_norm
@@ -260,9 +262,16 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
     return (count,), args, constants, (dw, db)
 
 
+# CUDA calls that ran PyTorch's ops instead of a kernel, by the op's name here (a layout, dtype or
+# row the kernels do not take): correct but slower, and silent otherwise (twice on 2026-12-01 a
+# step's norms all fell back and only a timing showed it). Tests and instruments read it.
+DECLINED: collections.Counter = collections.Counter()
+
+
 def forward_into(x, shape, weight, bias, eps, *, out0, out1, out2):
     """`native_layer_norm.out`: FORWARD where it applies, else PyTorch's."""
     if not _forward_kernel(x, shape, weight, bias, eps, out0, out1, out2, None):
+        _declined("forward", x)
         torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out0, out1=out1, out2=out2)
     return out0, out1, out2
 
@@ -271,6 +280,7 @@ def add_forward_into(x, r, shape, weight, bias, eps, *, out0, out1, out2, out3):
     """`ops/add_norm.add_layer_norm` into its buffers (the sum, then the norm's three results):
     FORWARD where it applies, else PyTorch's add and norm."""
     if not _forward_kernel(x, shape, weight, bias, eps, out1, out2, out3, (r, out0)):
+        _declined("add and forward", x)
         torch.add(x, r, out=out0)
         torch.ops.aten.native_layer_norm.out(out0, shape, weight, bias, eps, out0=out1, out1=out2, out2=out3)
     return out0, out1, out2, out3
@@ -281,6 +291,7 @@ def backward_into(g, x, shape, mean, rstd, weight, bias, mask, *, out0, out1, ou
     sums where they apply (a float32 weight and bias), else PyTorch's."""
     if not (_takes_gradients(mask, weight, bias, out1, out2)
             and _backward_kernels(g, x, shape, mean, rstd, weight, None, out0, out1, out2)):
+        _declined("backward", x)
         torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, mask,
                                                       out0=out0, out1=out1, out2=out2)
     return out0, out1, out2
@@ -292,10 +303,16 @@ def backward_add_into(g, x, shape, mean, rstd, weight, bias, residual, *, out0, 
     apply, else PyTorch's norm backward and add."""
     if not (_takes_gradients([True, True, True], weight, bias, out1, out2)
             and _backward_kernels(g, x, shape, mean, rstd, weight, residual, out0, out1, out2)):
+        _declined("backward and add", x)
         torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, [True, True, True],
                                                       out0=out0, out1=out1, out2=out2)
         out0.add_(residual)
     return out0, out1, out2
+
+
+def _declined(what: str, x) -> None:
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        DECLINED[what] += 1
 
 
 def _forward_kernel(x, shape, weight, bias, eps, y, mean, rstd, added) -> bool:
