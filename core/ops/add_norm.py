@@ -22,7 +22,6 @@ import torch
 
 ADD_LAYER_NORM = "nimble::add_layer_norm"
 LAYER_NORM_BACKWARD_ADD = "nimble::layer_norm_backward_add"
-TARGETS = frozenset({ADD_LAYER_NORM, LAYER_NORM_BACKWARD_ADD})
 EVERY_GRADIENT = [True, True, True]
 
 
@@ -36,3 +35,7 @@ def layer_norm_backward_add(grad_y, x, normalized_shape, mean, rstd, weight, bia
     dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward.default(grad_y, x, normalized_shape, mean, rstd,
                                                                            weight, bias, EVERY_GRADIENT)
     return torch.ops.aten.add.Tensor(dx, residual), dweight, dbias
+
+
+# each op's target -> what it computes, as aten's ops
+FUNCTIONS = {ADD_LAYER_NORM: add_layer_norm, LAYER_NORM_BACKWARD_ADD: layer_norm_backward_add}

@@ -232,8 +232,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
         return PlacedOp(op, norm_act.forward, batch_norm.forward_into, list(NORM_ACT_OUTPUTS), None)
     if op.target == norm_act.NORM_ACT_BACKWARD:
         return PlacedOp(op, norm_act.backward, batch_norm.backward_into, list(NORM_ACT_BACKWARD_OUTPUTS), None)
-    if op.target in ADD_NORMS:  # elsewhere bound as computed
-        return PlacedOp(op, ADD_NORMS[op.target], step_norms.OUT_FUNCTIONS[op.target] if cuda else None,
+    if op.target in add_norm.FUNCTIONS:  # elsewhere bound as computed
+        return PlacedOp(op, add_norm.FUNCTIONS[op.target], step_norms.OUT_FUNCTIONS[op.target] if cuda else None,
                         list(step_norms.OUT_NAMES[op.target]) if cuda else [], None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
@@ -270,9 +270,6 @@ class _LayoutBound:
         return out.copy_(self.fn(*args, **self.kwargs))
 
 
-# layer norm with the add beside it (`ops/add_norm.py`), as aten's ops
-ADD_NORMS = {add_norm.ADD_LAYER_NORM: add_norm.add_layer_norm,
-             add_norm.LAYER_NORM_BACKWARD_ADD: add_norm.layer_norm_backward_add}
 # the out= names of batch norm with its activation (`ops/norm_act.py`), which `kernels/batch_norm` writes
 NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
 NORM_ACT_BACKWARD_OUTPUTS = ("dx", "dweight", "dbias")
