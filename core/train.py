@@ -52,11 +52,12 @@ from .stages import Stages
 # before fusion the gradients of a tensor taken apart at every index become one stack, which reads
 # its pieces' sources through views instead of copies of them where it can, and a copy that only
 # views read becomes those views of its source where it can (attention's packed projection); after
-# fusion each layer norm takes in the residual join before it and its backward the add after it.
+# fusion each layer norm takes in the residual join before it and its backward the add after it,
+# and a mixed-precision step's casts of weights and of gradients go a dozen or so to a kernel.
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
                        + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION
-                       + (passes.fuse_layer_norm_adds,))
+                       + (passes.fuse_layer_norm_adds, passes.group_casts))
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)

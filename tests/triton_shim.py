@@ -23,6 +23,11 @@ class Pointer:
                                        - tensor.storage_offset(),), (1,), tensor.storage_offset())
         self.offsets = offsets
 
+    @property
+    def dtype(self):
+        """As Triton's pointer type: `.element_ty` is the element's dtype."""
+        return types.SimpleNamespace(element_ty=self.flat.dtype)
+
     def __add__(self, offsets):
         p = Pointer.__new__(Pointer)
         offsets = torch.as_tensor(offsets)

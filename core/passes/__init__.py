@@ -33,6 +33,7 @@ from .fuse_layer_norm_adds import fuse_layer_norm_adds
 from .fuse_lone_convolutions import fuse_lone_convolutions
 from .fuse_pointwise import fuse_pointwise
 from .generate_broadcast_ops import generate_broadcast_ops
+from .group_casts import group_casts
 from .match_attention import match_attention
 from .match_multi_head_attention import match_multi_head_attention
 from .merge_sibling_convolutions import merge_sibling_convolutions
@@ -53,7 +54,7 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
            "fold_batch_norm", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_layer_norm_adds", "fuse_lone_convolutions", "fuse_pointwise",
-           "generate_broadcast_ops", "index_as_view", "inline_scalar_constants",
+           "generate_broadcast_ops", "group_casts", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",
            "order_canonically", "precompute_attention_masks", "stack_select_gradients",

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ir import ACTIVATION, WEIGHT, Graph, contiguous_strides
-from ..ops import add_norm, fusion, norm_act, targets
+from ..ops import add_norm, casts, fusion, norm_act, targets
 from ..ops.arguments import flatten_result, masked, op_arguments, output_mask, to_torch
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
@@ -38,6 +38,7 @@ from ..plan.schedule import Schedule
 from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
 from .kernels import batch_norm, reductions, step_attention, step_norms
+from .kernels import casts as cast_kernels
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -223,7 +224,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
     bound as computed. Batch norm with its activation, each way, writes its buffers through
     `kernels/batch_norm` (aten's ops and copies where its kernels do not run); layer norm and its
     backward (every gradient asked for), alone or with an add (`ops/add_norm`), through
-    `kernels/step_norms` on CUDA. (The rare step whose gradients leave eager's by 1e-4 to 1e-2
+    `kernels/step_norms` on CUDA; a group of casts (`ops/casts`) through `kernels/casts`, on
+    any device (aten's copies where its kernels do not run). (The rare step whose gradients leave eager's by 1e-4 to 1e-2
     comes with them and without, on one stream too: a kink's flip, `tools/train_step_drift.py
     --smooth`.)"""
     if op.target == fusion.FUSED:
@@ -235,6 +237,9 @@ def _placed(op, cuda: bool) -> PlacedOp:
     if op.target in add_norm.FUNCTIONS:  # elsewhere bound as computed
         return PlacedOp(op, add_norm.FUNCTIONS[op.target], step_norms.OUT_FUNCTIONS[op.target] if cuda else None,
                         list(step_norms.OUT_NAMES[op.target]) if cuda else [], None)
+    if op.target == casts.CAST_GROUP:
+        return PlacedOp(op, casts.cast_group, cast_kernels.group_into, [f"out{k}" for k in range(len(op.outputs))],
+                        None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None

@@ -1,0 +1,94 @@
+"""`passes/group_casts`: a mixed-precision step's casts of weights and of gradients, grouped."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import nimble
+from nimble import passes, train
+from nimble.frontend.builder import GraphBuilder
+from nimble.ir import Graph, TensorSpec
+from nimble.ops import casts, targets
+from tests.models import TinyViT
+from tests.runtime.test_train_step import batch
+
+CAST = "aten::_to_copy.default"
+WITHOUT = tuple(p for p in train.JOINT_PASSES if p is not passes.group_casts)
+
+
+def test_a_bf16_step_casts_its_weights_in_one_op_and_its_gradients_in_groups_and_keeps_its_results():
+    torch.manual_seed(0)
+    net = TinyViT()
+    other = copy.deepcopy(net)
+
+    def sgd(module):
+        return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 16), precision="bf16", optimizer=sgd(net))
+    before = nimble.TrainStep(other, F.cross_entropy, *batch(4, 16), precision="bf16", graph_passes=WITHOUT,
+                              optimizer=sgd(other))
+    graph = step.graph
+    groups = [op for op in graph.ops if op.target == casts.CAST_GROUP]
+    dtypes = [dict(op.kwargs)["dtype"].name for op in groups]
+    assert dtypes.count("bfloat16") == 1 and dtypes.count("float32") >= 1
+    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    # no lone cast of a weight (or the data) is left, nor of a gradient
+    assert not any(op.target == CAST and (op.args[0].id in inputs or op.outputs[0] in outputs) for op in graph.ops)
+    taken = len(groups[0].outputs) + sum(len(op.outputs) for op in groups[1:])
+    assert taken == sum(1 for op in before.graph.ops if op.target == CAST) \
+        - sum(1 for op in graph.ops if op.target == CAST)
+    for k in range(3):
+        x, t = batch(4, 16, seed=k + 1)
+        assert torch.equal(step(x, t), before(x, t))
+        for p, q in zip(net.parameters(), other.parameters()):
+            assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
+
+
+def _emit(b: GraphBuilder, target: str, ins: list, line: int):
+    results = b.emit(targets.resolve(target, training=True)._schema, target, ins, f"m.py:{line}")
+    return results[0] if isinstance(results, list) and len(results) == 1 else results
+
+
+def _gradients(shapes, read: int | None = None, formatted: int | None = None) -> Graph:
+    """exp of each bfloat16 input, cast to float32 as an output; `read`: that cast is also read by
+    an op; `formatted`: that cast asks for a memory format (contiguous)."""
+    b = GraphBuilder("m", training=True)
+    xs = [b.add_input(f"x{k}", TensorSpec(s, "bfloat16")) for k, s in enumerate(shapes)]
+    outs = []
+    for k, x in enumerate(xs):
+        fmt = torch.contiguous_format if k == formatted else None
+        outs.append(_emit(b, CAST, [_emit(b, "aten::exp.default", [x], k), torch.float32, None, None, None, False,
+                                    fmt], 10 + k))
+    if read is not None:
+        outs.append(_emit(b, "aten::exp.default", [outs[read]], 99))
+    return Graph(tuple(b.values), tuple(b.ops), tuple(x.id for x in xs), tuple(o.id for o in outs))
+
+
+def test_gradient_casts_group_in_runs_of_group_bytes_where_the_last_of_each_was():
+    big = (passes.group_casts.__globals__["GROUP_BYTES"] // 4 // 2,)  # two of these fill a group
+    graph = _gradients([(8,), big, big, (4,), (6,)])
+    grouped = passes.group_casts(graph)
+    grouped.lint()
+    found = [(op.target, len(op.outputs)) for op in grouped.ops]
+    # [8, big] then [big, 4, 6]: each group where its last cast was, after the exp it reads
+    assert found == [("aten::exp.default", 1), ("aten::exp.default", 1), (casts.CAST_GROUP, 2),
+                     ("aten::exp.default", 1), ("aten::exp.default", 1), ("aten::exp.default", 1),
+                     (casts.CAST_GROUP, 3)]
+    assert set(grouped.outputs) == {v for op in grouped.ops if op.target == casts.CAST_GROUP for v in op.outputs}
+
+
+def test_a_cast_that_an_op_reads_or_that_asks_for_a_memory_format_stays_alone():
+    graph = _gradients([(8,), (4,), (6,)], read=0, formatted=1)
+    assert passes.group_casts(graph) is graph  # one plain cast left: no group
+    grouped = passes.group_casts(_gradients([(8,), (4,), (6,), (2,)], read=0, formatted=1))
+    assert [op.target for op in grouped.ops].count(CAST) == 2
+    assert [len(op.outputs) for op in grouped.ops if op.target == casts.CAST_GROUP] == [2]
+
+
+def test_the_op_computes_each_cast():
+    xs = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16)]
+    got = casts.cast_group(xs, torch.float16)
+    assert all(torch.equal(g, x.to(torch.float16)) for g, x in zip(got, xs))
