@@ -47,6 +47,11 @@ class _Program:
     pid: tuple[int, ...] = (0,)  # the program's id along each axis of the grid
 
 
+def _jit(fn=None, **options):
+    """`triton.jit`, bare or with options (`do_not_specialize`): the function itself."""
+    return fn if fn is not None else (lambda f: f)
+
+
 def language() -> types.ModuleType:
     tl = types.ModuleType("triton.language")
     tl.float32, tl.float16, tl.bfloat16, tl.int64 = torch.float32, torch.float16, torch.bfloat16, torch.int64
@@ -107,7 +112,7 @@ def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int
     """Execute the generated kernel `source` over `out` and `operands`, as `generated.elementwise_launcher`'s
     launcher would, on the CPU."""
     triton = types.ModuleType("triton")
-    triton.jit = lambda fn: fn
+    triton.jit = _jit
     tl = language()
     namespace = {"triton": triton, "tl": tl}  # int32 tensors wrap around on overflow, as on the GPU
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
@@ -126,7 +131,7 @@ def run_grid(source: str, grid: int | tuple[int, ...], *args, **constants) -> No
     import itertools
 
     triton = types.ModuleType("triton")
-    triton.jit = lambda fn: fn
+    triton.jit = _jit
     namespace = {"triton": triton, "tl": language()}
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
     exec(compile(code, "<kernel>", "exec"), namespace)

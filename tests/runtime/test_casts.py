@@ -61,6 +61,20 @@ def test_the_columns_source_casts_transposed_views_into_row_major_buffers(shapes
         assert torch.equal(dst, src.float())
 
 
+def test_the_kinds_take_dense_twins_and_transposed_products_only():
+    x = torch.zeros(4, 6)
+    assert casts.layout_kind(x, torch.zeros(4, 6, dtype=torch.bfloat16)) == casts.FLAT
+    assert casts.layout_kind(x[:, :3], torch.zeros(4, 3)) is None  # a slice: strides of its own
+    cl = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert casts.layout_kind(cl, torch.zeros_like(cl, dtype=torch.bfloat16)) == casts.FLAT  # twins, both dense
+    assert casts.layout_kind(cl, torch.zeros(2, 3, 4, 5)) is None
+    assert casts.layout_kind(torch.zeros(6, 4).t(), x) == casts.COLUMNS
+    assert casts.layout_kind(torch.zeros(6, 4).t(), torch.zeros(6, 4).t()) == casts.FLAT
+    assert casts.layout_kind(torch.zeros(8, 4)[::2].t(), x) is None  # not dense
+    assert casts.layout_kind(torch.zeros(4, 1, 6)[:, 0], x) == casts.FLAT  # a size-1 dim's stride is no matter
+    assert casts.layout_kind(x, torch.zeros(6, 4)) is None
+
+
 def test_copy_all_on_the_cpu_is_torch_s_copy():
     sources = [_values((3, 5), torch.float32, 0), _values((5, 3), torch.float32, 1).t()]
     buffers = [torch.empty(3, 5, dtype=torch.bfloat16) for _ in sources]

@@ -19,8 +19,10 @@ programs (`END` arguments). Two kinds:
   `(1, rows)`: a weight's gradient as a linear's backward computes it, `t(mm(...))`): tiles of
   `TILE` x `TILE`, read along columns and written along rows.
 
-Any other pair (another layout, another device, a dtype outside the floating ones) is copied by
-PyTorch (`copy_`), as the cast would have been. Offsets are 64-bit.
+Any other pair (another layout, another device, a dtype outside the floating ones, 2**31 elements
+or more) is copied by PyTorch (`copy_`), as the cast would have been. Offsets are 64-bit. The
+counts and sizes are not specialised (Triton would make a count of 1 a constant, and the branches
+that pick a pair would then give one name two types).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def source(kind: str, members: int) -> str:
                 "    v = tl.load(src + i64[:, None] + j64[None, :] * rows, mask=mask)\n"
                 "    tl.store(dst + i64[:, None] * cols + j64[None, :], v.to(dst.dtype.element_ty), mask=mask)\n")
         constants = "TILE: tl.constexpr"
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    scalars = [name.strip() for name in params.split(",") if name.strip()[0] not in "SD"]
+    lines = ["import triton", "import triton.language as tl", "", "", f"@triton.jit(do_not_specialize={scalars!r})",
              f"def kernel({params}, {constants}):", "    pid = tl.program_id(0)"]
     for k, chosen in enumerate(pick):
         if members == 1:
@@ -85,13 +88,30 @@ def _kernel(kind: str, members: int) -> generated.FixedKernel:
 def kind_of(src: torch.Tensor, dst: torch.Tensor) -> str | None:
     """FLAT or COLUMNS where a kernel here copies `src` into `dst`, else None."""
     if not (src.is_cuda and dst.is_cuda and src.device == dst.device and src.dtype in _ELEMENT
-            and dst.dtype in _ELEMENT and src.shape == dst.shape and src.numel()):
+            and dst.dtype in _ELEMENT and 0 < src.numel() < 2**31):
         return None
-    if src.stride() == dst.stride() and dst.is_non_overlapping_and_dense():
+    return layout_kind(src, dst)
+
+
+def layout_kind(src: torch.Tensor, dst: torch.Tensor) -> str | None:
+    """FLAT or COLUMNS by the two tensors' shapes and strides alone, else None."""
+    if src.shape != dst.shape:
+        return None
+    if src.stride() == dst.stride() and _dense(dst):
         return FLAT
     if dst.dim() == 2 and dst.is_contiguous() and src.stride() == (1, src.shape[0]):
         return COLUMNS
     return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its span of memory once each, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tensor, ...]:
