@@ -10,7 +10,7 @@ graph (`frontend/joint.py`), which goes through nimble's passes, its schedule an
 whole: the activations the backward keeps are planned buffers like any other
 (`memory_plan.arena_bytes`), but for the results of ops that cannot write into a given buffer,
 which are bound as computed (`runtime/joint.loose`). On CUDA the step's 4-D maps are laid out
-channels_last where the module has convolutions (`layout`). A call runs that graph on the module's own
+channels_last where the module is a convolutional net (`layout`). A call runs that graph on the module's own
 parameters and buffers (`runtime/joint.py`), on CUDA captured into a CUDA graph from its second
 call, sets each parameter's `.grad` to this step's gradient (as after `zero_grad()` and
 `backward()`: gradients are not added up across calls; in a captured step `.grad` is the same
@@ -71,6 +71,13 @@ LAYOUTS = ("auto", "contiguous", "channels_last")  # of a step's 4-D activations
 # 9.74 and 3188 with 60, 9.70 and 2938 with 4 (benchmarks/results/training_224_h200_2026-11-30.md).
 STEP_STREAMS = 4
 
+# A step's "auto" layout: channels_last from this many 2-D convolutions in the forward. swin_t's one convolution, its patch embedding,
+# laid every (B, H, W, C) map of its blocks out channels_last, which puts C, the dim its layer
+# norms and linears read along, out of order: H200, torch 2.11, bf16, batch 32 at 224 px,
+# 2026-12-01, kernel time per step 23.58 ms channels_last against 16.68 contiguous
+# (`tools/train_step_kernels.py --model swin_t --precision bf16 --layouts contiguous channels_last`).
+CONVOLUTIONAL = 2
+
 
 def _norm_ranks(fused_norms: bool | None, device: torch.device, channels_last: bool) -> frozenset[int]:
     """The ranks of the maps whose batch norms and activations become one op each way
@@ -111,7 +118,8 @@ class TrainStep:
         structure, detached copies. `layout` of the 4-D activations: "contiguous" (NCHW),
         "channels_last" (NHWC: the step's 4-D inputs and planned maps, so cuDNN's convolutions
         and batch norms run in the layout they are fastest in, as torch.compile lays them out),
-        or "auto": channels_last on CUDA for a module with 2-D convolutions, else contiguous. The
+        or "auto": channels_last on CUDA for a module with two 2-D convolutions or more, else
+        contiguous (a transformer's patch embedding alone is not worth it: see `CONVOLUTIONAL`). The
         module's own tensors keep their layout either way. `fused_norms`: each training-mode
         batch norm, with the relu, relu6 or silu after it, runs as one op each way (`ops/norm_act.py`:
         kernels that pass over the map 8 times a step where aten's pass 13 times with a relu,
@@ -150,7 +158,8 @@ class TrainStep:
                                              JOINT_PASSES if graph_passes is None else tuple(graph_passes),
                                              passes.REWRITES_WEIGHTS, "lowered")
         if layout == "auto":
-            layout = "channels_last" if device.type == "cuda" and _convolves(graph) else "contiguous"
+            layout = "channels_last" if device.type == "cuda" and _convolutions(graph) >= CONVOLUTIONAL \
+                else "contiguous"
         self.layout = layout
         channels_last = layout == "channels_last"
         ranks = _norm_ranks(fused_norms, device, channels_last)
@@ -272,9 +281,10 @@ class TrainStep:
         self._grads = []
 
 
-def _convolves(graph) -> bool:
-    """Whether any op of `graph` (or of a fused op's body) is a 2-D convolution."""
-    return any(target in fusion.CONVOLUTIONS for op in graph.ops for target, _, _ in fusion.nodes_of(op))
+def _convolutions(graph) -> int:
+    """The 2-D convolutions among `graph`'s ops (and fused ops' bodies; their backwards are ops of
+    another kind)."""
+    return sum(target in fusion.CONVOLUTIONS for op in graph.ops for target, _, _ in fusion.nodes_of(op))
 
 
 class _DataParallel:

@@ -1,18 +1,20 @@
-"""Training graphs (the last of `train.JOINT_PASSES`): the casts of a mixed-precision step become
-a few `nimble::cast_group` ops (`ops/casts.py`), which `runtime/kernels/casts` runs a dozen or so
-casts to a kernel on CUDA. A bf16 step of vit_b_16 casts 102 float32 weights to bfloat16 in its
-forward and 102 bfloat16 gradients to float32 in its backward, each a copy kernel of PyTorch's:
-0.9 ms of copies per step on an H200 (`tools/cast_bench.py`).
+"""Training graphs (the last of `train.JOINT_PASSES`): a mixed-precision step's casts of its
+gradients become a few `nimble::cast_group` ops (`ops/casts.py`), which `runtime/kernels/casts`
+runs a dozen or so casts to a kernel on CUDA. A bf16 step of vit_b_16 casts 102 bfloat16
+gradients to float32 at the end of its backward, each a copy kernel of PyTorch's, and a weight's
+gradient comes through a transpose (a linear's backward computes it as `t(mm(...))`): those
+copies took 1.02 ms against 0.17 ms grouped, alone on an H200 (`tools/cast_bench.py`, 2026-12-01).
 
-- Forward: every cast of a graph input (a weight, or the step's data) to one dtype becomes one
-  op where the first of them was. Their sources all exist from the start, and each reader of a
-  cast comes after that first cast.
-- Backward: every cast whose result is a graph output (a gradient) that no op reads becomes part
-  of a group of about `GROUP_BYTES` of results, in program order, each group where its last cast
-  was (every source exists there, and nothing in the graph waits for the results). The gradients
-  of a data-parallel step are all-reduced in buckets of 25 MB by default as their last gradient
-  is made: groups of a similar size keep that overlap, and a bfloat16 gradient waits for its group
-  at most.
+Every cast whose result is a graph output (a gradient) that no op reads becomes part of a group
+of about `GROUP_BYTES` of results, in program order, each group where its last cast was (every
+source exists there, and nothing in the graph waits for the results). The gradients of a
+data-parallel step are all-reduced in buckets of 25 MB by default as their last gradient is made:
+groups of a similar size keep that overlap, and a bfloat16 gradient waits for its group at most.
+
+The forward's casts of the weights are left as they are: grouped into one op at the start of the
+step, they made vit_b_16's bf16 step 0.3 ms slower (12.02 against 11.73 ms, with the gradients'
+groups too: `tools/train_step_ab.py --without group_casts`, 2026-12-01). Lone casts run beside the
+forward's first products on the other streams; one op of them all runs before any.
 
 A cast here is `_to_copy` to another floating dtype, and nothing else (no layout, pinning or
 memory format asked for). The results are the casts' own, so a step's losses and gradients are
@@ -36,23 +38,15 @@ _NEUTRAL = {"layout": (None, Special("layout", "torch.strided")), "device": None
 
 
 def group_casts(graph: Graph) -> Graph:
-    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    outputs = set(graph.outputs)
     readers = graph.readers()
-    forward: dict[str, list[Op]] = {}
-    backward: dict[str, list[Op]] = {}
+    gradients: dict[str, list[Op]] = {}
     for op in graph.ops:
         dtype = _cast_to(graph, op)
-        if dtype is None:
-            continue
-        out = op.outputs[0]
-        if op.args[0].id in inputs:
-            forward.setdefault(dtype, []).append(op)
-        elif out in outputs and not readers.get(out):
-            backward.setdefault(dtype, []).append(op)
-    groups = [(members, members[0]) for members in forward.values()]
-    for members in backward.values():
-        groups += [(chunk, chunk[-1]) for chunk in _chunks(graph, members)]
-    groups = [(members, at) for members, at in groups if len(members) > 1]
+        if dtype is not None and op.outputs[0] in outputs and not readers.get(op.outputs[0]):
+            gradients.setdefault(dtype, []).append(op)
+    groups = [(chunk, chunk[-1]) for members in gradients.values() for chunk in _chunks(graph, members)
+              if len(chunk) > 1]
     if not groups:
         return graph
     values = list(graph.values)

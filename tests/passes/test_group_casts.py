@@ -19,7 +19,7 @@ CAST = "aten::_to_copy.default"
 WITHOUT = tuple(p for p in train.JOINT_PASSES if p is not passes.group_casts)
 
 
-def test_a_bf16_step_casts_its_weights_in_one_op_and_its_gradients_in_groups_and_keeps_its_results():
+def test_a_bf16_step_casts_its_gradients_in_groups_and_keeps_its_results():
     torch.manual_seed(0)
     net = TinyViT()
     other = copy.deepcopy(net)
@@ -32,12 +32,12 @@ def test_a_bf16_step_casts_its_weights_in_one_op_and_its_gradients_in_groups_and
                               optimizer=sgd(other))
     graph = step.graph
     groups = [op for op in graph.ops if op.target == casts.CAST_GROUP]
-    dtypes = [dict(op.kwargs)["dtype"].name for op in groups]
-    assert dtypes.count("bfloat16") == 1 and dtypes.count("float32") >= 1
-    inputs, outputs = set(graph.inputs), set(graph.outputs)
-    # no lone cast of a weight (or the data) is left, nor of a gradient
-    assert not any(op.target == CAST and (op.args[0].id in inputs or op.outputs[0] in outputs) for op in graph.ops)
-    taken = len(groups[0].outputs) + sum(len(op.outputs) for op in groups[1:])
+    assert groups and all(dict(op.kwargs)["dtype"].name == "float32" for op in groups)
+    outputs = set(graph.outputs)
+    assert not any(op.target == CAST and op.outputs[0] in outputs for op in graph.ops)  # no gradient's cast alone
+    # the weights' casts stay where they were: each in the forward beside what reads it
+    assert any(op.target == CAST and op.args[0].id in graph.inputs for op in graph.ops)
+    taken = sum(len(op.outputs) for op in groups)
     assert taken == sum(1 for op in before.graph.ops if op.target == CAST) \
         - sum(1 for op in graph.ops if op.target == CAST)
     for k in range(3):

@@ -14,7 +14,7 @@ from nimble.errors import ModelError, ShapeError, UnsupportedError, UsageError
 from nimble.ir import ACTIVATION, INPUT, Graph, Op, Ref, TensorSpec, Value
 from nimble.runtime.assemble.choice import channels_last_values, viewed
 from nimble.runtime.joint import SAME_STRIDES, loose
-from nimble.train import STEP_STREAMS
+from nimble.train import CONVOLUTIONAL, STEP_STREAMS, _convolutions
 from nimble.runtime.placed.placement import copies
 from torch import nn
 
@@ -189,6 +189,16 @@ def test_a_channels_last_step_gives_eager_s_loss_and_gradients(make):
     assert nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32)).layout == "contiguous"
     with pytest.raises(UsageError, match="layout 'nhwc': use one of auto, contiguous, channels_last"):
         nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32), layout="nhwc")
+
+
+def test_auto_takes_channels_last_for_a_convolutional_net_and_not_for_a_patch_embedding():
+    """On CUDA "auto" lays a step out channels_last from `CONVOLUTIONAL` convolutions: a conv net
+    has many, a vision transformer one (its patch embedding, after which its maps are (B, L, C)
+    or (B, H, W, C) with C read along)."""
+    vit = nimble.TrainStep(TinyViT(), F.cross_entropy, *batch(4, 16))
+    resnet = nimble.TrainStep(ResNet18(classes=10), F.cross_entropy, *batch(4, 32))
+    assert _convolutions(vit.graph) == 1 < CONVOLUTIONAL <= _convolutions(resnet.graph)
+    assert vit.layout == resnet.layout == "contiguous"  # on the CPU, always
 
 
 class Flattening(nn.Module):

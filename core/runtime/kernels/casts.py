@@ -1,23 +1,21 @@
-"""Generated kernels that cast many tensors at once, on CUDA: `ops/casts.cast_group` into its buffers.
+"""Many casts at once, on CUDA: `ops/casts.cast_group` into its buffers.
 
-A bf16 training step casts every float32 weight to bfloat16 in its forward and every bfloat16
-weight gradient back to float32 at the end of its backward: about 100 copies each way in
-vit_b_16, each a kernel of its own in PyTorch, and most of them small. By the copy kernels
-PyTorch picks (its unrolled one for a dtype change), vit_b_16's 102 weight casts took 304 us and
-its 102 gradient casts 577 us per step on an H200, against 128 and 137 us as one kernel per
-dozen tensors here (2026-12-01, torch 2.11, CUDA graphs of the casts
-replayed: `tools/cast_bench.py`).
+A bf16 training step casts every bfloat16 weight gradient back to float32 at the end of its
+backward: about 100 copies in vit_b_16, each a kernel of its own in PyTorch, and a weight's
+gradient is read through a transpose (a linear's backward computes it as `t(mm(...))`), which
+PyTorch's copy kernels read slowly: 1.02 ms for vit_b_16's gradients, against 0.17 ms here
+(H200, torch 2.11, 2026-12-01, CUDA graphs of the casts replayed: `tools/cast_bench.py`).
 
-Each launch takes up to `MEMBERS` pairs (source, buffer) of one source dtype and one buffer dtype,
-as plain arguments (no table in device memory: a captured step's launch needs nothing but its
-arguments), and each program finds its pair by comparing its index with the running count of
-programs (`END` arguments). Two kinds:
+Pairs (source, buffer) of one source dtype and one buffer dtype go by kind:
 
-- FLAT: source and buffer dense with the same strides (both contiguous, say): the elements in
-  memory order, `BLOCK` a program.
+- FLAT: source and buffer dense with the same strides (both contiguous, say): all of them in one
+  `torch._foreach_copy_`, which copies a few dozen tensors a kernel (vit_b_16's 152 weights cast
+  to bfloat16: 0.16 ms, against 0.39 ms a copy each; a generated kernel of the same plan took 0.34).
 - COLUMNS: a 2-D buffer, contiguous, of a source that is its transpose's view (strides
-  `(1, rows)`: a weight's gradient as a linear's backward computes it, `t(mm(...))`): tiles of
-  `TILE` x `TILE`, read along columns and written along rows.
+  `(1, rows)`): a generated kernel of up to `MEMBERS` pairs a launch, given as plain arguments (no
+  table in device memory: a captured step's launch needs nothing but its arguments); each program
+  finds its pair by comparing its index with the running count of programs (`E` arguments), and
+  copies a tile of `TILE` x `TILE`, read along columns and written along rows.
 
 Any other pair (another layout, another device, a dtype outside the floating ones, 2**31 elements
 or more) is copied by PyTorch (`copy_`), as the cast would have been. Offsets are 64-bit. The
@@ -31,57 +29,43 @@ import torch
 
 from . import generated
 
-MEMBERS = 16  # pairs per launch
-BLOCK = 2048  # elements a FLAT program copies
+MEMBERS = 16  # COLUMNS pairs a launch
 TILE = 64  # a COLUMNS program's tile is TILE x TILE
 FLAT, COLUMNS = "flat", "columns"
 _ELEMENT = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 
 
-def source(kind: str, members: int) -> str:
-    """The kernel of `kind` over `members` pairs."""
-    if kind == FLAT:
-        params = ", ".join(f"S{k}, D{k}, N{k}, E{k}" for k in range(members))
-        pick = [f"src, dst, n, b = S{k}, D{k}, N{k}, pid - {'E' + str(k - 1) if k else 0}" for k in range(members)]
-        body = ("    offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)\n"
-                "    mask = offs < n\n"
-                "    v = tl.load(src + offs, mask=mask)\n"
-                "    tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=mask)\n")
-        constants = "BLOCK: tl.constexpr"
-    else:
-        params = ", ".join(f"S{k}, D{k}, R{k}, C{k}, T{k}, E{k}" for k in range(members))
-        pick = [f"src, dst, rows, cols, across, b = S{k}, D{k}, R{k}, C{k}, T{k}, pid - "
-                f"{'E' + str(k - 1) if k else 0}" for k in range(members)]
-        body = ("    i = (b // across) * TILE + tl.arange(0, TILE)\n"
-                "    j = (b % across) * TILE + tl.arange(0, TILE)\n"
-                "    i64 = i.to(tl.int64)\n"
-                "    j64 = j.to(tl.int64)\n"
-                "    mask = (i[:, None] < rows) & (j[None, :] < cols)\n"
-                "    v = tl.load(src + i64[:, None] + j64[None, :] * rows, mask=mask)\n"
-                "    tl.store(dst + i64[:, None] * cols + j64[None, :], v.to(dst.dtype.element_ty), mask=mask)\n")
-        constants = "TILE: tl.constexpr"
+def source(members: int) -> str:
+    """The COLUMNS kernel over `members` pairs."""
+    params = ", ".join(f"S{k}, D{k}, R{k}, C{k}, T{k}, E{k}" for k in range(members))
     scalars = [name.strip() for name in params.split(",") if name.strip()[0] not in "SD"]
     lines = ["import triton", "import triton.language as tl", "", "", f"@triton.jit(do_not_specialize={scalars!r})",
-             f"def kernel({params}, {constants}):", "    pid = tl.program_id(0)"]
-    for k, chosen in enumerate(pick):
+             f"def kernel({params}, TILE: tl.constexpr):", "    pid = tl.program_id(0)"]
+    for k in range(members):
+        chosen = f"src, dst, rows, cols, across, b = S{k}, D{k}, R{k}, C{k}, T{k}, pid - {f'E{k - 1}' if k else 0}"
         if members == 1:
             lines.append(f"    {chosen}")
-        elif k == 0:
-            lines += [f"    if pid < E{k}:", f"        {chosen}"]
-        elif k < members - 1:
-            lines += [f"    elif pid < E{k}:", f"        {chosen}"]
         else:
-            lines += ["    else:", f"        {chosen}"]
-    return "\n".join(lines) + "\n" + body
+            lines += [f"    if pid < E{k}:" if k == 0 else f"    elif pid < E{k}:" if k < members - 1 else "    else:",
+                      f"        {chosen}"]
+    return "\n".join(lines) + """
+    i = (b // across) * TILE + tl.arange(0, TILE)
+    j = (b % across) * TILE + tl.arange(0, TILE)
+    i64 = i.to(tl.int64)
+    j64 = j.to(tl.int64)
+    mask = (i[:, None] < rows) & (j[None, :] < cols)
+    v = tl.load(src + i64[:, None] + j64[None, :] * rows, mask=mask)
+    tl.store(dst + i64[:, None] * cols + j64[None, :], v.to(dst.dtype.element_ty), mask=mask)
+"""
 
 
-_KERNELS: dict[tuple[str, int], generated.FixedKernel] = {}
+_KERNELS: dict[int, generated.FixedKernel] = {}  # pairs a launch -> its kernel
 
 
-def _kernel(kind: str, members: int) -> generated.FixedKernel:
-    found = _KERNELS.get((kind, members))
+def _kernel(members: int) -> generated.FixedKernel:
+    found = _KERNELS.get(members)
     if found is None:
-        found = _KERNELS[(kind, members)] = generated.FixedKernel(source(kind, members), f"{kind} casts")
+        found = _KERNELS[members] = generated.FixedKernel(source(members), "transposed casts")
     return found
 
 
@@ -122,8 +106,8 @@ def group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tensor, ..
 
 
 def copy_all(sources: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-    """Each source copied into its buffer (converting to the buffer's dtype): the kernels here
-    where they apply, a launch per `MEMBERS` pairs of one kind and dtypes, else `copy_`."""
+    """Each source copied into its buffer (converting to the buffer's dtype): by kind and dtypes,
+    FLAT pairs in one `_foreach_copy_`, COLUMNS pairs a launch per `MEMBERS`, the rest by `copy_`."""
     launches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for src, dst in zip(sources, buffers):
         kind = kind_of(src, dst)
@@ -132,23 +116,22 @@ def copy_all(sources: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         else:
             launches.setdefault((kind, src.dtype, dst.dtype), []).append((src, dst))
     for (kind, _, _), pairs in launches.items():
+        if kind == FLAT:
+            torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
+            continue
         for start in range(0, len(pairs), MEMBERS):
             chunk = pairs[start:start + MEMBERS]
-            if not _launch(kind, chunk):
+            if not _launch(chunk):
                 for src, dst in chunk:
                     dst.copy_(src)
 
 
-def _launch(kind: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """COLUMNS' kernel over `pairs`; False where it cannot be built."""
     args, end = [], 0
     for src, dst in pairs:
-        if kind == FLAT:
-            end += -(-src.numel() // BLOCK)
-            args += [src, dst, src.numel(), end]
-        else:
-            rows, cols = dst.shape
-            across = -(-cols // TILE)
-            end += -(-rows // TILE) * across
-            args += [src, dst, rows, cols, across, end]
-    constants = {"BLOCK": BLOCK} if kind == FLAT else {"TILE": TILE}
-    return _kernel(kind, len(pairs)).launch((end,), *args, **constants, num_warps=4)
+        rows, cols = dst.shape
+        across = -(-cols // TILE)
+        end += -(-rows // TILE) * across
+        args += [src, dst, rows, cols, across, end]
+    return _kernel(len(pairs)).launch((end,), *args, TILE=TILE, num_warps=4)
