@@ -23,11 +23,6 @@ class Pointer:
                                        - tensor.storage_offset(),), (1,), tensor.storage_offset())
         self.offsets = offsets
 
-    @property
-    def dtype(self):
-        """As Triton's pointer type: `.element_ty` is the element's dtype."""
-        return types.SimpleNamespace(element_ty=self.flat.dtype)
-
     def __add__(self, offsets):
         p = Pointer.__new__(Pointer)
         offsets = torch.as_tensor(offsets)
@@ -45,11 +40,6 @@ def _checked(p: Pointer, mask):
 
 class _Program:
     pid: tuple[int, ...] = (0,)  # the program's id along each axis of the grid
-
-
-def _jit(fn=None, **options):
-    """`triton.jit`, bare or with options (`do_not_specialize`): the function itself."""
-    return fn if fn is not None else (lambda f: f)
 
 
 def language() -> types.ModuleType:
@@ -112,7 +102,7 @@ def run(source: str, out: torch.Tensor, operands: list[torch.Tensor], block: int
     """Execute the generated kernel `source` over `out` and `operands`, as `generated.elementwise_launcher`'s
     launcher would, on the CPU."""
     triton = types.ModuleType("triton")
-    triton.jit = _jit
+    triton.jit = lambda fn: fn
     tl = language()
     namespace = {"triton": triton, "tl": tl}  # int32 tensors wrap around on overflow, as on the GPU
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
@@ -131,7 +121,7 @@ def run_grid(source: str, grid: int | tuple[int, ...], *args, **constants) -> No
     import itertools
 
     triton = types.ModuleType("triton")
-    triton.jit = _jit
+    triton.jit = lambda fn: fn
     namespace = {"triton": triton, "tl": language()}
     code = source.replace("import triton.language as tl", "").replace("import triton", "")
     exec(compile(code, "<kernel>", "exec"), namespace)

@@ -1,6 +1,6 @@
 """Many casts as one op: what a training step's joint graph holds after `passes/group_casts.py`,
-and what it computes (aten's `_to_copy` of each tensor, on any device; `runtime/kernels/casts`
-copies them a dozen or so to a kernel on CUDA).
+and what it computes (aten's `_to_copy` of each tensor, on any device; a step copies them into
+their buffers a few dozen to a kernel: `runtime/joint.cast_group_into`).
 
     out0, out1, ... = cast_group((x0, x1, ...), dtype)
 

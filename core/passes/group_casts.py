@@ -1,9 +1,11 @@
 """Training graphs (the last of `train.JOINT_PASSES`): a mixed-precision step's casts of its
-gradients become a few `nimble::cast_group` ops (`ops/casts.py`), which `runtime/kernels/casts`
-runs a dozen or so casts to a kernel on CUDA. A bf16 step of vit_b_16 casts 102 bfloat16
-gradients to float32 at the end of its backward, each a copy kernel of PyTorch's, and a weight's
-gradient comes through a transpose (a linear's backward computes it as `t(mm(...))`): those
-copies took 1.02 ms against 0.17 ms grouped, alone on an H200 (`tools/cast_bench.py`, 2026-12-01).
+gradients become a few `nimble::cast_group` ops (`ops/casts.py`), which a step copies into their
+buffers a few dozen to a kernel (`runtime/joint.cast_group_into`: `torch._foreach_copy_`). A
+bf16 step of vit_b_16 casts 102 bfloat16 gradients to float32 at the end of its backward, each a
+copy kernel of its own: the step went from 11.76 to 11.59 ms with them grouped (H200, torch
+2.11, batch 32 at 224 px, 2026-12-01: `tools/train_step_ab.py --model vit_b_16 --precision bf16
+--without group_casts`). Alone, in CUDA graphs of the copies, 102 such casts of its shapes took
+0.58 ms a copy each and 0.17 ms grouped; in a step most of that ran beside other kernels.
 
 Every cast whose result is a graph output (a gradient) that no op reads becomes part of a group
 of about `GROUP_BYTES` of results, in program order, each group where its last cast was (every
@@ -12,8 +14,8 @@ data-parallel step are all-reduced in buckets of 25 MB by default as their last 
 groups of a similar size keep that overlap, and a bfloat16 gradient waits for its group at most.
 
 The forward's casts of the weights are left as they are: grouped into one op at the start of the
-step, they made vit_b_16's bf16 step 0.3 ms slower (12.02 against 11.73 ms, with the gradients'
-groups too: `tools/train_step_ab.py --without group_casts`, 2026-12-01). Lone casts run beside the
+step (with the gradients' groups too, and a generated kernel for both), they made vit_b_16's
+bf16 step 0.3 ms slower (12.02 against 11.73 ms, same command). Lone casts run beside the
 forward's first products on the other streams; one op of them all runs before any.
 
 A cast here is `_to_copy` to another floating dtype, and nothing else (no layout, pinning or

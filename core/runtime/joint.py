@@ -38,7 +38,6 @@ from ..plan.schedule import Schedule
 from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
 from .kernels import batch_norm, reductions, step_attention, step_norms
-from .kernels import casts as cast_kernels
 from .kernels.cudnn_graph import Workspaces
 from .kernels.fused import FusedKernel
 from .placed import substitutes
@@ -224,8 +223,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
     bound as computed. Batch norm with its activation, each way, writes its buffers through
     `kernels/batch_norm` (aten's ops and copies where its kernels do not run); layer norm and its
     backward (every gradient asked for), alone or with an add (`ops/add_norm`), through
-    `kernels/step_norms` on CUDA; a group of casts (`ops/casts`) through `kernels/casts`, on
-    any device (aten's copies where its kernels do not run). (The rare step whose gradients leave eager's by 1e-4 to 1e-2
+    `kernels/step_norms` on CUDA; a group of casts (`ops/casts`) into its buffers by
+    `cast_group_into`, on any device. (The rare step whose gradients leave eager's by 1e-4 to 1e-2
     comes with them and without, on one stream too: a kink's flip, `tools/train_step_drift.py
     --smooth`.)"""
     if op.target == fusion.FUSED:
@@ -238,8 +237,7 @@ def _placed(op, cuda: bool) -> PlacedOp:
         return PlacedOp(op, add_norm.FUNCTIONS[op.target], step_norms.OUT_FUNCTIONS[op.target] if cuda else None,
                         list(step_norms.OUT_NAMES[op.target]) if cuda else [], None)
     if op.target == casts.CAST_GROUP:
-        return PlacedOp(op, casts.cast_group, cast_kernels.group_into, [f"out{k}" for k in range(len(op.outputs))],
-                        None)
+        return PlacedOp(op, casts.cast_group, cast_group_into, [f"out{k}" for k in range(len(op.outputs))], None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
@@ -256,6 +254,34 @@ def _placed(op, cuda: bool) -> PlacedOp:
     if found is not None and op.target in LAYOUT_BOUND and len(op.outputs) == 1:
         substitute = _LayoutBound(fn, op.kwargs, LAYOUT_BOUND[op.target] == SAME_STRIDES_OUT)
     return PlacedOp(op, fn, found[0] if found else None, list(found[1]) if found else [], substitute)
+
+
+def cast_group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tensor, ...]:
+    """`ops/casts.cast_group` into its buffers (`out0`, `out1`, ...; of `dtype`): the pairs whose
+    source and buffer are dense with the same strides, per source dtype, in one
+    `torch._foreach_copy_`, which copies a few dozen tensors a kernel on CUDA (a weight's gradient
+    and its float32 buffer keep the trace's strides, both through the transpose a linear's backward
+    leaves); any other pair by a copy of its own, as the cast ran alone."""
+    outs = [buffers[f"out{k}"] for k in range(len(tensors))]
+    twins: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for src, dst in zip(tensors, outs):
+        if src.shape == dst.shape and src.stride() == dst.stride() and src.device == dst.device and dense(dst):
+            twins.setdefault(src.dtype, []).append((src, dst))
+        else:
+            dst.copy_(src)
+    for pairs in twins.values():
+        torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
+    return tuple(outs)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its span of memory once each, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _LayoutBound:

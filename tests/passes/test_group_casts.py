@@ -12,6 +12,7 @@ from nimble import passes, train
 from nimble.frontend.builder import GraphBuilder
 from nimble.ir import Graph, TensorSpec
 from nimble.ops import casts, targets
+from nimble.runtime.joint import cast_group_into, dense
 from tests.models import TinyViT
 from tests.runtime.test_train_step import batch
 
@@ -92,3 +93,22 @@ def test_the_op_computes_each_cast():
     xs = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16)]
     got = casts.cast_group(xs, torch.float16)
     assert all(torch.equal(g, x.to(torch.float16)) for g, x in zip(got, xs))
+
+
+def test_a_step_copies_a_group_into_its_buffers_twins_together_and_the_rest_alone():
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(6, 4, generator=g).to(torch.bfloat16).t(),  # a weight's gradient, and its buffer alike
+               torch.randn(5, generator=g).to(torch.bfloat16),
+               torch.randn(3, 4, generator=g).to(torch.bfloat16).t()]  # into a row-major buffer: alone
+    buffers = [torch.empty(6, 4).t(), torch.empty(5), torch.empty(4, 3)]
+    outs = cast_group_into(sources, torch.float32, **{f"out{k}": b for k, b in enumerate(buffers)})
+    assert all(o is b for o, b in zip(outs, buffers))
+    assert all(torch.equal(b, s.float()) for s, b in zip(sources, buffers))
+    assert buffers[0].stride() == (1, 4) and buffers[2].is_contiguous()  # each written in its own layout
+
+
+def test_dense_knows_a_layout_that_fills_its_memory():
+    assert dense(torch.zeros(4, 6)) and dense(torch.zeros(6, 4).t()) and dense(torch.zeros(4, 1, 6)[:, 0])
+    assert dense(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert not dense(torch.zeros(4, 6)[:, :3]) and not dense(torch.zeros(8, 4)[::2])
+    assert not dense(torch.zeros(3, 1).expand(3, 4))
