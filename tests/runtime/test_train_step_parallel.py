@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import nimble
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +21,7 @@ from tests.models import MobileNetV2Small
 from tests.runtime.test_train_step import batch
 
 
-def _data_parallel_worker(rank: int, folder: str) -> None:
+def _data_parallel_worker(rank: int, folder: str, precision: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two processes on a CI machine of two cores, beside the other tests
@@ -30,8 +31,13 @@ def _data_parallel_worker(rank: int, folder: str) -> None:
         net = MobileNetV2Small()
         eager = nn.parallel.DistributedDataParallel(copy.deepcopy(net))  # broadcasts rank 0's too
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=True)
-        step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 32), optimizer=opt, bucket_mb=0.02)
+        step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 32), optimizer=opt, bucket_mb=0.02,
+                                precision=precision)
         assert len(step._data.buckets) > 1  # so that buckets go while the backward still runs
+        if precision == "bf16":  # the gradients' casts grouped, each group's gradients reported as they come
+            assert any(op.target == "nimble::cast_group" for op in step.graph.ops)
+        # in bf16, eager computes in bfloat16 too (autocast), its gradients reduced as DDP reduces them
+        loss_tol, grad_tol = (1e-4, 1e-4) if precision == "fp32" else (2e-2, 5e-2)
         for k in range(4):
             x, t = batch(4, 32, seed=100 * rank + k)  # each process its own half of the batch
             with torch.no_grad():
@@ -40,14 +46,15 @@ def _data_parallel_worker(rank: int, folder: str) -> None:
                 for p, q in zip(eager.module.buffers(), net.buffers()):
                     p.copy_(q)
             eager.zero_grad(set_to_none=True)
-            expected = F.cross_entropy(eager(x), t)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                expected = F.cross_entropy(eager(x), t)
             expected.backward()  # DDP averages the gradients over the two processes
             grads = [p.grad.clone() for p in eager.module.parameters()]
             loss = step(x, t)
-            assert abs(float(loss) - float(expected.detach())) <= 1e-4 * abs(float(expected.detach())), (rank, k)
+            assert abs(float(loss) - float(expected.detach())) <= loss_tol * abs(float(expected.detach())), (rank, k)
             scale = max(float(g.abs().max()) for g in grads)
             for (n, p), g in zip(net.named_parameters(), grads):
-                assert float((p.grad - g).abs().max()) <= 1e-4 * scale, (rank, k, n)
+                assert float((p.grad - g).abs().max()) <= grad_tol * scale, (rank, k, n)
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         both = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(both, flat)
@@ -61,8 +68,9 @@ def _data_parallel_worker(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def test_data_parallel_over_two_gloo_processes_averages_gradients_as_distributed_data_parallel_does(tmp_path):
-    torch.multiprocessing.spawn(_data_parallel_worker, args=(str(tmp_path),), nprocs=2, join=True)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_data_parallel_over_two_gloo_processes_averages_gradients_as_distributed_data_parallel_does(tmp_path, precision):
+    torch.multiprocessing.spawn(_data_parallel_worker, args=(str(tmp_path), precision), nprocs=2, join=True)
 
 
 def test_torchrun_launches_data_parallel_training_on_gloo(tmp_path):
