@@ -53,7 +53,7 @@ from .stages import Stages
 # its pieces' sources through views instead of copies of them where it can, and a copy that only
 # views read becomes those views of its source where it can (attention's packed projection); after
 # fusion each layer norm takes in the residual join before it and its backward the add after it,
-# and a mixed-precision step's casts of weights and of gradients go a dozen or so to a kernel.
+# and a mixed-precision step's casts of its gradients go a few dozen to a kernel.
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
                        + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION
@@ -71,11 +71,12 @@ LAYOUTS = ("auto", "contiguous", "channels_last")  # of a step's 4-D activations
 # 9.74 and 3188 with 60, 9.70 and 2938 with 4 (benchmarks/results/training_224_h200_2026-11-30.md).
 STEP_STREAMS = 4
 
-# A step's "auto" layout: channels_last from this many 2-D convolutions in the forward. swin_t's one convolution, its patch embedding,
-# laid every (B, H, W, C) map of its blocks out channels_last, which puts C, the dim its layer
-# norms and linears read along, out of order: H200, torch 2.11, bf16, batch 32 at 224 px,
-# 2026-12-01, kernel time per step 23.58 ms channels_last against 16.68 contiguous
-# (`tools/train_step_kernels.py --model swin_t --precision bf16 --layouts contiguous channels_last`).
+# A step's "auto" layout: channels_last from this many 2-D convolutions in the forward. swin_t's
+# one convolution, its patch embedding, laid every (B, H, W, C) map of its blocks out
+# channels_last, which puts C, the dim its layer norms and linears read along, out of order: H200,
+# torch 2.11, bf16, batch 32 at 224 px, 2026-12-01, 20.61 ms a step channels_last against 14.09
+# contiguous (`benchmarks/training.py --step-layouts auto channels_last`; vit_b_16, one
+# convolution too, 11.68 against 11.67).
 CONVOLUTIONAL = 2
 
 

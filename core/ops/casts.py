@@ -16,4 +16,3 @@ CAST_GROUP = "nimble::cast_group"
 
 def cast_group(tensors, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return tuple(torch.ops.aten._to_copy.default(t, dtype=dtype) for t in tensors)
-

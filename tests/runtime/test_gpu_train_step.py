@@ -117,9 +117,9 @@ def test_a_transformer_s_steps_on_cuda_follow_eager_with_attention_by_cudnn_or_f
     and cuDNN kernels' results include sizes as numbers: `frontend/joint.attention_kernels`), and
     runs that pair as cuDNN's or flash's kernels in bf16 (`kernels/step_attention`), as traced in
     fp32, and its layer norms, with the adds beside them, as `kernels/step_norms`, and in bf16 its
-    gradients' casts grouped; 20 captured AdamW steps against eager, which runs whichever kernel torch picks: in fp32 (TF32 off)
-    the loss within 1e-4 and the gradients within 1e-3 on every step; in bf16 the loss within 2e-2,
-    and the gradients no further from eager's float32 ones than eager's bf16 ones are, give or take
+    gradients' casts grouped; 20 captured AdamW steps against eager, which runs whichever kernel
+    torch picks: in fp32 (TF32 off) the loss within 1e-4 and the gradients within 1e-3 on every
+    step; in bf16 the loss within 2e-2, and the gradients no further from eager's float32 ones than eager's bf16 ones are, give or take
     a quarter, on average over the steps."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
