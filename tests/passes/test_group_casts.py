@@ -11,9 +11,10 @@ import nimble
 from nimble import passes, train
 from nimble.frontend.builder import GraphBuilder
 from nimble.ir import Graph, TensorSpec
-from nimble.ops import casts, targets
+from nimble.ops import casts
 from nimble.runtime.joint import cast_group_into, dense
 from tests.models import TinyViT
+from tests.passes.test_fuse_layer_norm_adds import _emit
 from tests.runtime.test_train_step import batch
 
 CAST = "aten::_to_copy.default"
@@ -46,11 +47,6 @@ def test_a_bf16_step_casts_its_gradients_in_groups_and_keeps_its_results():
         assert torch.equal(step(x, t), before(x, t))
         for p, q in zip(net.parameters(), other.parameters()):
             assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
-
-
-def _emit(b: GraphBuilder, target: str, ins: list, line: int):
-    results = b.emit(targets.resolve(target, training=True)._schema, target, ins, f"m.py:{line}")
-    return results[0] if isinstance(results, list) and len(results) == 1 else results
 
 
 def _gradients(shapes, read: int | None = None, formatted: int | None = None) -> Graph:
