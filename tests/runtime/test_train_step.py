@@ -191,6 +191,20 @@ def test_a_channels_last_step_gives_eager_s_loss_and_gradients(make):
         nimble.TrainStep(make(), F.cross_entropy, *batch(4, 32), layout="nhwc")
 
 
+def test_prepare_runs_with_the_cycle_collector_paused_and_leaves_it_as_it_was():
+    import gc
+
+    seen = []
+
+    def loss(out, target):
+        seen.append(gc.isenabled())  # called while the step's trace runs
+        return F.cross_entropy(out, target)
+
+    assert gc.isenabled()
+    nimble.TrainStep(TinyViT(), loss, *batch(4, 16))
+    assert seen and not any(seen) and gc.isenabled()
+
+
 def test_auto_takes_channels_last_for_a_convolutional_net_and_not_for_a_patch_embedding():
     """On CUDA "auto" lays a step out channels_last from `CONVOLUTIONAL` convolutions: a conv net
     has many, a vision transformer one (its patch embedding, after which its maps are (B, L, C)
