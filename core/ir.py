@@ -52,6 +52,17 @@ class TensorSpec:
         return self.offset * ITEMSIZE[self.dtype] + self.nbytes
 
 
+def dense_layout(shape, strides) -> bool:
+    """Whether `strides` lay `shape`'s elements over their span once each (a permutation of a
+    row-major layout; dims of one element may have any stride)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(shape, strides) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):

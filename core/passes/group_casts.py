@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Graph, Op, Ref, Special
+from ..ir import ITEMSIZE, Graph, Op, Ref, Special
 from ..ops import casts
 from .substitute import rebuild
 
 CAST = "aten::_to_copy.default"
 FLOATS = ("float32", "float16", "bfloat16")
 GROUP_BYTES = 32 * 2**20  # results of one backward group, at most (a lone larger cast is a group of its own)
-_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _NEUTRAL = {"layout": (None, Special("layout", "torch.strided")), "device": None, "pin_memory": (None, False),
             "non_blocking": (False,), "memory_format": (None, Special("memory_format", "torch.preserve_format"))}
 
@@ -90,9 +89,7 @@ def _chunks(graph: Graph, members: list[Op]) -> list[list[Op]]:
     size = 0
     for m in members:
         spec = graph.values[m.outputs[0]].spec
-        n = _SIZES[spec.dtype]
-        for d in spec.shape:
-            n *= d
+        n = spec.numel * ITEMSIZE[spec.dtype]
         if chunks[-1] and size + n > GROUP_BYTES:
             chunks.append([])
             size = 0

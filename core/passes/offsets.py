@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, dense_layout
 from ..ops import arguments, targets
 from .edit import Edit
 
@@ -33,14 +33,7 @@ def lookups(graph: Graph) -> tuple[dict[int, list[Op]], dict[int, Op], set[int],
 
 def dense(spec: TensorSpec) -> bool:
     """Whether `spec` covers its span exactly (a permutation of a row-major layout)."""
-    strides = spec.strides or row_major(spec.shape)
-    dims = sorted((s, n) for n, s in zip(spec.shape, strides) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
+    return dense_layout(spec.shape, spec.strides or row_major(spec.shape))
 
 
 def row_major(shape) -> tuple[int, ...]:

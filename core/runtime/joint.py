@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import ExecutionError, first_line
-from ..ir import ACTIVATION, WEIGHT, Graph, contiguous_strides
+from ..ir import ACTIVATION, WEIGHT, Graph, contiguous_strides, dense_layout
 from ..ops import add_norm, casts, fusion, norm_act, targets
 from ..ops.arguments import flatten_result, masked, op_arguments, output_mask, to_torch
 from ..ops.execute import run_ops
@@ -265,23 +265,14 @@ def cast_group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tenso
     outs = [buffers[f"out{k}"] for k in range(len(tensors))]
     twins: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for src, dst in zip(tensors, outs):
-        if src.shape == dst.shape and src.stride() == dst.stride() and src.device == dst.device and dense(dst):
+        if src.shape == dst.shape and src.stride() == dst.stride() and src.device == dst.device \
+                and dense_layout(dst.shape, dst.stride()):
             twins.setdefault(src.dtype, []).append((src, dst))
         else:
             dst.copy_(src)
     for pairs in twins.values():
         torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
     return tuple(outs)
-
-
-def dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements fill its span of memory once each, in some order of its dims."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class _LayoutBound:

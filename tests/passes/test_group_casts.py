@@ -12,7 +12,8 @@ from nimble import passes, train
 from nimble.frontend.builder import GraphBuilder
 from nimble.ir import Graph, TensorSpec
 from nimble.ops import casts
-from nimble.runtime.joint import cast_group_into, dense
+from nimble.ir import dense_layout
+from nimble.runtime.joint import cast_group_into
 from tests.models import TinyViT
 from tests.passes.test_fuse_layer_norm_adds import _emit
 from tests.runtime.test_train_step import batch
@@ -104,6 +105,9 @@ def test_a_step_copies_a_group_into_its_buffers_twins_together_and_the_rest_alon
 
 
 def test_dense_knows_a_layout_that_fills_its_memory():
+    def dense(t):
+        return dense_layout(t.shape, t.stride())
+
     assert dense(torch.zeros(4, 6)) and dense(torch.zeros(6, 4).t()) and dense(torch.zeros(4, 1, 6)[:, 0])
     assert dense(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
     assert not dense(torch.zeros(4, 6)[:, :3]) and not dense(torch.zeros(8, 4)[::2])

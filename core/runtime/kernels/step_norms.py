@@ -17,7 +17,8 @@ torch.compile's fused layer-norm kernels took about 0.65 (`tools/train_step_kern
   the trace's, sequence-major where the rows were computed so).
 - BACKWARD: each program takes a run of rows, ROW_BLOCK at a time (the input's rows and the
   gradient's may each lie through up to two strides of their own). It writes each row's input
-  gradient (plus a residual gradient r with ADD, `ops/add_norm`), dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)) with xhat = (x - mean) * rstd,
+  gradient (plus a residual gradient r with ADD, `ops/add_norm`),
+  dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)) with xhat = (x - mean) * rstd,
   and sums g*xhat and g over its rows into float32 partials, one row of each per program. The
   partials are then summed over the programs into the weight's and bias's gradients by the spatial
   mean's kernel, unscaled (`reductions.sum_launches`): a fixed order, no atomics.
@@ -150,11 +151,6 @@ def _rows(x: torch.Tensor, shape) -> tuple[int, tuple[int, int, int]] | None:
     return (n, where) if where is not None else None
 
 
-def _reach(t: torch.Tensor) -> int:
-    """One past the farthest element `t` reads."""
-    return sum((d - 1) * st for d, st in zip(t.shape, t.stride())) + 1
-
-
 def rows_of(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
     """(D1, S0, S1) such that row r of `t` (its last `n` elements in row-major order, dense) starts
     at element (r // D1) * S0 + (r % D1) * S1: its leading dimensions as at most two strided ones
@@ -220,8 +216,8 @@ def forward_launch(x, shape, weight, bias, eps, y, mean, rstd, added=None) -> tu
     return ((rows,), (x, r, s, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, float(eps),
                       *x_rows, *r_rows, *s_rows, *y_rows),
             dict(N=n, HAS_W=weight is not None, HAS_B=bias is not None, ADD=added is not None,
-                 WIDE=max(x.numel(), *(_reach(t) for t in (x, r, s, y))) + block > codegen.INT32_LIMIT, BLOCK=block,
-                 num_warps=generated.row_warps(block)))
+                 WIDE=max(x.numel(), *(codegen.span(t) + 1 for t in (x, r, s, y))) + block > codegen.INT32_LIMIT,
+                 BLOCK=block, num_warps=generated.row_warps(block)))
 
 
 def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
@@ -257,7 +253,8 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
     args = (g, x, x if weight is None else weight, mean, rstd, r, dx, dw, db, rows, per, *g_rows, *x_rows, *r_rows,
             *dx_rows)
     constants = dict(N=n, HAS_W=weight is not None, ADD=residual is not None,
-                     WIDE=max(x.numel(), *(_reach(t) for t in (x, g, r, dx))) + per * n + block > codegen.INT32_LIMIT,
+                     WIDE=max(x.numel(), *(codegen.span(t) + 1 for t in (x, g, r, dx))) + per * n + block
+                     > codegen.INT32_LIMIT,
                      ROW_BLOCK=row_block, BLOCK=block, num_warps=8 if row_block * block >= ROW_TILE else 4)
     return (count,), args, constants, (dw, db)
 
