@@ -43,7 +43,10 @@ def _identity_of(graph: Graph, facts: Facts, op: Op) -> int | None:
         return None
     if op.target in PADS:
         amounts = op.args[1] if len(op.args) > 1 else None
-        mode = op.args[2] if len(op.args) > 2 else dict(op.kwargs).get("mode", "constant")
+        # pad(input, pad, mode, value); constant_pad_nd(input, pad, value) has no mode, and the value
+        # fills nothing where every amount is zero
+        mode = "constant" if op.target == "aten::constant_pad_nd.default" \
+            else op.args[2] if len(op.args) > 2 else dict(op.kwargs).get("mode", "constant")
         if not isinstance(amounts, (tuple, list)) or any(a != 0 for a in amounts) or mode not in ("constant", None):
             return None
     elif any(a is not None and not _contiguous_format(a) for a in op.args[1:]) \

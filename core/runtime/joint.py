@@ -297,9 +297,11 @@ NORM_ACT_OUTPUTS = ("y", "mean", "rstd", "new_mean", "new_var")
 NORM_ACT_BACKWARD_OUTPUTS = ("dx", "dweight", "dbias")
 
 # ops whose out= overload computes, then copies (`copies`), but that write a given buffer another
-# way: relu by clamp_min's out= kernel, a cast or clone by one copy into it (`placed/substitutes`);
-# and a sum over leading dimensions (a bias's gradient) by a generated kernel (`kernels/reductions`)
-SUBSTITUTES = {**{t: substitutes.SUBSTITUTES[t] for t in ("aten::relu.default", "aten::_to_copy.default")},
+# way: relu by clamp_min's out= kernel, a cast or clone by one copy into it, a roll by one generated
+# kernel (`placed/substitutes`); and a sum over leading dimensions (a bias's gradient) by a generated
+# kernel (`kernels/reductions`)
+SUBSTITUTES = {**{t: substitutes.SUBSTITUTES[t] for t in ("aten::relu.default", "aten::_to_copy.default",
+                                                          "aten::roll.default")},
                "aten::clone.default": substitutes.copy, "aten::sum.dim_IntList": reductions.leading_sum}
 
 
