@@ -49,14 +49,16 @@ from .stages import Stages, cycles_uncollected
 
 # A joint graph takes inference's passes, fusion's included, less those that assume frozen weights
 # and eval-mode batch norm (here the parameters are inputs, and batch norm is training-mode), and
-# before fusion the gradients of a tensor taken apart at every index become one stack, which reads
+# before fusion the gradients of a tensor taken apart at every index become one stack, and those of
+# one taken apart into strided slices one buffer the pieces are copied into; a stack reads
 # its pieces' sources through views instead of copies of them where it can, and a copy that only
 # views read becomes those views of its source where it can (attention's packed projection); after
 # fusion each layer norm takes in the residual join before it and its backward the add after it,
 # and a mixed-precision step's casts of its gradients go a few dozen to a kernel.
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
-                       + (passes.stack_select_gradients, passes.stack_views, passes.drop_view_clones) + FUSION
+                       + (passes.stack_select_gradients, passes.scatter_slice_gradients, passes.stack_views,
+                          passes.drop_view_clones) + FUSION
                        + (passes.fuse_layer_norm_adds, passes.group_casts))
 
 

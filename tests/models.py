@@ -333,3 +333,29 @@ class TinyConvNeXt(nn.Module):
         x = self.scale * y.permute(0, 3, 1, 2) + x  # laid out as the permuted branch: channels-last strides
         x = self.head_norm(self.pool(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return self.head(x.flatten(1))
+
+
+class TinySwin(nn.Module):
+    """Swin's moves without attention: a patch embedding, a shifted window block (a roll, the
+    windows split off, a GELU MLP per window, merged back, rolled back, the residual add, a layer
+    norm) and a patch merging (every other row and column in four ways, concatenated, a layer norm
+    and a linear), then a head."""
+
+    def __init__(self, channels: int = 16, window: int = 4, classes: int = 10):
+        super().__init__()
+        self.window, self.shift = window, window // 2
+        self.embed = nn.Conv2d(3, channels, 4, stride=4)
+        self.mlp = nn.Sequential(nn.Linear(channels, 2 * channels), nn.GELU(), nn.Linear(2 * channels, channels))
+        self.norm, self.merge_norm = nn.LayerNorm(channels), nn.LayerNorm(4 * channels)
+        self.reduce, self.head = nn.Linear(4 * channels, 2 * channels), nn.Linear(2 * channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x).permute(0, 2, 3, 1)
+        b, h, w, c = x.shape
+        s = self.window
+        y = torch.roll(x, (-self.shift, -self.shift), (1, 2))
+        y = y.view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+        y = self.mlp(y).view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        x = self.norm(x + torch.roll(y, (self.shift, self.shift), (1, 2)))
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        return self.head(self.reduce(self.merge_norm(x)).mean((1, 2)))

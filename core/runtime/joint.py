@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ExecutionError, first_line
 from ..ir import ACTIVATION, WEIGHT, Graph, contiguous_strides, dense_layout
-from ..ops import add_norm, casts, fusion, norm_act, targets
+from ..ops import add_norm, casts, fusion, norm_act, scatters, targets
 from ..ops.arguments import flatten_result, masked, op_arguments, output_mask, to_torch
 from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
@@ -224,7 +224,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
     `kernels/batch_norm` (aten's ops and copies where its kernels do not run); layer norm and its
     backward (every gradient asked for), alone or with an add (`ops/add_norm`), through
     `kernels/step_norms` on CUDA; a group of casts (`ops/casts`) into its buffers by
-    `cast_group_into`, on any device. (The rare step whose gradients leave eager's by 1e-4 to 1e-2
+    `cast_group_into`, and slices' gradients (`ops/scatters`) into theirs by `slice_sum_into`, on
+    any device. (The rare step whose gradients leave eager's by 1e-4 to 1e-2
     comes with them and without, on one stream too: a kink's flip, `tools/train_step_drift.py
     --smooth`.)"""
     if op.target == fusion.FUSED:
@@ -238,6 +239,8 @@ def _placed(op, cuda: bool) -> PlacedOp:
                         list(step_norms.OUT_NAMES[op.target]) if cuda else [], None)
     if op.target == casts.CAST_GROUP:
         return PlacedOp(op, casts.cast_group, cast_group_into, [f"out{k}" for k in range(len(op.outputs))], None)
+    if op.target == scatters.SLICE_SUM:
+        return PlacedOp(op, scatters.slice_sum, slice_sum_into, ["out"], None)
     fn = targets.resolve(op.target, training=True)
     mask = output_mask(fn._schema, list(op.args))
     if mask is not None and not all(mask):  # as the frontend typed it: the left-out results are None
@@ -273,6 +276,16 @@ def cast_group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tenso
     for pairs in twins.values():
         torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
     return tuple(outs)
+
+
+def slice_sum_into(pieces, slices, sizes, covers: bool, out: torch.Tensor) -> torch.Tensor:
+    """`ops/scatters.slice_sum` into its buffer: each piece copied into its place, after zeros where
+    the pieces leave some of it out (they never share an element)."""
+    if not covers:
+        out.zero_()
+    for piece, where in zip(pieces, slices):
+        scatters.view_of(out, where).copy_(piece)
+    return out
 
 
 class _LayoutBound:

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nimble.ops import add_norm, casts
-from nimble.runtime.kernels import step_attention, step_norms
-from tests.models import MobileNetV2Small, ResNet18, TinyEncoder, smoothed
+from nimble.ops import add_norm, casts, scatters
+from nimble.runtime.kernels import movement, step_attention, step_norms
+from tests.models import MobileNetV2Small, ResNet18, TinyEncoder, TinySwin, smoothed
 from tests.runtime.test_train_step import batch, relative
 from tests.runtime.test_train_step_parallel import torchrun_trains_alike
 
@@ -64,11 +64,36 @@ def test_the_nets_with_kinks_follow_eager_but_on_a_rare_step(model):
     assert sum(e > 1e-3 for e in errors) <= 4 and max(errors) <= 5e-2, errors
 
 
+@pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, None)])
+def test_a_shifted_window_step_rolls_by_the_generated_kernel_and_copies_the_merge_s_gradients_into_place(
+        precision, loss_tol, grad_tol):
+    """Swin's moves (`TinySwin`), captured on the planned streams, contiguous (one convolution):
+    every roll runs as `kernels/movement`'s kernel into its buffer, and the patch merging's
+    gradient is its four pieces copied into one buffer (`passes/scatter_slice_gradients`); the
+    loss and the gradients follow eager's as the conv nets' do (bf16: no further from float32's
+    than eager's bf16 ones, give or take a quarter)."""
+    errors = _steps(TinySwin, precision, loss_tol, True, "auto", layout="contiguous", check=_rolled_and_scattered)
+    if grad_tol is not None:
+        assert max(e for e, _, _ in errors) <= grad_tol, errors
+    else:
+        ours, eager = sum(e for _, e, _ in errors) / len(errors), sum(e for _, _, e in errors) / len(errors)
+        assert ours <= 1.25 * eager + 5e-3 and max(e for _, e, _ in errors) <= 0.25, errors
+
+
+def _rolled_and_scattered(step) -> None:
+    targets = [op.target for op in step.graph.ops]
+    assert targets.count("aten::roll.default") == 4 and targets.count(scatters.SLICE_SUM) == 1, targets
+    assert "aten::slice_backward.default" not in targets
+    assert all(p.substitute is movement.roll for p in step.runner.placed if p.op.target == "aten::roll.default")
+    assert movement._roll.kernel is not None and not movement._roll.failed
+
+
 def _steps(make, precision: str, loss_tol: float, graphs: bool, streams,
-           layout: str = "auto") -> list[tuple[float, float, float]]:
+           layout: str = "auto", check=None) -> list[tuple[float, float, float]]:
     """Each of 20 SGD steps' relative gradient differences (asserting the loss): the step's from
     eager's at its precision, and in bf16 the step's and eager's from eager's in float32 (else 0);
-    eager laid out as the step is (its convolutions then sum in the same order)."""
+    eager laid out as the step is (its convolutions then sum in the same order). `check(step)`
+    asserts more of the step after its 20 steps."""
     errors = []
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -105,6 +130,8 @@ def _steps(make, precision: str, loss_tol: float, graphs: bool, streams,
         if graphs:
             assert step.runner.captured is not None
             assert step._grads and all(p.grad is g for p, g in step._grads)  # the captured step's own tensors
+        if check is not None:
+            check(step)
         step.close()
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
