@@ -14,7 +14,7 @@ on, SGD with momentum (fused), 10 classes, random data: as `benchmarks/training.
 bf16` runs TrainStep with precision="bf16" and torch.compile under torch.autocast, as it does.
 `--by-op` also runs each layout's step uncaptured on one stream under the profiler and prints its GPU
 time by the aten op the runtime called, with input shapes: which copies are whose (it found the 48
-attention copies that `joint._as_traced` now spares). First use (H200, 2026-11-30): `benchmarks/results/training_kernels_resnet50_h200_2026-11-30.txt`,
+attention copies that `joint._views_hold` now spares). First use (H200, 2026-11-30): `benchmarks/results/training_kernels_resnet50_h200_2026-11-30.txt`,
 which showed the step's batch norm kernels at twice their time in NCHW (8.5 against 4.5 ms of
 20.7) and cuDNN converting layouts around every convolution, before steps became channels_last.
 """

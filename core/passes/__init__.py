@@ -40,7 +40,6 @@ from .merge_sibling_convolutions import merge_sibling_convolutions
 from .name_values import name_io, name_values
 from .normalise_convolutions import normalise_convolutions
 from .order_canonically import order_canonically
-from .pad_gemm_rows import pad_gemm_rows
 from .precompute_attention_masks import precompute_attention_masks
 from .scatter_slice_gradients import scatter_slice_gradients
 from .stack_select_gradients import stack_select_gradients
@@ -59,5 +58,5 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "generate_broadcast_ops", "group_casts", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",
-           "order_canonically", "pad_gemm_rows", "precompute_attention_masks", "scatter_slice_gradients", "stack_select_gradients",
+           "order_canonically", "precompute_attention_masks", "scatter_slice_gradients", "stack_select_gradients",
            "stack_views", "drop_view_clones"]

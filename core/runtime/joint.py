@@ -35,8 +35,7 @@ from ..ops.execute import run_ops
 from ..ops.interpret import run_fused
 from ..plan.memory import MemoryPlan
 from ..plan.schedule import Schedule
-from ..ops.views import UNMARKED_VIEWS, replay, view_trees
-from .assemble.choice import channels_last_values, viewed
+from .assemble.choice import UNMARKED_VIEWS, channels_last_values, viewed
 from .base import streams
 from .kernels import batch_norm, reductions, step_attention, step_norms
 from .kernels.cudnn_graph import Workspaces
@@ -124,7 +123,7 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
     # not take every view of it (a view of a channels_last map to (N, C*H*W), as after VGG's
     # pooling, has no strides that fit; cuDNN's attention gradients, laid out as their inputs, do)
     shared, free = viewed(graph, SAME_STRIDES), loose(graph, placed)
-    trees = view_trees(graph)
+    trees = _view_trees(graph)
     for k, p in enumerate(placed):
         traced = {i: (graph.values[v].spec, v, trees.get(v, ())) for i, v in enumerate(p.op.outputs)
                   if v in shared and v in free}
@@ -134,10 +133,10 @@ def placed_ops(graph: Graph, device: torch.device, workspaces: Workspaces | None
 
 
 def _as_traced(fn: Callable, traced: dict[int, tuple]) -> Callable:
-    """`fn` with each result at a position of `traced` (its spec, value and `ops/views.view_trees`
-    ops) copied into the strides of its spec (the trace's; contiguous where it gives none) where its
+    """`fn` with each result at a position of `traced` (its spec, value and `_view_trees` ops)
+    copied into the strides of its spec (the trace's; contiguous where it gives none) where its
     own differ in a dimension longer than 1 and some view of it does not take them
-    (`ops/views.replay`; decided once per geometry)."""
+    (`_views_hold`; decided once per geometry)."""
     held: dict[tuple, bool] = {}
 
     def run(*args, **kwargs):
@@ -148,12 +147,50 @@ def _as_traced(fn: Callable, traced: dict[int, tuple]) -> Callable:
             if isinstance(t, torch.Tensor) and any(n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), strides)):
                 key = (k, tuple(t.shape), tuple(t.stride()))
                 if key not in held:
-                    held[key] = replay(t.shape, t.stride(), t.dtype, value, views) is not None
+                    held[key] = _views_hold(t, value, views)
                 if not held[key]:
                     results[k] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
         return results
     run.__wrapped__ = fn  # `inspect.unwrap` finds the op's own function
     return run
+
+
+# views whose result is a function of their input's elements alone, not of its strides: where each
+# view of a result bound as computed is one of these and takes its strides, they need not be the
+# trace's (as_strided, say, reads the strides themselves: its input keeps the trace's)
+LOGICAL_VIEWS = frozenset(f"aten::{name}" for name in (
+    "view.default", "_unsafe_view.default", "permute.default", "transpose.int", "t.default",
+    "select.int", "slice.Tensor", "narrow.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
+    "squeeze.default", "expand.default", "detach.default", "alias.default", "unflatten.int", "flatten.using_ints",
+    "split.Tensor", "split_with_sizes.default", "unbind.int", "chunk.default", "diagonal.default"))
+
+
+def _view_trees(graph: Graph) -> dict[int, tuple]:
+    """Root value -> the ops, in graph order, that make its views (and views of those), and the
+    views by an op of UNMARKED_VIEWS of it or of them."""
+    trees: dict[int, list] = {}
+    for op in graph.ops:
+        roots = {graph.root(r) for r in op.refs()}
+        made = [graph.values[o].alias_of for o in op.outputs if graph.values[o].alias_of is not None]
+        for root in set(made) | (roots if op.target in UNMARKED_VIEWS else set()):
+            trees.setdefault(root, []).append(op)
+    return {root: tuple(ops) for root, ops in trees.items()}
+
+
+def _views_hold(t: torch.Tensor, value: int, views: tuple) -> bool:
+    """Whether every op of `views` (`_view_trees`' for `value`) is a view of LOGICAL_VIEWS that
+    takes its input as laid out when `value` has `t`'s strides: tried on the meta device."""
+    meta = torch.device("meta")
+    env = {value: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta)}
+    for op in views:
+        if op.target not in LOGICAL_VIEWS:
+            return False
+        try:
+            args, kwargs = op_arguments(op, env, meta)
+            env.update(zip(op.outputs, flatten_result(targets.resolve(op.target, training=True)(*args, **kwargs))))
+        except Exception:  # noqa: BLE001 (a view these strides do not take, or a tensor from outside the tree)
+            return False
+    return True
 
 
 # views that keep their input's strides: a value they share may still be laid out channels_last

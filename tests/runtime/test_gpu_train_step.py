@@ -80,27 +80,6 @@ def test_a_shifted_window_step_rolls_by_the_generated_kernel_and_copies_the_merg
         assert ours <= 1.25 * eager + 5e-3 and max(e for _, e, _ in errors) <= 0.25, errors
 
 
-@pytest.mark.parametrize("precision, loss_tol, grad_tol", [("fp32", 1e-4, 1e-3), ("bf16", 1e-2, None)])
-def test_a_window_attention_step_pads_its_products_rows_and_follows_eager(precision, loss_tol, grad_tol):
-    """Attention in windows of 7 tokens (`test_padded_rows.WindowAttention`), captured: its
-    scores' rows (28 bytes in float32, 14 in bf16) padded to 16 bytes for cuBLAS
-    (`passes/pad_gemm_rows`), and the loss and gradients as eager's."""
-    from tests.runtime.test_padded_rows import WindowAttention
-
-    errors = _steps(WindowAttention, precision, loss_tol, True, "auto", layout="contiguous", check=_padded)
-    if grad_tol is not None:
-        assert max(e for e, _, _ in errors) <= grad_tol, errors
-    else:
-        ours, eager = sum(e for _, e, _ in errors) / len(errors), sum(e for _, _, e in errors) / len(errors)
-        assert ours <= 1.25 * eager + 5e-3 and max(e for _, e, _ in errors) <= 0.25, errors
-
-
-def _padded(step) -> None:
-    rows = {tuple(v.spec.strides[-2:]) for v in step.graph.values
-            if v.alias_of is None and v.spec.shape[-2:] == (7, 7) and v.spec.strides}
-    assert rows & {(8, 1)}, rows  # 8 elements a row: 32 bytes in float32, 16 in bf16
-
-
 def _rolled_and_scattered(step) -> None:
     targets = [op.target for op in step.graph.ops]
     assert targets.count("aten::roll.default") == 4 and targets.count(scatters.SLICE_SUM) == 1, targets

@@ -254,14 +254,14 @@ def test_a_channels_last_step_keeps_what_a_view_reshapes_contiguous():
 
 
 def test_a_result_keeps_its_own_strides_where_every_view_of_it_takes_them():
-    """`ops/views.replay`: a result bound as computed is copied into the trace's strides only
+    """`joint._views_hold`: a result bound as computed is copied into the trace's strides only
     where some view of it does not take its own (cuDNN's attention gradients, laid out as their
     inputs, need no copy where the trace's view chain is permutes and views that fit them)."""
     from dataclasses import replace
 
     from nimble.frontend.builder import GraphBuilder
     from nimble.ir import Graph, TensorSpec
-    from nimble.ops.views import replay, view_trees
+    from nimble.runtime.joint import _view_trees, _views_hold
 
     def tree(*steps):
         b = GraphBuilder("m", training=True)
@@ -271,18 +271,15 @@ def test_a_result_keeps_its_own_strides_where_every_view_of_it_takes_them():
         for target, rest in steps:
             v = b.op(target, [v, *rest], "m.py:2")
         graph = Graph(tuple(b.values), tuple(b.ops), (x.id,), (v.id,))
-        return y.id, view_trees(graph).get(y.id, ())
-
-    def hold(t, value, views) -> bool:
-        return replay(t.shape, t.stride(), t.dtype, value, views) is not None
+        return y.id, _view_trees(graph).get(y.id, ())
 
     permuted = torch.empty(2, 4, 3, 5).transpose(1, 2)  # (2, 3, 4, 5), laid out (2, 4, 3, 5)
     value, views = tree(("aten::permute.default", [[0, 2, 1, 3]]), ("aten::view.default", [[2, 2, 2, 3, 5]]))
-    assert len(views) == 2 and hold(permuted, value, views)  # a split fits any strides
+    assert len(views) == 2 and _views_hold(permuted, value, views)  # a split fits any strides
     value, views = tree(("aten::view.default", [[2, 12, 5]]))  # needs dims 1 and 2 dense together
-    assert not hold(permuted, value, views) and hold(torch.empty(2, 3, 4, 5), value, views)
+    assert not _views_hold(permuted, value, views) and _views_hold(torch.empty(2, 3, 4, 5), value, views)
     # a view outside LOGICAL_VIEWS (as_strided reads strides): the trace's kept, whatever the strides
-    assert not hold(torch.empty(2, 3, 4, 5), value, (replace(views[0], target="aten::as_strided.default"),))
+    assert not _views_hold(torch.empty(2, 3, 4, 5), value, (replace(views[0], target="aten::as_strided.default"),))
 
 
 def test_a_transformer_s_steps_give_eager_s_loss_and_gradients():

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from ...ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ...ops import fusion
-from ...ops.views import UNMARKED_VIEWS
 from ...plan.capped import CAPS
 
 LAYOUTS = ("contiguous", "channels_last")
@@ -70,6 +69,11 @@ def conv_weights(graph: Graph) -> set[int]:
                 if graph.values[r].kind == WEIGHT:
                     (as_weight if w == Ref(r) and len(graph.values[r].spec.shape) == 4 else elsewhere).add(r)
     return as_weight - elsewhere
+
+
+# ops whose result can share its input's storage though their schema does not say so (a training
+# step's `_unsafe_view`: the graph gives its result no alias, but it runs as a view)
+UNMARKED_VIEWS = frozenset({"aten::_unsafe_view.default"})
 
 
 def viewed(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
