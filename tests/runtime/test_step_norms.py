@@ -229,3 +229,44 @@ def test_the_kernels_with_the_add_give_the_ops_results_on_the_gpu(transposed):
         scale = max(e.abs().max().item(), 1.0)
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * scale)
     assert not step_norms.DECLINED  # both ran as kernels
+
+
+@gpu
+def test_the_kernels_write_a_bf16_norm_as_the_cast_rounds_it_and_read_a_bf16_gradient():
+    """`passes/fold_norm_casts`' ops on the GPU: the forward stores its float32 result rounded to
+    bfloat16, as the cast after it did, bit for bit; the backward reads a bfloat16 gradient as
+    the cast up gave it (exactly), with the add and without."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    step_norms.DECLINED.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = _transposed(torch.randn(32, 197, 768, device="cuda", generator=g) * 3 + 1)  # sequence-major, as a ViT's
+    r = _transposed(torch.randn(32, 197, 768, device="cuda", generator=g))
+    w, b = (torch.randn(768, device="cuda", generator=g) for _ in range(2))
+    s, y, mean, rstd = add_norm.add_layer_norm(x, r, [768], w, b, 1e-6)
+    full = [torch.full_like(t, float("nan")) for t in (s, y, mean, rstd)]  # the kernel's float32 norm
+    step_norms.add_forward_into(x, r, [768], w, b, 1e-6, out0=full[0], out1=full[1], out2=full[2], out3=full[3])
+    got = [torch.full_like(x, float("nan")), torch.full_like(x, float("nan"), dtype=torch.bfloat16)]
+    got += [torch.full_like(mean, float("nan")), torch.full_like(rstd, float("nan"))]
+    step_norms.add_forward_into(x, r, [768], w, b, 1e-6, torch.bfloat16, out0=got[0], out1=got[1], out2=got[2],
+                                out3=got[3])
+    assert torch.equal(got[1], full[1].to(torch.bfloat16)) and torch.equal(got[0], full[0])
+    torch.testing.assert_close(got[1].float(), y, rtol=1e-2, atol=1e-2)
+    step_norms.forward_into(x, [768], w, b, 1e-6, out0=full[1], out1=got[2], out2=got[3])
+    ours = torch.full_like(x, float("nan"), dtype=torch.bfloat16)
+    step_norms.forward_into(x, [768], w, b, 1e-6, torch.bfloat16, out0=ours, out1=got[2], out2=got[3])
+    assert torch.equal(ours, full[1].to(torch.bfloat16))
+    gy = _transposed(torch.randn(32, 197, 768, device="cuda", generator=g)).bfloat16()
+    for residual in (None, torch.randn_like(x)):
+        want = (add_norm.layer_norm_backward(gy.float(), s, [768], mean, rstd, w, b, [True] * 3) if residual is None
+                else add_norm.layer_norm_backward_add(gy.float(), s, [768], mean, rstd, w, b, residual))
+        outs = [torch.full_like(t, float("nan")) for t in want]
+        if residual is None:
+            step_norms.backward_into(gy, s, [768], mean, rstd, w, b, [True] * 3, out0=outs[0], out1=outs[1],
+                                     out2=outs[2])
+        else:
+            step_norms.backward_add_into(gy, s, [768], mean, rstd, w, b, residual, out0=outs[0], out1=outs[1],
+                                         out2=outs[2])
+        for a, e in zip(outs, want):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * max(e.abs().max().item(), 1.0))
+    assert not step_norms.DECLINED  # every call ran as kernels
