@@ -54,13 +54,12 @@ from .stages import Stages, cycles_uncollected
 # its pieces' sources through views instead of copies of them where it can, and a copy that only
 # views read becomes those views of its source where it can (attention's packed projection); after
 # fusion each layer norm takes in the residual join before it and its backward the add after it,
-# in a mixed-precision step each writes and reads the reduced dtype where a cast did it, and the
-# step's casts of its gradients go a few dozen to a kernel.
+# and a mixed-precision step's casts of its gradients go a few dozen to a kernel.
 JOINT_PASSES: tuple = (tuple(p for p in REWRITES + LAYOUT
                              if p not in (passes.fold_batch_norm, passes.affine_batch_norm))
                        + (passes.stack_select_gradients, passes.scatter_slice_gradients, passes.stack_views,
                           passes.drop_view_clones) + FUSION
-                       + (passes.fuse_layer_norm_adds, passes.fold_norm_casts, passes.group_casts))
+                       + (passes.fuse_layer_norm_adds, passes.group_casts))
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # compute dtype under autocast (None: the module's own)

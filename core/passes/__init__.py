@@ -21,7 +21,6 @@ from .drop_precision_casts import drop_precision_casts
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_ops import eliminate_dead_ops
 from .flatten_concats import flatten_concats
-from .fold_norm_casts import fold_norm_casts
 from .fold_constants import fold_constants
 from .index_as_view import index_as_view
 from .inline_scalar_constants import inline_scalar_constants
@@ -55,7 +54,7 @@ __all__ = ["REWRITES_WEIGHTS", "affine_batch_norm", "align_attention_masks", "ba
            "bias_into_epilogue", "chain_loose_ops",
            "drop_identity_copies", "drop_precision_casts",
            "eliminate_common_subexpressions", "eliminate_dead_ops", "flatten_concats", "fold_constants",
-           "fold_batch_norm", "fold_norm_casts", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_layer_norm_adds", "fuse_lone_convolutions", "fuse_pointwise",
+           "fold_batch_norm", "functionalise", "fuse_batch_norm_activation", "fuse_concats", "fuse_conv", "fuse_layer_norm_adds", "fuse_lone_convolutions", "fuse_pointwise",
            "generate_broadcast_ops", "group_casts", "index_as_view", "inline_scalar_constants",
            "match_attention", "match_multi_head_attention", "merge_sibling_convolutions", "name_io", "name_values",
            "normalise_convolutions",

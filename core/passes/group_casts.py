@@ -43,7 +43,7 @@ def group_casts(graph: Graph) -> Graph:
     readers = graph.readers()
     gradients: dict[str, list[Op]] = {}
     for op in graph.ops:
-        dtype = cast_to(graph, op)
+        dtype = _cast_to(graph, op)
         if dtype is not None and op.outputs[0] in outputs and not readers.get(op.outputs[0]):
             gradients.setdefault(dtype, []).append(op)
     groups = [(chunk, chunk[-1]) for members in gradients.values() for chunk in _chunks(graph, members)
@@ -65,7 +65,7 @@ def group_casts(graph: Graph) -> Graph:
     return rebuild(graph, kept, values=values)
 
 
-def cast_to(graph: Graph, op: Op) -> str | None:
+def _cast_to(graph: Graph, op: Op) -> str | None:
     """The dtype `op` casts a tensor to, where it is a plain cast between floating dtypes."""
     if op.target != CAST or len(op.args) != 1 or not isinstance(op.args[0], Ref) or op.mutates \
             or len(op.outputs) != 1:

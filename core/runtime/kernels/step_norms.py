@@ -31,10 +31,6 @@ an H200 (2026-12-01, vit_b_16's geometry, float32 rows of 768, CUDA graphs of 25
 against 42 to 76; vit_b_16's bf16 step at batch 32, 12.05 ms against 13.64 without them, and
 11.60 against 12.08 with the adds taken in (`passes/fuse_layer_norm_adds`).
 
-In a mixed-precision step (`passes/fold_norm_casts`, `ops/add_norm`'s `dtype=`) FORWARD stores its
-result rounded to the reduced dtype the product after it reads (the cast it replaces rounded it
-so), and BACKWARD loads a reduced gradient, widening it as it loads.
-
 The out= functions run PyTorch's ops where a kernel does not apply: the CPU; rows not dense or
 through more than two strides; mean or rstd buffers not dense; a sum or residual not float32; a
 row of more than `generated.MAX_NORM_ROW` elements; a weight or bias not float32 where their
@@ -212,9 +208,7 @@ def forward_launch(x, shape, weight, bias, eps, y, mean, rstd, added=None) -> tu
         if found is None or s_rows is None:
             return None
         r_rows = found[1]
-    # the norm in the sum's dtype, or rounded to a reduced one as it is stored (`ops/add_norm`'s `dtype`)
-    y_rows = _written_rows(y, x, n, y.dtype) if isinstance(y, torch.Tensor) and y.dtype in generated.FLOAT_KINDS \
-        else None
+    y_rows = _written_rows(y, x, n, s.dtype)
     if not (y_rows is not None and _dense(mean, rows, torch.float32) and _dense(rstd, rows, torch.float32)
             and all(t is None or _dense(t, n) and t.dtype in generated.FLOAT_KINDS for t in (weight, bias))):
         return None
@@ -271,43 +265,32 @@ def backward_launch(g, x, shape, mean, rstd, weight, dx, programs: int,
 DECLINED: collections.Counter = collections.Counter()
 
 
-def forward_into(x, shape, weight, bias, eps, dtype=None, *, out0, out1, out2):
-    """`native_layer_norm.out`, or `ops/add_norm.layer_norm` into its buffers (the norm in
-    `dtype`): FORWARD where it applies, else PyTorch's."""
+def forward_into(x, shape, weight, bias, eps, *, out0, out1, out2):
+    """`native_layer_norm.out`: FORWARD where it applies, else PyTorch's."""
     if not _forward_kernel(x, shape, weight, bias, eps, out0, out1, out2, None):
         _declined("forward", x)
-        _norm_into(x, shape, weight, bias, eps, out0, out1, out2)
+        torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out0, out1=out1, out2=out2)
     return out0, out1, out2
 
 
-def add_forward_into(x, r, shape, weight, bias, eps, dtype=None, *, out0, out1, out2, out3):
-    """`ops/add_norm.add_layer_norm` into its buffers (the sum, then the norm's three results, the
-    norm in `dtype`): FORWARD where it applies, else PyTorch's add and norm."""
+def add_forward_into(x, r, shape, weight, bias, eps, *, out0, out1, out2, out3):
+    """`ops/add_norm.add_layer_norm` into its buffers (the sum, then the norm's three results):
+    FORWARD where it applies, else PyTorch's add and norm."""
     if not _forward_kernel(x, shape, weight, bias, eps, out1, out2, out3, (r, out0)):
         _declined("add and forward", x)
         torch.add(x, r, out=out0)
-        _norm_into(out0, shape, weight, bias, eps, out1, out2, out3)
+        torch.ops.aten.native_layer_norm.out(out0, shape, weight, bias, eps, out0=out1, out1=out2, out2=out3)
     return out0, out1, out2, out3
 
 
-def _norm_into(x, shape, weight, bias, eps, y, mean, rstd) -> None:
-    """PyTorch's norm into its buffers, the norm rounded where its buffer's dtype is x's no more."""
-    if y.dtype == x.dtype:
-        torch.ops.aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=y, out1=mean, out2=rstd)
-        return
-    for out, got in zip((y, mean, rstd), torch.ops.aten.native_layer_norm.default(x, shape, weight, bias, eps)):
-        out.copy_(got)
-
-
 def backward_into(g, x, shape, mean, rstd, weight, bias, mask, *, out0, out1, out2):
-    """`native_layer_norm_backward.out`, or `ops/add_norm.layer_norm_backward` into its buffers
-    (the gradient `g` of any floating dtype), with every gradient asked for: BACKWARD and the
-    partials' sums where they apply (a float32 weight and bias), else PyTorch's."""
+    """`native_layer_norm_backward.out` with every gradient asked for: BACKWARD and the partials'
+    sums where they apply (a float32 weight and bias), else PyTorch's."""
     if not (_takes_gradients(mask, weight, bias, out1, out2)
             and _backward_kernels(g, x, shape, mean, rstd, weight, None, out0, out1, out2)):
         _declined("backward", x)
-        torch.ops.aten.native_layer_norm_backward.out(add_norm.widened(g, x), x, shape, mean, rstd, weight, bias,
-                                                      mask, out0=out0, out1=out1, out2=out2)
+        torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, mask,
+                                                      out0=out0, out1=out1, out2=out2)
     return out0, out1, out2
 
 
@@ -318,8 +301,8 @@ def backward_add_into(g, x, shape, mean, rstd, weight, bias, residual, *, out0, 
     if not (_takes_gradients([True, True, True], weight, bias, out1, out2)
             and _backward_kernels(g, x, shape, mean, rstd, weight, residual, out0, out1, out2)):
         _declined("backward and add", x)
-        torch.ops.aten.native_layer_norm_backward.out(add_norm.widened(g, x), x, shape, mean, rstd, weight, bias,
-                                                      [True, True, True], out0=out0, out1=out1, out2=out2)
+        torch.ops.aten.native_layer_norm_backward.out(g, x, shape, mean, rstd, weight, bias, [True, True, True],
+                                                      out0=out0, out1=out1, out2=out2)
         out0.add_(residual)
     return out0, out1, out2
 
@@ -352,14 +335,10 @@ def _backward_kernels(g, x, shape, mean, rstd, weight, residual, dx, dw, db) -> 
 # each op's out= function in a step, and the names of its buffers
 OUT_FUNCTIONS = {"aten::native_layer_norm.default": forward_into,
                  "aten::native_layer_norm_backward.default": backward_into,
-                 add_norm.LAYER_NORM: forward_into,
-                 add_norm.LAYER_NORM_BACKWARD: backward_into,
                  add_norm.ADD_LAYER_NORM: add_forward_into,
                  add_norm.LAYER_NORM_BACKWARD_ADD: backward_add_into}
 OUT_NAMES = {"aten::native_layer_norm.default": ("out0", "out1", "out2"),
              "aten::native_layer_norm_backward.default": ("out0", "out1", "out2"),
-             add_norm.LAYER_NORM: ("out0", "out1", "out2"),
-             add_norm.LAYER_NORM_BACKWARD: ("out0", "out1", "out2"),
              add_norm.ADD_LAYER_NORM: ("out0", "out1", "out2", "out3"),
              add_norm.LAYER_NORM_BACKWARD_ADD: ("out0", "out1", "out2")}
 
