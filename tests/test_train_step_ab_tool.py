@@ -38,8 +38,10 @@ def test_an_unknown_pass_is_one_line_naming_the_passes():
     assert "step_attention" in str(exit_.value)
 
 
-def test_step_attention_names_the_runtime_s_attention_kernels_not_a_pass():
+def test_step_attention_and_roll_kernel_name_the_runtime_s_kernels_not_passes():
     from nimble import train
 
     chosen = train_step_ab.variants(["step_attention"])
-    assert chosen == {"all passes": (train.JOINT_PASSES, True), "without step_attention": (train.JOINT_PASSES, False)}
+    assert chosen == {"all passes": (train.JOINT_PASSES, ("step_attention", "roll_kernel")),
+                      "without step_attention": (train.JOINT_PASSES, ("roll_kernel",))}
+    assert train_step_ab.variants(["roll_kernel"])["without roll_kernel"] == (train.JOINT_PASSES, ("step_attention",))

@@ -1,10 +1,12 @@
 """What some of a training step's joint passes are worth: `nimble.TrainStep` with every pass of
 `train.JOINT_PASSES` and without the ones named, timed by turns in one process (an instrument for
 the training issue; the machines are shared and noisy, so only numbers of one run compare).
-`step_attention` is named as a pass is: without it, attention runs as traced (the memory-efficient
-kernels), not as cuDNN's or flash's (`runtime/kernels/step_attention`).
+`step_attention` and `roll_kernel` are named as passes are: without the first, attention runs as
+traced (the memory-efficient kernels), not as cuDNN's or flash's (`runtime/kernels/step_attention`);
+without the second, each roll runs as PyTorch's (one kernel per rolled dim and a copy), not as the
+generated kernel (`runtime/kernels/movement`).
 
-    python tools/train_step_ab.py --without stack_views|step_attention [--model vit_b_16] [--precision bf16]
+    python tools/train_step_ab.py --without stack_views|step_attention|roll_kernel [--model vit_b_16] [--precision bf16]
                                   [--batch 32] [--size 224] [--rounds 5] [--steps 20] [--device cuda]
 
 Both steps train torchvision's MODEL (10 classes) from the same weights on one fixed batch, with
@@ -29,26 +31,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-# not a pass: the runtime's attention by cuDNN's or flash's kernels (`runtime/kernels/step_attention`);
-# without it, each pair runs as traced (the memory-efficient kernels)
-LIBRARIES = "step_attention"
+# not passes: the runtime's attention by cuDNN's or flash's kernels (`runtime/kernels/step_attention`;
+# without it, each pair runs as traced, the memory-efficient kernels), and its rolls by the generated
+# kernel (`runtime/kernels/movement`; without it, PyTorch's roll)
+LIBRARIES = ("step_attention", "roll_kernel")
 
 
 def variants(without: list[str]) -> dict[str, tuple]:
-    """Variant name -> (its joint passes, whether its attention may run as cuDNN's or flash's
-    kernels): everything, and everything but `without`'s (joint passes by function name, and
-    LIBRARIES)."""
+    """Variant name -> (its joint passes, the LIBRARIES it runs): everything, and everything but
+    `without`'s (joint passes by function name, and LIBRARIES)."""
     from nimble import train
 
     names = {p.__name__ for p in train.JOINT_PASSES}
-    unknown = sorted(set(without) - names - {LIBRARIES})
+    unknown = sorted(set(without) - names - set(LIBRARIES))
     if unknown:
         raise SystemExit(f"train_step_ab.py: no joint pass named {', '.join(unknown)}; the passes are "
-                         f"{', '.join(p.__name__ for p in train.JOINT_PASSES)} (and {LIBRARIES}, the runtime's "
-                         "attention kernels)")
-    return {"all passes": (train.JOINT_PASSES, True),
+                         f"{', '.join(p.__name__ for p in train.JOINT_PASSES)} (and {' and '.join(LIBRARIES)}, the "
+                         "runtime's attention and roll kernels)")
+    return {"all passes": (train.JOINT_PASSES, LIBRARIES),
             f"without {', '.join(without)}": (tuple(p for p in train.JOINT_PASSES if p.__name__ not in without),
-                                              LIBRARIES not in without)}
+                                              tuple(name for name in LIBRARIES if name not in without))}
 
 
 def attention_pairs(step) -> list:
@@ -102,9 +104,13 @@ def compare(base, x, y, precision: str, chosen: dict[str, tuple], rounds: int, s
         start = time.perf_counter()
         steps[name] = prepared(net, x, y, precision, passes)
         pairs = attention_pairs(steps[name])
-        if not libraries:
+        if "step_attention" not in libraries:
             for pair in pairs:
                 pair.library = step_attention.TRACED
+        if "roll_kernel" not in libraries:  # before the first call: the captured step keeps it
+            for p in steps[name].runner.placed:
+                if p.op.target == "aten::roll.default":
+                    p.substitute = None
         graph = steps[name].graph
         targets = [op.target for op in graph.ops]
         first[name] = float(steps[name](x, y))
