@@ -1,9 +1,11 @@
 """What the fusion passes share: who reads a value, which ops may join a group, and the rewrite
-that replaces each group of ops with one fused op (`ops/fusion.py`)."""
+that replaces each group of ops with one fused op (`ops/fusion.py`); and what the gradient passes
+share: the one op that reads a value (`sole_reader`)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 from ..ir import ACTIVATION, Graph, Local, Op, Value, map_refs, renumber
 from ..ops import fusion
@@ -95,3 +97,25 @@ def checked(graph: Graph, ops: list[Op], removed_values: set[int]) -> Graph:
         if op.target == fusion.FUSED:
             fusion.check(op)
     return fused
+
+
+
+def readers_of(graph: Graph) -> dict[int, list[int]]:
+    """Value -> the ops that read it, in order (each once)."""
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for r in set(op.refs()):
+            readers.setdefault(r, []).append(op.id)
+    return readers
+
+
+def sole_reader(graph: Graph, readers: dict[int, list[int]]) -> Callable[[int, Op], bool]:
+    """`only_read_by(value, op)`: whether `op` is the one op that reads `value` (`readers_of`),
+    which is no graph output and no view (the gradient passes take such a value into the op that
+    reads it)."""
+    outputs = set(graph.outputs)
+
+    def only_read_by(value: int, op: Op) -> bool:
+        return readers.get(value) == [op.id] and value not in outputs and graph.values[value].alias_of is None
+
+    return only_read_by

@@ -27,6 +27,7 @@ import math
 
 from ..ir import Graph, Op, Ref, TensorSpec
 from ..ops import scatters
+from .rewrite import readers_of, sole_reader
 from .substitute import in_order, rebuild
 
 ADD = "aten::add.Tensor"
@@ -35,15 +36,9 @@ MAX_CELLS = 1 << 16  # elements of the sliced dims whose coverage a rewrite chec
 
 
 def scatter_slice_gradients(graph: Graph) -> Graph:
-    readers: dict[int, list[int]] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers.setdefault(r, []).append(op.id)
-    outputs = set(graph.outputs)
+    readers = readers_of(graph)
+    only_read_by = sole_reader(graph, readers)
     producer = {v: op for op in graph.ops for v in op.outputs}
-
-    def only_read_by(value: int, op: Op) -> bool:
-        return readers.get(value) == [op.id] and value not in outputs and graph.values[value].alias_of is None
 
     def chain(value: int, reader: Op) -> list[Op] | None:
         """The slice_backwards that make `value`, outermost first, where only they do."""

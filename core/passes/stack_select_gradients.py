@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import Graph, Op, Ref
+from .rewrite import readers_of, sole_reader
 from .substitute import rebuild
 
 ADD = "aten::add.Tensor"
@@ -28,15 +29,9 @@ STACK = "aten::stack.default"
 
 
 def stack_select_gradients(graph: Graph) -> Graph:
-    readers: dict[int, list[int]] = {}
-    for op in graph.ops:
-        for r in set(op.refs()):
-            readers.setdefault(r, []).append(op.id)
-    outputs = set(graph.outputs)
+    readers = readers_of(graph)
+    only_read_by = sole_reader(graph, readers)
     producer = {v: op for op in graph.ops for v in op.outputs}
-
-    def only_read_by(value: int, op: Op) -> bool:
-        return readers.get(value) == [op.id] and value not in outputs and graph.values[value].alias_of is None
 
     def tree(op: Op) -> list[Op] | None:
         """`op` and the adds and select_backwards beneath it, where it is an add of such, or None."""
