@@ -99,7 +99,6 @@ def checked(graph: Graph, ops: list[Op], removed_values: set[int]) -> Graph:
     return fused
 
 
-
 def readers_of(graph: Graph) -> dict[int, list[int]]:
     """Value -> the ops that read it, in order (each once)."""
     readers: dict[int, list[int]] = {}

@@ -113,7 +113,7 @@ def _scattered(graph: Graph, result: TensorSpec, chains: list[list[Op]]) -> tupl
     for found in chains:
         where, shape = [], sizes
         for sb in found:
-            grad, inner, dim, start, end, step = sb.args
+            dim, start, end, step = sb.args[2:]
             if tuple(sb.args[1]) != shape or not all(isinstance(v, int) and not isinstance(v, bool)
                                                      for v in (dim, start, end, step)) \
                     or not -len(shape) <= dim < len(shape) or step < 1:
