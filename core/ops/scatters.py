@@ -25,7 +25,11 @@ def view_of(t: torch.Tensor, slices) -> torch.Tensor:
 
 
 def slice_sum(pieces, slices, sizes, covers: bool) -> torch.Tensor:
-    out = pieces[0].new_zeros(tuple(sizes))
+    return copied_in(pieces[0].new_zeros(tuple(sizes)), pieces, slices)
+
+
+def copied_in(out: torch.Tensor, pieces, slices) -> torch.Tensor:
+    """`out` with each piece copied into the view its slices take."""
     for piece, where in zip(pieces, slices):
         view_of(out, where).copy_(piece)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, dense_layout
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, contiguous_strides, dense_layout
 from ..ops import arguments, targets
 from .edit import Edit
 
@@ -33,20 +33,12 @@ def lookups(graph: Graph) -> tuple[dict[int, list[Op]], dict[int, Op], set[int],
 
 def dense(spec: TensorSpec) -> bool:
     """Whether `spec` covers its span exactly (a permutation of a row-major layout)."""
-    return dense_layout(spec.shape, spec.strides or row_major(spec.shape))
-
-
-def row_major(shape) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
+    return dense_layout(spec.shape, spec.strides or contiguous_strides(spec.shape))
 
 
 def offsets(spec: TensorSpec, base: int, dtype) -> torch.Tensor:
     """A CPU tensor of `spec`'s shape whose elements are `base` plus their offsets from the first."""
-    strides = spec.strides or row_major(spec.shape)
+    strides = spec.strides or contiguous_strides(spec.shape)
     span = 1 + sum((n - 1) * s for n, s in zip(spec.shape, strides) if n > 0)
     return torch.arange(base, base + span, dtype=dtype).as_strided(spec.shape, strides, 0)
 
@@ -126,12 +118,12 @@ def view_steps(spec: TensorSpec, view) -> list | None:
         gaps.append(len(refined))
         refined.append(outer)
     digits, rest = [], offset
-    for step in row_major(refined):
+    for step in contiguous_strides(refined):
         digits.append(rest // step)
         rest %= step
     if rest or any(d for i, d in enumerate(digits) if i not in gaps):
         return None
-    own = spec.strides or row_major(spec.shape)
+    own = spec.strides or contiguous_strides(spec.shape)
     order = sorted(range(len(spec.shape)), key=lambda k: -own[k])
     steps = []
     if order != list(range(len(order))):

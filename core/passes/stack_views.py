@@ -26,9 +26,9 @@ import math
 
 import torch
 
-from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec
+from ..ir import ACTIVATION, Graph, Op, Ref, TensorSpec, contiguous_strides
 from .edit import Edit
-from .offsets import REPLAYED, VIEW, dense, emit, lookups, offsets, replay, row_major, strided, view_steps
+from .offsets import REPLAYED, VIEW, dense, emit, lookups, offsets, replay, strided, view_steps
 
 STACK = "aten::stack.default"
 CLONE = "aten::clone.default"
@@ -135,7 +135,7 @@ def _placed(graph: Graph, sources: list[int], before: list[list[Op]], stack: Op,
     """(the new stack's dimension, the ops that make each piece from its source (`offsets.view_steps`), the
     new stack's shape) where the final tensor is a stack of strided views of the sources, else None."""
     specs = [graph.values[s].spec for s in sources]
-    spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or row_major(sp.shape)) if n > 0)
+    spans = [1 + sum((n - 1) * s for n, s in zip(sp.shape, sp.strides or contiguous_strides(sp.shape)) if n > 0)
              for sp in specs]
     bases = [sum(spans[:i]) for i in range(len(spans))]
     if sum(spans) > REPLAYED:

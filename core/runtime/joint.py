@@ -281,11 +281,7 @@ def cast_group_into(tensors, dtype: torch.dtype, **buffers) -> tuple[torch.Tenso
 def slice_sum_into(pieces, slices, sizes, covers: bool, out: torch.Tensor) -> torch.Tensor:
     """`ops/scatters.slice_sum` into its buffer: each piece copied into its place, after zeros where
     the pieces leave some of it out (they never share an element)."""
-    if not covers:
-        out.zero_()
-    for piece, where in zip(pieces, slices):
-        scatters.view_of(out, where).copy_(piece)
-    return out
+    return scatters.copied_in(out if covers else out.zero_(), pieces, slices)
 
 
 class _LayoutBound:
