@@ -294,7 +294,7 @@ class Loading:
         self._cuda_graph = self._tensors = None
         channels_last = choice.layout == "channels_last"
         self._views = arena_views(self.graph, self.memory, self.arena,
-                                  channels_last_values(self.graph) if channels_last else ()) \
+                                  channels_last_values(self.graph, by_use=True) if channels_last else ()) \
             if self._with_arena else {}
         self._weights = dict(self._stored_weights)
         if channels_last:

@@ -190,7 +190,7 @@ def walk(artifact, target: aot.Target, device: torch.device | None = None, only=
                 continue
             walked.add((kernels, _pairing(order.pairs)))
             channels_last = choice.layout == "channels_last"
-            views = arena_views(graph, memory, arena, channels_last_values(graph) if channels_last else ())
+            views = arena_views(graph, memory, arena, channels_last_values(graph, by_use=True) if channels_last else ())
             env = {**weights, **(convs_last if channels_last else {}), **dict(zip(graph.inputs, inputs))}
             lower.pair(placed, order.pairs, choice)
             run = _Walk(graph, env, views, device, name_failures=True, release=None, kept=frozenset(),

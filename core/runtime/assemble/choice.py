@@ -87,11 +87,72 @@ def viewed(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]
     return found
 
 
-def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
+def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset(), *,
+                         by_use: bool = False) -> set[int]:
     """Planned 4-D buffers that no view shares (`viewed`) and that the artifact declares
     contiguous (its strides given as contiguous ones, or left out): the ones channels_last
-    re-strides."""
+    re-strides.
+
+    `by_use` (inference's layout): also the buffers that only permutes view (`permuted_only`: a
+    permute runs on the laid-out buffer, so its view follows), and none of the maps whose last
+    dim holds the features (`features_last`). ConvNeXt permutes each convolution's (N, C, H, W)
+    result to (N, H, W, C) for its layer norm and linears and back: laid out channels_last, the
+    convolution's result is that (N, H, W, C) map, dense, and the linears' (N, H, W, C) maps stay
+    dense; re-strided as if their dim 1 were channels, each linear copied its input and result
+    (H200, convnext_tiny batch 1: 1.78 ms of kernels a call channels_last, 0.91 contiguous)."""
     shared = viewed(graph, same_strides)
+    if by_use:
+        shared = (shared - permuted_only(graph, same_strides)) | features_last(graph)
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
             and len(v.spec.shape) == 4 and not v.spec.offset
             and v.spec.is_contiguous}
+
+
+PERMUTES = frozenset({"aten::permute.default", "aten::transpose.int"})  # views that take any strides
+
+
+def permuted_only(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
+    """The shared values (`viewed`) whose every view is a permute of the value itself (PERMUTES),
+    read by no op of UNMARKED_VIEWS."""
+    shared = viewed(graph, same_strides)
+    other = {v.alias_of for v in graph.values if v.alias_of is not None and not (
+        v.producer is not None and graph.ops[v.producer].target in PERMUTES
+        and graph.ops[v.producer].args[0] == Ref(v.alias_of))}
+    return shared - other
+
+
+# ops that compute along their operands' last dim: a 4-D map they read or write is (N, ..., features)
+LAST_DIM = frozenset({"aten::linear.default", "aten::matmul.default", "aten::layer_norm.default",
+                      "aten::native_layer_norm.default", "aten::scaled_dot_product_attention.default"})
+# ... where their dim argument (the second) is the last
+LAST_DIM_ARG = frozenset({"aten::softmax.int", "aten::_softmax.default", "aten::log_softmax.int",
+                          "aten::_log_softmax.default"})
+
+
+def _along_last(target: str, args: tuple) -> bool:
+    return target in LAST_DIM or target in LAST_DIM_ARG and len(args) > 1 and args[1] in (-1, 3)
+
+
+def features_last(graph: Graph) -> set[int]:
+    """4-D activations that an op of LAST_DIM reads or writes themselves (not through a view: a
+    permuted map's base is laid out by its own use), and those an elementwise fused op joins to
+    one of them (its operands and result of the same shape), to a fixed point."""
+    def maps(op) -> set[int]:
+        return {r for r in (*op.refs(), *op.outputs) if graph.values[r].kind == ACTIVATION
+                and graph.values[r].alias_of is None and len(graph.values[r].spec.shape) == 4}
+
+    found = set()
+    for op in graph.ops:
+        if any(_along_last(target, args) for target, args, _ in fusion.nodes_of(op)):
+            found |= maps(op)
+    joins = [op for op in graph.ops if op.target == fusion.FUSED and fusion.is_pointwise(fusion.body_of(op))]
+    grown = True
+    while grown:
+        grown = False
+        for op in joins:
+            shape = graph.values[op.outputs[0]].spec.shape
+            alike = {v for v in maps(op) if graph.values[v].spec.shape == shape}
+            if alike & found and not alike <= found:
+                found |= alike
+                grown = True
+    return found
