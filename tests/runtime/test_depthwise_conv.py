@@ -26,7 +26,7 @@ def params(x, w, bias, stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=No
 
 
 def shim(body, out, x, w, operands, bias, p):
-    grid, block_p, block_c = depthwise_conv.grid(out)
+    grid, block_p, block_c = depthwise_conv.grid(out, w.shape[2] * w.shape[3])
     text = depthwise_conv.source(body, out, x, w, operands, bias, p)
     triton_shim.run_grid(text, grid, out, x, w, *operands, BLOCK_P=block_p, BLOCK_C=block_c)
 
@@ -126,6 +126,21 @@ def test_only_depthwise_convolutions_into_dense_results_qualify(monkeypatch, use
 def test_a_tile_spans_channels_that_divide_them_where_it_can(channels, block_c):
     block_p, got = depthwise_conv.blocks(channels)
     assert got == block_c and block_p * got == depthwise_conv.TILE
+
+
+@pytest.mark.parametrize("channels, positions, taps, tile", [
+    (96, 56 * 56, 49, (16, 16)),  # convnext_tiny's first stage at batch 1: 1176 programs, not 147
+    (768, 7 * 7, 49, (16, 16)),  # its last: as small as tiles go
+    (96, 8 * 56 * 56, 49, (64, 32)),  # batch 8: 1176 programs already
+    (96, 56 * 56, 9, (64, 32)),  # a 3x3 filter keeps its tile whatever the count
+    (40, 14 * 14, 25, (256, 8)),  # and so does efficientnet_b0's 5x5
+])
+def test_a_wide_filter_over_few_positions_takes_smaller_tiles(channels, positions, taps, tile):
+    block_p, block_c = depthwise_conv.blocks(channels, positions, taps)
+    assert (block_p, block_c) == tile
+    if taps > depthwise_conv.WIDE_TAPS:
+        programs = -(-positions // block_p) * -(-channels // block_c)
+        assert programs >= depthwise_conv.PROGRAMS or max(tile) == depthwise_conv.SMALL_BLOCK
 
 
 @pytest.mark.gpu
