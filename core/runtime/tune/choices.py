@@ -6,7 +6,9 @@ fastest:
 
 - layout: 4-D activations contiguous (NCHW), or channels_last (NHWC) with the convolution
   weights to match. Only the strides of buffers change: a channels_last tensor spans exactly the
-  bytes of its planned buffer. Buffers that a view shares keep the strides the artifact declares.
+  bytes of its planned buffer. Buffers that a view other than a permute shares keep the strides
+  the artifact declares, and so do the (N, H, W, C) maps a linear or layer norm reads along its
+  last dim (`assemble/choice.channels_last_values`, `by_use`).
   One layout for the whole model: a per-op choice could save at most 0 to 2.2 % of kernel time on
   the conv nets before paying a single conversion (H200, batch 8, `tools/layout_bound.py`);
 - streams: the artifact's schedule as planned (its streams folded onto as few CUDA streams as
@@ -129,7 +131,9 @@ def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int], sett
 
 
 # ---------------------------------------------------------------------------------- cache
-SEARCH = 2  # the search's version, in every key: an entry from an older search is a miss (2: benchmark_slower)
+# the search's version, in every key: an entry from an older search is a miss (2: benchmark_slower;
+# 3: channels_last by use, `assemble/choice.channels_last_values`)
+SEARCH = 3
 
 
 def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> str:
