@@ -481,8 +481,11 @@ def test_on_the_gpu_1x1_convolutions_alone_agree_with_eager_in_one_kernel_each(l
         result = compare(exe.run(*x), art.sample_outputs, rtol=1e-2, atol=1e-3)
         assert result.passed, result.describe()
         exe.close()
-    fewer = 2 if layout == "channels_last" else 0
-    assert count_kernels(tmp_path / "True.dot") == count_kernels(tmp_path / "False.dot") - fewer
+    alone, apart = count_kernels(tmp_path / "True.dot"), count_kernels(tmp_path / "False.dot")
+    if layout == "channels_last":  # at least the two epilogue kernels go; the other choices timed at
+        assert alone <= apart - 2  # load may take one more (2 against 5 once, under four test processes)
+    else:
+        assert alone == apart
 
 
 @pytest.mark.gpu
