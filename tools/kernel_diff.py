@@ -101,10 +101,9 @@ def generated(kernel: str) -> bool:
 
 
 def nimble_class(op, kernel: str, computes_convolution: bool = False) -> str:
-    """The class of `kernel`, launched by nimble's `op`. A generated kernel of a fused op that
-    leads with a convolution is its epilogue, unless `computes_convolution`: the op launched no
-    library kernel, so the generated one computed the convolution too (a depthwise, pooled or
-    1x1 kernel, with any epilogue or prologue it applies)."""
+    """The class of `kernel`, launched by nimble's `op`. A generated kernel of a fused op led by a
+    convolution is its epilogue (of a product, its bias), unless `computes_convolution`: the op launched
+    no library kernel, so it computed the convolution or product too (depthwise, 1x1, `gemm.py`'s)."""
     from nimble.ops import fusion
 
     if fusion.is_fused(op):
@@ -118,8 +117,8 @@ def nimble_class(op, kernel: str, computes_convolution: bool = False) -> str:
     short = op.target.split("::")[-1].split(".")[0]
     cls = _OP_CLASS.get(short)
     if cls in ("convolution", "GEMM"):  # cuDNN names many convolution kernels *gemm*
-        named = by_name(kernel)
-        return named if named in ("epilogue", "concatenation and copy") else cls
+        named, own = by_name(kernel), generated(kernel) and computes_convolution
+        return named if named in ("epilogue", "concatenation and copy") and not own else cls
     return cls or by_name(kernel)
 
 
