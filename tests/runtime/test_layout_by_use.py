@@ -131,3 +131,21 @@ def test_the_walk_finds_the_depthwise_kernel_of_convnext_laid_out_channels_last(
     found = prebuild.walk(art, aot.Target(90, 132))
     sources = [kernel.source for kernel, _, _ in found.values()]
     assert any("for kh in tl.static_range(7):" in s and "BLOCK_P" in s for s in sources)
+
+
+def test_a_permuted_map_that_an_unmarked_view_also_reads_keeps_its_strides(tmp_path):
+    """`_unsafe_view` runs as a view though the graph gives its result no alias (`UNMARKED_VIEWS`):
+    a map it reads is never re-strided, permuted or not."""
+    from dataclasses import replace
+
+    from nimble.ir import Graph, Ref
+
+    art = _compiled(tmp_path, TinyConvNeXt(), "2x3x32x32")
+    g = art.graph
+    base = next(iter(permuted_only(g)))
+    permute = next(op for op in g.ops if op.target == "aten::permute.default" and op.args[0] == Ref(base))
+    reader = next(op for op in g.ops if permute.outputs[0] in op.refs())  # its layer norm, as an unmarked view
+    ops = list(g.ops)
+    ops[reader.id] = replace(reader, target="aten::_unsafe_view.default")
+    marked = Graph(g.values, tuple(ops), g.inputs, g.outputs)
+    assert base in permuted_only(g) and base not in permuted_only(marked)

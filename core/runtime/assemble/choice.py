@@ -118,6 +118,7 @@ def permuted_only(graph: Graph, same_strides: frozenset[str] = frozenset()) -> s
     other = {v.alias_of for v in graph.values if v.alias_of is not None and not (
         v.producer is not None and graph.ops[v.producer].target in PERMUTES
         and graph.ops[v.producer].args[0] == Ref(v.alias_of))}
+    other.update(graph.root(r) for op in graph.ops if op.target in UNMARKED_VIEWS for r in op.refs())
     return shared - other
 
 
