@@ -109,8 +109,9 @@ def main() -> int:
         print("no kernel diff rows to attribute" + (" among the sweep's losers" if wanted is not None else ""),
               file=sys.stderr)
         return 1
-    lines = table(attribute(rows), rows, sorted(set(wanted or {}) - set(rows)))
-    report.write(args.out, f"attribution_{args.tag}", lines, {"classes": attribute(rows), "rows": sorted(rows)})
+    classes = attribute(rows)
+    lines = table(classes, rows, sorted(set(wanted or {}) - set(rows)))
+    report.write(args.out, f"attribution_{args.tag}", lines, {"classes": classes, "rows": sorted(rows)})
     print("\n".join(lines))
     return 0
 

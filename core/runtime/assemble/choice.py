@@ -83,8 +83,12 @@ def viewed(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]
     `_unsafe_view` could not view once laid out channels_last)."""
     found = {v.alias_of for v in graph.values if v.alias_of is not None
              and (v.producer is None or graph.ops[v.producer].target not in same_strides)}
-    found.update(graph.root(r) for op in graph.ops if op.target in UNMARKED_VIEWS for r in op.refs())
-    return found
+    return found | _unmarked_reads(graph)
+
+
+def _unmarked_reads(graph: Graph) -> set[int]:
+    """The roots an op of UNMARKED_VIEWS reads."""
+    return {graph.root(r) for op in graph.ops if op.target in UNMARKED_VIEWS for r in op.refs()}
 
 
 def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset(), *,
@@ -101,8 +105,8 @@ def channels_last_values(graph: Graph, same_strides: frozenset[str] = frozenset(
     dense; re-strided as if their dim 1 were channels, each linear copied its input and result
     (H200, convnext_tiny batch 1: 1.78 ms of kernels a call channels_last, 0.91 contiguous)."""
     shared = viewed(graph, same_strides)
-    if by_use:
-        shared = (shared - permuted_only(graph, same_strides)) | features_last(graph)
+    if by_use:  # the shared values less those only permutes view (`permuted_only`)
+        shared = (shared & _viewed_otherwise(graph)) | features_last(graph)
     return {v.id for v in graph.values if v.kind == ACTIVATION and v.alias_of is None and v.id not in shared
             and len(v.spec.shape) == 4 and not v.spec.offset
             and v.spec.is_contiguous}
@@ -114,12 +118,16 @@ PERMUTES = frozenset({"aten::permute.default", "aten::transpose.int"})  # views 
 def permuted_only(graph: Graph, same_strides: frozenset[str] = frozenset()) -> set[int]:
     """The shared values (`viewed`) whose every view is a permute of the value itself (PERMUTES),
     read by no op of UNMARKED_VIEWS."""
-    shared = viewed(graph, same_strides)
+    return viewed(graph, same_strides) - _viewed_otherwise(graph)
+
+
+def _viewed_otherwise(graph: Graph) -> set[int]:
+    """The roots that a view other than a permute of the root itself shares, or an op of
+    UNMARKED_VIEWS reads."""
     other = {v.alias_of for v in graph.values if v.alias_of is not None and not (
         v.producer is not None and graph.ops[v.producer].target in PERMUTES
         and graph.ops[v.producer].args[0] == Ref(v.alias_of))}
-    other.update(graph.root(r) for op in graph.ops if op.target in UNMARKED_VIEWS for r in op.refs())
-    return shared - other
+    return other | _unmarked_reads(graph)
 
 
 # ops that compute along their operands' last dim: a 4-D map they read or write is (N, ..., features)
