@@ -349,3 +349,57 @@ def test_a_depthwise_op_is_paired_with_its_producer_only_where_the_epilogue_can_
         assert pairs.prologue_pairs(graph, placed, {producer}) == {}
         assert pairs.prologue_pairs(graph, placed, {consumer}) == {}
 
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_a_wide_filter_runs_the_way_measured_faster_and_a_later_load_recalls_it(kernel_faster, tmp_path, monkeypatch):
+    """ConvNeXt's 7x7: the depthwise kernel or cuDNN's convolution (`FusedKernel._generated`, here
+    torch's convolution), whichever `graph_us` timed faster on the first call; later calls and a
+    later load (a fresh kernel, the choice recalled from the cache folder) run that way untimed.
+    A 3x3 filter runs the kernel untimed."""
+    import contextlib
+
+    from nimble.runtime.kernels import fused as kernels, generated, recall
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(recall, "_where", lambda device: ("H-test", 9, 0, "torch", "triton", "code"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CUDA paths, on the CPU
+    monkeypatch.setattr(generated, "STATS", generated.KernelStats())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernels.timing, "on_stream", lambda device: contextlib.nullcontext())
+    ran = []
+
+    class Counted(ShimKernel):
+        def __getitem__(self, grid):
+            run = super().__getitem__(grid)
+            return lambda *args, **constants: (ran.append("kernel"), run(*args, **constants))
+    monkeypatch.setattr(generated, "define", Counted)
+
+    def by_torch(self, body, out):
+        ran.append("cudnn")
+        x, w, b = body[0][1][:3]
+        out.copy_(F.conv2d(x, w, b, 1, w.shape[-1] // 2, groups=x.shape[1]))
+        return out
+    monkeypatch.setattr(kernels.FusedKernel, "_generated", by_torch)
+    timed = []
+
+    def graph_us(fn, device):
+        fn()
+        timed.append(len(timed))
+        return {0: 1.0, 1: 2.0}[len(timed) - 1] if kernel_faster else {0: 2.0, 1: 1.0}[len(timed) - 1]
+    monkeypatch.setattr(kernels.timing, "graph_us", graph_us)
+    g = torch.Generator().manual_seed(3)
+    for k in (7, 3):
+        x = torch.randn(2, 12, 9, 9, generator=g).contiguous(memory_format=torch.channels_last)
+        w, b = torch.randn(12, 1, k, k, generator=g), torch.randn(12, generator=g)
+        body = [("aten::convolution.default", (x, w, b, (1, 1), (k // 2,) * 2, (1, 1), False, (0, 0), 12), ())]
+        want = F.conv2d(x, w, b, 1, k // 2, groups=12)
+        for load in range(2):
+            op = fused_kernel(1, body)
+            for _ in range(2):
+                out = torch.full_like(want, 7.0).contiguous(memory_format=torch.channels_last)
+                ran.clear()
+                got = op([body], out)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                assert ran[-1] == ("kernel" if k == 3 or kernel_faster else "cudnn"), ran  # the way that wrote it
+        assert len(timed) == 2, timed  # the 7x7 timed once, on the first load's first call; the 3x3 never

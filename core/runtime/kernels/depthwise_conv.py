@@ -16,6 +16,13 @@ convolutions) stays with cuDNN: a tiling of one image's channel per program, its
 by side, made convnext_tiny's inference at batch 8 1.78 x slower on the H200 (4.73 against 2.65
 ms, torch 2.11, `tools/setting_ab.py`, 2026-11-30), and was removed. The `depthwise_kernel`
 setting off turns the kernel off, for comparisons.
+
+A filter of more than WIDE_TAPS taps (ConvNeXt's 7x7) is run by this kernel or by cuDNN's
+convolution (the body's generated epilogue after it, where there is one), whichever was measured
+faster on the call's first run outside a capture (`Wide`), and the choice is kept in the cache
+folder (`recall`): on the H200 cuDNN's channels_last depthwise kernel took 0.099 ms for
+convnext_tiny's 18 at batch 1 against this kernel's 0.187 (2026-12-01). Smaller filters
+(mobilenet's, efficientnet's) keep this kernel untimed: it carries their epilogue.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 
 from .codegen import (HEADER, INT32_LIMIT, TL_KINDS, body_signature, epilogue_lines, finish, flat_offsets, layouts,
                       needs_wide, pointers, program_id, span)
-from ..base import settings
+from . import recall
+from ..base import settings, timing
 
 TILE = 2048  # output elements of one program
 WIDE_TAPS = 25  # filters of more taps than this (5x5) get smaller tiles where there are few (`blocks`)
@@ -74,6 +82,40 @@ def fits(p: dict, out: torch.Tensor) -> bool:
     if out.shape[0] != n or out.numel() == 0:
         return False
     return out.is_contiguous(memory_format=torch.channels_last)
+
+
+class Wide:
+    """Per call signature of a filter of more than WIDE_TAPS taps, whether this kernel runs it or
+    cuDNN's convolution does: measured on the signature's first call outside a capture (a call
+    first seen inside one runs this kernel, as a smaller filter does), kept in the cache folder
+    for later loads."""
+
+    def __init__(self):
+        self._chosen: dict[tuple, bool] = {}
+
+    @staticmethod
+    def applies(w: torch.Tensor) -> bool:
+        """Whether a filter of this shape is chosen for, not run by this kernel untimed."""
+        return w.shape[2] * w.shape[3] > WIDE_TAPS
+
+    def kernel_runs(self, key: tuple, out: torch.Tensor, kernel, apart) -> bool:
+        """Whether this call runs this kernel: `kernel()` runs it into `out` (False where it fails
+        to build), `apart()` runs cuDNN's convolution and the rest of the body into `out`. The
+        caller then runs the chosen way."""
+        if key in self._chosen:
+            return self._chosen[key]
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        setting = (key, torch.backends.cudnn.allow_tf32)
+        kept = (recall.recalled("depthwise", setting, out.device) or {}).get("kernel")
+        if isinstance(kept, bool):
+            self._chosen[key] = kept
+            return kept
+        with timing.on_stream(out.device):
+            faster = kernel() and timing.graph_us(kernel, out.device) <= timing.graph_us(apart, out.device)
+        self._chosen[key] = faster
+        recall.keep("depthwise", setting, out.device, {"kernel": faster})
+        return faster
 
 
 def blocks(channels: int, positions: int = 0, taps: int = 1) -> tuple[int, int]:

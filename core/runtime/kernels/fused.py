@@ -18,7 +18,8 @@ the tensor that holds the result:
   rest of the body in place;
 - a body led by a 1x1 convolution of a 1x1 map (squeeze-and-excitation's, `pooled_conv.fits`)
   or by a depthwise convolution with a channels_last result (`depthwise_conv.fits`) runs as one
-  generated kernel that computes the convolution too;
+  generated kernel that computes the convolution too; a depthwise filter of more than 25 taps
+  only where that was measured faster than cuDNN's convolution (`depthwise_conv.Wide`);
 - a body led by a 1x1 convolution whose input an elementwise op deferred (`pairs.input_pairs`)
   runs as one generated kernel that computes that op's body as it loads the input
   (`pointwise_conv`), where it fits and was measured faster; else the deferred op runs first;
@@ -64,8 +65,6 @@ from .convolution import conv_into, conv_shape, on_cudnn, scratch_like, writes
 from .generated import FLOAT_KINDS, NormAfter
 from .on_load import OnLoad
 
-
-
 # a 1x1 convolution whose body cuDNN does not fuse whole may run as one generated matrix product
 # (`FusedKernel._pointwise`), chosen per call by measurement
 # conv -> add -> relu is one cuDNN kernel, except where cuDNN's plan splits the sum over the input
@@ -100,6 +99,7 @@ class FusedKernel(OnLoad):
         self.deferred_call: tuple | None = None  # (body, buffer) of this op's last call, where it deferred it
         self.reads_deferred: FusedKernel | None = None  # this 1x1 convolution's input's producer, deferred
         self._tiles = pointwise_conv.Choices()
+        self._wide = depthwise_conv.Wide()  # call signature -> whether a wide depthwise filter runs generated
         self._split_counts: dict[tuple, int] = {}  # call signature -> kernels its cuDNN way launched
 
     def __call__(self, args: list, out: torch.Tensor) -> torch.Tensor | None:
@@ -325,8 +325,13 @@ class FusedKernel(OnLoad):
                before.signature() if before is not None else None)
         extra = list(before.operands) if before is not None else []
         what = " with its input's epilogue" if before is not None else ""
-        built = self.launch(key, build, (out, x, w, [*operands, *extra]), f" as a {kind} convolution{what}")
-        return out if built else None
+
+        def kernel() -> bool:
+            return self.launch(key, build, (out, x, w, [*operands, *extra]), f" as a {kind} convolution{what}")
+        if kind == "depthwise" and before is None and depthwise_conv.Wide.applies(w) and not self._wide.kernel_runs(
+                key, out, kernel, lambda: self._into(body, out, self._generated(body, out))):
+            return self._generated(body, out)  # cuDNN's convolution was faster
+        return out if kernel() else None
 
     def operands(self, body) -> tuple[list[torch.Tensor], dict | None]:
         """The distinct tensors a generated kernel of `body` reads, in first-use order, with the
@@ -379,7 +384,6 @@ class FusedKernel(OnLoad):
                 graph(operands, out)
                 return
         conv_into(p, out)
-
 
     # ---------------------------------------------------------------------------- with a layer norm
     def with_norm(self, body, out: torch.Tensor, norm: NormAfter) -> bool:

@@ -2,7 +2,8 @@
 
 Some generated kernels are taken per call signature by measurement on its first call (a 1x1
 convolution's tile, or the two ops run apart: `pointwise_conv.Choices`; a depthwise prologue
-kept or not: `FusedKernel._prologue_kept`; a float32 product's tile, or PyTorch's product:
+kept or not: `FusedKernel._prologue_kept`; a wide depthwise filter on the generated kernel or
+cuDNN's: `depthwise_conv.Wide`; a float32 product's tile, or PyTorch's product:
 `gemm.Gemm._choose`; attention's tile, or PyTorch's attention: `small_attention.Attention._choose`).
 Measured at every load, each costs builds and CUDA graph timings (seconds for densenet121's 61
 pairs), and two loads of one artifact could choose differently where the two ways time alike.

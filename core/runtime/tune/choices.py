@@ -132,8 +132,9 @@ def pick(options: list[Choice], ms: dict[str, float], held: dict[str, int], sett
 
 # ---------------------------------------------------------------------------------- cache
 # the search's version, in every key: an entry from an older search is a miss (2: benchmark_slower;
-# 3: channels_last by use, `assemble/choice.channels_last_values`)
-SEARCH = 3
+# 3: channels_last by use, `assemble/choice.channels_last_values`; 4: wide depthwise filters on
+# cuDNN where faster, `depthwise_conv.Wide`)
+SEARCH = 4
 
 
 def cache_key(artifact, device: torch.device, settings: Settings = DEFAULT) -> str:
