@@ -5,6 +5,7 @@ Run on a GPU machine; the report needs none.
     python benchmarks/sweep.py --out DIR [--shard 0/2] [--models ...] [--batches 1 8] [--budget 540]
     python benchmarks/sweep.py --precision bf16 --batches 8 --out DIR [--shard ...]
     python benchmarks/sweep.py --out DIR --skip-done benchmarks/results/sweep_*.jsonl   # go on where it stopped
+    python benchmarks/sweep.py --out DIR --jobs 3 --timeout 400 ...   # three models at once, GPU turns
     python benchmarks/sweep.py --peer max-autotune --models resnet50 inception_v3 bert-base --batches 8 \
                                --timeout 580 --out DIR        # the next peer, one model a device call
     python benchmarks/sweep.py --report DIR/sweep_*.jsonl --out benchmarks/results     # merge, no GPU
@@ -15,6 +16,10 @@ come, so a device call cut short keeps what it measured. `--budget` seconds afte
 new model begins (a device call's limit is 10 minutes); `--skip-done` skips the models that those
 files already hold at every batch asked for, so the next call goes on. `--shard I/N` takes every
 N-th model of the sorted list from the I-th: one process per GPU, `CUDA_VISIBLE_DEVICES` apart.
+`--jobs N` runs N models at once on one GPU: they compile side by side and take turns for what
+they time (`gpu_turns.py`: each variant's figures, and nimble's load, which times its candidates,
+hold a lock; the timing thread runs on cores the others keep off). A wait for a turn counts in
+`--timeout`.
 
 fp32 (TF32 in convolutions, PyTorch's default), per model and batch, in one process, each output
 checked against eager:
@@ -46,14 +51,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import gpu_turns
 import report
+from sweep_report import PEERS, first_meta, kind, ratio, read_rows, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -61,8 +69,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 LAST = ("vit_h_14", "regnet_y_128gf", "vit_l_16", "vit_l_32", "regnet_y_32gf", "efficientnet_b7", "efficientnet_v2_l",
         "convnext_large", "swin_v2_b", "swin_b", "regnet_x_32gf", "efficientnet_b6", "regnet_y_16gf")  # slowest
-TARGET = {"torch_compile": 0.8, "inductor_graph": 0.9, "max_autotune": 0.9}  # the issue's bounds on nimble's GPU-bound ratio
-PEERS = {"reduce-overhead": "torch_compile", "max-autotune": "max_autotune"}  # --peer: torch.compile's mode -> variant
 
 
 def models() -> list[str]:
@@ -154,8 +160,9 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool, peer: str = "reduc
                  "latency_ms": {}, "check": {}, "errors": {}}
 
     def record(variant, call, sync_call=None, short=False):  # short: eager, a reference figure, not a peer
-        row["gpu_bound_ms"][variant] = peers.gpu_bound_ms(call, *((10, 5) if short else ()))
-        row["latency_ms"][variant] = report.median_ms(sync_call or call, *((40,) if short else ()))
+        with gpu_turns.turn():
+            row["gpu_bound_ms"][variant] = peers.gpu_bound_ms(call, *((10, 5) if short else ()))
+            row["latency_ms"][variant] = report.median_ms(sync_call or call, *((40,) if short else ()))
 
     def check(variant, out):
         out = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -205,9 +212,10 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool, peer: str = "reduc
     stage("nimble compile")
     path = tmp / f"{name}_{batch}.nimble"
     write_artifact(path, c.artifact())
-    exe = Executable(read_artifact(path), "cuda", tune="full")
-    check("nimble", exe.run(*xs))
-    record("nimble", exe.replay, lambda: exe(*xs, copy=False))
+    with gpu_turns.turn():  # its load times candidates: one turn with its figures
+        exe = Executable(read_artifact(path), "cuda", tune="full")
+        check("nimble", exe.run(*xs))
+        record("nimble", exe.replay, lambda: exe(*xs, copy=False))
     row["nimble_load_s"] = exe.stats.seconds.get("total")
     row["choice"] = exe.stats.choice
     row["ops"] = len(c.graph.ops)
@@ -219,11 +227,13 @@ def bench_fp32(name: str, batch: int, tmp: Path, alone: bool, peer: str = "reduc
 def bench_bf16(name: str, batch: int, tmp: Path) -> dict:
     import peers
 
-    return peers.bench_reduced(name, batch, "bf16", tmp, agreement_inputs=batch, make=build)
+    with gpu_turns.turn():  # its loads and figures are not apart: the whole row is one turn
+        return peers.bench_reduced(name, batch, "bf16", tmp, agreement_inputs=batch, make=build)
 
 
 def child(name: str, batches: list[int], precision: str, alone: list[int], peer: str) -> int:
     """One model at each batch, a JSON row printed per batch (or {"error": ...})."""
+    gpu_turns.compile_cores()  # before torch starts its threads and workers
     import torch
 
     torch.backends.cudnn.benchmark = False
@@ -241,13 +251,13 @@ def child(name: str, batches: list[int], precision: str, alone: list[int], peer:
 
 
 def run_model(name: str, batches: list[int], precision: str, timeout: float, log, alone=(8,),
-              peer: str = "reduce-overhead") -> list[dict]:
-    """The model's rows from a process of its own; a timeout or a crash is a row for each batch it
-    left without one."""
+              peer: str = "reduce-overhead", env: dict | None = None) -> list[dict]:
+    """The model's rows from a process of its own (with `env`, where given); a timeout or a crash
+    is a row for each batch it left without one."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--precision", precision,
            "--batches", *map(str, batches), "--alone-batches", *map(str, alone), "--peer", peer]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         out, why = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}"
         log.write(proc.stderr[-4000:])
     except subprocess.TimeoutExpired as e:
@@ -261,97 +271,21 @@ def run_model(name: str, batches: list[int], precision: str, timeout: float, log
     return rows
 
 
-def ratio(row: dict, peer: str) -> float | None:
-    ms = row.get("gpu_bound_ms", {})
-    return ms["nimble"] / ms[peer] if "nimble" in ms and ms.get(peer) else None
-
-
-def geomean(values: list[float]) -> float | None:
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
-
-
-def kind(r: dict) -> tuple[str, str]:
-    """(precision, torch.compile's mode) of a row: the table it belongs to."""
-    return r.get("precision", "fp32"), r.get("peer", "reduce-overhead")
-
-
-def summary(rows: list[dict], meta: dict) -> str:
-    """One table per (precision, torch.compile's mode, batch): every model's figures and ratios,
-    then the geometric means and the worst ten by the ratio to torch.compile."""
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = [f"Models on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. "
-             f"Command(s): `{meta['command']}`. GPU-bound ms (50 back-to-back calls between CUDA events, "
-             "median of 15); latency ms (copy in, run, synchronize; median of 200). Random weights. "
-             "inductor_graph: torch.compile's kernels with no CUDA graphs of its own, captured by hand into "
-             "one CUDA graph (its kernels without its call path).", ""]
-    for (precision, peer), batch in sorted({(kind(r), r["batch"]) for r in rows}):
-        part = sorted((r for r in rows if kind(r) == (precision, peer) and r["batch"] == batch),
-                      key=lambda r: r["model"])
-        first = PEERS[peer]
-        peers_ = [first] + (["inductor_graph"] if first == "torch_compile" and precision == "fp32" else [])
-        lines += [f"## {precision}, batch {batch}" + (f", torch.compile(mode=\"{peer}\")" if peer != "reduce-overhead"
-                                                     else ""), ""]
-        head = ["model", "eager", *peers_, "nimble", *(f"nimble / {p}" for p in peers_),
-                f"latency nimble / {first}", "note"]
-        body = []
-        for r in part:
-            g, lat = r.get("gpu_bound_ms", {}), r.get("latency_ms", {})
-            lat_ratio = lat["nimble"] / lat[first] if "nimble" in lat and lat.get(first) else None
-            note = r.get("error") or "; ".join(f"{k}: {v}" for k, v in r.get("errors", {}).items())
-            body.append([r["model"], fmt(g.get("eager")), *(fmt(g.get(p)) for p in peers_), fmt(g.get("nimble")),
-                         *(fmt(ratio(r, p)) for p in peers_), fmt(lat_ratio), note])
-        lines += report.table(head, body) + [""]
-        for p in peers_:
-            values = [v for r in part if (v := ratio(r, p)) is not None]
-            over = [r["model"] for r in part if (v := ratio(r, p)) is not None and v > TARGET[p]]
-            lines.append(f"- nimble / {p}: geometric mean {fmt(geomean(values))} over {len(values)} models; "
-                         f"over {TARGET[p]}: {len(over)} ({', '.join(over) or 'none'})")
-        worst = sorted((r for r in part if ratio(r, first) is not None), key=lambda r: -ratio(r, first))[:10]
-        lines.append(f"- worst ten by nimble / {first}: "
-                     + ", ".join(f"{r['model']} {ratio(r, first):.3f}" for r in worst))
-        compile_s = [f"{r['model']} {r[first + '_s']:.0f} s" for r in part if first + "_s" in r]
-        if peer != "reduce-overhead" and compile_s:
-            lines.append(f"- torch.compile(mode=\"{peer}\")'s compile (its first three calls): {', '.join(compile_s)}")
-        failed = [f"{r['model']} ({r['error']})" for r in part if "error" in r]
-        if failed:
-            lines.append(f"- no figures: {'; '.join(failed)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def read_rows(paths: list[Path]) -> list[dict]:
-    """Every row of these JSONL files, a later file's row for a (model, batch, precision, mode)
-    winning. A file that is not this script's rows ends the run in one line."""
-    latest = {}
-    for p in paths:
-        for k, line in enumerate(read_lines(p), 1):
-            try:
-                r = json.loads(line)
-                if not r.get("meta"):
-                    latest[(r["model"], r["batch"], *kind(r))] = r
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise SystemExit(f"{p}: line {k} is not a row of benchmarks/sweep.py; give the "
-                                 "sweep_*.jsonl files it wrote") from None
-    return list(latest.values())
-
-
-def read_lines(path: Path) -> list[str]:
-    """The non-blank lines of `path`, or one line saying why it cannot be read."""
-    try:
-        return [line for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"{path}: cannot be read ({type(e).__name__}); give the sweep_*.jsonl files "
-                         "benchmarks/sweep.py wrote") from None
-
-
-def first_meta(path: Path) -> dict:
-    """The run description on the first line of a sweep file, or one line saying it has none."""
-    lines = read_lines(path)
-    try:
-        meta = json.loads(lines[0])["meta"]
-        return {k: str(meta[k]) for k in ("gpu", "torch", "date", "command")}
-    except (IndexError, ValueError, KeyError, TypeError):
-        raise SystemExit(f"{path}: its first line is not the run description benchmarks/sweep.py writes") from None
+def scheduled(names: list[str], jobs: int, one, may_start):
+    """`one(name)` for each name, up to `jobs` at once, each started only while `may_start()`
+    holds; their results as they finish."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        waiting, running = list(names), set()
+        while waiting or running:
+            while waiting and len(running) < max(1, jobs):
+                if not may_start():
+                    print(f"budget spent: {len(waiting)} model(s) left for the next call", flush=True)
+                    waiting = []
+                    break
+                running.add(pool.submit(one, waiting.pop(0)))
+            if running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                yield from (f.result() for f in finished)
 
 
 def main() -> int:
@@ -369,6 +303,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per model, all its batches")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model starts")
     parser.add_argument("--skip-done", type=Path, nargs="*", default=[], help="JSONL files whose models to skip")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="models at once, taking turns on the GPU for what they time (gpu_turns.py); "
+                             "their waits count in --timeout")
     parser.add_argument("--tag", default="run")
     parser.add_argument("--report", type=Path, nargs="*", help="merge these JSONL files into sweep.md")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -377,6 +314,8 @@ def main() -> int:
         return child(args.one, args.batches, args.precision, args.alone_batches, args.peer)
     if args.out is None:
         parser.error("--out DIR is needed")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more models at once")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         rows = read_rows(args.report)
@@ -399,12 +338,15 @@ def main() -> int:
             meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/sweep.py " + " ".join(sys.argv[1:])}
             out.write(json.dumps({"meta": meta}) + "\n")
-        for k, name in enumerate(names):
-            if args.budget is not None and time.monotonic() - start > args.budget:
-                print(f"budget spent: {len(names) - k} model(s) left for the next call", flush=True)
-                break
+        env = {**os.environ, gpu_turns.LOCK_ENV: str(args.out / "gpu.lock")} if args.jobs > 1 else None
+
+        def one(name: str) -> tuple[str, float, list[dict]]:
             t = time.monotonic()
-            for row in run_model(name, args.batches, args.precision, args.timeout, log, args.alone_batches, args.peer):
+            return name, t, run_model(name, args.batches, args.precision, args.timeout, log, args.alone_batches,
+                                      args.peer, env)
+        for name, t, rows in scheduled(names, args.jobs, one,
+                                       lambda: args.budget is None or time.monotonic() - start <= args.budget):
+            for row in rows:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(f"{name} b{row['batch']}: " + (row.get("error") or " ".join(

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import sweep  # noqa: E402  (benchmarks/sweep.py: a script, not a package)
+import gpu_turns  # noqa: E402  (benchmarks/: scripts, not a package)
+import sweep  # noqa: E402
+import sweep_report  # noqa: E402
 
 
 def row(model, batch, nimble, compiled, graph=None, precision="fp32"):
@@ -46,9 +48,9 @@ def test_the_report_gives_ratios_geometric_means_and_the_worst(tmp_path):
     sink.write_text("\n".join(json.dumps(r) for r in [{"meta": meta}, *rows]) + "\n")
     later = tmp_path / "sweep_fp32_b.jsonl"
     later.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(row("a", 8, 1.0, 4.0, 1.0)) + "\n")
-    got = sweep.read_rows([sink, later])
+    got = sweep_report.read_rows([sink, later])
     assert {r["model"]: r for r in got}["a"]["gpu_bound_ms"]["torch_compile"] == 4.0  # the later file wins
-    text = sweep.summary(got, meta)
+    text = sweep_report.summary(got, meta)
     assert "nimble / torch_compile: geometric mean 0.612 over 2 models; over 0.8: 1 (b)" in text  # sqrt(0.25 * 1.5)
     assert "nimble / inductor_graph: geometric mean 1.225 over 2 models; over 0.9: 2 (a, b)" in text
     assert "worst ten by nimble / torch_compile: b 1.500, a 0.250" in text
@@ -59,9 +61,9 @@ def test_max_autotune_rows_make_a_table_of_their_own_and_skip_done_keeps_the_mod
     meta = {"gpu": "H200", "torch": "2.11", "date": "2026-11-30", "command": "c"}
     tuned = {"model": "a", "batch": 8, "precision": "fp32", "peer": "max-autotune", "max_autotune_s": 241.0,
              "gpu_bound_ms": {"nimble": 0.9, "max_autotune": 1.0}, "latency_ms": {"nimble": 1.0, "max_autotune": 1.0}}
-    rows = sweep.read_rows([_jsonl(tmp_path / "x.jsonl", meta, row("a", 8, 1.0, 2.0), tuned)])
+    rows = sweep_report.read_rows([_jsonl(tmp_path / "x.jsonl", meta, row("a", 8, 1.0, 2.0), tuned)])
     assert len(rows) == 2  # the same model and batch under two modes: two rows
-    text = sweep.summary(rows, meta)
+    text = sweep_report.summary(rows, meta)
     assert '## fp32, batch 8, torch.compile(mode="max-autotune")' in text
     assert "nimble / max_autotune: geometric mean 0.900 over 1 models; over 0.9: 0 (none)" in text
     assert "compile (its first three calls): a 241 s" in text
@@ -77,11 +79,70 @@ def test_a_file_that_is_not_sweep_rows_is_one_line(tmp_path, text):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(text.encode("latin-1"))
     with pytest.raises(SystemExit, match="bad.jsonl: (line|cannot)"):
-        sweep.read_rows([bad])
+        sweep_report.read_rows([bad])
 
 
 def test_report_refuses_a_file_without_its_run_description(tmp_path):
     bad = tmp_path / "rows.jsonl"
     bad.write_text(json.dumps(row("a", 8, 1.0, 2.0)) + "\n")
     with pytest.raises(SystemExit, match="first line is not the run description"):
-        sweep.first_meta(bad)
+        sweep_report.first_meta(bad)
+
+
+def test_jobs_run_side_by_side_and_no_model_starts_past_the_budget():
+    import threading
+    import time
+
+    now, most, lock = [0], [0], threading.Lock()
+
+    def one(name):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.2)
+        with lock:
+            now[0] -= 1
+        return name, 0.0, [{"model": name}]
+    started = []
+
+    def may_start():
+        started.append(len(started))
+        return len(started) <= 5
+    got = [r[0] for r in sweep.scheduled([f"m{k}" for k in range(8)], 3, one, may_start)]
+    assert sorted(got) == [f"m{k}" for k in range(5)]  # the sixth found the budget spent
+    assert most[0] == 3
+
+
+TURNS = """
+import json, os, sys, time
+sys.path.insert(0, {benchmarks!r})
+import gpu_turns
+spans = []
+for _ in range(3):
+    with gpu_turns.turn():
+        with gpu_turns.turn():  # a turn within a turn is the same turn
+            a = time.monotonic()
+            time.sleep(0.15)
+            spans.append((a, time.monotonic()))
+print(json.dumps(spans))
+"""
+
+
+def test_processes_that_share_the_lock_never_time_at_once(tmp_path):
+    import subprocess
+
+    script = tmp_path / "turns.py"
+    script.write_text(TURNS.format(benchmarks=str(Path(sweep.__file__).parent)))
+    env = {**__import__("os").environ, gpu_turns.LOCK_ENV: str(tmp_path / "gpu.lock")}
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    spans = sorted(sum((json.loads(p.communicate(timeout=60)[0]) for p in procs), []))
+    assert len(spans) == 9
+    assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans  # each turn ends before the next begins
+
+
+def test_the_timing_thread_runs_on_cores_the_others_keep_off(monkeypatch):
+    monkeypatch.setattr(gpu_turns, "ALLOWED", tuple(range(16)))
+    assert gpu_turns._cores() == ({0, 1}, set(range(2, 16)))
+    monkeypatch.setattr(gpu_turns, "ALLOWED", (0, 1))  # too few to keep any apart: all for both
+    assert gpu_turns._cores() == ({0, 1}, {0, 1})
