@@ -2,16 +2,20 @@
 
 A sweep spends most of each model's minutes compiling (Inductor, nimble's kernel builds), which
 needs the CPU, not the GPU. So several model processes run at once and take turns for whatever
-they time: a process holds an exclusive lock on the file that `NIMBLE_BENCH_GPU_LOCK` names for
-each timed stretch (its variants' measurements, nimble's load with its tuning), so nothing else
-it or its neighbours time overlaps it on the GPU. Within a turn the process's calling thread runs
-on cores kept for timing (the first RESERVED the process may use); outside one, and from the start
-(`compile_cores`), every process stays off them, so a neighbour's compile workers do not slow a
-call path that is being timed (torch.compile's, at batch 1, is bound by it). A neighbour's
-untimed GPU work (an eager reference, torch.compile's warm-up) can still overlap a turn: the
-medians keep out such short bursts.
+they time: each timed stretch (a variant's figures; nimble's load, which times its candidates)
+holds an exclusive lock on the file that `NIMBLE_BENCH_GPU_LOCK` names, and for as long as it
+holds it every other process of the sweep is stopped (SIGSTOP to its process group, its compile
+workers included; SIGCONT after), with SETTLE seconds for their queued GPU work to drain. Only
+holding the lock was not enough: on the H200 (2026-12-01) a neighbour's compile and warm-up
+calls, untimed, inflated torch.compile's figures by up to 25 % at batch 8 (convnext_tiny: 3.615
+ms beside its kernels alone at 2.864), while nimble's, timed in one CUDA graph, held.
 
-Without `NIMBLE_BENCH_GPU_LOCK` (one process at a time) `turn` does nothing.
+Each process of the sweep is started as the leader of a process group of its own (the parent's
+`start_new_session`) and joins (`join`): a file named by its group in the folder beside the lock,
+which `turn` reads to find its neighbours. The parent continues every group once a model ends, so a
+process killed within its turn (a timeout) leaves none stopped.
+
+Without `NIMBLE_BENCH_GPU_LOCK` (one process at a time) `join` and `turn` do nothing.
 """
 
 from __future__ import annotations
@@ -19,51 +23,90 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import threading
+import time
+from pathlib import Path
 
 LOCK_ENV = "NIMBLE_BENCH_GPU_LOCK"
-RESERVED = 2  # cores for the thread that times
-ALLOWED = tuple(sorted(os.sched_getaffinity(0)))  # the cores this process could use when it started
+SETTLE = 0.2  # seconds for stopped neighbours' queued kernels to finish
 _held = threading.local()  # this thread's turns, nested
 
 
-def _cores() -> tuple[set[int], set[int]]:
-    """(the cores kept for timing, the others) among those the process could use at its start; no
-    split where there are too few to keep any apart."""
-    allowed = list(ALLOWED)
-    if len(allowed) <= 2 * RESERVED:
-        return set(allowed), set(allowed)
-    return set(allowed[:RESERVED]), set(allowed[RESERVED:])
+def _members(lock: str) -> Path:
+    return Path(lock + ".members")
 
 
-def compile_cores() -> None:
-    """Keep this process (and the threads and workers it starts from now on) off the timing cores;
-    nothing without the lock."""
-    if os.environ.get(LOCK_ENV):
-        os.sched_setaffinity(0, _cores()[1])
+def join() -> None:
+    """Make this process (the leader of its own group) one that turns stop; nothing without the lock."""
+    lock = os.environ.get(LOCK_ENV)
+    if lock:
+        folder = _members(lock)
+        folder.mkdir(exist_ok=True)
+        (folder / str(os.getpgrp())).touch()
+
+
+def leave(lock: str, group: int, kill: bool = False) -> None:
+    """`group` (a process group whose leader ended) no longer in the sweep: killed with `kill`
+    (what its leader left running), else continued if it was stopped."""
+    (_members(lock) / str(group)).unlink(missing_ok=True)
+    _signal(group, signal.SIGKILL if kill else signal.SIGCONT)
+
+
+def continue_all(lock: str) -> None:
+    """Every member continued: what the parent does when a model ends, whatever its process did."""
+    folder = _members(lock)
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if entry.name.isdigit():
+            _signal(int(entry.name), signal.SIGCONT)
+
+
+def forget(lock: str) -> None:
+    """The lock file and its members folder gone, once the run's processes have ended."""
+    folder = _members(lock)
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        entry.unlink(missing_ok=True)
+    if folder.is_dir():
+        folder.rmdir()
+    Path(lock).unlink(missing_ok=True)
+
+
+def _signal(group: int, sig) -> bool:
+    try:
+        os.killpg(group, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 @contextlib.contextmanager
 def turn():
-    """This process's turn on the GPU: the lock held and the calling thread on the timing cores.
-    A turn within a turn is the same turn."""
-    path = os.environ.get(LOCK_ENV)
+    """This process's turn on the GPU: the lock held and every other member stopped. A turn
+    within a turn is the same turn."""
+    lock = os.environ.get(LOCK_ENV)
     depth = getattr(_held, "depth", 0)
-    if not path or depth:
+    if not lock or depth:
         _held.depth = depth + 1
         try:
             yield
         finally:
             _held.depth = depth
         return
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        before = os.sched_getaffinity(0)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
         _held.depth = 1
+        stopped = []
         try:
-            os.sched_setaffinity(0, _cores()[0])
+            mine = os.getpgrp()
+            folder = _members(lock)
+            for entry in folder.iterdir() if folder.is_dir() else ():
+                if entry.name.isdigit() and int(entry.name) != mine and _signal(int(entry.name), signal.SIGSTOP):
+                    stopped.append(int(entry.name))
+            if stopped:
+                time.sleep(SETTLE)
             yield
         finally:
+            for group in stopped:
+                _signal(group, signal.SIGCONT)
             _held.depth = 0
-            os.sched_setaffinity(0, before)
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(held, fcntl.LOCK_UN)

@@ -18,8 +18,7 @@ files already hold at every batch asked for, so the next call goes on. `--shard 
 N-th model of the sorted list from the I-th: one process per GPU, `CUDA_VISIBLE_DEVICES` apart.
 `--jobs N` runs N models at once on one GPU: they compile side by side and take turns for what
 they time (`gpu_turns.py`: each variant's figures, and nimble's load, which times its candidates,
-hold a lock; the timing thread runs on cores the others keep off). A wait for a turn counts in
-`--timeout`.
+hold a lock and stop the other model processes meanwhile). A wait for a turn counts in `--timeout`.
 
 fp32 (TF32 in convolutions, PyTorch's default), per model and batch, in one process, each output
 checked against eager:
@@ -233,7 +232,7 @@ def bench_bf16(name: str, batch: int, tmp: Path) -> dict:
 
 def child(name: str, batches: list[int], precision: str, alone: list[int], peer: str) -> int:
     """One model at each batch, a JSON row printed per batch (or {"error": ...})."""
-    gpu_turns.compile_cores()  # before torch starts its threads and workers
+    gpu_turns.join()  # a member of the sweep's turns, where models run side by side
     import torch
 
     torch.backends.cudnn.benchmark = False
@@ -256,14 +255,21 @@ def run_model(name: str, batches: list[int], precision: str, timeout: float, log
     is a row for each batch it left without one."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--precision", precision,
            "--batches", *map(str, batches), "--alone-batches", *map(str, alone), "--peer", peer]
+    lock = (env or {}).get(gpu_turns.LOCK_ENV)  # side by side: a process group of its own (`gpu_turns`)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            errors="replace", start_new_session=bool(lock))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out, why = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}"
-        log.write(proc.stderr[-4000:])
-    except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        out, why = text(e.stdout), f"timeout {timeout:.0f} s"
-        log.write(text(e.stderr)[-4000:])
+        out, err = proc.communicate(timeout=timeout)
+        why = None if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        why = f"timeout {timeout:.0f} s"
+    finally:
+        if lock:  # its compile workers go with it; neighbours it stopped continue
+            gpu_turns.leave(lock, proc.pid, kill=True)
+            gpu_turns.continue_all(lock)
+    log.write(err[-4000:])
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
     done = {r["batch"] for r in rows}
     rows += [{"model": name, "batch": b, "precision": precision, "peer": peer, "error": why or "no row"}
@@ -304,8 +310,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model starts")
     parser.add_argument("--skip-done", type=Path, nargs="*", default=[], help="JSONL files whose models to skip")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="models at once, taking turns on the GPU for what they time (gpu_turns.py); "
-                             "their waits count in --timeout")
+                        help="models at once: they compile side by side and take turns on the GPU for what "
+                             "they time, the others stopped meanwhile (gpu_turns.py); waits count in --timeout")
     parser.add_argument("--tag", default="run")
     parser.add_argument("--report", type=Path, nargs="*", help="merge these JSONL files into sweep.md")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -338,7 +344,8 @@ def main() -> int:
             meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/sweep.py " + " ".join(sys.argv[1:])}
             out.write(json.dumps({"meta": meta}) + "\n")
-        env = {**os.environ, gpu_turns.LOCK_ENV: str(args.out / "gpu.lock")} if args.jobs > 1 else None
+        lock = args.out / f".gpu_turns_{os.getpid()}.lock"  # this run's: no stale member is ever stopped
+        env = {**os.environ, gpu_turns.LOCK_ENV: str(lock)} if args.jobs > 1 else None
 
         def one(name: str) -> tuple[str, float, list[dict]]:
             t = time.monotonic()
@@ -353,6 +360,7 @@ def main() -> int:
                     f"{p}={ratio(row, p):.3f}" for p in (*PEERS.values(), "inductor_graph") if ratio(row, p))),
                     f"({time.monotonic() - t:.0f} s)", flush=True)
             log.flush()
+    gpu_turns.forget(str(lock))
     return 0
 
 

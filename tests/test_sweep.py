@@ -117,6 +117,12 @@ TURNS = """
 import json, os, sys, time
 sys.path.insert(0, {benchmarks!r})
 import gpu_turns
+gpu_turns.join()
+if sys.argv[1] == "busy":  # a neighbour compiling: a stamp every 10 ms until the parent ends it
+    while True:
+        with open(sys.argv[2], "a") as f:
+            f.write(f"{{time.monotonic()}}\\n")
+        time.sleep(0.01)
 spans = []
 for _ in range(3):
     with gpu_turns.turn():
@@ -124,25 +130,37 @@ for _ in range(3):
             a = time.monotonic()
             time.sleep(0.15)
             spans.append((a, time.monotonic()))
+    time.sleep(0.05)
 print(json.dumps(spans))
 """
 
 
-def test_processes_that_share_the_lock_never_time_at_once(tmp_path):
+def test_a_turn_holds_the_gpu_alone_and_stops_the_neighbours(tmp_path):
+    import os
     import subprocess
+    import time
 
     script = tmp_path / "turns.py"
     script.write_text(TURNS.format(benchmarks=str(Path(sweep.__file__).parent)))
-    env = {**__import__("os").environ, gpu_turns.LOCK_ENV: str(tmp_path / "gpu.lock")}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(3)]
-    spans = sorted(sum((json.loads(p.communicate(timeout=60)[0]) for p in procs), []))
+    lock = str(tmp_path / "gpu.lock")
+    env = {**os.environ, gpu_turns.LOCK_ENV: lock}
+    stamps = tmp_path / "stamps"
+    busy = subprocess.Popen([sys.executable, str(script), "busy", str(stamps)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not stamps.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs = [subprocess.Popen([sys.executable, str(script), "turns"], stdout=subprocess.PIPE, text=True,
+                                  env=env, start_new_session=True) for _ in range(3)]
+        spans = sorted(sum((json.loads(p.communicate(timeout=60)[0]) for p in procs), []))
+    finally:
+        gpu_turns.leave(lock, busy.pid, kill=True)
+        busy.wait(timeout=30)
+        gpu_turns.forget(lock)
     assert len(spans) == 9
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans  # each turn ends before the next begins
-
-
-def test_the_timing_thread_runs_on_cores_the_others_keep_off(monkeypatch):
-    monkeypatch.setattr(gpu_turns, "ALLOWED", tuple(range(16)))
-    assert gpu_turns._cores() == ({0, 1}, set(range(2, 16)))
-    monkeypatch.setattr(gpu_turns, "ALLOWED", (0, 1))  # too few to keep any apart: all for both
-    assert gpu_turns._cores() == ({0, 1}, {0, 1})
+    ticks = [float(t) for t in stamps.read_text().split()]
+    inside = [t for t in ticks for a, b in spans if a < t < b]
+    assert not inside, inside  # the neighbour stood still through every turn
+    assert any(t > spans[-1][1] for t in ticks) or any(spans[0][0] > t for t in ticks)  # and ran outside them
+    assert not (tmp_path / "gpu.lock.members").exists()
