@@ -63,7 +63,7 @@ class JointRunner:
         self.placed, self.unplanned = placed, unplanned
         self.arena = torch.empty(memory.arena_bytes, dtype=torch.uint8, device=device)
         self.views = arena_views(graph, memory, self.arena,
-                                 channels_last_values(graph, SAME_STRIDES) if channels_last else ())
+                                 channels_last_values(graph, SAME_STRIDES, by_use=True) if channels_last else ())
         self.release = streams.release_plan(graph, self.order, schedule.stream, schedule.waits)
         self._constants = {vid: weights[v.name].to(device) for vid, v in enumerate(graph.values) if v.kind == WEIGHT}
 

@@ -149,3 +149,34 @@ def test_a_permuted_map_that_an_unmarked_view_also_reads_keeps_its_strides(tmp_p
     ops[reader.id] = replace(reader, target="aten::_unsafe_view.default")
     marked = Graph(g.values, tuple(ops), g.inputs, g.outputs)
     assert base in permuted_only(g) and base not in permuted_only(marked)
+
+
+@pytest.mark.parametrize("make", ["convnext", "swin"])
+def test_a_training_step_lays_out_by_use_and_follows_eager(make):
+    """A channels_last step re-strides by use too (`JointRunner`): the (N, H, W, C) maps, their
+    layer norms' backward results and the gradients an elementwise op joins to them keep their
+    strides, a convolution's result that only a permute views is channels_last, and the step
+    gives eager's losses and gradients."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import nimble
+    from nimble.runtime.joint import SAME_STRIDES
+
+    from ..models import TinySwin
+    from .test_train_step import batch, follows_eager
+
+    torch.manual_seed(0)
+    net = TinyConvNeXt() if make == "convnext" else TinySwin()
+    ref = copy.deepcopy(net)
+    step = nimble.TrainStep(net, F.cross_entropy, *batch(4, 16), layout="channels_last")
+    g = step.graph
+    laid = channels_last_values(g, SAME_STRIDES, by_use=True)
+    backward_norms = _made_by(g, "aten::native_layer_norm_backward.default")
+    assert backward_norms and not backward_norms & laid and not features_last(g) & laid
+    permuted = {v for v in permuted_only(g, SAME_STRIDES) if len(g.values[v].spec.shape) == 4} & laid
+    assert permuted  # under the rule before, a permuted map kept its declared strides
+    for v in laid & set(step.runner.views):  # the planned ones (others are bound as computed)
+        assert step.runner.views[v].is_contiguous(memory_format=torch.channels_last)
+    follows_eager(step, net, ref, [batch(4, 16, seed=k + 1) for k in range(3)], loss_tol=1e-5, grad_tol=1e-4)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ...ir import ACTIVATION, WEIGHT, Graph, Ref, refs_of
 from ...ops import fusion
+from ...ops.add_norm import ADD_LAYER_NORM, LAYER_NORM_BACKWARD_ADD
 from ...plan.capped import CAPS
 
 LAYOUTS = ("contiguous", "channels_last")
@@ -130,22 +131,34 @@ def _viewed_otherwise(graph: Graph) -> set[int]:
     return other | _unmarked_reads(graph)
 
 
-# ops that compute along their operands' last dim: a 4-D map they read or write is (N, ..., features)
+# ops that compute along their operands' last dim: a 4-D map they read or write is (N, ..., features);
+# a training step's backward ops too (layer norm's and attention's)
 LAST_DIM = frozenset({"aten::linear.default", "aten::matmul.default", "aten::layer_norm.default",
-                      "aten::native_layer_norm.default", "aten::scaled_dot_product_attention.default"})
-# ... where their dim argument (the second) is the last
-LAST_DIM_ARG = frozenset({"aten::softmax.int", "aten::_softmax.default", "aten::log_softmax.int",
-                          "aten::_log_softmax.default"})
+                      "aten::native_layer_norm.default", "aten::scaled_dot_product_attention.default",
+                      "aten::native_layer_norm_backward.default", ADD_LAYER_NORM, LAYER_NORM_BACKWARD_ADD,
+                      "aten::_scaled_dot_product_efficient_attention_backward.default",
+                      "aten::_scaled_dot_product_flash_attention_backward.default",
+                      "aten::_scaled_dot_product_cudnn_attention_backward.default"})
+# ... where their dim argument (at the position given) is the last
+LAST_DIM_ARG = {"aten::softmax.int": 1, "aten::_softmax.default": 1, "aten::log_softmax.int": 1,
+                "aten::_log_softmax.default": 1, "aten::_softmax_backward_data.default": 2,
+                "aten::_log_softmax_backward_data.default": 2}
+# elementwise ops outside a fused op (a training step's backward keeps some: gelu's, a residual's
+# add of two gradients) that join their same-shaped operands and result as a fused elementwise op does
+ELEMENTWISE = frozenset({*fusion.POINTWISE, "aten::add.Tensor", "aten::mul.Tensor", "aten::gelu_backward.default",
+                         "aten::silu_backward.default", "aten::sigmoid_backward.default",
+                         "aten::tanh_backward.default", "aten::hardtanh_backward.default"})
 
 
 def _along_last(target: str, args: tuple) -> bool:
-    return target in LAST_DIM or target in LAST_DIM_ARG and len(args) > 1 and args[1] in (-1, 3)
+    at = LAST_DIM_ARG.get(target)
+    return target in LAST_DIM or at is not None and len(args) > at and args[at] in (-1, 3)
 
 
 def features_last(graph: Graph) -> set[int]:
     """4-D activations that an op of LAST_DIM reads or writes themselves (not through a view: a
-    permuted map's base is laid out by its own use), and those an elementwise fused op joins to
-    one of them (its operands and result of the same shape), to a fixed point."""
+    permuted map's base is laid out by its own use), and those an elementwise op (fused, or of
+    ELEMENTWISE) joins to one of them (its operands and result of the same shape), to a fixed point."""
     def maps(op) -> set[int]:
         return {r for r in (*op.refs(), *op.outputs) if graph.values[r].kind == ACTIVATION
                 and graph.values[r].alias_of is None and len(graph.values[r].spec.shape) == 4}
@@ -154,7 +167,8 @@ def features_last(graph: Graph) -> set[int]:
     for op in graph.ops:
         if any(_along_last(target, args) for target, args, _ in fusion.nodes_of(op)):
             found |= maps(op)
-    joins = [op for op in graph.ops if op.target == fusion.FUSED and fusion.is_pointwise(fusion.body_of(op))]
+    joins = [op for op in graph.ops if op.target == fusion.FUSED and fusion.is_pointwise(fusion.body_of(op))
+             or op.target in ELEMENTWISE]
     grown = True
     while grown:
         grown = False
