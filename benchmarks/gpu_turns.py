@@ -46,11 +46,11 @@ def join() -> None:
         (folder / str(os.getpgrp())).touch()
 
 
-def leave(lock: str, group: int, kill: bool = False) -> None:
-    """`group` (a process group whose leader ended) no longer in the sweep: killed with `kill`
-    (what its leader left running), else continued if it was stopped."""
+def leave(lock: str, group: int) -> None:
+    """`group` (a process group whose leader ended) no longer in the sweep, and what its leader
+    left running (compile workers) killed."""
     (_members(lock) / str(group)).unlink(missing_ok=True)
-    _signal(group, signal.SIGKILL if kill else signal.SIGCONT)
+    _signal(group, signal.SIGKILL)
 
 
 def continue_all(lock: str) -> None:

@@ -267,7 +267,7 @@ def run_model(name: str, batches: list[int], precision: str, timeout: float, log
         why = f"timeout {timeout:.0f} s"
     finally:
         if lock:  # its compile workers go with it; neighbours it stopped continue
-            gpu_turns.leave(lock, proc.pid, kill=True)
+            gpu_turns.leave(lock, proc.pid)
             gpu_turns.continue_all(lock)
     log.write(err[-4000:])
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
@@ -280,10 +280,10 @@ def run_model(name: str, batches: list[int], precision: str, timeout: float, log
 def scheduled(names: list[str], jobs: int, one, may_start):
     """`one(name)` for each name, up to `jobs` at once, each started only while `may_start()`
     holds; their results as they finish."""
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    with ThreadPoolExecutor(jobs) as pool:
         waiting, running = list(names), set()
         while waiting or running:
-            while waiting and len(running) < max(1, jobs):
+            while waiting and len(running) < jobs:
                 if not may_start():
                     print(f"budget spent: {len(waiting)} model(s) left for the next call", flush=True)
                     waiting = []

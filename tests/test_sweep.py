@@ -154,7 +154,7 @@ def test_a_turn_holds_the_gpu_alone_and_stops_the_neighbours(tmp_path):
                                   env=env, start_new_session=True) for _ in range(3)]
         spans = sorted(sum((json.loads(p.communicate(timeout=60)[0]) for p in procs), []))
     finally:
-        gpu_turns.leave(lock, busy.pid, kill=True)
+        gpu_turns.leave(lock, busy.pid)
         busy.wait(timeout=30)
         gpu_turns.forget(lock)
     assert len(spans) == 9

@@ -145,7 +145,7 @@ LAST_DIM_ARG = {"aten::softmax.int": 1, "aten::_softmax.default": 1, "aten::log_
                 "aten::_log_softmax_backward_data.default": 2}
 # elementwise ops outside a fused op (a training step's backward keeps some: gelu's, a residual's
 # add of two gradients) that join their same-shaped operands and result as a fused elementwise op does
-ELEMENTWISE = frozenset({*fusion.POINTWISE, "aten::add.Tensor", "aten::mul.Tensor", "aten::gelu_backward.default",
+ELEMENTWISE = frozenset({*fusion.POINTWISE, "aten::gelu_backward.default",
                          "aten::silu_backward.default", "aten::sigmoid_backward.default",
                          "aten::tanh_backward.default", "aten::hardtanh_backward.default"})
 
